@@ -1,0 +1,101 @@
+"""What a contributor signs, byte for byte, and the Ed25519 helpers both sides use.
+
+A signature binds the method, the contributor, the round, the payload hash, a fresh nonce and (for
+deltas) the base checkpoint, so that a signature taken from one request is worthless in any other:
+
+    canonical_bytes = b"zoo-gym/v1\\n" + "\\n".join([method, contributor_id, str(round_id),
+                                                    payload_sha256, nonce.hex(), base_sha256]).utf8
+
+Each field is validated first (no newlines, hex where hex is expected), so two different requests can
+never produce the same canonical bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+DOMAIN = b"zoo-gym/v1\n"
+NONCE_BYTES = 16
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_ID = re.compile(r"^[0-9a-f]{32}$")
+METHODS = ("Register", "SubmitDelta")
+
+
+class SignatureError(ValueError):
+    """A signature or a signed field is malformed or does not verify."""
+
+
+def contributor_id(public_key: bytes) -> str:
+    """The contributor id: the first 32 hex characters of sha256(raw public key)."""
+    if len(public_key) != 32:
+        raise SignatureError(f"an Ed25519 public key has 32 bytes, got {len(public_key)}")
+    return hashlib.sha256(public_key).hexdigest()[:32]
+
+
+def canonical_bytes(
+    *, method: str, contributor: str, round_id: int, payload_sha256: str, nonce: bytes, base_sha256: str = ""
+) -> bytes:
+    """The exact bytes a contributor signs for `method` (see the module docstring)."""
+    if method not in METHODS:
+        raise SignatureError(f"unknown signed method {method!r}; expected one of {METHODS}")
+    if not _ID.match(contributor):
+        raise SignatureError("contributor_id must be 32 lowercase hex characters (from Register)")
+    if round_id < 0:
+        raise SignatureError("round_id must be >= 0")
+    if not _HEX64.match(payload_sha256):
+        raise SignatureError("payload_sha256 must be 64 lowercase hex characters")
+    if base_sha256 and not _HEX64.match(base_sha256):
+        raise SignatureError("base_sha256 must be 64 lowercase hex characters")
+    if len(nonce) != NONCE_BYTES:
+        raise SignatureError(f"nonce must be {NONCE_BYTES} bytes, got {len(nonce)}")
+    fields = [method, contributor, str(round_id), payload_sha256, nonce.hex(), base_sha256]
+    return DOMAIN + "\n".join(fields).encode()
+
+
+def new_nonce() -> bytes:
+    return os.urandom(NONCE_BYTES)
+
+
+def sign(private_key: Ed25519PrivateKey, message: bytes) -> bytes:
+    return private_key.sign(message)
+
+
+def verify(public_key: bytes, signature: bytes, message: bytes) -> None:
+    """Raise SignatureError unless `signature` is `public_key`'s Ed25519 signature of `message`."""
+    try:
+        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, message)
+    except (InvalidSignature, ValueError) as exc:
+        raise SignatureError("the Ed25519 signature does not verify for this contributor's key") from exc
+
+
+def public_bytes(private_key: Ed25519PrivateKey) -> bytes:
+    return private_key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def load_or_create_key(path: Path) -> tuple[Ed25519PrivateKey, bool]:
+    """Load a PEM (PKCS#8, unencrypted) Ed25519 key, or create one with mode 0600. Returns (key, created)."""
+    path = Path(path)
+    if path.exists():
+        try:
+            key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+        except (ValueError, TypeError) as exc:
+            raise SignatureError(f"{path} is not an unencrypted PEM private key: {exc}") from exc
+        if not isinstance(key, Ed25519PrivateKey):
+            raise SignatureError(f"{path} holds a {type(key).__name__}, not an Ed25519 key")
+        return key, False
+    key = Ed25519PrivateKey.generate()
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(pem)
+        f.flush()
+        os.fsync(f.fileno())
+    return key, True
