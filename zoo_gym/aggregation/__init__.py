@@ -1,0 +1,32 @@
+"""Robust, private aggregation of contributors' deltas (pure tensor functions, no I/O).
+
+Aggregators take a stacked (n, d) tensor and return an `AggregateResult` (aggregate + per-
+contributor diagnostics). `DeltaSoup` chains validate -> clip -> robust aggregate -> noise over a
+streamed `DeltaSource`. The Flower adapter lives in `zoo_gym.aggregation.flower` (imports flwr).
+"""
+
+from .bulyan import bulyan, bulyan_select
+from .centered_clip import centered_clip
+from .clipping import clip_factors
+from .config import AGGREGATORS, SoupConfig
+from .distances import packed_pairwise_sq_distances, packed_sq_norms, pairwise_sq_distances
+from .errors import (AggregationError, InvalidDeltaError, NotRobustConfigError,
+                     PrivacyBudgetExceeded, SoupConfigError)
+from .geometric_median import geometric_median
+from .krum import krum, krum_scores, krum_select, multi_krum, multi_krum_select
+from .mean import mean
+from .median import median
+from .privacy import PrivacyAccountant, PrivacyReport
+from .result import AggregateResult, Diagnostics
+from .soup import ContributorReport, DeltaSoup, DeltaSource, SoupReport
+from .trimmed_mean import trimmed_mean
+
+__all__ = [
+    "AGGREGATORS", "AggregateResult", "AggregationError", "ContributorReport", "DeltaSoup",
+    "DeltaSource", "Diagnostics", "InvalidDeltaError", "NotRobustConfigError",
+    "PrivacyAccountant", "PrivacyBudgetExceeded", "PrivacyReport", "SoupConfig",
+    "SoupConfigError", "SoupReport", "bulyan", "bulyan_select", "centered_clip", "clip_factors",
+    "geometric_median", "krum", "krum_scores", "krum_select", "mean", "median", "multi_krum",
+    "multi_krum_select", "packed_pairwise_sq_distances", "packed_sq_norms",
+    "pairwise_sq_distances", "trimmed_mean",
+]

@@ -1,0 +1,108 @@
+"""`SoupConfig`: the DeltaSoup pipeline's settings (server CLI flags and config-file keys).
+
+CLI flag `--byzantine-f` <-> config key `byzantine-f` or `byzantine_f` <-> field `byzantine_f`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import SoupConfigError
+
+AGGREGATORS = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan",
+               "geometric-median", "centered-clip")
+
+
+
+@dataclass
+class SoupConfig:
+    """Settings of validate -> clip -> robust aggregate -> noise. Every check names its field."""
+
+    aggregator: str = dataclasses.field(default="mean", metadata={"help": "one of " + ", ".join(AGGREGATORS)})
+    byzantine_f: int = dataclasses.field(default=0, metadata={"help": "Byzantine contributors tolerated (krum, multi-krum, bulyan)"})
+    multi_krum_m: int | None = dataclasses.field(default=None, metadata={"help": "contributors Multi-Krum averages (default n - f)"})
+    trim_beta: float = dataclasses.field(default=0.1, metadata={"help": "share trimmed from each end per coordinate, [0, 0.5)"})
+    cc_tau: float = dataclasses.field(default=1.0, metadata={"help": "centered-clipping radius (whole-delta L2)"})
+    cc_iters: int = dataclasses.field(default=3, metadata={"help": "centered-clipping iterations"})
+    gm_eps: float = dataclasses.field(default=1e-8, metadata={"help": "geometric median: relative objective tolerance"})
+    gm_max_iter: int = dataclasses.field(default=100, metadata={"help": "geometric median: Weiszfeld iterations at most"})
+    gm_nu: float = dataclasses.field(default=1e-6, metadata={"help": "geometric median: smoothing (distance floor)"})
+    max_delta_norm: float | None = dataclasses.field(default=None, metadata={"help": "validation: refuse deltas with larger whole-delta L2 norm"})
+    max_weight_share: float | None = dataclasses.field(default=None, metadata={"help": "cap on any one contributor's weight share (without DP)"})
+    min_contributors: int = dataclasses.field(default=1, metadata={"help": "refuse the round with fewer accepted contributions"})
+    dp_noise_multiplier: float = dataclasses.field(default=0.0, metadata={"help": "z: noise std on the sum is z * dp_clip; 0 = no DP"})
+    dp_clip: float | None = dataclasses.field(default=None, metadata={"help": "C: whole-delta L2 clip norm (initial value when adaptive)"})
+    dp_adaptive_clip: bool = dataclasses.field(default=False, metadata={"help": "adapt C to a norm quantile (Andrew et al. 2021)"})
+    dp_target_quantile: float = dataclasses.field(default=0.5, metadata={"help": "adaptive clipping: target share of unclipped norms"})
+    dp_clip_lr: float = dataclasses.field(default=0.2, metadata={"help": "adaptive clipping: geometric learning rate"})
+    dp_clip_count_stddev: float | None = dataclasses.field(default=None, metadata={"help": "adaptive clipping: noise std on the unclipped count (default m/20)"})
+    dp_expected_contributors: int | None = dataclasses.field(default=None, metadata={"help": "m: fixed denominator and q = m / population (default: contributions received)"})
+    dp_delta: float = dataclasses.field(default=1e-5, metadata={"help": "delta of the (epsilon, delta) guarantee"})
+    dp_target_epsilon: float | None = dataclasses.field(default=None, metadata={"help": "stop publishing before epsilon would exceed this"})
+    dp_secure_noise: bool = dataclasses.field(default=False, metadata={"help": "draw noise from an os.urandom-seeded generator (ignore the given one)"})
+
+    def __post_init__(self) -> None:
+        if self.aggregator not in AGGREGATORS:
+            raise SoupConfigError(f"`aggregator` must be one of {', '.join(AGGREGATORS)}; got "
+                                  f"{self.aggregator!r}")
+        if not isinstance(self.byzantine_f, int) or self.byzantine_f < 0:
+            raise SoupConfigError(f"`byzantine_f` must be an integer >= 0, got {self.byzantine_f!r}")
+        if self.multi_krum_m is not None and self.multi_krum_m < 1:
+            raise SoupConfigError(f"`multi_krum_m` must be >= 1 or None, got {self.multi_krum_m}")
+        if not 0.0 <= self.trim_beta < 0.5:
+            raise SoupConfigError(f"`trim_beta` must be in [0, 0.5), got {self.trim_beta}")
+        if not self.cc_tau > 0 or self.cc_iters < 1:
+            raise SoupConfigError(f"`cc_tau` must be > 0 and `cc_iters` >= 1, got {self.cc_tau}, "
+                                  f"{self.cc_iters}")
+        if not (self.gm_eps >= 0 and self.gm_nu > 0 and self.gm_max_iter >= 1):
+            raise SoupConfigError("`gm_eps` must be >= 0, `gm_nu` > 0 and `gm_max_iter` >= 1")
+        for name in ("max_delta_norm", "dp_clip", "dp_target_epsilon", "dp_clip_count_stddev"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise SoupConfigError(f"`{name}` must be > 0 (or unset), got {value}")
+        if self.max_weight_share is not None and not 0 < self.max_weight_share <= 1:
+            raise SoupConfigError(f"`max_weight_share` must be in (0, 1], got {self.max_weight_share}")
+        if self.min_contributors < 1:
+            raise SoupConfigError(f"`min_contributors` must be >= 1, got {self.min_contributors}")
+        if not (self.dp_noise_multiplier >= 0 and math.isfinite(self.dp_noise_multiplier)):
+            raise SoupConfigError(f"`dp_noise_multiplier` must be >= 0, got {self.dp_noise_multiplier}")
+        if self.dp_noise_multiplier > 0 and self.dp_clip is None:
+            raise SoupConfigError("`dp_clip` is required when `dp_noise_multiplier` > 0: the noise "
+                                  "is calibrated to the clip norm (set --dp-clip)")
+        if self.dp_adaptive_clip and self.dp_clip is None:
+            raise SoupConfigError("`dp_adaptive_clip` needs an initial `dp_clip`")
+        if not 0 < self.dp_target_quantile < 1:
+            raise SoupConfigError(f"`dp_target_quantile` must be in (0, 1), got {self.dp_target_quantile}")
+        if not self.dp_clip_lr > 0:
+            raise SoupConfigError(f"`dp_clip_lr` must be > 0, got {self.dp_clip_lr}")
+        if self.dp_expected_contributors is not None and self.dp_expected_contributors < 1:
+            raise SoupConfigError(f"`dp_expected_contributors` must be >= 1, got "
+                                  f"{self.dp_expected_contributors}")
+        if not 0 < self.dp_delta < 1:
+            raise SoupConfigError(f"`dp_delta` must be in (0, 1), got {self.dp_delta}")
+        if self.dp_target_epsilon is not None and self.dp_noise_multiplier == 0:
+            raise SoupConfigError("`dp_target_epsilon` is set but `dp_noise_multiplier` is 0: "
+                                  "without noise there is no privacy to budget")
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_noise_multiplier > 0
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any]) -> SoupConfig:
+        """Build from a config-file mapping; keys may use '-' or '_'; unknown keys are refused."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in mapping.items():
+            name = str(key).replace("-", "_")
+            if name.startswith("__"):
+                name = name[2:]
+            if name not in known:
+                raise SoupConfigError(f"unknown aggregation config key {key!r}; known keys: "
+                                      + ", ".join(sorted(k.replace('_', '-') for k in known)))
+            values[name] = value
+        return cls(**values)

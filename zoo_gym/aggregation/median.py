@@ -1,0 +1,34 @@
+"""Coordinate-wise median (Yin et al. 2018, "Byzantine-Robust Distributed Learning: Towards
+Optimal Statistical Rates", arXiv:1803.01498).
+
+For even n the median of a coordinate is the average of its two middle values (torch.median
+returns the lower one, which is biased). `trimmed_share` of a contributor is the share of
+coordinates where its value was not one of the middle value(s).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._checks import check_deltas
+from .result import AggregateResult, make_diagnostics
+
+
+def median(deltas: Tensor) -> AggregateResult:
+    """Coordinate-wise median of `deltas` (n, d) -> (d,)."""
+    deltas = check_deltas(deltas)
+    n, d = deltas.shape
+    values, order = deltas.sort(dim=0, stable=True)  # (n, d) each
+    lo, hi = (n - 1) // 2, n // 2
+    agg = values[lo] if lo == hi else (values[lo] + values[hi]) / 2  # (d,)
+    used = torch.zeros(n, dtype=torch.float64)
+    mids = (lo,) if lo == hi else (lo, hi)
+    for row in mids:
+        used += torch.bincount(order[row], minlength=n).to(torch.float64)
+    share_used = used / (d * len(mids))  # (n,) share of coordinates each contributor set
+    return AggregateResult(
+        aggregate=agg,
+        diagnostics=make_diagnostics(n=n, selected=used > 0, weight_used=share_used,
+                                     trimmed_share=1.0 - used / d),
+    )

@@ -1,0 +1,280 @@
+"""DeltaSoup: the round pipeline validate -> clip -> robust aggregate -> noise -> result.
+
+Streaming: the server's `DeltaSource` hands out one tensor for all n contributors at a time, so
+memory grows with one tensor x n, never the whole model x n.
+  pass 1: per contributor finiteness and whole-delta L2 norm -> refuse invalid contributions
+          with a reason; clip factors; the privacy budget check (before any output);
+  pass 2 (rules that need whole-model geometry: krum, multi-krum, bulyan, geometric-median,
+          centered-clip): pairwise squared distances of the CLIPPED deltas summed over tensors,
+          straight from the BitDelta bits when `packed()` is available; the selection or
+          combination coefficients are fixed once from them;
+  pass 3: per tensor: clip, aggregate with that selection, add noise, `sink(name, flat_tensor)`.
+DP semantics and what the guarantee covers: see `privacy.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from ._checks import combine
+from .bulyan import bulyan, check_bulyan_config
+from .centered_clip import centered_clip_coefficients
+from .clipping import adaptive_clip_update, clip_factors, update_noise_multiplier
+from .config import SoupConfig
+from .distances import packed_pairwise_sq_distances, pairwise_sq_distances
+from .errors import InvalidDeltaError, NotRobustConfigError, PrivacyBudgetExceeded
+from .geometric_median import geometric_median_coefficients
+from .krum import check_krum_config, krum_scores, multi_krum_select
+from .median import median
+from .privacy import PrivacyAccountant, PrivacyReport, gaussian_noise, rdp_epsilon, secure_generator
+from .span import sq_dist_to_combination
+from .trimmed_mean import trim_count, trimmed_mean
+from .weights import cap_weights
+
+_NEEDS_DISTANCES = ("krum", "multi-krum", "bulyan", "geometric-median", "centered-clip")
+
+
+class DeltaSource(Protocol):
+    """What the server provides over the round's stored payloads."""
+
+    contributors: Sequence[str]
+
+    def names(self) -> Sequence[str]: ...
+
+    def stacked(self, name: str) -> Tensor: ...  # (n, numel) float32
+
+    def packed(self, name: str) -> Sequence[Any] | None: ...  # n BitDeltaPacked, or None
+
+
+@dataclass(frozen=True)
+class ContributorReport:
+    """One contributor's fate in the round."""
+
+    contributor: str
+    accepted: bool
+    reason: str | None      # why refused (None when accepted)
+    norm: float             # whole-delta L2 norm before clipping (nan if non-finite)
+    clip_factor: float      # scale applied (1.0 = unclipped; 0.0 when refused)
+    score: float            # aggregator score (nan if none)
+    selected: bool          # influenced the aggregate
+    trimmed_share: float    # share of coordinates discarded (numel-weighted over tensors)
+    weight: float           # effective weight in the aggregate
+
+
+@dataclass(frozen=True)
+class SoupReport:
+    """What the round did; stored with the round by the server."""
+
+    aggregator: str
+    contributors: tuple[ContributorReport, ...]
+    n_accepted: int
+    noise_std: float                 # per-coordinate std added to the published aggregate
+    privacy: PrivacyReport | None
+    next_dp_clip: float | None       # clip norm for the next round (adaptive clipping)
+
+
+class DeltaSoup:
+    """The pipeline; holds only the (adaptive) clip norm between rounds."""
+
+    def __init__(self, config: SoupConfig, *, dp_clip: float | None = None) -> None:
+        self.config = config
+        self.dp_clip = config.dp_clip if dp_clip is None else dp_clip
+
+    # ---- pass 1 -------------------------------------------------------------------------
+    def _validate(self, source: DeltaSource, names: Sequence[str], n: int
+                  ) -> tuple[Tensor, list[str | None], dict[str, int]]:
+        sq = torch.zeros(n, dtype=torch.float64)
+        reasons: list[str | None] = [None] * n
+        numels: dict[str, int] = {}
+        for name in names:
+            x = source.stacked(name)  # (n, numel)
+            if x.dim() != 2 or x.shape[0] != n:
+                raise InvalidDeltaError(f"DeltaSource.stacked({name!r}) must be shaped ({n}, numel), "
+                                        f"got {tuple(x.shape)}")
+            numels[name] = x.shape[1]
+            finite = torch.isfinite(x).all(dim=1)  # (n,)
+            for i in (~finite).nonzero().flatten().tolist():
+                if reasons[i] is None:
+                    reasons[i] = f"non-finite values (NaN or inf) in tensor {name!r}"
+            sq += torch.where(finite, torch.linalg.vector_norm(
+                torch.nan_to_num(x), dim=1, dtype=torch.float64) ** 2, torch.zeros_like(sq))
+        norms = sq.sqrt()
+        for i in range(n):
+            if reasons[i] is not None:
+                norms[i] = float("nan")
+            elif norms[i] == 0:
+                reasons[i] = "zero delta: nothing to contribute (free rider)"
+            elif self.config.max_delta_norm is not None and norms[i] > self.config.max_delta_norm:
+                reasons[i] = (f"delta L2 norm {float(norms[i]):.4g} exceeds max_delta_norm "
+                              f"{self.config.max_delta_norm:.4g}")
+        return norms, reasons, numels
+
+    def _check_rule(self, n_acc: int) -> None:
+        cfg = self.config
+        if n_acc < cfg.min_contributors:
+            raise NotRobustConfigError(f"only {n_acc} contribution(s) accepted, min_contributors is "
+                                       f"{cfg.min_contributors}; nothing is published this round")
+        if cfg.aggregator in ("krum", "multi-krum"):
+            check_krum_config(n=n_acc, f=cfg.byzantine_f, rule=cfg.aggregator)
+            if cfg.multi_krum_m is not None and cfg.multi_krum_m > n_acc:
+                raise NotRobustConfigError(f"`multi_krum_m`={cfg.multi_krum_m} exceeds the "
+                                           f"{n_acc} accepted contributions")
+        elif cfg.aggregator == "bulyan":
+            check_bulyan_config(n=n_acc, f=cfg.byzantine_f)
+        elif cfg.aggregator == "trimmed-mean":
+            trim_count(n=n_acc, beta=cfg.trim_beta)
+
+    # ---- pass 2 -------------------------------------------------------------------------
+    def _distances(self, source: DeltaSource, names: Sequence[str], acc: Tensor,
+                   factors: Tensor) -> Tensor:
+        k = acc.numel()
+        dist = torch.zeros((k, k), dtype=torch.float64)
+        for name in names:
+            packed = source.packed(name)
+            if packed is not None:
+                dist += packed_pairwise_sq_distances([packed[i] for i in acc.tolist()],
+                                                     scale=factors)
+            else:
+                x = source.stacked(name)[acc] * factors.to(torch.float32)[:, None]
+                dist += pairwise_sq_distances(x)
+        return dist
+
+    def run(self, source: DeltaSource, sink: Callable[[str, Tensor], None], *,
+            weights: Tensor | None = None, generator: torch.Generator | None = None,
+            accountant: PrivacyAccountant | None = None,
+            population: int | None = None) -> SoupReport:
+        """Aggregate the round; `sink(name, aggregate)` receives each tensor flat (numel,) float32."""
+        cfg = self.config
+        ids = list(source.contributors)
+        n = len(ids)
+        names = list(source.names())
+        norms, reasons, numels = self._validate(source, names, n)
+        acc = torch.tensor([i for i in range(n) if reasons[i] is None], dtype=torch.int64)
+        k = acc.numel()
+        self._check_rule(k)
+        d_total = sum(numels.values())
+
+        # clip factors over the whole delta
+        clip = self.dp_clip
+        factors = (clip_factors(norms[acc], max_norm=clip) if clip is not None
+                   else torch.ones(k, dtype=torch.float64))  # (k,)
+
+        # privacy: check the budget before anything is published
+        dp = cfg.dp_enabled
+        m_exp = cfg.dp_expected_contributors or n
+        privacy: PrivacyReport | None = None
+        z_update = cfg.dp_noise_multiplier
+        count_std = cfg.dp_clip_count_stddev or m_exp / 20.0
+        if dp:
+            if cfg.dp_adaptive_clip:
+                z_update = update_noise_multiplier(noise_multiplier=cfg.dp_noise_multiplier,
+                                                   count_stddev=count_std)
+            q = min(1.0, m_exp / population) if population else 1.0
+            acct = accountant if accountant is not None else PrivacyAccountant()
+            eps_before = acct.epsilon(delta=cfg.dp_delta)
+            eps_after = acct.epsilon_if_step(noise_multiplier=cfg.dp_noise_multiplier,
+                                             sample_rate=q, delta=cfg.dp_delta)
+            if cfg.dp_target_epsilon is not None and eps_after > cfg.dp_target_epsilon:
+                raise PrivacyBudgetExceeded(epsilon_spent=eps_before, epsilon_if_published=eps_after,
+                                            target=cfg.dp_target_epsilon, delta=cfg.dp_delta)
+            privacy = PrivacyReport(
+                epsilon_round=rdp_epsilon([(cfg.dp_noise_multiplier, q, 1)], delta=cfg.dp_delta),
+                epsilon_total=eps_after, delta=cfg.dp_delta, q=q,
+                noise_multiplier=cfg.dp_noise_multiplier, clip=float(clip),
+                expected_contributors=m_exp, covers_aggregator=cfg.aggregator == "mean")
+
+        # weights: uniform inside DP; otherwise server weights, capped
+        if dp:
+            w = torch.full((k,), 1.0 / k, dtype=torch.float64)
+        else:
+            w_in = None if weights is None else torch.as_tensor(weights, dtype=torch.float64)[acc]
+            w = cap_weights(w_in, n=k, max_share=cfg.max_weight_share)
+
+        # whole-model geometry, decided once
+        score = torch.full((k,), float("nan"), dtype=torch.float64)
+        coeff: Tensor | None = None  # (k,) for linear rules
+        dist: Tensor | None = None
+        selected = torch.ones(k, dtype=torch.bool)
+        if cfg.aggregator in _NEEDS_DISTANCES:
+            dist = self._distances(source, names, acc, factors)
+        if cfg.aggregator == "mean":
+            coeff = torch.full((k,), 1.0 / m_exp, dtype=torch.float64) if dp else w
+        elif cfg.aggregator in ("krum", "multi-krum"):
+            m = 1 if cfg.aggregator == "krum" else cfg.multi_krum_m
+            score = krum_scores(dist, f=cfg.byzantine_f)
+            chosen = multi_krum_select(dist, f=cfg.byzantine_f, m=m)
+            coeff = torch.zeros(k, dtype=torch.float64)
+            coeff[chosen] = w[chosen] / w[chosen].sum()
+            selected = coeff > 0
+        elif cfg.aggregator == "geometric-median":
+            coeff = geometric_median_coefficients(dist, weights=w, eps=cfg.gm_eps,
+                                                  max_iter=cfg.gm_max_iter, nu=cfg.gm_nu)
+            score = sq_dist_to_combination(dist, coeff).sqrt()
+        elif cfg.aggregator == "centered-clip":
+            aug = torch.zeros((k + 1, k + 1), dtype=torch.float64)
+            aug[1:, 1:] = dist
+            aug[0, 1:] = aug[1:, 0] = (norms[acc] * factors) ** 2  # center: zero delta
+            a, cut = centered_clip_coefficients(aug, tau=cfg.cc_tau, iters=cfg.cc_iters, weights=w)
+            coeff = a[1:]  # the center's coefficient multiplies the zero vector
+            score = sq_dist_to_combination(aug, a)[1:].sqrt()
+
+        # pass 3: aggregate, noise, publish
+        z_std = z_update * clip / m_exp if dp else 0.0
+        gen = secure_generator() if cfg.dp_secure_noise else generator
+        if dp and gen is None:
+            raise InvalidDeltaError("DP noise needs randomness: pass `generator=` or set dp_secure_noise")
+        trimmed = torch.zeros(k, dtype=torch.float64)
+        used = torch.zeros(k, dtype=torch.float64)
+        for name in names:
+            x = source.stacked(name)[acc] * factors.to(torch.float32)[:, None]  # (k, numel)
+            if coeff is not None:
+                agg = combine(coeff, x)
+            else:
+                if cfg.aggregator == "median":
+                    res = median(x)
+                elif cfg.aggregator == "trimmed-mean":
+                    res = trimmed_mean(x, beta=cfg.trim_beta, weights=None if dp else w)
+                else:
+                    res = bulyan(x, f=cfg.byzantine_f, distances=dist)
+                agg = res.aggregate
+                share = numels[name] / d_total
+                trimmed += res.diagnostics.trimmed_share * share
+                used += res.diagnostics.weight_used * share
+                selected = res.diagnostics.selected if cfg.aggregator == "bulyan" else selected
+            if dp:
+                agg = agg + gaussian_noise(tuple(agg.shape), std=z_std, generator=gen,
+                                           secure=cfg.dp_secure_noise, dtype=agg.dtype)
+            sink(name, agg.to(torch.float32))
+
+        weight_used = coeff if coeff is not None else used
+        if coeff is not None:
+            trimmed = (~selected).to(torch.float64)
+        next_clip = clip
+        if dp and cfg.dp_adaptive_clip:
+            next_clip = adaptive_clip_update(norms[acc], clip=clip,
+                                             target_quantile=cfg.dp_target_quantile,
+                                             lr=cfg.dp_clip_lr, count_stddev=count_std,
+                                             expected_contributors=m_exp, generator=gen,
+                                             secure=cfg.dp_secure_noise)
+            self.dp_clip = next_clip
+        if dp and accountant is not None:
+            accountant.step(noise_multiplier=cfg.dp_noise_multiplier, sample_rate=privacy.q)
+
+        rows = []
+        pos = {int(i): j for j, i in enumerate(acc.tolist())}
+        for i, cid in enumerate(ids):
+            j = pos.get(i)
+            if j is None:
+                rows.append(ContributorReport(cid, False, reasons[i], float(norms[i]), 0.0,
+                                              float("nan"), False, 1.0, 0.0))
+            else:
+                rows.append(ContributorReport(cid, True, None, float(norms[i]), float(factors[j]),
+                                              float(score[j]), bool(selected[j]),
+                                              float(trimmed[j]), float(weight_used[j])))
+        return SoupReport(aggregator=cfg.aggregator, contributors=tuple(rows), n_accepted=k,
+                          noise_std=z_std, privacy=privacy, next_dp_clip=next_clip)

@@ -1,0 +1,60 @@
+"""Coordinate-wise trimmed mean (Yin et al. 2018, arXiv:1803.01498).
+
+Per coordinate, drop the k largest and k smallest values and average the rest. Here
+k = max(1, floor(beta * n)) whenever beta > 0: Flower computes k = floor(beta * n) and so with
+beta = 0.2 trims nothing at all when n <= 4, silently becoming a plain mean. If n is too small to
+trim k from each end and keep one value (n < 2k + 1, i.e. n <= 2 for k = 1) we refuse with
+`NotRobustConfigError` instead of pretending to be robust. beta = 0 is the plain (weighted) mean.
+With weights, the kept values are averaged with the weights of the contributors who gave them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ._checks import check_deltas, check_weights
+from .errors import AggregationError, NotRobustConfigError
+from .result import AggregateResult, make_diagnostics
+
+
+def trim_count(*, n: int, beta: float) -> int:
+    """Values trimmed from EACH end of a coordinate: max(1, floor(beta*n)) for beta > 0, else 0."""
+    if not 0.0 <= beta < 0.5:
+        raise AggregationError(f"`beta` must be in [0, 0.5), got {beta}")
+    if beta == 0.0:
+        return 0
+    k = max(1, math.floor(beta * n))
+    if n < 2 * k + 1:
+        raise NotRobustConfigError(
+            f"trimmed mean with beta={beta} trims {k} value(s) from each end, which needs at least "
+            f"{2 * k + 1} contributors; got n={n}. Wait for more contributors or use beta=0 (mean)")
+    return k
+
+
+def trimmed_mean(deltas: Tensor, *, beta: float, weights: Tensor | None = None) -> AggregateResult:
+    """Coordinate-wise trimmed mean of `deltas` (n, d) -> (d,), trimming k per end (see module)."""
+    deltas = check_deltas(deltas)
+    n, d = deltas.shape
+    k = trim_count(n=n, beta=beta)
+    w = check_weights(weights, n=n)  # (n,) float64
+    values, order = deltas.sort(dim=0, stable=True)  # (n, d)
+    kept_v, kept_i = values[k:n - k], order[k:n - k]  # (n-2k, d)
+    if weights is None:
+        agg = kept_v.mean(dim=0)
+    else:
+        kw = w.to(deltas.dtype)[kept_i]  # (n-2k, d) weights of who gave each kept value
+        denom = kw.sum(dim=0)
+        if bool((denom <= 0).any()):
+            raise AggregationError("every kept value of some coordinate has weight 0; give the "
+                                   "contributors positive weights or use beta=0")
+        agg = (kw * kept_v).sum(dim=0) / denom
+    kept = torch.bincount(kept_i.flatten(), minlength=n).to(torch.float64)  # (n,)
+    return AggregateResult(
+        aggregate=agg,
+        diagnostics=make_diagnostics(n=n, selected=kept > 0,
+                                     weight_used=kept * w / (kept * w).sum(),
+                                     trimmed_share=1.0 - kept / d),
+    )
