@@ -1,0 +1,154 @@
+"""Marginal effect of each contributor on the merged model: leave-one-out and GTG-Shapley.
+
+The cooperative game. Players are the round's validated submissions; the value of a coalition
+``S`` is the relative held-out loss gain of the base plus the aggregate of ``S``::
+
+    V(S) = (L0 - L(S)) / L0        V(empty) = 0          (dimensionless, 0.01 = 1 % lower loss)
+
+where ``L(S)`` is the server's ``subset_loss(S)`` (the aggregator re-run on ``S`` alone) and ``L0``
+the base checkpoint's loss. Every call of ``subset_loss`` is a forward pass over the validation
+set, so both estimators count distinct evaluations (results are cached by coalition) and never
+exceed ``max_evaluations``.
+
+* Leave-one-out: ``m_i = V(N) - V(N \\ {i})``; exactly ``n + 1`` evaluations. Cheap and exact, but
+  near zero for everybody when contributions are redundant (n honest clients with similar data):
+  leaving one out changes nothing, so the sign of ``m_i`` is noise.
+* GTG-Shapley (Liu, Chen, Zhou, Yu, Yang, Hsu, "GTG-Shapley: Efficient and Accurate Participant
+  Contribution Evaluation in Federated Learning", ACM TIST 2022, arXiv:2109.02053): Monte-Carlo
+  permutation sampling of the Shapley value (Castro, Gomez, Tejada 2009) with
+  - guided sampling: permutation ``k`` starts with player ``k mod n`` so that every player is
+    measured against the empty coalition early (its solo value),
+  - within-round truncation: once ``|V(N) - V(prefix)| <= truncation_tol * |V(N)|`` the rest of the
+    permutation gets marginal 0 without evaluations,
+  - between-round truncation: if ``|V(N)| <= between_tol`` nothing was gained and every value is 0,
+  - convergence: after at least ``n`` permutations, stop when the mean relative change of the
+    running estimates falls below ``convergence_tol``.
+  Each complete permutation telescopes, so without truncation ``sum_i phi_i = V(N)`` exactly
+  (efficiency). A permutation cut off by the evaluation budget is discarded, not half-counted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ScoringInputError
+
+SubsetLoss = Callable[[frozenset[int]], float]
+
+
+class _BudgetExhausted(Exception):
+    """Internal: the next evaluation would exceed `max_evaluations`."""
+
+
+class CachedValue:
+    """``V(S)`` over a budgeted, cached ``subset_loss``; ``evaluations`` counts real calls."""
+
+    def __init__(self, subset_loss: SubsetLoss, *, base_loss: float, max_evaluations: int) -> None:
+        if not (math.isfinite(base_loss) and base_loss > 0):
+            raise ScoringInputError(f"`base_loss` must be finite and > 0 (a cross-entropy), "
+                                    f"got {base_loss!r}")
+        self._subset_loss = subset_loss
+        self._base_loss = float(base_loss)
+        self._max = int(max_evaluations)
+        self._cache: dict[frozenset[int], float] = {frozenset(): 0.0}
+        self.evaluations = 0
+
+    def remaining(self) -> int:
+        return self._max - self.evaluations
+
+    def cached(self, subset: frozenset[int]) -> bool:
+        return subset in self._cache
+
+    def __call__(self, subset: frozenset[int]) -> float:
+        hit = self._cache.get(subset)
+        if hit is not None:
+            return hit
+        if self.evaluations >= self._max:
+            raise _BudgetExhausted
+        loss = float(self._subset_loss(subset))
+        self.evaluations += 1
+        if not math.isfinite(loss):
+            raise ScoringInputError(f"`subset_loss` returned {loss!r} for the coalition "
+                                    f"{sorted(subset)}; the aggregate of validated deltas must "
+                                    "give a finite loss: check the aggregator and the clip norm")
+        value = (self._base_loss - loss) / self._base_loss
+        self._cache[subset] = value
+        return value
+
+
+@dataclass(frozen=True)
+class MarginalEstimate:
+    """Per-player marginal values (relative loss gain) and what they cost."""
+
+    values: dict[int, float]   # player index -> phi_i (or m_i for leave-one-out)
+    method: str                # "leave_one_out" | "gtg_shapley" | "none"
+    evaluations: int           # distinct `subset_loss` calls
+    permutations: int = 0      # complete permutations averaged (GTG-Shapley)
+    note: str = ""             # why a cheaper method was used, if it was
+
+
+def leave_one_out(players: Sequence[int], value: CachedValue) -> MarginalEstimate | None:
+    """``m_i = V(N) - V(N \\ {i})``; None when the budget cannot pay the ``n + 1`` evaluations."""
+    full = frozenset(players)
+    needed = sum(not value.cached(s) for s in [full, *(full - {i} for i in players)])
+    if needed > value.remaining():
+        return None
+    v_full = value(full)
+    values = {i: v_full - value(full - {i}) for i in players}
+    return MarginalEstimate(values=values, method="leave_one_out", evaluations=value.evaluations)
+
+
+def gtg_shapley(players: Sequence[int], value: CachedValue, *, max_permutations: int,
+                truncation_tol: float, between_tol: float, convergence_tol: float,
+                generator: torch.Generator) -> MarginalEstimate | None:
+    """GTG-Shapley estimate of ``phi_i``; None when not even one permutation fits the budget."""
+    n = len(players)
+    if n == 0:
+        return MarginalEstimate(values={}, method="gtg_shapley", evaluations=0)
+    full = frozenset(players)
+    try:
+        v_full = value(full)
+    except _BudgetExhausted:
+        return None
+    if abs(v_full) <= between_tol:  # between-round truncation: nothing to share
+        return MarginalEstimate(values={i: 0.0 for i in players}, method="gtg_shapley",
+                                evaluations=value.evaluations)
+    sums = dict.fromkeys(players, 0.0)
+    done = 0
+    previous: dict[int, float] | None = None
+    for k in range(max_permutations):
+        lead = players[k % n]
+        rest = [p for p in players if p != lead]
+        order = [lead] + [rest[j] for j in torch.randperm(n - 1, generator=generator).tolist()]
+        marginals: dict[int, float] = {}
+        prefix: frozenset[int] = frozenset()
+        v_prev = 0.0
+        try:
+            for p in order:
+                if abs(v_full - v_prev) <= truncation_tol * abs(v_full):
+                    marginals[p] = 0.0  # within-round truncation
+                    continue
+                prefix = prefix | {p}
+                v_new = value(prefix)
+                marginals[p] = v_new - v_prev
+                v_prev = v_new
+        except _BudgetExhausted:
+            break
+        done += 1
+        for p, m in marginals.items():
+            sums[p] += m
+        current = {p: s / done for p, s in sums.items()}
+        if previous is not None and done >= n:
+            change = sum(abs(current[p] - previous[p]) / max(abs(current[p]), 1e-12)
+                         for p in players) / n
+            if change < convergence_tol:
+                break
+        previous = current
+    if done == 0:
+        return None
+    return MarginalEstimate(values={p: s / done for p, s in sums.items()}, method="gtg_shapley",
+                            evaluations=value.evaluations, permutations=done)

@@ -1,0 +1,234 @@
+"""Contribution score of every submission of a round.
+
+Notation, per submission ``i`` of the round (``L`` = mean held-out cross-entropy of the server's
+validation set; all gains are relative, so 0.01 means "1 % lower loss"):
+
+    L0          loss of the round's base checkpoint                      (``base_loss``)
+    L_i         loss of base + contributor i's clipped delta alone       (``solo_losses[i]``)
+    g_i       = (L0 - L_i) / L0                                          solo gain
+    phi_i       marginal effect on the merged model (see ``marginal.py``): the GTG-Shapley value
+                of the game V(S) = (L0 - L(S)) / L0 over the validated submissions, or the
+                leave-one-out value V(N) - V(N \\ {i}); with no ``subset_loss`` (or no budget for
+                even one permutation) phi_i := g_i and ``method`` says so.
+    value_i   = sqrt(max(g_i, 0) * max(phi_i, 0))                        geometric mean: both the
+                solo view and the marginal view must say the delta helped.
+    p_i       = s_i * (1 - trimmed_share_i) * clip_factor_i ** clip_exponent
+                s_i = 1 if the aggregator selected i else ``unselected_factor`` (default 0): a
+                delta that did not enter the aggregate did not help the merged model; trimmed
+                share and DP clipping shrink what of the delta was actually used.
+    c_i       = min(1, median_j(k_j) / k_i) ** krum_exponent             consensus factor from
+                the aggregator's score k (Krum score: lower = closer to the others); 1 when the
+                aggregator gives no score (nan), when k_i <= median, or when the median is 0.
+    score_i   = value_i * p_i * c_i  >= 0,  and score_i = 0 for a submission refused by validation.
+
+Why nobody gets paid for nothing:
+* zero delta (free-rider): L_i = L0, so g_i = 0 and score 0 whatever phi_i says (with a plain
+  mean, leaving a zero delta out can even *lower* the loss of an overshooting aggregate; the
+  geometric mean does not pay that dilution "help");
+* random delta or sign-flip (attacker): L_i > L0, so g_i < 0 and score 0; its phi_i is negative
+  too, and a robust aggregator usually does not select it (s_i = 0).
+
+Anchors: Templar's validator scores by the loss drop on a batch, Psyche pays every finisher equally;
+neither measures the marginal effect on the merged model. FLTrust (Cao, Fang, Liu, Gong, NDSS 2021)
+is a cheaper alternative to phi_i (cosine with a server root update); it needs the deltas, which
+this module deliberately does not see.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from .errors import ConfigError, ScoringInputError
+from .marginal import CachedValue, MarginalEstimate, SubsetLoss, gtg_shapley, leave_one_out
+
+
+class DiagnosticsLike(Protocol):
+    accepted: bool
+    reason: str
+    selected: bool
+    trimmed_share: float
+    clip_factor: float
+    krum_score: float
+
+
+@dataclass(frozen=True)
+class ContributionDiagnostics:
+    """What the server's validation and the aggregator say about one submission."""
+
+    accepted: bool = True           # passed validation (shape, norm, signature, base hash ...)
+    reason: str = ""                # why it was refused, when it was
+    selected: bool = True           # entered the aggregate (Krum/Multi-Krum selection)
+    trimmed_share: float = 0.0      # share of coordinates trimmed away, in [0, 1]
+    clip_factor: float = 1.0        # clipped norm / submitted norm, in (0, 1]
+    krum_score: float = math.nan    # aggregator score, lower = more central; nan if none
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.trimmed_share <= 1.0:
+            raise ScoringInputError(f"`trimmed_share` must be in [0, 1], got {self.trimmed_share}")
+        if not 0.0 < self.clip_factor <= 1.0:
+            raise ScoringInputError(f"`clip_factor` must be in (0, 1], got {self.clip_factor}")
+
+
+@dataclass(frozen=True)
+class ScoringConfig:
+    """How contributions are scored; see the module docstring for the formula."""
+
+    marginal: Literal["gtg_shapley", "leave_one_out", "none"] = "gtg_shapley"
+    max_evaluations: int = 64       # distinct `subset_loss` calls per round (forward passes)
+    max_permutations: int = 16      # GTG-Shapley permutations per round
+    truncation_tol: float = 0.01    # within-round truncation, share of |V(N)|
+    between_tol: float = 1e-9       # |V(N)| below this: the round gained nothing, phi = 0
+    convergence_tol: float = 0.05   # mean relative change of the estimates to stop early
+    clip_exponent: float = 0.5      # how much DP clipping lowers the score (0: not at all)
+    unselected_factor: float = 0.0  # credit kept by a submission the aggregator left out
+    krum_exponent: float = 1.0      # how much being far from the others lowers the score
+    seed: int = 0                   # permutation sampling seed when no generator is passed
+
+    def __post_init__(self) -> None:
+        if self.marginal not in ("gtg_shapley", "leave_one_out", "none"):
+            raise ConfigError("`marginal` must be 'gtg_shapley', 'leave_one_out' or 'none', "
+                              f"got {self.marginal!r}")
+        if self.max_evaluations < 0:
+            raise ConfigError(f"`max_evaluations` must be >= 0, got {self.max_evaluations}")
+        if self.max_permutations < 1:
+            raise ConfigError(f"`max_permutations` must be >= 1, got {self.max_permutations}")
+        for name in ("truncation_tol", "between_tol", "convergence_tol", "clip_exponent",
+                     "krum_exponent"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ConfigError(f"`{name}` must be finite and >= 0, got {v}")
+        if not 0.0 <= self.unselected_factor <= 1.0:
+            raise ConfigError(f"`unselected_factor` must be in [0, 1], got "
+                              f"{self.unselected_factor}")
+
+
+@dataclass(frozen=True)
+class ContributionScore:
+    """One submission's score and the components it was computed from (kept for the ledger)."""
+
+    contributor: str
+    score: float          # >= 0; 0 for refused submissions
+    accepted: bool        # passed the server's validation
+    reason: str           # human-readable: why the score is what it is
+    solo_gain: float      # g_i
+    marginal: float       # phi_i (nan for refused submissions)
+    value: float          # sqrt(max(g,0) * max(phi,0))
+    participation: float  # p_i
+    consensus: float      # c_i
+    method: str           # how phi was computed: gtg_shapley | leave_one_out | solo
+
+
+@dataclass(frozen=True)
+class RoundScoring:
+    """`score_round_detailed`'s answer: the scores plus what the marginal estimate cost."""
+
+    scores: list[ContributionScore]
+    estimate: MarginalEstimate
+
+
+def _consensus(krum: Sequence[float], accepted: Sequence[bool], *, exponent: float) -> list[float]:
+    finite = [k for k, a in zip(krum, accepted) if a and math.isfinite(k)]
+    if not finite:
+        return [1.0] * len(krum)
+    med = statistics.median(finite)
+    out = []
+    for k in krum:
+        if not math.isfinite(k) or k <= med or med <= 0:
+            out.append(1.0)
+        else:
+            out.append((med / k) ** exponent)
+    return out
+
+
+def score_round_detailed(contributors: Sequence[str], base_loss: float,
+                         solo_losses: Sequence[float], diagnostics: Sequence[DiagnosticsLike],
+                         subset_loss: SubsetLoss | None, config: ScoringConfig, *,
+                         generator: torch.Generator | None = None) -> RoundScoring:
+    """Like `score_round`, also returning the marginal estimate (method, evaluations spent)."""
+    n = len(contributors)
+    if len(solo_losses) != n or len(diagnostics) != n:
+        raise ScoringInputError(f"`contributors` ({n}), `solo_losses` ({len(solo_losses)}) and "
+                                f"`diagnostics` ({len(diagnostics)}) must have the same length")
+    if len(set(contributors)) != n:
+        raise ScoringInputError("`contributors` holds duplicates; score one submission per "
+                                "contributor per round")
+    if not (math.isfinite(base_loss) and base_loss > 0):
+        raise ScoringInputError(f"`base_loss` must be finite and > 0, got {base_loss!r}")
+    accepted = [bool(d.accepted) for d in diagnostics]
+    players = [i for i in range(n) if accepted[i]]
+    # A non-finite solo loss (the delta broke the model) counts as "loss went up".
+    gains = [(base_loss - float(l)) / base_loss if math.isfinite(l) else -math.inf
+             for l in solo_losses]
+
+    estimate: MarginalEstimate | None = None
+    note = ""
+    if subset_loss is not None and config.marginal != "none" and players:
+        value = CachedValue(subset_loss, base_loss=base_loss,
+                            max_evaluations=config.max_evaluations)
+        if config.marginal == "leave_one_out":
+            estimate = leave_one_out(players, value)
+        else:
+            gen = generator if generator is not None else torch.Generator().manual_seed(config.seed)
+            estimate = gtg_shapley(players, value, max_permutations=config.max_permutations,
+                                   truncation_tol=config.truncation_tol,
+                                   between_tol=config.between_tol,
+                                   convergence_tol=config.convergence_tol, generator=gen)
+        if estimate is None:
+            note = (f"max_evaluations={config.max_evaluations} cannot pay one {config.marginal} "
+                    f"pass over {len(players)} contributors; used the solo gain")
+    elif config.marginal != "none" and players:
+        note = "no subset_loss given; used the solo gain"
+    if estimate is None:
+        estimate = MarginalEstimate(values={i: gains[i] for i in players}, method="solo",
+                                    evaluations=0, note=note)
+
+    consensus = _consensus([float(d.krum_score) for d in diagnostics], accepted,
+                           exponent=config.krum_exponent)
+    scores = []
+    for i, (who, d) in enumerate(zip(contributors, diagnostics)):
+        if not accepted[i]:
+            scores.append(ContributionScore(
+                contributor=who, score=0.0, accepted=False,
+                reason=f"refused by validation: {d.reason or 'no reason given'}",
+                solo_gain=gains[i], marginal=math.nan, value=0.0, participation=0.0,
+                consensus=consensus[i], method=estimate.method))
+            continue
+        g, phi = gains[i], estimate.values[i]
+        value_i = math.sqrt(max(g, 0.0) * max(phi, 0.0))
+        sel = 1.0 if d.selected else config.unselected_factor
+        part = sel * (1.0 - d.trimmed_share) * d.clip_factor ** config.clip_exponent
+        score = value_i * part * consensus[i]
+        if g <= 0:
+            reason = f"held-out loss did not improve (solo gain {g:.3g})"
+        elif phi <= 0:
+            reason = f"no positive marginal effect on the aggregate ({estimate.method} {phi:.3g})"
+        elif not d.selected and config.unselected_factor == 0:
+            reason = "not selected by the robust aggregator"
+        else:
+            reason = (f"solo gain {g:.3g}, marginal {phi:.3g} ({estimate.method}), "
+                      f"participation {part:.3g}, consensus {consensus[i]:.3g}")
+        scores.append(ContributionScore(
+            contributor=who, score=score, accepted=True, reason=reason, solo_gain=g,
+            marginal=phi, value=value_i, participation=part, consensus=consensus[i],
+            method=estimate.method))
+    return RoundScoring(scores=scores, estimate=estimate)
+
+
+def score_round(contributors: Sequence[str], base_loss: float, solo_losses: Sequence[float],
+                diagnostics: Sequence[DiagnosticsLike], subset_loss: SubsetLoss | None,
+                config: ScoringConfig, *,
+                generator: torch.Generator | None = None) -> list[ContributionScore]:
+    """Score every submission of a round (formula in the module docstring).
+
+    ``subset_loss(S)`` must return the held-out loss of base + the aggregate of the submissions
+    whose indices are in ``S`` (a subset of the validated ones); it is called at most
+    ``config.max_evaluations`` times, never with the empty set (that is ``base_loss``).
+    """
+    return score_round_detailed(contributors, base_loss, solo_losses, diagnostics, subset_loss,
+                                config, generator=generator).scores
