@@ -70,6 +70,9 @@ def _check_packed(packed: Sequence[Any]) -> tuple[int, int, int, int]:
                 f"`packed[{i}]` has layout rows={p.rows} cols={p.cols} group_size={p.group_size} "
                 f"scales={tuple(p.scales.shape)}, but packed[0] has {layout}; compressed-domain "
                 "distances need identical layouts (decode and use pairwise_sq_distances instead)")
+        if p.scales.shape[0] not in (1, p.rows):
+            raise InvalidDeltaError(f"`packed[{i}].scales` must have {p.rows} or 1 rows, got "
+                                    f"{tuple(p.scales.shape)}")
         if p.signs.dtype != torch.uint8:
             raise InvalidDeltaError(f"`packed[{i}].signs` must be uint8, got {p.signs.dtype}")
     n_groups = int(p0.scales.shape[1])
@@ -85,7 +88,8 @@ def packed_sq_norms(packed: Sequence[Any]) -> Tensor:
     """(n,) float64 squared L2 norms of BitDelta tensors: sum over groups of c * s^2."""
     _check_packed(packed)
     counts = packed[0].group_counts().to(torch.float64)  # (n_groups,)
-    return torch.stack([(p.scales.to(torch.float64) ** 2 * counts).sum() for p in packed])
+    rep = packed[0].rows // packed[0].scales.shape[0]  # 1, or rows for one scale row per tensor
+    return torch.stack([(p.scales.to(torch.float64) ** 2 * counts).sum() * rep for p in packed])
 
 
 def packed_pairwise_sq_distances(packed: Sequence[Any], *, scale: Tensor | None = None) -> Tensor:
@@ -102,12 +106,13 @@ def packed_pairwise_sq_distances(packed: Sequence[Any], *, scale: Tensor | None 
             else torch.as_tensor(scale, dtype=torch.float64).numpy())      # (n,)
     scales = np.stack([p.scales.to(torch.float64).numpy() for p in packed]) * mult[:, None, None]
     signs = np.stack([p.signs.numpy() for p in packed])                    # (n, rows, nbytes) uint8
+    rep = rows // scales.shape[1]  # scales (n, rows | 1, g): one scale row may serve all rows
     out = np.zeros((n, n), dtype=np.float64)
     for i in range(n - 1):
         xor = np.bitwise_xor(signs[i][None], signs[i + 1:])                # (n-i-1, rows, nbytes)
         k = _popcount_groups(xor, group_bytes=group_bytes, n_groups=n_groups)  # (n-i-1, rows, g)
         si, sj = scales[i][None], scales[i + 1:]                           # (1|m, rows, g)
-        diff = ((si - sj) ** 2 * counts).sum(axis=(1, 2))                  # (m,)
+        diff = ((si - sj) ** 2 * counts).sum(axis=(1, 2)) * rep            # (m,)
         cross = 4.0 * (k * si * sj).sum(axis=(1, 2))                       # (m,)
         out[i, i + 1:] = diff + cross
     out = out + out.T

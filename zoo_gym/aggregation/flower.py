@@ -1,0 +1,88 @@
+"""`DeltaSoupStrategy`: the DeltaSoup pipeline as a Flower (>= 1.20 message API) strategy.
+
+Flower clients send back full model arrays; the strategy turns each reply into a delta against
+the arrays it sent out, runs `DeltaSoup` (validate -> clip -> robust aggregate -> DP noise) and
+publishes `global + aggregate`. Weights are never taken from the clients' `num-examples`
+(kept only for metric averaging). This is the only module of `zoo_gym.aggregation` that
+imports flwr. Use it in a ServerApp: `DeltaSoupStrategy(SoupConfig(...)).start(grid=..., ...)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+
+from .config import SoupConfig
+from .errors import AggregationError, PrivacyBudgetExceeded
+from .privacy import PrivacyAccountant
+from .soup import DeltaSoup, SoupReport
+from .sources import DictDeltaSource
+
+
+class DeltaSoupStrategy(FedAvg):
+    """FedAvg's sampling and messaging with DeltaSoup's aggregation.
+
+    `reports` keeps one `SoupReport` per round; `accountant` accumulates DP rounds; `population`
+    is the number of registered nodes for q (default: nodes connected at round start).
+    """
+
+    def __init__(self, config: SoupConfig, *, generator: torch.Generator | None = None,
+                 accountant: PrivacyAccountant | None = None, population: int | None = None,
+                 **fedavg_kwargs) -> None:
+        super().__init__(**fedavg_kwargs)
+        self.soup = DeltaSoup(config)
+        self.generator = generator
+        self.accountant = accountant if accountant is not None else PrivacyAccountant()
+        self.population = population
+        self.reports: list[SoupReport] = []
+        self.stopped: str | None = None  # reason publishing stopped (privacy budget)
+        self.refused_rounds: dict[int, str] = {}  # round -> why nothing was published
+        self._current: dict[str, np.ndarray] | None = None
+        self._seen_nodes = 0
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        if self.stopped is not None:
+            return []
+        self._current = {k: np.array(v.numpy(), copy=True) for k, v in arrays.items()}
+        self._seen_nodes = len(list(grid.get_node_ids()))
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        valid, _ = self._check_and_log_replies(replies, is_train=True)
+        if not valid or self._current is None:
+            return None, None
+        base = self._current
+        ids, deltas = [], []
+        for msg in valid:
+            record = next(iter(msg.content.array_records.values()))
+            ids.append(str(msg.metadata.src_node_id))
+            deltas.append({k: torch.from_numpy(np.asarray(v.numpy(), dtype=np.float32)
+                                               - base[k].astype(np.float32)).reshape(-1)
+                           for k, v in record.items()})
+        source = DictDeltaSource(ids, deltas)
+        out: dict[str, torch.Tensor] = {}
+        try:
+            report = self.soup.run(source, lambda name, t: out.__setitem__(name, t),
+                                   generator=self.generator, accountant=self.accountant,
+                                   population=self.population or self._seen_nodes)
+        except PrivacyBudgetExceeded as exc:
+            self.stopped = str(exc)
+            return None, None
+        except AggregationError as exc:  # e.g. too few valid contributions: keep the model
+            self.refused_rounds[server_round] = str(exc)
+            return None, MetricRecord({"soup-refused-round": 1})
+        self.reports.append(report)
+        new = ArrayRecord({k: Array((base[k].astype(np.float32)
+                                     + out[k].numpy().reshape(base[k].shape)).astype(base[k].dtype))
+                           for k in base})
+        metrics = MetricRecord({"soup-accepted": report.n_accepted,
+                                "soup-refused": len(report.contributors) - report.n_accepted,
+                                "soup-noise-std": float(report.noise_std)})
+        return new, metrics
