@@ -1,0 +1,119 @@
+"""`gym-client`: contribute to a Zoo Gym federation and query your rewards."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import grpc
+import typer
+
+app = typer.Typer(help="Zoo Gym contributor: fine-tune the federation's model on your data and earn rewards.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+DEFAULT_HOME = Path(os.environ.get("ZOO_GYM_HOME", Path.home() / ".zoo-gym"))
+CODECS = ("auto", "bitdelta", "int8", "int4", "fp16", "bf16", "lora")
+METHODS = ("lora", "sft", "grpo")
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _say(message: str) -> None:
+    typer.echo(message, err=True)
+
+
+@app.command()
+def join(
+    server: str = typer.Option(..., "--server", help="HOST:PORT of the gym-server."),
+    data: str = typer.Option("builtin", help="'builtin' (your own shard of the built-in data, chosen from your "
+                                             "key) or an alpaca/sharegpt .json/.jsonl file."),
+    method: str = typer.Option("lora", help="lora, sft (full fine-tune) or grpo."),
+    rounds: int = typer.Option(1, min=1, help="Rounds to contribute to before exiting."),
+    key: Optional[Path] = typer.Option(None, help="Ed25519 key (PEM); created if missing "
+                                                  "[default: ~/.zoo-gym/contributor.pem]."),
+    workdir: Optional[Path] = typer.Option(None, help="Cache for checkpoints and codec state [default: ~/.zoo-gym]."),
+    codec: str = typer.Option("auto", help="auto (smallest exact-enough per tensor), bitdelta, int8, int4, "
+                                           "fp16, bf16 or lora."),
+    group_size: int = typer.Option(128, help="BitDelta/int scale group along each row (0 = one scale per row, "
+                                             "-1 = one per tensor)."),
+    max_steps: Optional[int] = typer.Option(None, help="Training steps per round [default: the method's]."),
+    shard: Optional[int] = typer.Option(None, help="Built-in data shard (default: picked from your key)."),
+    n_shards: int = typer.Option(64, help="Number of built-in data shards."),
+    name: str = typer.Option("", help="Display name shown to the operator."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads for training [default: torch's]."),
+    no_wait: bool = typer.Option(False, "--no-wait", help="Exit right after the last upload."),
+    as_json: bool = typer.Option(False, "--json", help="Print the per-round summaries as JSON on stdout."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
+) -> None:
+    """Join a federation: each round download the base, train, compress, sign and upload your delta."""
+    from zoo_gym.client.connection import ServerUnreachable
+    from zoo_gym.client.join import JoinError, JoinOptions
+    from zoo_gym.client.join import join as run_join
+    from zoo_gym.proto.signing import SignatureError
+
+    if method not in METHODS:
+        _fail(f"--method must be one of {', '.join(METHODS)}")
+    if codec not in CODECS:
+        _fail(f"--codec must be one of {', '.join(CODECS)}")
+    if data != "builtin" and not Path(data).is_file():
+        _fail(f"--data {data}: no such file (use 'builtin' or an alpaca/sharegpt .json/.jsonl file)")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    home = workdir or DEFAULT_HOME
+    opts = JoinOptions(server=server, workdir=home, key_path=key or DEFAULT_HOME / "contributor.pem", rounds=rounds,
+                       data=data, method=method, codec=codec, group_size=(None if group_size == 0 else group_size),
+                       max_steps=max_steps, shard=shard, n_shards=n_shards, display_name=name,
+                       wait_for_publish=not no_wait, progress=not quiet and sys.stderr.isatty())
+    try:
+        summaries = run_join(opts, say=_say)
+    except (JoinError, ServerUnreachable, SignatureError) as exc:
+        _fail(str(exc), 1)
+    except grpc.RpcError as exc:
+        _fail(f"the server refused a request ({exc.code().name}): {exc.details()}", 1)
+    except ValueError as exc:  # bad data file or training settings
+        _fail(str(exc), 2)
+    if as_json:
+        typer.echo(json.dumps(summaries, indent=2))
+
+
+@app.command()
+def rewards(
+    server: str = typer.Option(..., "--server", help="HOST:PORT of the gym-server."),
+    key: Optional[Path] = typer.Option(None, help="Your Ed25519 key [default: ~/.zoo-gym/contributor.pem]."),
+    contributor: Optional[str] = typer.Option(None, help="Contributor id to query (default: your key's)."),
+    limit: int = typer.Option(20, help="Recent entries to show."),
+    verify: bool = typer.Option(False, "--verify", help="Check every entry's hash and the server's signature."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Your balance, reputation and recent ledger entries (optionally verified)."""
+    from zoo_gym.client.rewards import RewardsError, fetch_rewards
+
+    try:
+        doc = fetch_rewards(server, key_path=key or DEFAULT_HOME / "contributor.pem", contributor=contributor,
+                            limit=limit, verify=verify)
+    except RewardsError as exc:
+        _fail(str(exc), 1)
+    except grpc.RpcError as exc:
+        _fail(f"the server refused ({exc.code().name}): {exc.details()}", 1)
+    if as_json:
+        typer.echo(json.dumps(doc, indent=2))
+    else:
+        typer.echo(f"contributor {doc['contributor_id']}: balance {doc['balance']}, "
+                   f"reputation {doc['reputation']:.3f}, {doc['entries']} ledger entries")
+        for e in doc["recent"]:
+            typer.echo(f"  #{e['seq']:<5} round {e['round_id']:<3} {e['kind']:<9} {e['amount']:>8}  "
+                       f"score {e['score']:.4f}  {e['reason']}")
+        if verify:
+            v = doc["verification"]
+            typer.echo("verified: every entry's hash and server signature" if v["ok"]
+                       else f"VERIFICATION FAILED at entry {v['first_bad_seq']}: {v['reason']}")
+    if verify and not doc["verification"]["ok"]:
+        raise typer.Exit(1)

@@ -1,0 +1,65 @@
+"""Resumable, verified checkpoint download into the client's cache."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+
+from tqdm import tqdm
+
+from zoo_gym.proto import archive, gym_pb2
+
+
+class DownloadError(RuntimeError):
+    """The downloaded bytes do not match the checkpoint's sha256 or size."""
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch_checkpoint(stub, sha256: str, size: int, workdir: Path, *, progress: bool = True,
+                     retry: Callable | None = None) -> Path:
+    """Return the unpacked model directory of checkpoint `sha256`, downloading what is missing.
+
+    Bytes land in `<workdir>/downloads/<sha>.partial`; an interrupted download resumes from its size.
+    The archive is verified against `sha256` before it is unpacked to `<workdir>/checkpoints/<sha>/`.
+    """
+    model_dir = workdir / "checkpoints" / sha256
+    if (model_dir / archive.WEIGHTS).is_file():
+        return model_dir
+    downloads = workdir / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    partial = downloads / f"{sha256}.partial"
+
+    def attempt() -> None:
+        have = partial.stat().st_size if partial.exists() else 0
+        if have > size:
+            partial.unlink()
+            have = 0
+        if have == size:
+            return
+        bar = tqdm(total=size, initial=have, unit="B", unit_scale=True, desc=f"download {sha256[:12]}",
+                   disable=not progress, leave=False)
+        with open(partial, "ab") as f:
+            for chunk in stub.DownloadCheckpoint(gym_pb2.DownloadRequest(checkpoint_sha256=sha256, offset=have)):
+                if chunk.offset != f.tell():
+                    raise DownloadError(f"server sent offset {chunk.offset}, expected {f.tell()}")
+                f.write(chunk.data)
+                f.flush()
+                bar.update(len(chunk.data))
+        bar.close()
+
+    (retry or (lambda c: c()))(attempt)
+    if partial.stat().st_size != size or _sha256_file(partial) != sha256:
+        partial.unlink()
+        raise DownloadError(f"checkpoint {sha256[:12]} failed verification (size or sha256); it was discarded, "
+                            "run again to download it afresh")
+    archive.unpack(partial, model_dir)
+    partial.unlink()
+    return model_dir

@@ -1,0 +1,173 @@
+"""The contributor's loop: register, then each round fetch the base, train, encode, sign, upload, wait."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from zoo_gym import codec
+from zoo_gym.client.connection import ServerUnreachable, open_stub, with_retries
+from zoo_gym.client.download import fetch_checkpoint
+from zoo_gym.client.upload import build_header, register_request, request_stream
+from zoo_gym.proto import gym_pb2, signing
+
+DEFAULT_SHARDS = 64  # built-in data is split into this many disjoint shards; a key picks one
+
+
+class JoinError(RuntimeError):
+    """The contributor cannot go on; the message says why and what to do."""
+
+
+@dataclass
+class JoinOptions:
+    server: str
+    workdir: Path
+    key_path: Path
+    rounds: int = 1
+    data: str = "builtin"
+    method: str = "lora"
+    codec: str = "auto"
+    group_size: int | None = 128
+    max_steps: int | None = None
+    shard: int | None = None
+    n_shards: int = DEFAULT_SHARDS
+    n_examples: int = 256
+    display_name: str = ""
+    error_feedback: bool = True
+    wait_for_publish: bool = True
+    progress: bool = True
+    max_wait: float = 900.0
+    train_overrides: dict = field(default_factory=dict)
+
+
+def _examples(opts: JoinOptions, contributor_id: str) -> tuple[list[dict], list[dict], str]:
+    """(train, local held-out, description) for this contributor."""
+    from zoo_gym import gym_train
+
+    if opts.data == "builtin":
+        shard = opts.shard if opts.shard is not None else int(contributor_id[:8], 16) % opts.n_shards
+        task = "grpo" if opts.method == "grpo" else "default"
+        examples = gym_train.builtin_examples(task, shard=shard, n_shards=opts.n_shards, n=opts.n_examples)
+        desc = f"built-in {task} shard {shard}/{opts.n_shards}"
+    else:
+        examples = gym_train.load_examples(Path(opts.data))
+        desc = f"{opts.data} ({len(examples)} examples)"
+    if len(examples) < 4:
+        raise JoinError(f"{desc}: at least 4 examples are needed (some are held out to measure the round)")
+    n_held = max(2, min(64, len(examples) // 10))
+    return examples[n_held:], examples[:n_held], desc
+
+
+def _payload(result, opts: JoinOptions, feedback) -> bytes:
+    delta = result.delta
+    if feedback is not None:
+        delta = feedback.add_to(delta)
+    payload = codec.encode(delta, codec=opts.codec, group_size=opts.group_size,
+                           metadata={"base_sha256": result.base_sha256, **result.metadata})
+    if feedback is not None:
+        feedback.update(delta, codec.decode(payload))
+    return payload
+
+
+def join(opts: JoinOptions, *, say: Callable[[str], None] = print) -> list[dict]:
+    """Run `opts.rounds` rounds; return one summary dict per submitted round."""
+    from zoo_gym import gym_train
+
+    key, created = signing.load_or_create_key(opts.key_path)
+    if created:
+        say(f"created a new contributor key at {opts.key_path}")
+    channel, stub = open_stub(opts.server)
+    retry = lambda fn, what: with_retries(fn, what=what, say=say, max_wait=opts.max_wait)  # noqa: E731
+    try:
+        reg = retry(lambda: stub.Register(register_request(key, opts.display_name or "contributor"), timeout=30),
+                    "register")
+    except grpc.RpcError as exc:
+        raise JoinError(f"registration refused: {exc.details()}") from exc
+    cid = reg.contributor_id
+    from zoo_gym.client.rewards import RewardsError, pin_server_key
+
+    try:
+        pin_server_key(opts.key_path, reg.server_public_key)
+    except RewardsError as exc:
+        raise JoinError(str(exc)) from exc
+    say(f"contributor {cid} {'registered' if reg.created else 'already registered'} at {opts.server}")
+    opts.workdir.mkdir(parents=True, exist_ok=True)
+    train_ex, held_ex, desc = _examples(opts, cid)
+    say(f"training data: {desc}")
+    feedback = None
+    if opts.error_feedback and opts.codec not in ("fp16", "bf16", "fp32", "lora"):
+        feedback = gym_train.ErrorFeedback(opts.workdir / f"error_feedback-{cid}.safetensors")
+    summaries: list[dict] = []
+    while len(summaries) < opts.rounds:
+        info = _wait_for_open_round(stub, cid, retry, say, opts)
+        model_dir = fetch_checkpoint(stub, info.base_sha256, info.base_size, opts.workdir, progress=opts.progress,
+                                     retry=lambda fn: retry(fn, "download"))
+        say(f"round {info.round_id}: training ({opts.method}) on base {info.base_sha256[:12]}")
+        config = gym_train.TrainConfig(method=opts.method, **({"max_steps": opts.max_steps} if opts.max_steps else {}),
+                                       **opts.train_overrides)
+        result = gym_train.train(model_dir, train_ex, config, base_sha256=info.base_sha256,
+                                 eval_examples=held_ex, progress=opts.progress)
+        payload = _payload(result, opts, feedback)
+        header = build_header(key=key, contributor_id=cid, round_id=info.round_id, base_sha256=info.base_sha256,
+                              payload=payload, metadata=result.metadata)
+        chunk = min(info.limits.max_chunk_bytes or (1 << 20), 1 << 20)
+        try:
+            resp = retry(lambda: stub.SubmitDelta(request_stream(header, payload, chunk_bytes=chunk,
+                                                                 progress=opts.progress), timeout=600), "upload")
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                say(f"round {info.round_id} closed before the upload finished ({exc.details()}); "
+                    "training again on the next base")
+                continue
+            raise JoinError(f"submission refused ({exc.code().name}): {exc.details()}") from exc
+        summary = {"round": info.round_id, "contributor": cid, "payload_bytes": len(payload),
+                   "payload_sha256": resp.payload_sha256, "submissions_in_round": resp.submissions,
+                   "loss_before": result.metadata.get("loss_before"), "loss_after": result.metadata.get("loss_after"),
+                   "codecs": sorted({e.codec for e in codec.read_manifest(payload).entries})}
+        summaries.append(summary)
+        say(f"round {info.round_id}: submitted {len(payload)} bytes; local held-out loss "
+            f"{summary['loss_before']:.4f} -> {summary['loss_after']:.4f}")
+        if len(summaries) < opts.rounds or opts.wait_for_publish:
+            _wait_for_round_after(stub, info.round_id, retry, say, opts)
+    channel.close()
+    return summaries
+
+
+def _wait_for_open_round(stub, cid: str, retry, say, opts: JoinOptions):
+    deadline = time.monotonic() + opts.max_wait
+    announced = None
+    while True:
+        info = retry(lambda: stub.GetRound(gym_pb2.GetRoundRequest(contributor_id=cid), timeout=30), "get round")
+        if info.state == gym_pb2.ROUND_STATE_HALTED:
+            raise JoinError(f"the server halted: {info.message or 'no more rounds'}")
+        if info.state == gym_pb2.ROUND_STATE_OPEN and not info.you_submitted:
+            return info
+        if announced != info.round_id:
+            say(f"round {info.round_id} is not open for us yet "
+                f"({'already submitted' if info.you_submitted else 'aggregating'}); waiting")
+            announced = info.round_id
+        if time.monotonic() > deadline:
+            raise ServerUnreachable(f"no open round within {opts.max_wait:.0f} s")
+        time.sleep(1.0)
+
+
+def _wait_for_round_after(stub, round_id: int, retry, say, opts: JoinOptions) -> None:
+    deadline = time.monotonic() + opts.max_wait
+    while True:
+        info = retry(lambda: stub.GetRound(gym_pb2.GetRoundRequest(), timeout=30), "get round")
+        if info.round_id > round_id or info.state == gym_pb2.ROUND_STATE_HALTED:
+            if info.round_id > round_id:
+                say(f"round {round_id} published; round {info.round_id} is open")
+            return
+        if time.monotonic() > deadline:
+            raise JoinError(f"round {round_id} was not published within {opts.max_wait:.0f} s")
+        time.sleep(1.0)
+
+
+def summaries_json(summaries: list[dict]) -> str:
+    return json.dumps(summaries, indent=2)

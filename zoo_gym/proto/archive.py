@@ -1,0 +1,89 @@
+"""Checkpoints on the wire and on disk: a Hugging Face model directory packed as a deterministic tar.
+
+The sha256 of that tar is the checkpoint's identity: every delta names it, the client verifies it after
+downloading, and equal directories always give equal bytes (sorted names, zeroed times and owners).
+Only flat directories of regular files are packed or unpacked; anything else is refused, so a hostile
+archive cannot write outside the target directory.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import tarfile
+from pathlib import Path
+from typing import BinaryIO
+
+WEIGHTS = "model.safetensors"
+LINEAGE = "zoo_gym_checkpoint.json"
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory or archive is not what it must be."""
+
+
+def pack(model_dir: Path, out: BinaryIO) -> None:
+    """Write `model_dir`'s files as a deterministic uncompressed tar to `out`."""
+    model_dir = Path(model_dir)
+    names = sorted(p.name for p in model_dir.iterdir())
+    if WEIGHTS not in names:
+        raise CheckpointError(f"{model_dir} has no {WEIGHTS}: save the model with safe_serialization")
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name in names:
+            path = model_dir / name
+            if not path.is_file() or not _SAFE_NAME.match(name):
+                raise CheckpointError(f"{path}: checkpoints hold only plain files with simple names")
+            info = tarfile.TarInfo(name)
+            info.size = path.stat().st_size
+            info.mtime = 0
+            info.mode = 0o644
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            with open(path, "rb") as f:
+                tar.addfile(info, f)
+
+
+def unpack(archive: Path, dest: Path) -> Path:
+    """Extract a checkpoint tar into `dest` (created; replaced atomically if it exists)."""
+    dest = Path(dest)
+    tmp = dest.with_name(dest.name + ".unpacking")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        with tarfile.open(archive, mode="r:") as tar:
+            for member in tar:
+                if not member.isfile() or not _SAFE_NAME.match(member.name):
+                    raise CheckpointError(f"refusing archive member {member.name!r}: not a plain file")
+                src = tar.extractfile(member)
+                assert src is not None  # isfile() members always have data
+                with open(tmp / member.name, "wb") as f:
+                    shutil.copyfileobj(src, f)
+        if not (tmp / WEIGHTS).is_file():
+            raise CheckpointError(f"the checkpoint archive has no {WEIGHTS}")
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    except (tarfile.TarError, OSError) as exc:
+        raise CheckpointError(f"cannot unpack checkpoint {archive}: {exc}") from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def write_lineage(model_dir: Path, lineage: dict) -> None:
+    (Path(model_dir) / LINEAGE).write_text(json.dumps(lineage, indent=2, sort_keys=True) + "\n")
+
+
+def read_lineage(model_dir: Path) -> dict:
+    path = Path(model_dir) / LINEAGE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def pack_bytes(model_dir: Path) -> bytes:
+    buf = io.BytesIO()
+    pack(model_dir, buf)
+    return buf.getvalue()

@@ -1,0 +1,134 @@
+"""Content-addressed blob store with durable, atomic writes.
+
+Layout: ``<root>/sha256/<first two hex>/<hex>``; in-progress writes live in ``<root>/tmp`` and become
+visible only through ``os.replace`` after the data and the directory are fsynced, so a crash at any point
+leaves either no blob or a whole one, never half of one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+
+class BlobError(ValueError):
+    """A blob does not match what was declared (size or sha256)."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class BlobWriter:
+    """A temporary file that hashes what is written and is committed or discarded as a whole."""
+
+    def __init__(self, store: "BlobStore") -> None:
+        self._store = store
+        fd, name = tempfile.mkstemp(dir=store.tmp_dir, prefix="blob-")
+        self.path = Path(name)
+        self._file: BinaryIO = os.fdopen(fd, "wb")
+        self._hash = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._file.write(data)
+        self._hash.update(data)
+        self.size += len(data)
+
+    def flush(self) -> None:
+        """Make what was written readable through `self.path` (not yet durable, not yet visible)."""
+        self._file.flush()
+
+    @property
+    def sha256(self) -> str:
+        return self._hash.hexdigest()
+
+    def commit(self, *, expect_sha256: str | None = None) -> str:
+        """fsync, move into place, fsync the directory; return the sha256. Idempotent for equal content."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        digest = self.sha256
+        if expect_sha256 is not None and digest != expect_sha256:
+            self.discard()
+            raise BlobError(f"content sha256 is {digest}, but {expect_sha256} was declared")
+        final = self._store.path(digest)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(self.path, final)
+        _fsync_dir(final.parent)
+        return digest
+
+    def discard(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        self.path.unlink(missing_ok=True)
+
+
+class BlobStore:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.tmp_dir = self.root / "tmp"
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        (self.root / "sha256").mkdir(parents=True, exist_ok=True)
+
+    def path(self, sha256: str) -> Path:
+        if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
+            raise BlobError(f"not a sha256 hex digest: {sha256[:80]!r}")
+        return self.root / "sha256" / sha256[:2] / sha256
+
+    def exists(self, sha256: str) -> bool:
+        return self.path(sha256).is_file()
+
+    def size(self, sha256: str) -> int:
+        return self.path(sha256).stat().st_size
+
+    @contextmanager
+    def writer(self) -> Iterator[BlobWriter]:
+        """Yield a BlobWriter; anything not committed inside the block is discarded."""
+        w = BlobWriter(self)
+        try:
+            yield w
+        finally:
+            if w.path.exists():
+                w.discard()
+
+    def put_file(self, path: Path) -> str:
+        with self.writer() as w, open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                w.write(chunk)
+            return w.commit()
+
+    @contextmanager
+    def mapped(self, sha256: str) -> Iterator[mmap.mmap]:
+        """The blob as a read-only memory map (decoding never copies the whole payload)."""
+        with open(self.path(sha256), "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                raise BlobError(f"blob {sha256} is empty")
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                yield m
+            finally:
+                m.close()
+
+    def read_range(self, sha256: str, offset: int, length: int) -> bytes:
+        with open(self.path(sha256), "rb") as f:
+            f.seek(offset)
+            return f.read(length)
+
+    def clean_tmp(self) -> int:
+        """Remove leftovers of writes a crash interrupted (never visible as blobs). Returns how many."""
+        n = 0
+        for p in self.tmp_dir.iterdir():
+            p.unlink(missing_ok=True)
+            n += 1
+        return n

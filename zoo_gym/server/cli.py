@@ -1,0 +1,178 @@
+"""`gym-server`: initialise a federation's state, serve it over gRPC, inspect it.
+
+Every command is a thin wrapper over library calls; errors print one line saying what to fix and exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Optional
+
+import typer
+from sqlmodel import select
+
+from zoo_gym.server.config import ConfigError, build_config, read_config_file
+from zoo_gym.server.state import StateError, init_state, open_state
+
+app = typer.Typer(help="Zoo Gym server: runs federated rounds, merges deltas, publishes checkpoints.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+ledger_app = typer.Typer(help="Inspect and verify the rewards ledger.", no_args_is_help=True)
+app.add_typer(ledger_app, name="ledger")
+
+StateDir = typer.Option(..., "--state-dir", help="Directory holding the server's database, blobs and key.")
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def init(
+    state_dir: Path = StateDir,
+    base_model: str = typer.Option("tiny", help="'tiny' (built in), a local HF model directory, or a model "
+                                                "id already in the local Hugging Face cache."),
+    db: Optional[str] = typer.Option(None, help="SQLAlchemy URL (default: SQLite in the state dir)."),
+) -> None:
+    """Create the state: database, blob store, genesis checkpoint (round 0), the server's Ed25519 key."""
+    try:
+        state = init_state(state_dir, base_model=base_model, db_url=db)
+    except (StateError, OSError) as exc:
+        _fail(str(exc))
+    from zoo_gym.server.models import Round
+
+    with state.session() as s:
+        rnd = s.get(Round, 1)
+    typer.echo(f"initialised {state_dir}: genesis checkpoint {rnd.base_sha256[:12]} ({base_model}); round 1 open")
+
+
+@app.command()
+def serve(
+    state_dir: Path = StateDir,
+    host: Optional[str] = typer.Option(None, help="Address to bind [default: 127.0.0.1]."),
+    port: Optional[int] = typer.Option(None, help="Port to bind; 0 picks a free one [default: 50051]."),
+    min_contributors: Optional[int] = typer.Option(None, help="A round never closes with fewer [default: 3]."),
+    quorum: Optional[int] = typer.Option(None, help="Close a round as soon as this many are in [default: min]."),
+    round_timeout: Optional[float] = typer.Option(None, help="Seconds before a round closes with >= min "
+                                                             "submissions [default: 600]."),
+    aggregator: Optional[str] = typer.Option(None, help="mean, median, trimmed-mean, krum, multi-krum, bulyan, "
+                                                        "geometric-median, centered-clip [default: mean]."),
+    byzantine_f: Optional[int] = typer.Option(None, help="Byzantine contributors to tolerate (krum family)."),
+    trim_beta: Optional[float] = typer.Option(None, help="Share trimmed from each side (trimmed-mean)."),
+    dp_noise_multiplier: Optional[float] = typer.Option(None, help="Gaussian noise std / clip norm (0 = off)."),
+    dp_clip: Optional[float] = typer.Option(None, help="L2 clip norm C of each whole delta (DP)."),
+    dp_target_epsilon: Optional[float] = typer.Option(None, help="Stop publishing before exceeding this epsilon."),
+    reward_pool: Optional[int] = typer.Option(None, help="Integer reward units split each round."),
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML or YAML settings; flags win over it."),
+    db: Optional[str] = typer.Option(None, help="SQLAlchemy URL overriding the one chosen at init."),
+    port_file: Optional[Path] = typer.Option(None, help="Write the bound port here once serving (for scripts)."),
+    log_level: str = typer.Option("INFO", help="DEBUG, INFO, WARNING or ERROR."),
+) -> None:
+    """Serve the federation's gRPC API (plus gRPC health and reflection); resumes an existing state."""
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        file_values = read_config_file(config) if config else {}
+        cfg = build_config(file_values, host=host, port=port, min_contributors=min_contributors, quorum=quorum,
+                           round_timeout=round_timeout, aggregator=aggregator, byzantine_f=byzantine_f,
+                           trim_beta=trim_beta, dp_noise_multiplier=dp_noise_multiplier, dp_clip=dp_clip,
+                           dp_target_epsilon=dp_target_epsilon, reward_pool=reward_pool)
+        from zoo_gym.aggregation import SoupConfig
+
+        SoupConfig.from_mapping(cfg.soup)  # fail now, not at the end of the first round
+        state = open_state(state_dir, db_url=db)
+        from zoo_gym.server.servicer import build_server
+
+        server, bound, rounds = build_server(state, cfg)
+    except (ConfigError, StateError, ValueError, OSError) as exc:
+        _fail(str(exc))
+    server.start()
+    rounds.start()
+    if port_file:
+        port_file.write_text(f"{bound}\n")
+    typer.echo(f"gym-server listening on {cfg.host}:{bound} (state {state_dir})", err=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    typer.echo("gym-server stopping", err=True)
+    server.stop(grace=5).wait()
+    rounds.stop()
+
+
+@app.command()
+def status(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--json", help="Machine-readable.")) -> None:
+    """Current round, its submissions, and the published checkpoints."""
+    try:
+        state = open_state(state_dir)
+    except StateError as exc:
+        _fail(str(exc))
+    from zoo_gym.server.models import Checkpoint, Round, Submission
+
+    with state.session() as s:
+        rnd = state.current_round(s)
+        subs = list(s.exec(select(Submission).where(Submission.round_id == rnd.id))) if rnd else []
+        ckpts = list(s.exec(select(Checkpoint).order_by(Checkpoint.round_id)))
+        rounds = list(s.exec(select(Round).order_by(Round.id)))
+    doc = {
+        "round": {"id": rnd.id, "state": rnd.state.value, "base_sha256": rnd.base_sha256, "message": rnd.message,
+                  "submissions": [{"contributor": x.contributor_id, "payload_sha256": x.payload_sha256,
+                                   "bytes": x.payload_size, "codecs": x.codecs} for x in subs]} if rnd else None,
+        "rounds": [{"id": r.id, "state": r.state.value, "published_sha256": r.published_sha256,
+                    "aggregator": r.aggregator, "dp_epsilon_total": r.dp_epsilon_total,
+                    "report": json.loads(r.report_json)} for r in rounds],
+        "checkpoints": [{"round": c.round_id, "sha256": c.sha256, "parent_sha256": c.parent_sha256,
+                         "bytes": c.size, "heldout_loss": c.heldout_loss,
+                         "lineage": json.loads(c.manifest_json)} for c in ckpts],
+    }
+    if as_json:
+        typer.echo(json.dumps(doc, indent=2))
+        return
+    r = doc["round"]
+    typer.echo(f"round {r['id']}: {r['state']} on base {r['base_sha256'][:12]}, {len(r['submissions'])} submissions"
+               + (f" ({r['message']})" if r["message"] else ""))
+    typer.echo("published checkpoints:")
+    for c in doc["checkpoints"]:
+        loss = f"{c['heldout_loss']:.4f}" if c["heldout_loss"] is not None else "-"
+        typer.echo(f"  round {c['round']:>3}  {c['sha256'][:12]}  {c['bytes']:>10} bytes  held-out loss {loss}")
+
+
+@ledger_app.command("verify")
+def ledger_verify(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--json")) -> None:
+    """Check the whole hash chain and every signature; name the first bad entry (exit 1)."""
+    try:
+        state = open_state(state_dir)
+    except StateError as exc:
+        _fail(str(exc))
+    from zoo_gym.server.settlement import verify_ledger
+
+    report = verify_ledger(state)
+    if as_json:
+        typer.echo(json.dumps(report))
+    elif report["ok"]:
+        typer.echo(f"ledger OK: {report['checked']} entries, chain and signatures verified")
+    else:
+        typer.echo(f"ledger BROKEN at entry {report['first_bad_seq']}: {report['reason']}")
+    if not report["ok"]:
+        raise typer.Exit(1)
+
+
+@ledger_app.command("show")
+def ledger_show(state_dir: Path = StateDir, contributor: Optional[str] = typer.Option(None),
+                limit: int = typer.Option(50), as_json: bool = typer.Option(False, "--json")) -> None:
+    """Print ledger entries (newest last)."""
+    state = open_state(state_dir)
+    from zoo_gym.server.settlement import ledger_entries
+
+    entries = ledger_entries(state, contributor=contributor, since_seq=0, limit=None)[-limit:]
+    if as_json:
+        typer.echo(json.dumps(entries, indent=2))
+        return
+    for e in entries:
+        typer.echo(f"{e['seq']:>5} r{e['round_id']:<3} {e['contributor_id'][:12]} {e['kind']:<10} "
+                   f"{e['amount']:>8} score {e['score']:.4f} rep {e['reputation_after']:.3f} {e['reason']}")

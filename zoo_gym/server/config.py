@@ -1,0 +1,125 @@
+"""Server settings: one dataclass, filled from defaults, then a TOML/YAML file, then command-line flags.
+
+Keys in a file may use dashes or underscores (``min-contributors`` == ``min_contributors``). Aggregation
+and privacy keys (``aggregator``, ``byzantine-f``, ``dp-noise-multiplier`` ...) go to DeltaSoup's
+SoupConfig; rewards keys (``reward-pool`` ...) to the rewards settings. Unknown keys are an error that
+names the key, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MiB = 1 << 20
+
+
+class ConfigError(ValueError):
+    """A setting is missing, unknown or out of range; the message names it."""
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    min_contributors: int = field(default=3, metadata={"help": "a round never closes with fewer submissions"})
+    quorum: int | None = field(default=None, metadata={"help": "close as soon as this many are in (default: min)"})
+    round_timeout: float = field(default=600.0, metadata={"help": "seconds; then close once min_contributors are in"})
+    max_payload_bytes: int = 2048 * MiB
+    max_chunk_bytes: int = 4 * MiB
+    download_chunk_bytes: int = 1 * MiB
+    max_workers: int = 16
+    validation_file: str | None = field(default=None, metadata={"help": "held-out examples (alpaca/sharegpt)"})
+    validation_examples: int = 128
+    # DeltaSoup (zoo_gym.aggregation.SoupConfig) keys, validated there.
+    soup: dict[str, Any] = field(default_factory=dict)
+    # zoo_gym.rewards settings, validated there.
+    rewards: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("`port` must be in [0, 65535] (0 picks a free port)")
+        if self.min_contributors < 1:
+            raise ConfigError("`min_contributors` must be >= 1")
+        if self.quorum is not None and self.quorum < self.min_contributors:
+            raise ConfigError("`quorum` must be >= `min_contributors`")
+        if self.round_timeout <= 0:
+            raise ConfigError("`round_timeout` must be > 0 seconds")
+        if not 1 <= self.max_chunk_bytes <= 64 * MiB:
+            raise ConfigError("`max_chunk_bytes` must be in [1, 64 MiB]")
+        if not 1 <= self.download_chunk_bytes <= 64 * MiB:
+            raise ConfigError("`download_chunk_bytes` must be in [1, 64 MiB]")
+        if self.max_payload_bytes < 1:
+            raise ConfigError("`max_payload_bytes` must be >= 1")
+
+    @property
+    def effective_quorum(self) -> int:
+        return self.quorum if self.quorum is not None else self.min_contributors
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+
+_SOUP_PREFIXES = ("aggregator", "byzantine", "multi_krum", "trim", "dp_", "cc_", "max_delta_norm", "gm_")
+_REWARD_PREFIXES = ("reward", "reputation", "min_quality", "scoring")
+
+
+def _norm(key: str) -> str:
+    return key.strip().replace("-", "_")
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Parse a TOML (.toml) or YAML (.yaml/.yml) file into a flat dict with normalised keys."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            raw = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            raw = yaml.safe_load(text) or {}
+        else:
+            raise ConfigError(f"{path}: use a .toml, .yaml or .yml file")
+    except (tomllib.TOMLDecodeError, ValueError) as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a table of settings")
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        if isinstance(value, dict) and _norm(key) in ("server", "aggregation", "soup", "rewards", "privacy"):
+            for k, v in value.items():  # sections are only for readability
+                flat[_norm(k)] = v
+        else:
+            flat[_norm(key)] = value
+    return flat
+
+
+def build_config(file_values: dict[str, Any] | None = None, **flags: Any) -> ServerConfig:
+    """Defaults < file values < flags (flags that are None are 'not given')."""
+    merged: dict[str, Any] = dict(file_values or {})
+    merged.update({_norm(k): v for k, v in flags.items() if v is not None})
+    own = {f.name for f in dataclasses.fields(ServerConfig)} - {"soup", "rewards"}
+    kwargs: dict[str, Any] = {"soup": {}, "rewards": {}}
+    for key, value in merged.items():
+        if key in own:
+            kwargs[key] = value
+        elif key.startswith(_SOUP_PREFIXES):
+            kwargs["soup"][key] = value
+        elif key.startswith(_REWARD_PREFIXES):
+            kwargs["rewards"][key] = value
+        else:
+            raise ConfigError(f"unknown setting `{key}`")
+    try:
+        return ServerConfig(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(str(exc)) from exc

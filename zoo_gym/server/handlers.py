@@ -1,0 +1,293 @@
+"""What each RPC does, free of gRPC: handlers take plain values and the server state, raise GymError.
+
+The servicer (servicer.py) turns requests into these calls and GymError into status codes. Every check
+runs before anything is stored, and a submission is acknowledged only after its blob is fsynced and its
+row committed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import re
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import func, select
+
+from zoo_gym import codec
+from zoo_gym.proto import signing
+from zoo_gym.server.blobs import BlobError
+from zoo_gym.server.config import ServerConfig
+from zoo_gym.server.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unauthenticated,
+)
+from zoo_gym.server.models import Checkpoint, Contributor, Round, RoundState, Submission, UsedNonce
+from zoo_gym.server.state import ServerState
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_ID = re.compile(r"^[0-9a-f]{32}$")
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+# ----------------------------------------------------------------------------------------------- register
+
+def register(*, public_key: bytes, display_name: str, nonce: bytes, signature: bytes,
+             state: ServerState) -> tuple[str, bool]:
+    """Register a key after checking its proof of possession. Returns (contributor_id, created)."""
+    if len(public_key) != 32:
+        raise InvalidArgument(f"public_key must be a raw 32-byte Ed25519 key, got {len(public_key)} bytes")
+    if len(display_name) > 64 or any(c in display_name for c in "\r\n\0"):
+        raise InvalidArgument("display_name must be at most 64 characters on one line")
+    cid = signing.contributor_id(public_key)
+    try:
+        message = signing.canonical_bytes(method="Register", contributor=cid, round_id=0,
+                                          payload_sha256=codec.sha256_hex(display_name.encode()), nonce=nonce)
+    except signing.SignatureError as exc:
+        raise InvalidArgument(str(exc)) from exc
+    try:
+        signing.verify(public_key, signature, message)
+    except signing.SignatureError as exc:
+        raise Unauthenticated(f"proof of possession failed: {exc}") from exc
+    with state.write_lock, state.session() as s:
+        if s.get(UsedNonce, (cid, nonce.hex())) is not None:
+            raise AlreadyExists("this nonce was already used: a replayed Register request is refused")
+        existing = s.get(Contributor, cid)
+        s.add(UsedNonce(contributor_id=cid, nonce=nonce.hex(), method="Register"))
+        if existing is None:
+            s.add(Contributor(id=cid, public_key=public_key.hex(), display_name=display_name))
+        s.commit()
+    return cid, existing is None
+
+
+# ----------------------------------------------------------------------------------------------- rounds
+
+@dataclass(frozen=True)
+class RoundView:
+    round: Round
+    base_size: int
+    submissions: int
+    you_submitted: bool
+    dp_epsilon_spent: float
+
+
+def round_view(*, state: ServerState, contributor_id: str = "") -> RoundView:
+    with state.session() as s:
+        rnd = state.current_round(s)
+        if rnd is None:
+            raise FailedPrecondition("the server has no round; initialise it with `gym-server init`")
+        count = s.exec(select(func.count()).select_from(Submission).where(Submission.round_id == rnd.id)).one()
+        mine = bool(contributor_id) and s.exec(
+            select(Submission.id).where(Submission.round_id == rnd.id, Submission.contributor_id == contributor_id)
+        ).first() is not None
+        spent = s.exec(select(Round.dp_epsilon_total).where(Round.dp_epsilon_total.is_not(None))
+                       .order_by(Round.id.desc())).first()
+        ckpt = s.get(Checkpoint, rnd.base_sha256)
+    return RoundView(rnd, ckpt.size if ckpt else 0, int(count), mine, float(spent or 0.0))
+
+
+# ----------------------------------------------------------------------------------------------- download
+
+def download(*, sha256: str, offset: int, state: ServerState, config: ServerConfig) -> Iterator[tuple[int, bytes, int]]:
+    """Yield (offset, data, total_size) chunks of a published checkpoint from `offset`."""
+    if not _HEX64.match(sha256):
+        raise InvalidArgument("checkpoint_sha256 must be 64 lowercase hex characters (RoundInfo.base_sha256)")
+    with state.session() as s:
+        if s.get(Checkpoint, sha256) is None:
+            raise NotFound(f"no published checkpoint has sha256 {sha256}")
+    total = state.blobs.size(sha256)
+    if offset > total:
+        raise InvalidArgument(f"offset {offset} is past the end of the checkpoint ({total} bytes)")
+    step = config.download_chunk_bytes
+    with open(state.blobs.path(sha256), "rb") as f:
+        f.seek(offset)
+        pos = offset
+        while pos < total:
+            data = f.read(min(step, total - pos))
+            if not data:
+                break
+            yield pos, data, total
+            pos += len(data)
+
+
+# ----------------------------------------------------------------------------------------------- submit
+
+@dataclass(frozen=True)
+class SubmitHeader:
+    contributor_id: str
+    round_id: int
+    base_sha256: str
+    payload_sha256: str
+    payload_size: int
+    manifest: tuple[tuple[str, tuple[int, ...], str, str], ...]  # (name, shape, dtype, codec)
+    nonce: bytes
+    signature: bytes
+    metadata_json: str
+
+
+@lru_cache(maxsize=8)
+def _base_manifest(weights_path: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, dtype) of a checkpoint's model.safetensors, read from its header only."""
+    out = {}
+    with safe_open(weights_path, framework="pt") as f:
+        for name in f.keys():
+            sl = f.get_slice(name)
+            out[name] = (tuple(sl.get_shape()), str(sl.get_dtype()))
+    return out
+
+
+def base_manifest(state: ServerState, sha256: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    return _base_manifest(str(state.checkpoint_dir(sha256) / "model.safetensors"))
+
+
+def _check_header(h: SubmitHeader, state: ServerState, config: ServerConfig) -> tuple[Round, bytes]:
+    if not _ID.match(h.contributor_id):
+        raise InvalidArgument("contributor_id must be the 32-hex id returned by Register")
+    for field_name in ("base_sha256", "payload_sha256"):
+        if not _HEX64.match(getattr(h, field_name)):
+            raise InvalidArgument(f"{field_name} must be 64 lowercase hex characters")
+    if len(h.nonce) != signing.NONCE_BYTES:
+        raise InvalidArgument(f"nonce must be {signing.NONCE_BYTES} random bytes")
+    if h.payload_size == 0:
+        raise InvalidArgument("payload_size is 0: an empty delta is not a contribution")
+    if h.payload_size > config.max_payload_bytes:
+        raise ResourceExhausted(
+            f"payload of {h.payload_size} bytes exceeds the server's limit of {config.max_payload_bytes} bytes")
+    with state.session() as s:
+        contributor = s.get(Contributor, h.contributor_id)
+        if contributor is None:
+            raise Unauthenticated(f"contributor {h.contributor_id} is not registered; call Register first")
+        message = signing.canonical_bytes(method="SubmitDelta", contributor=h.contributor_id, round_id=h.round_id,
+                                          payload_sha256=h.payload_sha256, nonce=h.nonce, base_sha256=h.base_sha256)
+        try:
+            signing.verify(bytes.fromhex(contributor.public_key), h.signature, message)
+        except signing.SignatureError as exc:
+            raise Unauthenticated(f"submission header signature: {exc}") from exc
+        if s.get(UsedNonce, (h.contributor_id, h.nonce.hex())) is not None:
+            raise AlreadyExists("this nonce was already used: a replayed submission is refused")
+        rnd = state.current_round(s)
+        _check_round(s, rnd, h)
+    return rnd, bytes.fromhex(contributor.public_key)
+
+
+def _check_round(s, rnd: Round | None, h: SubmitHeader) -> None:
+    if rnd is None or rnd.id != h.round_id or rnd.state != RoundState.OPEN:
+        current = f"round {rnd.id} is {rnd.state.value}" if rnd else "no round exists"
+        raise FailedPrecondition(f"round {h.round_id} is not open for submissions ({current}); "
+                                 "fetch the current round and train on its base")
+    if h.base_sha256 != rnd.base_sha256:
+        raise FailedPrecondition(f"the delta is relative to base {h.base_sha256[:12]}..., but round {rnd.id} "
+                                 f"trains on {rnd.base_sha256[:12]}...: download the current base and retrain")
+    if s.exec(select(Submission.id).where(Submission.round_id == rnd.id,
+                                         Submission.contributor_id == h.contributor_id)).first() is not None:
+        raise AlreadyExists(f"contributor {h.contributor_id} already has an accepted submission in round {rnd.id}")
+
+
+def _check_payload(payload: mmap.mmap, h: SubmitHeader, base: dict[str, tuple[tuple[int, ...], str]],
+                   config: ServerConfig) -> list[str]:
+    """Validate the payload against the header's manifest and the base; return the codecs used."""
+    try:
+        manifest = codec.read_manifest(payload)
+    except codec.CodecError as exc:
+        raise InvalidArgument(f"payload is not a valid delta: {exc}") from exc
+    declared = {(e.name, tuple(int(d) for d in e.shape), e.dtype, e.codec) for e in manifest.entries}
+    if declared != set(h.manifest):
+        raise InvalidArgument("the header's manifest does not match the tensors the payload declares")
+    codecs_used = sorted({e.codec for e in manifest.entries})
+    for e in manifest.entries:
+        if e.name not in base:
+            raise InvalidArgument(f"tensor {e.name!r} is not a parameter of the base checkpoint")
+        shape = tuple(int(d) for d in e.shape)
+        if shape != base[e.name][0]:
+            raise InvalidArgument(f"tensor {e.name!r} has shape {list(shape)}, the base has {list(base[e.name][0])}")
+        if e.dtype not in FLOAT_DTYPES:
+            raise InvalidArgument(f"tensor {e.name!r} has dtype {e.dtype}; deltas are float32, bfloat16 or float16")
+    sq_norm = 0.0
+    for e in manifest.entries:  # tensor by tensor: memory is one tensor, not the whole delta
+        try:
+            t = codec.decode_tensor(payload, e.name)
+        except codec.CodecError as exc:
+            raise InvalidArgument(f"tensor {e.name!r}: {exc}") from exc
+        t = t.float()
+        if not bool(torch.isfinite(t).all()):
+            raise InvalidArgument(f"tensor {e.name!r} holds NaN or infinite values")
+        sq_norm += float(t.double().pow(2).sum())
+    norm = math.sqrt(sq_norm)
+    if config.soup.get("max_delta_norm") and norm > float(config.soup["max_delta_norm"]):
+        raise InvalidArgument(f"the delta's L2 norm {norm:.4g} exceeds the server's limit "
+                              f"{config.soup['max_delta_norm']}")
+    return codecs_used
+
+
+def submit_delta(header: SubmitHeader, chunks: Iterable[bytes], *, state: ServerState,
+                 config: ServerConfig) -> Submission:
+    """Verify, receive, validate, store durably, then record. Raises GymError; stores nothing on error."""
+    rnd, _ = _check_header(header, state, config)
+    try:
+        meta = json.loads(header.metadata_json or "{}")
+        if not isinstance(meta, dict):
+            raise ValueError("not an object")
+    except ValueError as exc:
+        raise InvalidArgument(f"metadata_json must be a JSON object: {exc}") from exc
+    base = base_manifest(state, rnd.base_sha256)
+    with state.blobs.writer() as w:
+        for chunk in chunks:
+            if len(chunk) > config.max_chunk_bytes:
+                raise ResourceExhausted(f"a chunk of {len(chunk)} bytes exceeds the limit of "
+                                        f"{config.max_chunk_bytes} bytes; send smaller chunks")
+            if w.size + len(chunk) > header.payload_size:
+                raise InvalidArgument(f"more bytes arrived than the declared payload_size {header.payload_size}")
+            w.write(chunk)
+        if w.size != header.payload_size:
+            raise InvalidArgument(f"the stream ended after {w.size} of the declared {header.payload_size} bytes")
+        if w.sha256 != header.payload_sha256:
+            raise InvalidArgument("the payload's sha256 does not match the signed payload_sha256")
+        w.flush()
+        with open(w.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as payload:
+            codecs_used = _check_payload(payload, header, base, config)
+        try:
+            sha = w.commit(expect_sha256=header.payload_sha256)
+        except BlobError as exc:
+            raise InvalidArgument(str(exc)) from exc
+    sub = Submission(round_id=rnd.id, contributor_id=header.contributor_id, base_sha256=header.base_sha256,
+                     payload_sha256=sha, payload_size=header.payload_size, codecs=",".join(codecs_used),
+                     metadata_json=json.dumps(meta, sort_keys=True))
+    with state.write_lock, state.session() as s:
+        # Re-check under the lock: the round may have closed, or a twin request won the race.
+        _check_round(s, state.current_round(s), header)
+        if s.get(UsedNonce, (header.contributor_id, header.nonce.hex())) is not None:
+            raise AlreadyExists("this nonce was already used: a replayed submission is refused")
+        s.add(UsedNonce(contributor_id=header.contributor_id, nonce=header.nonce.hex(), method="SubmitDelta"))
+        s.add(sub)
+        try:
+            s.commit()
+        except IntegrityError as exc:
+            s.rollback()
+            raise AlreadyExists(f"contributor {header.contributor_id} already submitted to round {rnd.id}") from exc
+        s.refresh(sub)
+    return sub
+
+
+def submissions_count(state: ServerState, round_id: int) -> int:
+    with state.session() as s:
+        return int(s.exec(select(func.count()).select_from(Submission).where(Submission.round_id == round_id)).one())
+
+
+def deadline_passed(rnd: Round) -> bool:
+    return rnd.deadline_unix > 0 and time.time() >= rnd.deadline_unix
+
+
+def weights_path(state: ServerState, sha256: str) -> Path:
+    return state.checkpoint_dir(sha256) / "model.safetensors"

@@ -1,0 +1,83 @@
+"""The server's database tables (SQLModel). Rewards tables live in zoo_gym.rewards and share the engine.
+
+Table models only carry what must survive a restart; everything derivable (a round's submission count,
+a contributor's balance) is computed by query.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from enum import Enum
+
+from sqlalchemy import UniqueConstraint
+from sqlmodel import Field, SQLModel
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class RoundState(str, Enum):
+    OPEN = "open"
+    AGGREGATING = "aggregating"
+    PUBLISHED = "published"
+    HALTED = "halted"
+
+
+class Contributor(SQLModel, table=True):
+    id: str = Field(primary_key=True, max_length=32)  # hex sha256(public_key)[:32]
+    public_key: str = Field(max_length=64)  # hex of the raw 32-byte Ed25519 key
+    display_name: str = Field(default="", max_length=64)
+    registered_at: datetime = Field(default_factory=utcnow)
+
+
+class UsedNonce(SQLModel, table=True):
+    """Every nonce a contributor has used in an accepted signed request (replay protection)."""
+
+    contributor_id: str = Field(primary_key=True, max_length=32)
+    nonce: str = Field(primary_key=True, max_length=32)  # hex
+    method: str
+    used_at: datetime = Field(default_factory=utcnow)
+
+
+class Checkpoint(SQLModel, table=True):
+    """A published base checkpoint: a deterministic tar of a Hugging Face directory in the blob store."""
+
+    sha256: str = Field(primary_key=True, max_length=64)
+    round_id: int = Field(index=True)  # the round that published it; 0 = genesis
+    parent_sha256: str | None = Field(default=None, max_length=64)
+    size: int
+    heldout_loss: float | None = None
+    manifest_json: str = "{}"  # lineage: parent, round, contributors, aggregator, privacy spent
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class Round(SQLModel, table=True):
+    id: int = Field(primary_key=True)  # 1, 2, ... (round r trains on the checkpoint published by round r-1)
+    state: RoundState = RoundState.OPEN
+    base_sha256: str = Field(max_length=64)
+    opened_at: datetime = Field(default_factory=utcnow)
+    deadline_unix: float = 0.0
+    closed_at: datetime | None = None
+    published_sha256: str | None = Field(default=None, max_length=64)
+    aggregator: str = "mean"
+    report_json: str = "{}"  # DeltaSoup report: per-contributor accepted/refused and why, norms, selection
+    dp_epsilon_round: float | None = None
+    dp_epsilon_total: float | None = None
+    dp_noise_multiplier: float | None = None
+    dp_sample_rate: float | None = None
+    message: str = ""
+
+
+class Submission(SQLModel, table=True):
+    __table_args__ = (UniqueConstraint("round_id", "contributor_id", name="one_submission_per_round"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    round_id: int = Field(index=True)
+    contributor_id: str = Field(index=True, max_length=32)
+    base_sha256: str = Field(max_length=64)
+    payload_sha256: str = Field(max_length=64)
+    payload_size: int
+    codecs: str = ""  # comma-separated codecs used in the payload
+    metadata_json: str = "{}"
+    received_at: datetime = Field(default_factory=utcnow)

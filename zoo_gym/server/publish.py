@@ -1,0 +1,183 @@
+"""AGGREGATING -> PUBLISHED: merge a round's stored deltas with DeltaSoup and publish the next base.
+
+Deltas are read tensor by tensor from memory-mapped payloads (server memory grows with one tensor times
+the number of contributors), the aggregate is added to the base weights, and the new Hugging Face
+directory, with a lineage manifest, goes into the blob store as the next checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import shutil
+import tempfile
+from contextlib import ExitStack
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from sqlmodel import func, select
+
+from zoo_gym import codec
+from zoo_gym.aggregation import DeltaSoup, PrivacyAccountant, PrivacyBudgetExceeded, SoupConfig
+from zoo_gym.proto import archive
+from zoo_gym.server.config import ServerConfig
+from zoo_gym.server.evaluation import evaluator_for
+from zoo_gym.server.models import Checkpoint, Contributor, Round, RoundState, Submission
+from zoo_gym.server.settlement import settle_rewards
+from zoo_gym.server.state import ServerState
+
+log = logging.getLogger("zoo_gym.server")
+
+
+class StoredDeltas:
+    """DeltaSource over a round's stored payloads (zoo_gym.aggregation.DeltaSource)."""
+
+    def __init__(self, payloads: list, contributors: list[str], base: dict[str, torch.Tensor]) -> None:
+        self.contributors = contributors
+        self._payloads = payloads
+        self._base = base
+        self._entries = [{e.name: e for e in codec.read_manifest(p).entries} for p in payloads]
+        names = set().union(*(set(e) for e in self._entries)) if self._entries else set()
+        self._names = [n for n in base if n in names]  # base order: deterministic
+
+    def names(self) -> list[str]:
+        return self._names
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._base[name].shape)
+
+    def stacked(self, name: str) -> torch.Tensor:
+        rows = []
+        for payload, entries in zip(self._payloads, self._entries):
+            if name in entries:
+                rows.append(codec.decode_tensor(payload, name).reshape(-1).float())
+            else:  # this contributor did not change the tensor (e.g. LoRA leaves norms alone)
+                rows.append(torch.zeros(self._base[name].numel()))
+        return torch.stack(rows)  # (n, numel)
+
+    def packed(self, name: str):
+        if not all(name in e and e[name].codec == "bitdelta" for e in self._entries):
+            return None
+        return [codec.read_bitdelta(p, name) for p in self._payloads]
+
+
+def _jsonable(obj):
+    if is_dataclass(obj):
+        obj = asdict(obj)
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, float) and obj != obj:
+        return None  # NaN is not JSON
+    return obj
+
+
+def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: list[Submission]) -> str:
+    """Aggregate `subs` onto the round's base, publish, open the next round. Returns a one-line outcome."""
+    soup_config = SoupConfig.from_mapping(config.soup)
+    base_dir = state.checkpoint_dir(rnd.base_sha256)
+    base = load_file(str(base_dir / archive.WEIGHTS))
+    contributors = [s.contributor_id for s in subs]
+    with state.session() as s:
+        history = [(r.dp_noise_multiplier, r.dp_sample_rate, 1) for r in s.exec(
+            select(Round).where(Round.dp_noise_multiplier.is_not(None), Round.state == RoundState.PUBLISHED)
+            .order_by(Round.id))]
+        population = int(s.exec(select(func.count()).select_from(Contributor)).one())
+    accountant = PrivacyAccountant(history)
+    new_weights = {k: v.clone() for k, v in base.items()}
+    aggregate: dict[str, torch.Tensor] = {}
+
+    def sink(name: str, agg: torch.Tensor) -> None:
+        aggregate[name] = agg.reshape(base[name].shape)
+        new_weights[name] = (base[name].float() + aggregate[name]).to(base[name].dtype)
+
+    with ExitStack() as stack:
+        payloads = []
+        for sub in subs:
+            f = stack.enter_context(open(state.blobs.path(sub.payload_sha256), "rb"))
+            payloads.append(stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)))
+        source = StoredDeltas(payloads, contributors, base)
+        weights = None
+        try:
+            from zoo_gym.server.settlement import aggregation_weights
+
+            weights = aggregation_weights(state, config, contributors)
+        except ImportError:
+            pass
+        gen = torch.Generator().manual_seed(int.from_bytes(bytes.fromhex(rnd.base_sha256[:16]), "big"))
+        try:
+            report = DeltaSoup(soup_config, dp_clip=_last_dp_clip(state)).run(source, sink, weights=weights, generator=gen,
+                                                accountant=accountant, population=max(population, 1))
+        except PrivacyBudgetExceeded as exc:
+            with state.write_lock, state.session() as s:
+                r = s.get(Round, rnd.id)
+                r.state = RoundState.HALTED
+                r.message = f"halted: {exc}"
+                s.add(r)
+                s.commit()
+            return f"HALTED ({exc})"
+        evaluator = evaluator_for(state, config, rnd.base_sha256)
+        rewards_summary = settle_rewards(state, config, rnd, source, report, aggregate, evaluator)
+
+    report_json = json.dumps(_jsonable({"soup": report, "rewards": rewards_summary}), sort_keys=True)
+    privacy = getattr(report, "privacy", None)
+    lineage = {
+        "round": rnd.id,
+        "parent_sha256": rnd.base_sha256,
+        "contributors": contributors,
+        "accepted": [c for c, ok in zip(contributors, _accepted(report, len(contributors))) if ok],
+        "aggregator": soup_config.aggregator,
+        "privacy": _jsonable(privacy),
+    }
+    with tempfile.TemporaryDirectory(dir=state.work_dir) as tmp:
+        out = Path(tmp) / "ckpt"
+        out.mkdir()
+        for p in sorted(base_dir.iterdir()):
+            if p.is_file() and p.name not in (archive.WEIGHTS, archive.LINEAGE):
+                shutil.copyfile(p, out / p.name)
+        save_file(new_weights, str(out / archive.WEIGHTS), metadata={"format": "pt"})
+        archive.write_lineage(out, lineage)
+        heldout = evaluator.loss_of_dir(out) if evaluator is not None else None
+        with state.blobs.writer() as w:
+            archive.pack(out, w)
+            sha = w.commit()
+        size = state.blobs.size(sha)
+    with state.write_lock, state.session() as s:
+        if s.get(Checkpoint, sha) is None:
+            s.add(Checkpoint(sha256=sha, round_id=rnd.id, parent_sha256=rnd.base_sha256, size=size,
+                             heldout_loss=heldout, manifest_json=json.dumps(lineage, sort_keys=True)))
+        r = s.get(Round, rnd.id)
+        r.state = RoundState.PUBLISHED
+        r.published_sha256 = sha
+        r.aggregator = soup_config.aggregator
+        r.report_json = report_json
+        if privacy is not None:
+            r.dp_epsilon_round = privacy.epsilon_round
+            r.dp_epsilon_total = privacy.epsilon_total
+            r.dp_noise_multiplier = privacy.noise_multiplier
+            r.dp_sample_rate = privacy.q
+        s.add(r)
+        if s.get(Round, rnd.id + 1) is None:
+            s.add(Round(id=rnd.id + 1, state=RoundState.OPEN, base_sha256=sha, aggregator=soup_config.aggregator))
+        s.commit()
+    loss = f", held-out loss {heldout:.4f}" if heldout is not None else ""
+    return f"published {sha[:12]} from {len(contributors)} submissions{loss}"
+
+
+def _accepted(report, n: int) -> list[bool]:
+    return [bool(c.accepted) for c in report.contributors]
+
+
+def _last_dp_clip(state: ServerState) -> float | None:
+    """The adaptive clip norm the previous published round chose (None: use the configured one)."""
+    with state.session() as s:
+        last = s.exec(select(Round).where(Round.state == RoundState.PUBLISHED).order_by(Round.id.desc())).first()
+    if last is None:
+        return None
+    return json.loads(last.report_json).get("soup", {}).get("next_dp_clip")

@@ -1,0 +1,164 @@
+"""The gRPC face of the server: a thin servicer over handlers.py, plus health and reflection services.
+
+Each method converts the request, calls one handler, and maps GymError to `context.abort(code, msg)`.
+Unexpected exceptions become INTERNAL with a generic message (details go to the log, not to peers).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from zoo_gym import codec
+from zoo_gym.proto import gym_pb2, gym_pb2_grpc
+from zoo_gym.server import handlers
+from zoo_gym.server.config import ServerConfig
+from zoo_gym.server.errors import GymError, InvalidArgument
+from zoo_gym.server.models import RoundState
+from zoo_gym.server.rounds import RoundManager
+from zoo_gym.server.state import ServerState
+
+log = logging.getLogger("zoo_gym.server")
+
+_STATES = {
+    RoundState.OPEN: gym_pb2.ROUND_STATE_OPEN,
+    RoundState.AGGREGATING: gym_pb2.ROUND_STATE_AGGREGATING,
+    RoundState.PUBLISHED: gym_pb2.ROUND_STATE_PUBLISHED,
+    RoundState.HALTED: gym_pb2.ROUND_STATE_HALTED,
+}
+
+
+def _guard(method):
+    """Map domain errors to gRPC statuses; never leak internals to a peer."""
+
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except GymError as exc:
+            context.abort(exc.code, str(exc))
+        except grpc.RpcError:
+            raise
+        except Exception:  # noqa: BLE001
+            log.exception("unexpected error in %s", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, "internal server error; the operator's log has details")
+
+    wrapper.__name__ = method.__name__
+    return wrapper
+
+
+def _guard_stream(method):
+    def wrapper(self, request, context):
+        try:
+            yield from method(self, request, context)
+        except GymError as exc:
+            context.abort(exc.code, str(exc))
+        except grpc.RpcError:
+            raise
+        except Exception:  # noqa: BLE001
+            log.exception("unexpected error in %s", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, "internal server error; the operator's log has details")
+
+    wrapper.__name__ = method.__name__
+    return wrapper
+
+
+class GymServicer(gym_pb2_grpc.GymServicer):
+    def __init__(self, state: ServerState, config: ServerConfig, rounds: RoundManager) -> None:
+        self.state = state
+        self.config = config
+        self.rounds = rounds
+
+    @_guard
+    def Register(self, request, context):
+        cid, created = handlers.register(public_key=request.public_key, display_name=request.display_name,
+                                         nonce=request.nonce, signature=request.signature, state=self.state)
+        return gym_pb2.RegisterResponse(contributor_id=cid, created=created, server_public_key=self.state.public_key)
+
+    @_guard
+    def GetRound(self, request, context):
+        v = handlers.round_view(state=self.state, contributor_id=request.contributor_id)
+        cfg = self.config
+        return gym_pb2.RoundInfo(
+            round_id=v.round.id, state=_STATES[v.round.state], base_checkpoint_id=v.round.id - 1,
+            base_sha256=v.round.base_sha256, base_size=v.base_size, deadline_unix=v.round.deadline_unix,
+            accepted_codecs=list(codec.CODECS), submissions=v.submissions, min_contributors=cfg.min_contributors,
+            you_submitted=v.you_submitted, message=v.round.message, aggregator=cfg.soup.get("aggregator", "mean"),
+            dp_epsilon_spent=v.dp_epsilon_spent, dp_delta=float(cfg.soup.get("dp_delta", 1e-5)),
+            server_public_key=self.state.public_key,
+            limits=gym_pb2.Limits(max_payload_bytes=cfg.max_payload_bytes, max_chunk_bytes=cfg.max_chunk_bytes,
+                                  download_chunk_bytes=cfg.download_chunk_bytes,
+                                  max_delta_norm=float(cfg.soup.get("max_delta_norm") or 0.0)))
+
+    @_guard_stream
+    def DownloadCheckpoint(self, request, context):
+        sha = request.checkpoint_sha256
+        for offset, data, total in handlers.download(sha256=sha, offset=request.offset, state=self.state,
+                                                     config=self.config):
+            yield gym_pb2.CheckpointChunk(offset=offset, data=data, total_size=total, sha256=sha)
+
+    @_guard
+    def SubmitDelta(self, request_iterator, context):
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("part") != "header":
+            raise InvalidArgument("the first SubmitRequest must carry the SubmitHeader")
+        h = first.header
+        header = handlers.SubmitHeader(
+            contributor_id=h.contributor_id, round_id=h.round_id, base_sha256=h.base_sha256,
+            payload_sha256=h.payload_sha256, payload_size=h.payload_size,
+            manifest=tuple((t.name, tuple(t.shape), t.dtype, t.codec) for t in h.manifest),
+            nonce=h.nonce, signature=h.signature, metadata_json=h.metadata_json)
+        sub = handlers.submit_delta(header, _chunks(request_iterator), state=self.state, config=self.config)
+        self.rounds.notify()
+        return gym_pb2.SubmitResponse(submission_id=sub.id, round_id=sub.round_id,
+                                      payload_sha256=sub.payload_sha256,
+                                      submissions=handlers.submissions_count(self.state, sub.round_id))
+
+    @_guard
+    def GetBalance(self, request, context):
+        from zoo_gym.server.settlement import balance_of
+
+        b = balance_of(self.state, request.contributor_id)
+        return gym_pb2.Balance(contributor_id=request.contributor_id, balance=b["balance"],
+                               reputation=b["reputation"], entries=b["entries"], last_seq=b["last_seq"])
+
+    @_guard_stream
+    def StreamLedger(self, request, context):
+        from zoo_gym.server.settlement import ledger_entries
+
+        for e in ledger_entries(self.state, contributor=request.contributor_id or None,
+                                since_seq=request.since_seq, limit=request.limit or None):
+            yield gym_pb2.LedgerEntry(**e)
+
+
+def _chunks(request_iterator) -> Iterator[bytes]:
+    for req in request_iterator:
+        if req.WhichOneof("part") != "chunk":
+            raise InvalidArgument("only the first SubmitRequest may carry a header; the rest carry chunks")
+        yield req.chunk
+
+
+def build_server(state: ServerState, config: ServerConfig) -> tuple[grpc.Server, int, RoundManager]:
+    """Create (not start) the gRPC server on config.host:config.port; returns (server, bound port, rounds)."""
+    rounds = RoundManager(state, config)
+    options = [
+        # Large data travels in chunks; a message is at most one chunk plus a small header.
+        ("grpc.max_receive_message_length", config.max_chunk_bytes + (1 << 20)),
+        ("grpc.max_send_message_length", config.download_chunk_bytes + (1 << 20)),
+    ]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers), options=options)
+    gym_pb2_grpc.add_GymServicer_to_server(GymServicer(state, config, rounds), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("zoo_gym.v1.Gym", health_pb2.HealthCheckResponse.SERVING)
+    names = (gym_pb2.DESCRIPTOR.services_by_name["Gym"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {config.host}:{config.port} (in use, or not an address of this machine)")
+    return server, port, rounds

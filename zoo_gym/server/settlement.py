@@ -1,0 +1,158 @@
+"""The server's side of rewards: score a round, settle it on the ledger, answer balance/ledger queries.
+
+zoo_gym.rewards holds the formulas and the ledger; this module only feeds it the server's numbers:
+held-out losses from the validation set and the DeltaSoup report of the round.
+
+Scoring a round costs 1 + n + (marginal evaluations, bounded by `scoring_max_evaluations`) forward
+passes over the validation set. The marginal game V(S) evaluates base + the aggregate of subset S, where
+the subset aggregate is the report-weighted mean of the parts of the deltas the aggregator actually used
+(clip factor x selected x untrimmed share): exact for the mean, the standard linearisation for robust
+aggregators (re-running Krum on every subset would be both costly and ill-defined for small subsets).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from zoo_gym.rewards import (
+    ContributionDiagnostics,
+    Ledger,
+    ReputationBook,
+    ReputationConfig,
+    RoundAlreadySettledError,
+    ScoringConfig,
+    SettlementConfig,
+    aggregation_weights as _rep_weights,
+    score_round,
+    settle_round,
+    verify_chain,
+)
+from zoo_gym.server.config import ConfigError, ServerConfig
+from zoo_gym.server.state import ServerState
+
+_DEFAULTS = {"reward_pool": 1000, "reputation_weighting": True, "scoring_marginal": "gtg_shapley",
+             "scoring_max_evaluations": 32}
+
+
+def _settings(config: ServerConfig) -> tuple[int, bool, ScoringConfig, SettlementConfig]:
+    values = {**_DEFAULTS, **config.rewards}
+    rep_keys = {"reputation_initial": "initial", "reputation_alpha": "alpha", "reputation_penalty_alpha":
+                "penalty_alpha", "reputation_floor": "floor", "reputation_cap": "cap"}
+    known = set(_DEFAULTS) | set(rep_keys) | {"min_quality"}
+    unknown = set(values) - known
+    if unknown:
+        raise ConfigError(f"unknown rewards setting(s): {', '.join(sorted(unknown))}; known: {sorted(known)}")
+    pool = int(values["reward_pool"])
+    if pool < 0:
+        raise ConfigError("`reward_pool` must be >= 0")
+    rep = ReputationConfig(**{v: float(values[k]) for k, v in rep_keys.items() if k in values})
+    scoring = ScoringConfig(marginal=values["scoring_marginal"],
+                            max_evaluations=int(values["scoring_max_evaluations"]))
+    settle = SettlementConfig(min_quality=float(values.get("min_quality", 0.8)), reputation=rep)
+    return pool, bool(values["reputation_weighting"]), scoring, settle
+
+
+def _factory(state: ServerState):
+    from sqlmodel import Session
+
+    return lambda: Session(state.engine, expire_on_commit=False)
+
+
+def aggregation_weights(state: ServerState, config: ServerConfig, contributors: list[str]) -> torch.Tensor | None:
+    """Reputation weights for the aggregator (never self-reported sample counts); None when disabled."""
+    _, weighting, _, settle = _settings(config)
+    if not weighting:
+        return None
+    rep = settle.reputation
+    values = ReputationBook(_factory(state), rep).values(contributors)
+    return _rep_weights(contributors, values, floor=rep.floor, cap=rep.cap, initial=rep.initial,
+                        dtype=torch.float32)
+
+
+def settle_rewards(state: ServerState, config: ServerConfig, rnd, source, report, aggregate, evaluator) -> dict:
+    """Score every submission of the round and write its ledger entries. Returns a JSON-able summary."""
+    if evaluator is None:
+        return {"skipped": "no validation set"}
+    pool, _, scoring, settle = _settings(config)
+    names = source.names()
+    n = len(source.contributors)
+    # Dense deltas of every contributor, one tensor at a time into per-contributor dicts.
+    deltas: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
+    for name in names:
+        stacked = source.stacked(name)  # (n, numel)
+        for i in range(n):
+            deltas[i][name] = stacked[i]
+    shapes = {name: source.shape(name) for name in names}
+    contribs = report.contributors
+    used = [c.clip_factor * (1.0 if c.selected else 0.0) * (1.0 - c.trimmed_share) if c.accepted else 0.0
+            for c in contribs]
+    weights = [max(c.weight, 0.0) if c.accepted else 0.0 for c in contribs]
+
+    def as_delta(i: int, scale: float) -> dict[str, torch.Tensor]:
+        return {k: (v * scale).reshape(shapes[k]) for k, v in deltas[i].items()}
+
+    base_loss = evaluator.loss(None)
+    solo = [evaluator.loss(as_delta(i, c.clip_factor if c.accepted else 1.0)) for i, c in enumerate(contribs)]
+
+    def subset_loss(subset: frozenset[int]) -> float:
+        total_w = sum(weights[i] for i in subset if used[i] > 0)
+        if total_w <= 0:
+            return base_loss
+        merged = {k: torch.zeros(shapes[k]) for k in names}
+        for i in subset:
+            if used[i] > 0:
+                f = used[i] * weights[i] / total_w
+                for k in names:
+                    merged[k] += deltas[i][k].reshape(shapes[k]) * f
+        return evaluator.loss(merged)
+
+    diagnostics = [ContributionDiagnostics(
+        accepted=c.accepted, reason=c.reason or "", selected=c.selected,
+        trimmed_share=min(max(c.trimmed_share, 0.0), 1.0),
+        clip_factor=min(max(c.clip_factor, 1e-12), 1.0) if c.accepted else 1.0,
+        krum_score=c.score if c.score is not None else math.nan) for c in contribs]
+    scores = score_round(list(source.contributors), base_loss, solo, diagnostics, subset_loss, scoring)
+    ledger = Ledger(_factory(state), state.key)
+    book = ReputationBook(_factory(state), settle.reputation)
+    try:
+        settlement = settle_round(round_id=rnd.id, scores=scores, pool=pool, ledger=ledger, book=book, config=settle)
+    except RoundAlreadySettledError:
+        return {"settled": "earlier (recovered after a restart)"}
+    return {"base_loss": base_loss, "pool": pool,
+            "payouts": [asdict(p) for p in settlement.plan.payouts],
+            "scores": [asdict(s) for s in scores]}
+
+
+def balance_of(state: ServerState, contributor_id: str) -> dict[str, Any]:
+    from zoo_gym.server.errors import InvalidArgument
+
+    if not contributor_id:
+        raise InvalidArgument("contributor_id is required")
+    ledger = Ledger(_factory(state), state.key)
+    entries = ledger.entries(contributor=contributor_id)
+    book = ReputationBook(_factory(state))
+    return {"balance": ledger.balance(contributor_id), "reputation": float(book.get(contributor_id).value),
+            "entries": len(entries), "last_seq": entries[-1].seq if entries else 0}
+
+
+def ledger_entries(state: ServerState, *, contributor: str | None, since_seq: int, limit: int | None) -> list[dict]:
+    ledger = Ledger(_factory(state), state.key)
+    out = []
+    for e in ledger.entries(contributor=contributor, since_seq=since_seq, limit=limit):
+        d = e.model_dump()
+        d["contributor_id"] = d.pop("contributor")
+        out.append(d)
+    return out
+
+
+def verify_ledger(state: ServerState) -> dict[str, Any]:
+    report = Ledger(_factory(state), state.key).verify()
+    return asdict(report)
+
+
+__all__ = ["aggregation_weights", "balance_of", "ledger_entries", "settle_rewards", "verify_ledger",
+           "verify_chain"]
