@@ -86,7 +86,7 @@ def pack_bitdelta(x2d: Tensor, *, groups: Groups) -> tuple[np.ndarray, np.ndarra
     if not np.isfinite(sums).all():
         raise CodecError("tensor contains NaN or inf (or values so large their group sum overflows float32)")
     counts = group_counts(cols=cols, groups=groups).astype(np.float64)
-    if groups.scale_rows == 1 and rows > 1:
+    if groups.scale_rows < rows:
         total = sums.sum(axis=0, keepdims=True)  # (1, 1): one scale for the whole tensor
         return signs, total / (counts * rows)
     return signs, sums / counts

@@ -119,6 +119,8 @@ def as_buffer(payload: Any) -> memoryview:
 
 def build_payload(*, entries: list[dict[str, Any]], metadata: dict[str, Any], body: list[Any], body_size: int) -> bytes:
     """Assemble prefix, header and body chunks (buffers) into one payload."""
+    if sum(memoryview(c).nbytes for c in body) != body_size:
+        raise AssertionError("encoder bug: body chunks do not add up to the declared body_size")
     header = {"body_size": body_size, "metadata": metadata, "entries": entries}
     try:
         hb = json.dumps(header, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode("utf-8")

@@ -31,8 +31,9 @@ def _grouped(x2d: Tensor, *, groups: Groups) -> Tensor:
 
 def absmax_scales(x2d: Tensor, *, groups: Groups, qmax: int) -> Tensor:
     """float32 (scale_rows, n_groups): max |x| / qmax per group."""
+    rows = x2d.shape[0]
     amax = _grouped(x2d, groups=groups).abs().amax(dim=-1)  # (rows, n_groups)
-    if groups.scale_rows == 1:
+    if groups.scale_rows < rows:  # one scale for the whole tensor
         amax = amax.amax().reshape(1, 1)
     return amax / qmax
 
@@ -65,7 +66,7 @@ def pack_int4(q: Tensor) -> np.ndarray:
 
 def unpack_int4(packed: np.ndarray, *, numel: int) -> Tensor:
     """int8 (numel,) codes from :func:`pack_int4`; raises CodecError on a code that was never written."""
-    p = torch.from_numpy(np.ascontiguousarray(packed))
+    p = torch.from_numpy(np.array(packed, dtype=np.uint8))
     nib = torch.stack([p & 0x0F, p >> 4], dim=-1).reshape(-1)  # (2 * nbytes,)
     if numel % 2 and int(nib[-1]) != 0:
         raise CodecError("int4 payload has a non-zero padding nibble: the body is corrupt")
