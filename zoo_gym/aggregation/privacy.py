@@ -109,8 +109,9 @@ class PrivacyAccountant:
     def epsilon_if_step(self, *, noise_multiplier: float, sample_rate: float,
                         delta: float) -> float:
         """Epsilon after one more round with (z, q), without recording it."""
-        _check_step(noise_multiplier=noise_multiplier, sample_rate=sample_rate)
-        return rdp_epsilon([*self.history, (noise_multiplier, sample_rate, 1)], delta=delta)
+        trial = PrivacyAccountant(self.history)  # merged exactly as `step` would merge it
+        trial.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate)
+        return trial.epsilon(delta=delta)
 
 
 @dataclass(frozen=True)
