@@ -91,21 +91,30 @@ def test_wrong_shape_unknown_tensor_and_nan_are_invalid_argument(federation):
     delta = federation.small_delta(names=1)
     name, t = next(iter(delta.items()))
     cases = [({name: torch.zeros(t.shape[0] + 1, t.shape[1])}, "shape"),
-             ({"model.not_a_parameter.weight": torch.zeros(4, 4)}, "not a parameter"),
-             ({name: torch.full(t.shape, float("nan"))}, "NaN")]
+             ({"model.not_a_parameter.weight": torch.zeros(4, 4)}, "not a parameter")]
     for bad, match in cases:
         _refused(lambda: federation.submit(key, cid, codec.encode(bad, codec="fp32")),
                  grpc.StatusCode.INVALID_ARGUMENT, match)
+    # Our encoder refuses NaN, so forge the payload a hostile client would send: same bytes, NaN body.
+    marker = torch.full(t.shape, 1.2345)
+    payload = codec.encode({name: marker}, codec="fp32")
+    needle = marker[0, :4].numpy().tobytes()
+    nan = torch.full((4,), float("nan")).numpy().tobytes()
+    forged = payload.replace(needle, nan, 1)
+    assert forged != payload
+    _refused(lambda: _submit_raw(federation, key, cid, forged, manifest_from=payload),
+             grpc.StatusCode.INVALID_ARGUMENT, "")
     assert federation.stored_submissions() == 0
 
 
 def test_oversized_payload_and_chunk_are_resource_exhausted(federation):
     key, cid = federation.register()
-    big = codec.encode({k: v for k, v in federation.small_delta(names=100).items()}, codec="fp32")
-    assert len(big) > federation.config.max_payload_bytes
+    big = codec.encode(federation.small_delta(names=4), codec="fp32")
+    federation.config.max_payload_bytes = len(big) - 1
     _refused(lambda: federation.submit(key, cid, big), grpc.StatusCode.RESOURCE_EXHAUSTED, "limit")
+    federation.config.max_payload_bytes = 64 << 20
     payload = codec.encode(federation.small_delta(), codec="fp32")
-    assert len(payload) > federation.config.max_chunk_bytes // 4
+    assert len(payload) > 4096
     federation.config.max_chunk_bytes = 1024
     _refused(lambda: federation.submit(key, cid, payload, chunk=4096), grpc.StatusCode.RESOURCE_EXHAUSTED, "chunk")
     assert federation.stored_submissions() == 0
@@ -118,7 +127,7 @@ def test_garbage_payload_is_invalid_argument(federation):
              grpc.StatusCode.INVALID_ARGUMENT, "not a valid delta")
 
 
-def _submit_raw(federation, key, cid, payload):
+def _submit_raw(federation, key, cid, payload, manifest_from=None):
     from zoo_gym.client.upload import request_stream
     from zoo_gym.proto import signing
 
@@ -130,6 +139,9 @@ def _submit_raw(federation, key, cid, payload):
     header = gym_pb2.SubmitHeader(contributor_id=cid, round_id=info.round_id, base_sha256=info.base_sha256,
                                   payload_sha256=sha, payload_size=len(payload), nonce=nonce,
                                   signature=signing.sign(key, msg))
+    if manifest_from is not None:
+        header.manifest.extend(gym_pb2.TensorSpec(name=e.name, shape=list(e.shape), dtype=e.dtype, codec=e.codec,
+                                                  nbytes=e.nbytes) for e in codec.read_manifest(manifest_from).entries)
     return federation.stub.SubmitDelta(request_stream(header, payload, chunk_bytes=1 << 16))
 
 

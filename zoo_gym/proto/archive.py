@@ -32,7 +32,7 @@ def pack(model_dir: Path, out: BinaryIO) -> None:
     names = sorted(p.name for p in model_dir.iterdir())
     if WEIGHTS not in names:
         raise CheckpointError(f"{model_dir} has no {WEIGHTS}: save the model with safe_serialization")
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+    with tarfile.open(fileobj=out, mode="w|", format=tarfile.USTAR_FORMAT) as tar:
         for name in names:
             path = model_dir / name
             if not path.is_file() or not _SAFE_NAME.match(name):

@@ -17,6 +17,23 @@ from pathlib import Path
 from typing import BinaryIO
 
 
+@contextmanager
+def map_file(path: Path) -> Iterator[mmap.mmap]:
+    """A read-only memory map of a file. Tensors decoded from it may still view it when the block ends
+    (e.g. inside an exception's traceback); then the map is left to the garbage collector to close."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise BlobError(f"{path} is empty")
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        yield m
+    finally:
+        try:
+            m.close()
+        except BufferError:
+            pass
+
+
 class BlobError(ValueError):
     """A blob does not match what was declared (size or sha256)."""
 
@@ -111,14 +128,8 @@ class BlobStore:
     @contextmanager
     def mapped(self, sha256: str) -> Iterator[mmap.mmap]:
         """The blob as a read-only memory map (decoding never copies the whole payload)."""
-        with open(self.path(sha256), "rb") as f:
-            if os.fstat(f.fileno()).st_size == 0:
-                raise BlobError(f"blob {sha256} is empty")
-            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            try:
-                yield m
-            finally:
-                m.close()
+        with map_file(self.path(sha256)) as m:
+            yield m
 
     def read_range(self, sha256: str, offset: int, length: int) -> bytes:
         with open(self.path(sha256), "rb") as f:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import re
 import time
 from collections.abc import Iterable, Iterator
@@ -24,7 +23,7 @@ from sqlmodel import func, select
 
 from zoo_gym import codec
 from zoo_gym.proto import signing
-from zoo_gym.server.blobs import BlobError
+from zoo_gym.server.blobs import BlobError, map_file
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.errors import (
     AlreadyExists,
@@ -195,7 +194,7 @@ def _check_round(s, rnd: Round | None, h: SubmitHeader) -> None:
         raise AlreadyExists(f"contributor {h.contributor_id} already has an accepted submission in round {rnd.id}")
 
 
-def _check_payload(payload: mmap.mmap, h: SubmitHeader, base: dict[str, tuple[tuple[int, ...], str]],
+def _check_payload(payload, h: SubmitHeader, base: dict[str, tuple[tuple[int, ...], str]],
                    config: ServerConfig) -> list[str]:
     """Validate the payload against the header's manifest and the base; return the codecs used."""
     try:
@@ -255,7 +254,7 @@ def submit_delta(header: SubmitHeader, chunks: Iterable[bytes], *, state: Server
         if w.sha256 != header.payload_sha256:
             raise InvalidArgument("the payload's sha256 does not match the signed payload_sha256")
         w.flush()
-        with open(w.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as payload:
+        with map_file(w.path) as payload:
             codecs_used = _check_payload(payload, header, base, config)
         try:
             sha = w.commit(expect_sha256=header.payload_sha256)

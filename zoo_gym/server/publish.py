@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import shutil
 import tempfile
 from contextlib import ExitStack
@@ -100,8 +99,7 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
     with ExitStack() as stack:
         payloads = []
         for sub in subs:
-            f = stack.enter_context(open(state.blobs.path(sub.payload_sha256), "rb"))
-            payloads.append(stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)))
+            payloads.append(stack.enter_context(state.blobs.mapped(sub.payload_sha256)))
         source = StoredDeltas(payloads, contributors, base)
         weights = None
         try:

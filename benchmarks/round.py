@@ -1,0 +1,177 @@
+"""Round overhead and loopback transfer throughput of gym-server. Prints one JSON document.
+
+1. Round overhead: n contributors' BitDelta deltas of the tiny model are stored in a real server state;
+   we time the server's AGGREGATING -> PUBLISHED step (publish_round: decode, DeltaSoup, apply, save,
+   pack, store; rewards scoring and held-out evaluation timed separately) against the bare work of
+   reading the same deltas (decode every tensor) and writing the same checkpoint (save_file + tar +
+   fsync), measured in the same run. Target: ratio <= 2.
+2. Transfer: a 256 MiB checkpoint downloaded and a 256 MiB delta uploaded over 127.0.0.1 through the
+   real gRPC service (upload time includes the server's validation and fsync before it acknowledges).
+   Target: >= 300 MB/s each way.
+
+    python benchmarks/round.py [--contributors 10] [--transfer-mib 256] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from safetensors.torch import load_file, save_file
+from sqlmodel import select
+
+from zoo_gym import codec
+from zoo_gym.client.download import fetch_checkpoint
+from zoo_gym.client.upload import build_header, register_request, request_stream
+from zoo_gym.proto import archive, gym_pb2, gym_pb2_grpc, signing
+from zoo_gym.server.config import build_config
+from zoo_gym.server.models import Contributor, Round, Submission
+from zoo_gym.server.publish import publish_round
+from zoo_gym.server.servicer import build_server
+from zoo_gym.server.state import init_state
+
+
+def _store_submissions(state, n: int, seed: int = 0) -> list[Submission]:
+    with state.session() as s:
+        rnd = s.get(Round, 1)
+    base = load_file(str(state.checkpoint_dir(rnd.base_sha256) / archive.WEIGHTS))
+    g = torch.Generator().manual_seed(seed)
+    subs = []
+    with state.session() as s:
+        for i in range(n):
+            delta = {k: torch.randn(v.shape, generator=g) * 1e-3 for k, v in base.items()}
+            payload = codec.encode(delta, codec="bitdelta", group_size=128)
+            with state.blobs.writer() as w:
+                w.write(payload)
+                sha = w.commit()
+            cid = f"{i:032x}"
+            s.add(Contributor(id=cid, public_key="00" * 32))
+            sub = Submission(round_id=1, contributor_id=cid, base_sha256=rnd.base_sha256, payload_sha256=sha,
+                             payload_size=len(payload), codecs="bitdelta")
+            s.add(sub)
+            subs.append(sub)
+        s.commit()
+        return list(s.exec(select(Submission).where(Submission.round_id == 1)))
+
+
+def _bare(state, subs, base_sha: str, out_dir: Path) -> float:
+    """Read every delta tensor and write the checkpoint: the I/O floor of a round."""
+    base_dir = state.checkpoint_dir(base_sha)
+    t0 = time.perf_counter()
+    base = load_file(str(base_dir / archive.WEIGHTS))
+    acc = {k: v.clone() for k, v in base.items()}
+    for sub in subs:
+        with open(state.blobs.path(sub.payload_sha256), "rb") as f, \
+                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            for name, t in codec.decode(m).items():
+                acc[name] += t.reshape(acc[name].shape)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(acc, str(out_dir / archive.WEIGHTS), metadata={"format": "pt"})
+    for p in base_dir.iterdir():
+        if p.name != archive.WEIGHTS:
+            shutil.copyfile(p, out_dir / p.name)
+    with state.blobs.writer() as w:
+        archive.pack(out_dir, w)
+        w.commit()
+    return time.perf_counter() - t0
+
+
+def round_overhead(n: int, root: Path) -> dict:
+    state = init_state(root / "state", base_model="tiny")
+    subs = _store_submissions(state, n)
+    with state.session() as s:
+        rnd = s.get(Round, 1)
+    bare = min(_bare(state, subs, rnd.base_sha256, root / f"bare{i}") for i in range(3))
+    # Aggregation + publishing alone (no rewards, no evaluation): the pure server path.
+    cfg = build_config({}, aggregator="mean")
+    import zoo_gym.server.publish as pub
+
+    saved_eval, saved_settle = pub.evaluator_for, pub.settle_rewards
+    pub.evaluator_for = lambda *a, **k: None
+    pub.settle_rewards = lambda *a, **k: {}
+    try:
+        t0 = time.perf_counter()
+        publish_round(state, cfg, rnd, subs)
+        publish_only = time.perf_counter() - t0
+    finally:
+        pub.evaluator_for, pub.settle_rewards = saved_eval, saved_settle
+    state.engine.dispose()
+    # The whole round as served: + held-out evaluation and rewards scoring.
+    state2 = init_state(root / "state2", base_model="tiny")
+    subs2 = _store_submissions(state2, n)
+    with state2.session() as s:
+        rnd2 = s.get(Round, 1)
+    t0 = time.perf_counter()
+    publish_round(state2, cfg, rnd2, subs2)
+    full = time.perf_counter() - t0
+    state2.engine.dispose()
+    return {"contributors": n, "bare_read_write_s": bare, "publish_s": publish_only,
+            "round_overhead_ratio": publish_only / bare, "publish_with_scoring_s": full,
+            "with_scoring_ratio": full / bare, "target_ratio_max": 2.0}
+
+
+def transfer(mib: int, root: Path) -> dict:
+    model_dir = root / "big"
+    model_dir.mkdir()
+    side = int((mib * (1 << 20) / 4) ** 0.5)
+    big = {"model.big.weight": torch.randn(side, side) * 0.02}
+    save_file(big, str(model_dir / archive.WEIGHTS), metadata={"format": "pt"})
+    state = init_state(root / "tstate", base_model=str(model_dir))
+    cfg = build_config({}, port=0, max_payload_bytes=4 * mib << 20, max_chunk_bytes=4 << 20,
+                       download_chunk_bytes=4 << 20)
+    server, port, rounds = build_server(state, cfg)
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20),
+                                                                  ("grpc.max_send_message_length", 64 << 20)])
+    stub = gym_pb2_grpc.GymStub(channel)
+    try:
+        info = stub.GetRound(gym_pb2.GetRoundRequest())
+        t0 = time.perf_counter()
+        fetch_checkpoint(stub, info.base_sha256, info.base_size, root / "client", progress=False)
+        down = time.perf_counter() - t0
+        key = Ed25519PrivateKey.generate()
+        cid = stub.Register(register_request(key, "bench")).contributor_id
+        payload = codec.encode({"model.big.weight": torch.randn(side, side) * 1e-3}, codec="fp32")
+        header = build_header(key=key, contributor_id=cid, round_id=info.round_id, base_sha256=info.base_sha256,
+                              payload=payload, metadata={})
+        t0 = time.perf_counter()
+        stub.SubmitDelta(request_stream(header, payload, chunk_bytes=4 << 20))
+        up = time.perf_counter() - t0
+    finally:
+        channel.close()
+        server.stop(grace=None)
+        state.engine.dispose()
+    return {"checkpoint_bytes": info.base_size, "download_s": down,
+            "download_MBps": info.base_size / down / 1e6, "download_includes": "sha256 verify + untar",
+            "payload_bytes": len(payload), "upload_s": up, "upload_MBps": len(payload) / up / 1e6,
+            "upload_includes": "server sha256, decode + finite check, fsync, commit", "target_MBps_min": 300}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contributors", type=int, default=10)
+    ap.add_argument("--transfer-mib", type=int, default=256)
+    ap.add_argument("--quick", action="store_true", help="3 contributors, 32 MiB transfer")
+    args = ap.parse_args()
+    if args.quick:
+        args.contributors, args.transfer_mib = 3, 32
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        doc = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+               "round": round_overhead(args.contributors, root / "r"),
+               "transfer": transfer(args.transfer_mib, root / "t")}
+    print(json.dumps(doc, indent=2))
+
+
+if __name__ == "__main__":
+    main()
