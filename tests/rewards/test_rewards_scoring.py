@@ -164,3 +164,25 @@ def test_gtg_budget_efficiency_and_scores_nonnegative(g, budget, seed):
     assert all(s.score >= 0 for s in res.scores)
     if res.estimate.method == "gtg_shapley" and abs(v_full) > cfg.between_tol:
         assert sum(res.estimate.values.values()) == pytest.approx(v_full, abs=1e-9)
+
+
+def test_first_order_game_exact_numbers_and_bad_actors_unpaid():
+    from zoo_gym.rewards import accept_by_quality, directional_slopes, linear_losses
+
+    grad = {"w": torch.tensor([1.0, -2.0]), "b": torch.tensor([0.5])}
+    deltas = [{"w": torch.tensor([-0.1, 0.1]), "b": torch.tensor([0.0])},    # slope -0.3
+              {"w": torch.tensor([-0.2, 0.0]), "b": torch.tensor([-0.2])},   # slope -0.3
+              {"w": torch.zeros(2), "b": torch.zeros(1)},                    # 0
+              {"w": torch.tensor([0.1, -0.1]), "b": torch.tensor([0.0])}]    # +0.3 (sign-flip)
+    slopes = directional_slopes(grad, deltas)
+    assert slopes == pytest.approx([-0.3, -0.3, 0.0, 0.3])
+    solo, subset_loss = linear_losses(base_loss=3.0, slopes=slopes, weights=[1, 1, 1, 1])
+    assert subset_loss(frozenset({0, 3})) == pytest.approx(3.0)
+    assert subset_loss(frozenset({0, 1, 2})) == pytest.approx(2.8)
+    scores = score_round(list("abcd"), 3.0, solo, [OK] * 4, subset_loss,
+                         ScoringConfig(marginal="leave_one_out"))
+    # g = 0.1 for a and b; V(N) = (0.6 - 0.3) / 4 / 3 = 0.025, V(N\a) = 0, V(N\c) = 0.1 / 3,
+    # V(N\d) = 0.2 / 3 -> m = 0.025, 0.025, -1/120, -1/24; scores sqrt(0.1 x 0.025) = 0.05.
+    assert [s.marginal for s in scores] == pytest.approx([0.025, 0.025, -1 / 120, -1 / 24])
+    assert [s.score for s in scores] == pytest.approx([0.05, 0.05, 0.0, 0.0])
+    assert accept_by_quality(scores) == [True, True, False, False]

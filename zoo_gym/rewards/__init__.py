@@ -8,6 +8,7 @@ losses as floats and callables from the server. Formulas: see each module's docs
 from .acceptance import accept_by_quality, quality_threshold
 from .errors import (ConfigError, LedgerConflictError, LedgerError, RewardsError,
                      RoundAlreadySettledError, ScoringInputError, SplitError)
+from .first_order import directional_slopes, linear_losses
 from .ledger import (GENESIS_HASH, LEDGER_KINDS, Ledger, LedgerEntry, LedgerEntryBase,
                      LedgerEntryPublic, NewEntry, canonical_entry_bytes, compute_entry_hash,
                      create_ledger_tables, signing_message)
@@ -29,7 +30,7 @@ __all__ = [
     "RoundAlreadySettledError", "RoundScoring", "ScoringConfig", "ScoringInputError",
     "Settlement", "SettlementConfig", "SettlementPlan", "SplitError", "VerifyReport",
     "accept_by_quality", "aggregation_weights", "canonical_entry_bytes", "compute_entry_hash",
-    "create_ledger_tables", "load_public_key", "next_reputation", "plan_settlement",
+    "create_ledger_tables", "directional_slopes", "linear_losses", "load_public_key", "next_reputation", "plan_settlement",
     "quality_threshold", "score_round", "score_round_detailed", "settle_round",
     "signing_message", "split_pool", "verify_chain", "verify_entries",
 ]

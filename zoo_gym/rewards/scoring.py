@@ -168,6 +168,7 @@ def score_round_detailed(contributors: Sequence[str], base_loss: float,
 
     estimate: MarginalEstimate | None = None
     note = ""
+    spent = 0  # evaluations made even when the estimate is abandoned
     if subset_loss is not None and config.marginal != "none" and players:
         value = CachedValue(subset_loss, base_loss=base_loss,
                             max_evaluations=config.max_evaluations)
@@ -179,6 +180,7 @@ def score_round_detailed(contributors: Sequence[str], base_loss: float,
                                    truncation_tol=config.truncation_tol,
                                    between_tol=config.between_tol,
                                    convergence_tol=config.convergence_tol, generator=gen)
+        spent = value.evaluations
         if estimate is None:
             note = (f"max_evaluations={config.max_evaluations} cannot pay one {config.marginal} "
                     f"pass over {len(players)} contributors; used the solo gain")
@@ -186,7 +188,7 @@ def score_round_detailed(contributors: Sequence[str], base_loss: float,
         note = "no subset_loss given; used the solo gain"
     if estimate is None:
         estimate = MarginalEstimate(values={i: gains[i] for i in players}, method="solo",
-                                    evaluations=0, note=note)
+                                    evaluations=spent, note=note)
 
     consensus = _consensus([float(d.krum_score) for d in diagnostics], accepted,
                            exponent=config.krum_exponent)
