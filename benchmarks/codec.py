@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from zoo_gym.codec import LoraFactors, decode, decode_tensor, encode, read_manifest, relative_error
+from zoo_gym.codec import LoraFactors, decode, decode_tensor, encode, read_manifest
 
 
 def _min_time(fn, *, repeats: int, clone_fn) -> tuple[float, float, object]:

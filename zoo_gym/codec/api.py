@@ -9,7 +9,7 @@ dense fine-tuning deltas: its error on Gaussian data is ``sqrt(1 - 2/pi) = 0.603
 benchmarks/codec.py for per-tensor, per-row and group scales). It is NOT a quality guarantee: on the
 tiny model a per-row sign code kept only 77-79% of a full fine-tune's held-out gain (FINDINGS.md).
 For a rank-r LoRA delta the factors are exact and, once ``r * (in + out) * 2 bytes`` is below the
-``in * out / 8`` bytes of signs (square matrices wider than 64 r), smaller too, so auto keeps them. On
+``in * out / 8`` bytes of signs (square matrices wider than 32 r), smaller too, so auto keeps them. On
 narrower matrices (the 1.8M tiny model, hidden 192) the sign code of the merged matrix is smaller and
 its error (0.68 measured on a real rank-8 LoRA with one scale per matrix; 0.60-0.63 on random factors)
 is under 0.7, so auto sends signs: pass ``max_rel_error=0.5`` to keep exact factors there. Lower bounds
@@ -18,6 +18,7 @@ trade bytes for fidelity (0.3 picks int4, 0.05 int8 on Gaussian data).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -41,7 +42,7 @@ from zoo_gym.codec.container import (
 )
 from zoo_gym.codec.errors import CodecError
 from zoo_gym.codec.layout import CODECS, DENSE_CODECS, SCALE_DTYPES, align, leaf_parts
-from zoo_gym.codec.leaf import Leaf, decode_leaf, dtype_name, encode_leaf, packed_leaf
+from zoo_gym.codec.leaf import TORCH_DTYPES, Leaf, decode_leaf, dtype_name, encode_leaf, packed_leaf
 from zoo_gym.codec.lora import LoraFactors
 
 __all__ = ["encode", "decode", "decode_tensor", "decode_factors", "read_manifest", "read_bitdelta", "sha256_hex",
@@ -241,20 +242,12 @@ def _factors(mv: memoryview, e: TensorEntry) -> LoraFactors:
 
 def _decode_entry(mv: memoryview, e: TensorEntry) -> Tensor:
     if e.codec == "lora":
-        return _factors(mv, e).merged().to(_torch_dtype(e.dtype))
+        return _factors(mv, e).merged().to(TORCH_DTYPES[e.dtype])
     return _decode_leaf_entry(mv, e, what=f"tensor {e.name!r}")
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    from zoo_gym.codec.leaf import TORCH_DTYPES
-
-    return TORCH_DTYPES[name]
 
 
 def _guard(fn):
     """Public decoders raise CodecError only: a slip past validation must not surface as IndexError."""
-    import functools
-
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
