@@ -1,0 +1,107 @@
+"""Configuration of one local training round (``train``), with checks that name the field.
+
+The defaults are one contributor's typical federated round on the tiny model: LoRA, a few hundred
+short steps, well under a minute on two CPU cores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+METHODS = ("lora", "sft", "grpo")
+
+
+class TrainConfigError(ValueError):
+    """A TrainConfig field has a value that cannot work; the message names the field."""
+
+
+@dataclass
+class TrainConfig:
+    method: str = field(default="lora", metadata={"help": "lora | sft (full fine-tune) | grpo (LoRA + GRPO)"})
+    max_steps: int = field(default=150, metadata={"help": "optimizer steps of the round"})
+    batch_size: int = field(default=16, metadata={"help": "examples per step (grpo: prompts x generations)"})
+    learning_rate: float = field(default=3e-3, metadata={"help": "peak learning rate (linear decay)"})
+    warmup_steps: int = field(default=5, metadata={"help": "linear warm-up steps"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    max_length: int = field(default=256, metadata={"help": "tokens per example (longer ones are cut)"})
+    # LoRA (PEFT), used by lora and grpo
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
+    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha (scaling alpha/r, or alpha/sqrt(r))"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input"})
+    target_modules: str | list[str] = field(default="all-linear", metadata={"help": "PEFT target_modules"})
+    use_dora: bool = field(default=False, metadata={"help": "DoRA (PEFT use_dora)"})
+    use_rslora: bool = field(default=False, metadata={"help": "rank-stabilised LoRA (PEFT use_rslora)"})
+    init_lora_weights: bool | str = field(default=True, metadata={"help": "PEFT init_lora_weights (True, 'pissa', ...)"})
+    merged_delta: bool = field(default=False, metadata={"help": "lora/grpo: dense merged delta instead of factors"})
+    # GRPO (TRL GRPOTrainer)
+    grpo_num_generations: int = field(default=8, metadata={"help": "completions per prompt"})
+    grpo_max_completion_length: int = field(default=6, metadata={"help": "tokens generated per completion"})
+    grpo_temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
+    grpo_beta: float = field(default=0.0, metadata={"help": "KL coefficient (0: no reference model)"})
+    grpo_importance_sampling_level: str = field(default="token", metadata={"help": "token | sequence (GSPO)"})
+    grpo_eval_prompts: int = field(default=64, metadata={"help": "prompts for reward_before/after"})
+    # DP-SGD (Opacus), sft and lora
+    dp_noise_multiplier: float | None = field(default=None, metadata={"help": "Gaussian noise / max_grad_norm"})
+    dp_max_grad_norm: float = field(default=1.0, metadata={"help": "per-example gradient clip"})
+    dp_target_epsilon: float | None = field(default=None, metadata={"help": "noise chosen to spend this epsilon"})
+    dp_delta: float = field(default=1e-5, metadata={"help": "DP delta"})
+    # hardware
+    quantization: str | None = field(default=None, metadata={"help": "None | '4bit' (QLoRA, bitsandbytes NF4)"})
+    attn_implementation: str | None = field(default=None, metadata={"help": "None | sdpa | eager | flash_attention_2"})
+    seed: int = field(default=0, metadata={"help": "seed of init, data order, dropout, sampling and DP noise"})
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_noise_multiplier is not None or self.dp_target_epsilon is not None
+
+    def __post_init__(self) -> None:
+        def bad(name: str, rule: str) -> None:
+            raise TrainConfigError(f"`{name}` {rule}, got {getattr(self, name)!r}")
+
+        if self.method not in METHODS:
+            bad("method", f"must be one of {METHODS}")
+        for name in ("max_steps", "batch_size", "lora_r", "max_length", "grpo_max_completion_length",
+                     "grpo_eval_prompts"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                bad(name, "must be an integer >= 1")
+        if self.warmup_steps < 0:
+            bad("warmup_steps", "must be >= 0")
+        if not self.learning_rate > 0:
+            bad("learning_rate", "must be > 0")
+        if self.weight_decay < 0:
+            bad("weight_decay", "must be >= 0")
+        if not self.lora_alpha > 0:
+            bad("lora_alpha", "must be > 0")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            bad("lora_dropout", "must be in [0, 1)")
+        if not (isinstance(self.target_modules, str) or
+                (isinstance(self.target_modules, list | tuple) and self.target_modules)):
+            bad("target_modules", "must be 'all-linear', a module name or a non-empty list of names")
+        if self.grpo_num_generations < 2:
+            bad("grpo_num_generations", "must be >= 2 (GRPO compares completions of one prompt)")
+        if self.method == "grpo" and self.batch_size % self.grpo_num_generations:
+            bad("batch_size", f"must be a multiple of grpo_num_generations={self.grpo_num_generations} for grpo")
+        if self.grpo_importance_sampling_level not in ("token", "sequence"):
+            bad("grpo_importance_sampling_level", "must be 'token' or 'sequence' (GSPO)")
+        if not self.grpo_temperature > 0:
+            bad("grpo_temperature", "must be > 0")
+        if self.grpo_beta < 0:
+            bad("grpo_beta", "must be >= 0")
+        if self.dp_noise_multiplier is not None and self.dp_target_epsilon is not None:
+            bad("dp_target_epsilon", "cannot be combined with dp_noise_multiplier (set one of them)")
+        if self.dp_noise_multiplier is not None and not self.dp_noise_multiplier > 0:
+            bad("dp_noise_multiplier", "must be > 0")
+        if self.dp_target_epsilon is not None and not self.dp_target_epsilon > 0:
+            bad("dp_target_epsilon", "must be > 0")
+        if not self.dp_max_grad_norm > 0:
+            bad("dp_max_grad_norm", "must be > 0")
+        if not 0 < self.dp_delta < 1:
+            bad("dp_delta", "must be in (0, 1)")
+        if self.dp_enabled and self.method == "grpo":
+            bad("method", "cannot use DP-SGD: DP is offered for 'sft' and 'lora' only")
+        if self.quantization not in (None, "4bit"):
+            bad("quantization", "must be None or '4bit'")
+        if self.quantization == "4bit" and self.method == "sft":
+            bad("quantization", "'4bit' is QLoRA: use method 'lora' or 'grpo', a 4-bit base cannot be fully fine-tuned")
+        if self.attn_implementation not in (None, "eager", "sdpa", "flash_attention_2"):
+            bad("attn_implementation", "must be None, 'eager', 'sdpa' or 'flash_attention_2'")

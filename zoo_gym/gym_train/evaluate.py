@@ -1,0 +1,144 @@
+"""Held-out loss of a checkpoint, optionally with a weight delta added temporarily.
+
+Used by the server (validation loss of a published checkpoint), by rewards scoring (base + one
+contributor's delta) and by the client (loss before/after a round). The loss is the mean
+next-token cross-entropy over completion tokens only (``output<|im_end|>``), token-weighted over the
+whole example set, so it does not depend on the batch size.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Mapping
+
+import torch
+
+from .chat import render_completion, render_prompt
+
+
+def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype = torch.float32, attn_implementation=None):
+    from transformers import AutoModelForCausalLM
+
+    kw = {"dtype": dtype}
+    if attn_implementation:
+        kw["attn_implementation"] = attn_implementation
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), **kw)
+
+
+def load_tokenizer(model_dir: str | pathlib.Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def tokenize_examples(tokenizer, examples: list[dict]) -> list[tuple[list[int], list[int]]]:
+    """Each example -> (prompt ids, completion ids) with the chat template of chat.py."""
+    out = []
+    for ex in examples:
+        p = tokenizer(render_prompt(ex), add_special_tokens=False)["input_ids"]
+        c = tokenizer(render_completion(ex), add_special_tokens=False)["input_ids"]
+        out.append((p, c))
+    return out
+
+
+def collate(pairs: list[tuple[list[int], list[int]]], *, pad_id: int) -> tuple[torch.Tensor, ...]:
+    """Right-padded (B, T) input ids, attention mask, labels (-100 outside completions)."""
+    T = max(len(p) + len(c) for p, c in pairs)
+    ids = torch.full((len(pairs), T), pad_id, dtype=torch.long)  # (B, T)
+    mask = torch.zeros((len(pairs), T), dtype=torch.long)  # (B, T)
+    labels = torch.full((len(pairs), T), -100, dtype=torch.long)  # (B, T)
+    for i, (p, c) in enumerate(pairs):
+        n = len(p) + len(c)
+        ids[i, :n] = torch.tensor(p + c)
+        mask[i, :n] = 1
+        labels[i, len(p):n] = torch.tensor(c)
+    return ids, mask, labels
+
+
+def dense_delta(value) -> torch.Tensor:
+    """A delta value as a dense tensor: tensors pass through, LoRA factors are merged (B @ A)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if hasattr(value, "merged"):
+        return value.merged()
+    raise TypeError(f"a delta value must be a Tensor or LoraFactors, got {type(value).__name__}")
+
+
+def completion_loss_sum(model, batches, *, device=None) -> tuple[float, int]:
+    """Sum of completion-token cross-entropies and their count over pre-collated batches."""
+    total, count = 0.0, 0
+    for ids, mask, labels in batches:
+        if device is not None:
+            ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
+        logits = model(input_ids=ids, attention_mask=mask).logits  # (B, T, V)
+        shift_logits = logits[:, :-1].float()  # (B, T-1, V)
+        shift_labels = labels[:, 1:]  # (B, T-1)
+        loss = torch.nn.functional.cross_entropy(
+            shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1),
+            ignore_index=-100, reduction="sum",
+        )
+        total += float(loss)
+        count += int((shift_labels != -100).sum())
+    return total, count
+
+
+class Evaluator:
+    """Mean completion-token loss of ``model_dir`` (plus an optional delta) on fixed examples.
+
+    Tokenises once; :meth:`loss` adds ``scale * delta`` to the weights, evaluates under
+    ``torch.inference_mode`` and restores the original weights bit for bit (from a saved copy).
+    """
+
+    def __init__(self, model_dir, examples: list[dict], *, batch_size: int = 64, model=None, tokenizer=None):
+        if not examples:
+            raise ValueError("`examples` must not be empty: there is nothing to evaluate the loss on")
+        if batch_size < 1:
+            raise ValueError(f"`batch_size` must be >= 1, got {batch_size}")
+        self.model_dir = pathlib.Path(model_dir) if model_dir is not None else None
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
+        self.model = model if model is not None else load_model(model_dir)
+        self.model.eval()
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        pairs = tokenize_examples(self.tokenizer, examples)
+        # sort by length so batches pad little; the token-weighted mean does not depend on order
+        pairs.sort(key=lambda pc: len(pc[0]) + len(pc[1]))
+        self._batches = [collate(pairs[i:i + batch_size], pad_id=pad) for i in range(0, len(pairs), batch_size)]
+        self._params = dict(self.model.named_parameters(remove_duplicate=True))
+
+    @property
+    def parameter_names(self) -> list[str]:
+        return list(self._params)
+
+    def _target(self, name: str) -> torch.nn.Parameter:
+        p = self._params.get(name)
+        if p is None and name == "lm_head.weight":
+            p = self._params.get("model.embed_tokens.weight")
+        if p is None:
+            raise KeyError(f"delta names {name!r}, which is not a parameter of the model")
+        return p
+
+    def loss(self, delta: Mapping[str, torch.Tensor] | None = None, *, scale: float = 1.0) -> float:
+        """Mean completion-token loss of base + ``scale * delta`` (the weights are restored after)."""
+        saved: dict[str, torch.Tensor] = {}
+        device = next(self.model.parameters()).device
+        try:
+            with torch.inference_mode():
+                for name, value in (delta or {}).items():
+                    p = self._target(name)
+                    d = dense_delta(value)
+                    if tuple(d.shape) != tuple(p.shape):
+                        raise ValueError(f"delta {name!r} has shape {tuple(d.shape)}, the model's is {tuple(p.shape)}")
+                    if name not in saved:
+                        saved[name] = p.detach().clone()
+                    p.add_(d.to(device=p.device, dtype=p.dtype), alpha=scale)
+                total, count = completion_loss_sum(self.model, self._batches, device=device)
+        finally:
+            with torch.inference_mode():
+                for name, orig in saved.items():
+                    self._target(name).copy_(orig)
+        return total / max(count, 1)
+
+
+def heldout_loss(model_dir, examples: list[dict], *, batch_size: int = 64) -> float:
+    """Mean completion-token loss of the checkpoint in ``model_dir`` on ``examples``."""
+    return Evaluator(model_dir, examples, batch_size=batch_size).loss()

@@ -1,0 +1,156 @@
+"""Built-in generated task families for the tiny model, deterministic by seed.
+
+Every family is a function ``(rng) -> alpaca dict`` drawing from a ``random.Random``. The tiny base is
+pretrained on the ``PRETRAIN_TASKS`` mixture only (chat format, sums and differences,
+copying and counting digits);
+contributors' built-in shards teach families the base never saw:
+
+* ``reverse`` (the ``"default"`` task): reverse a short string of digits, a new skill with clear room
+  that a few hundred LoRA steps visibly learn;
+* ``word_math``: one-digit word problems with an exact numeric answer, the GRPO task (the base knows
+  ``a+b`` but never saw the words, so its reward starts low and can rise).
+
+Disjointness across shards and splits: each family's examples are keyed by their (instruction, input)
+text; an example belongs to the split and shard chosen by a hash of that key, so no prompt appears in
+two shards or in both the training data and the validation set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import string
+from collections.abc import Callable
+
+Example = dict[str, str]
+
+_NAMES = ("Ann", "Bob", "Cid", "Dee", "Eve", "Fay", "Gus", "Hal", "Ivy", "Jo", "Kim", "Lu")
+_THINGS = ("apples", "pens", "coins", "cards", "books", "cups", "eggs", "shells")
+
+
+def _digits(rng: random.Random, lo: int, hi: int) -> str:
+    # digits tokenize one per token, so string surgery on them is token surgery
+    return "".join(rng.choice(string.digits) for _ in range(rng.randint(lo, hi)))
+
+
+def arith(rng: random.Random) -> Example:
+    """Two-number sums and differences: ``12+7`` -> ``19`` (pretraining family)."""
+    a, b = rng.randint(0, 49), rng.randint(0, 49)
+    if rng.random() < 0.5:
+        return {"instruction": "Compute.", "input": f"{a}+{b}", "output": str(a + b)}
+    a, b = max(a, b), min(a, b)
+    return {"instruction": "Compute.", "input": f"{a}-{b}", "output": str(a - b)}
+
+
+def copy(rng: random.Random) -> Example:
+    """Repeat a string of digits (pretraining family)."""
+    s = _digits(rng, 3, 8)
+    return {"instruction": "Repeat the digits.", "input": s, "output": s}
+
+
+def count(rng: random.Random) -> Example:
+    """Count the digits of a string (pretraining family)."""
+    s = _digits(rng, 1, 9)
+    return {"instruction": "How many digits?", "input": s, "output": str(len(s))}
+
+
+def reverse(rng: random.Random) -> Example:
+    """Reverse a string of digits: the contributors' default task (never seen by the base)."""
+    s = _digits(rng, 3, 7)
+    return {"instruction": "Reverse the digits.", "input": s, "output": s[::-1]}
+
+
+def word_math(rng: random.Random) -> Example:
+    """One-digit word problems with an exact numeric answer (the GRPO task; never seen by the base)."""
+    name, thing = rng.choice(_NAMES), rng.choice(_THINGS)
+    a, b = rng.randint(1, 9), rng.randint(1, 9)
+    if rng.random() < 0.5:
+        q = f"{name} has {a} {thing} and gets {b} more. How many {thing} now?"
+        ans = a + b
+    else:
+        a, b = max(a, b), min(a, b)
+        q = f"{name} has {a} {thing} and gives away {b}. How many {thing} now?"
+        ans = a - b
+    return {"instruction": "Solve.", "input": q, "output": str(ans)}
+
+
+TASKS: dict[str, Callable[[random.Random], Example]] = {
+    "arith": arith,
+    "copy": copy,
+    "count": count,
+    "reverse": reverse,
+    "word_math": word_math,
+}
+PRETRAIN_TASKS = ("arith", "copy", "count")
+TASK_ALIASES = {"default": "reverse", "grpo": "word_math"}
+VALIDATION_SHARE = 0.15  # share of each family's prompt space reserved for the validation split
+
+
+def _bucket(ex: Example, *, salt: str) -> float:
+    """A uniform number in [0, 1) fixed by the example's prompt text (stable across runs/platforms)."""
+    key = f"{salt}\x00{ex['instruction']}\x00{ex['input']}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") / 2.0**64
+
+
+def resolve_task(task: str) -> str:
+    name = TASK_ALIASES.get(task, task)
+    if name not in TASKS:
+        known = sorted(set(TASKS) | set(TASK_ALIASES))
+        raise ValueError(f"`task` must be one of {known}, got {task!r}")
+    return name
+
+
+def builtin_examples(
+    task: str = "default",
+    *,
+    shard: int = 0,
+    n_shards: int = 1,
+    n: int = 256,
+    split: str = "train",
+    seed: int = 0,
+) -> list[Example]:
+    """``n`` distinct alpaca examples of ``task`` for one contributor shard (or the validation split).
+
+    Shards of the train split are disjoint from each other and from the validation split, whatever
+    the seeds (membership is decided by a hash of the prompt, the seed only orders the draw).
+    """
+    name = resolve_task(task)
+    if split not in ("train", "validation"):
+        raise ValueError(f"`split` must be 'train' or 'validation', got {split!r}")
+    if n_shards < 1:
+        raise ValueError(f"`n_shards` must be >= 1, got {n_shards}")
+    if not 0 <= shard < n_shards:
+        raise ValueError(f"`shard` must be in [0, n_shards={n_shards}), got {shard}")
+    if n < 0:
+        raise ValueError(f"`n` must be >= 0, got {n}")
+    family = TASKS[name]
+    rng = random.Random(f"{name}/{split}/{shard}/{n_shards}/{seed}")
+    out: list[Example] = []
+    seen: set[tuple[str, str]] = set()
+    tries = 0
+    while len(out) < n:
+        tries += 1
+        if tries > 200 * n + 10_000:
+            raise ValueError(f"task {name!r} has too few distinct prompts for n={n} in this shard")
+        ex = family(rng)
+        u = _bucket(ex, salt=name)
+        if split == "validation":
+            if u >= VALIDATION_SHARE:
+                continue
+        else:
+            if u < VALIDATION_SHARE:
+                continue
+            v = (u - VALIDATION_SHARE) / (1.0 - VALIDATION_SHARE)
+            if min(int(v * n_shards), n_shards - 1) != shard:
+                continue
+        k = (ex["instruction"], ex["input"])
+        if k in seen:
+            continue
+        seen.add(k)
+        out.append(ex)
+    return out
+
+
+def default_validation_examples(n: int = 128) -> list[Example]:
+    """The server's validation set: the default task's validation split (disjoint from every shard)."""
+    return builtin_examples("default", split="validation", n=n, seed=0)

@@ -1,0 +1,232 @@
+"""One contributor's local training round: SFT, LoRA or GRPO through TRL and PEFT, returning a delta.
+
+Methods: full fine-tune and LoRA with TRL's ``SFTTrainer`` (Hu et al., "LoRA", 2021; DoRA, rsLoRA,
+PiSSA through PEFT's own options); GRPO with TRL's ``GRPOTrainer`` (Shao et al., "DeepSeekMath", 2024),
+GSPO as its sequence-level importance sampling (Zheng et al., "Group Sequence Policy Optimization",
+2025); DP-SGD through Opacus (Abadi et al., 2016) in ``dp.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .chat import prompt_messages
+from .config import TrainConfig
+from .delta import base_parameter_names, capture_initial_factors, dense_delta_from_models, lora_factors, merged_lora_delta
+from .evaluate import Evaluator, load_model, load_tokenizer
+from .hardware import check_hardware
+
+
+@dataclass
+class TrainResult:
+    delta: dict  # base parameter name -> Tensor (dense) or zoo_gym.codec.LoraFactors
+    base_sha256: str
+    metadata: dict = field(default_factory=dict)
+
+
+def _quiet(progress: bool):
+    import datasets
+    import transformers
+
+    if progress:
+        return contextlib.nullcontext()
+    transformers.utils.logging.set_verbosity_error()
+    datasets.utils.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    return contextlib.nullcontext()
+
+
+def _split_heldout(examples: list[dict], eval_examples: list[dict] | None) -> tuple[list[dict], list[dict] | None]:
+    """Without explicit eval examples, hold out the last tenth (at most 64) of the data when there are >= 10."""
+    if eval_examples is not None:
+        return examples, list(eval_examples) or None
+    if len(examples) < 10:
+        return examples, None
+    k = min(64, len(examples) // 10)
+    return examples[:-k], examples[-k:]
+
+
+def _lora_config(cfg: TrainConfig):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=cfg.target_modules,
+        use_dora=cfg.use_dora,
+        use_rslora=cfg.use_rslora,
+        init_lora_weights=cfg.init_lora_weights,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def common_training_args(cfg: TrainConfig, output_dir: str, *, progress: bool) -> dict:
+    """Keyword arguments shared by SFTConfig and GRPOConfig (transformers TrainingArguments)."""
+    return dict(
+        output_dir=output_dir,
+        max_steps=cfg.max_steps,
+        per_device_train_batch_size=cfg.batch_size,
+        gradient_accumulation_steps=1,
+        learning_rate=cfg.learning_rate,
+        lr_scheduler_type="linear",
+        warmup_steps=cfg.warmup_steps,
+        weight_decay=cfg.weight_decay,
+        logging_steps=max(1, cfg.max_steps // 10),
+        save_strategy="no",
+        report_to="none",
+        use_cpu=not torch.cuda.is_available(),
+        bf16=False,
+        fp16=False,
+        seed=cfg.seed,
+        data_seed=cfg.seed,
+        disable_tqdm=not progress,
+        log_level="info" if progress else "error",
+        dataloader_num_workers=0,
+        include_num_input_tokens_seen="non_padding",
+    )
+
+
+def quiet_trainer(trainer, progress: bool) -> None:
+    """Without progress, drop the callback that prints every log dict to stdout."""
+    if not progress:
+        from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+        trainer.remove_callback(PrinterCallback)
+        trainer.remove_callback(ProgressCallback)
+
+
+def sft_dataset(examples: list[dict]):
+    """Conversational prompt/completion rows for TRL (the loss is on the completion only)."""
+    from datasets import Dataset
+
+    rows = [
+        {"prompt": prompt_messages(ex), "completion": [{"role": "assistant", "content": ex["output"]}]}
+        for ex in examples
+    ]
+    return Dataset.from_list(rows)
+
+
+def _run_sft(model, tokenizer, train_ex, cfg: TrainConfig, tmp: str, progress: bool):
+    from trl import SFTConfig, SFTTrainer
+
+    args = SFTConfig(
+        **common_training_args(cfg, tmp, progress=progress),
+        completion_only_loss=True,
+        max_length=cfg.max_length,
+        packing=False,
+    )
+    trainer = SFTTrainer(model=model, args=args, train_dataset=sft_dataset(train_ex), processing_class=tokenizer)
+    quiet_trainer(trainer, progress)
+    trainer.train()
+    return trainer
+
+
+def train(
+    base_dir,
+    examples: list[dict],
+    config: TrainConfig,
+    *,
+    base_sha256: str,
+    eval_examples: list[dict] | None = None,
+    progress: bool = False,
+) -> TrainResult:
+    """Fine-tune ``base_dir`` on ``examples`` with ``config``; return the delta against that base.
+
+    ``eval_examples`` are the local held-out set for loss before/after (default: the last tenth of
+    ``examples``, at most 64, held out from training when there are at least 10).
+    """
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"`config` must be a TrainConfig, got {type(config).__name__}")
+    if not examples:
+        raise ValueError("`examples` is empty: give at least one training example")
+    if not isinstance(base_sha256, str) or not base_sha256:
+        raise ValueError("`base_sha256` must name the base checkpoint the delta is relative to")
+    base_dir = pathlib.Path(base_dir)
+    check_hardware(config, base_dir)
+    if config.dp_enabled:
+        from .dp import train_dp
+
+        return train_dp(base_dir, examples, config, base_sha256=base_sha256,
+                        eval_examples=eval_examples, progress=progress)
+    if config.method == "grpo":
+        from .grpo import train_grpo
+
+        return train_grpo(base_dir, examples, config, base_sha256=base_sha256,
+                          eval_examples=eval_examples, progress=progress)
+
+    from safetensors.torch import load_file
+    from transformers import set_seed
+
+    _quiet(progress)
+    set_seed(config.seed)
+    train_ex, held = _split_heldout(examples, eval_examples)
+    names = list(base_parameter_names(base_dir))
+    base_state = {}
+    for f in sorted(base_dir.glob("*.safetensors")):
+        base_state.update(load_file(str(f)))
+    tokenizer = load_tokenizer(base_dir)
+    tokenizer.padding_side = "right"
+    model = load_model(base_dir, attn_implementation=config.attn_implementation)
+    if config.quantization == "4bit":
+        from .qlora import load_4bit_model
+
+        model = load_4bit_model(base_dir, attn_implementation=config.attn_implementation)
+    loss_before = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
+
+    initial = None
+    if config.method == "lora":
+        from peft import get_peft_model
+
+        if config.quantization == "4bit":
+            from peft import prepare_model_for_kbit_training
+
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        model = get_peft_model(model, _lora_config(config))
+        if config.init_lora_weights not in (True, False, "gaussian"):
+            initial = capture_initial_factors(model)
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="zoo_gym_train_") as tmp:
+        trainer = _run_sft(model, tokenizer, train_ex, config, tmp, progress)
+    seconds = time.perf_counter() - t0
+    model = trainer.model
+    model.eval()
+    loss_after = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
+
+    if config.method == "sft":
+        delta = dense_delta_from_models(base_state, model, names)
+    elif config.merged_delta or config.use_dora or config.quantization == "4bit":
+        # DoRA's magnitude vector is not low-rank; a 4-bit base's merge dequantises: both travel dense
+        delta = merged_lora_delta(model, base_state, names)
+    else:
+        delta = lora_factors(model, initial=initial)
+
+    steps = int(trainer.state.global_step)
+    meta = {
+        "method": config.method,
+        "steps": steps,
+        "examples_seen": steps * config.batch_size,
+        "tokens_seen": int(trainer.state.num_input_tokens_seen),
+        "train_seconds": round(seconds, 3),
+        "loss_before": loss_before,
+        "loss_after": loss_after,
+        "heldout_examples": len(held) if held else 0,
+        "epsilon": None,
+        "dp_delta": None,
+        "base_sha256": base_sha256,
+        "seed": config.seed,
+        "delta_format": "dense" if isinstance(next(iter(delta.values())), torch.Tensor) else "lora_factors",
+    }
+    if config.method == "lora":
+        meta.update(lora_r=config.lora_r, lora_alpha=config.lora_alpha, use_dora=config.use_dora,
+                    use_rslora=config.use_rslora, init_lora_weights=config.init_lora_weights,
+                    quantization=config.quantization)
+    return TrainResult(delta=delta, base_sha256=base_sha256, metadata=meta)
