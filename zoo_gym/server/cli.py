@@ -84,7 +84,10 @@ def serve(
                            dp_target_epsilon=dp_target_epsilon, reward_pool=reward_pool)
         from zoo_gym.aggregation import SoupConfig
 
+        from zoo_gym.server.settlement import validate_rewards_settings
+
         SoupConfig.from_mapping(cfg.soup)  # fail now, not at the end of the first round
+        validate_rewards_settings(cfg)
         state = open_state(state_dir, db_url=db)
         from zoo_gym.server.servicer import build_server
 

@@ -67,10 +67,6 @@ class ServerConfig:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
 
-_SOUP_PREFIXES = ("aggregator", "byzantine", "multi_krum", "trim", "dp_", "cc_", "max_delta_norm", "gm_")
-_REWARD_PREFIXES = ("reward", "reputation", "min_quality", "scoring")
-
-
 def _norm(key: str) -> str:
     return key.strip().replace("-", "_")
 
@@ -108,17 +104,18 @@ def build_config(file_values: dict[str, Any] | None = None, **flags: Any) -> Ser
     """Defaults < file values < flags (flags that are None are 'not given')."""
     merged: dict[str, Any] = dict(file_values or {})
     merged.update({_norm(k): v for k, v in flags.items() if v is not None})
+    from zoo_gym.aggregation import SoupConfig
+
     own = {f.name for f in dataclasses.fields(ServerConfig)} - {"soup", "rewards"}
+    soup = {f.name for f in dataclasses.fields(SoupConfig)}
     kwargs: dict[str, Any] = {"soup": {}, "rewards": {}}
     for key, value in merged.items():
         if key in own:
             kwargs[key] = value
-        elif key.startswith(_SOUP_PREFIXES):
+        elif key in soup:
             kwargs["soup"][key] = value
-        elif key.startswith(_REWARD_PREFIXES):
+        else:  # validated by zoo_gym.server.settlement.validate_rewards_settings (unknown keys are errors)
             kwargs["rewards"][key] = value
-        else:
-            raise ConfigError(f"unknown setting `{key}`")
     try:
         return ServerConfig(**kwargs)
     except TypeError as exc:

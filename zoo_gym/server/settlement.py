@@ -45,7 +45,8 @@ def _settings(config: ServerConfig) -> tuple[int, bool, ScoringConfig, Settlemen
     known = set(_DEFAULTS) | set(rep_keys) | {"min_quality"}
     unknown = set(values) - known
     if unknown:
-        raise ConfigError(f"unknown rewards setting(s): {', '.join(sorted(unknown))}; known: {sorted(known)}")
+        raise ConfigError(f"unknown setting(s): {', '.join(sorted(unknown))} (rewards settings are "
+                          f"{', '.join(sorted(known))})")
     pool = int(values["reward_pool"])
     if pool < 0:
         raise ConfigError("`reward_pool` must be >= 0")
@@ -60,6 +61,14 @@ def _factory(state: ServerState):
     from sqlmodel import Session
 
     return lambda: Session(state.engine, expire_on_commit=False)
+
+
+def validate_rewards_settings(config: ServerConfig) -> None:
+    """Raise ConfigError naming any unknown or out-of-range rewards setting (called at startup)."""
+    try:
+        _settings(config)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def aggregation_weights(state: ServerState, config: ServerConfig, contributors: list[str]) -> torch.Tensor | None:
