@@ -37,6 +37,7 @@ def _quiet(progress: bool):
     if progress:
         return contextlib.nullcontext()
     transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     datasets.utils.logging.set_verbosity_error()
     datasets.disable_progress_bars()
     return contextlib.nullcontext()
