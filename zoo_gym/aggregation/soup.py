@@ -6,7 +6,8 @@ memory grows with one tensor x n, never the whole model x n.
           with a reason; clip factors; the privacy budget check (before any output);
   pass 2 (rules that need whole-model geometry: krum, multi-krum, bulyan, geometric-median,
           centered-clip): pairwise squared distances of the CLIPPED deltas summed over tensors,
-          straight from the BitDelta bits when `packed()` is available; the selection or
+          straight from the BitDelta bits when `packed()` is available (consecutive packed
+          tensors batched up to 16 MiB of sign bytes per contributor); the selection or
           combination coefficients are fixed once from them;
   pass 3: per tensor: clip, aggregate with that selection, add noise, `sink(name, flat_tensor)`.
 DP semantics and what the guarantee covers: see `privacy.py`.
@@ -26,7 +27,7 @@ from .bulyan import bulyan, check_bulyan_config
 from .centered_clip import centered_clip_coefficients
 from .clipping import adaptive_clip_update, clip_factors, update_noise_multiplier
 from .config import SoupConfig
-from .distances import packed_pairwise_sq_distances, pairwise_sq_distances
+from .distances import packed_model_sq_distances, pairwise_sq_distances
 from .errors import InvalidDeltaError, NotRobustConfigError, PrivacyBudgetExceeded
 from .geometric_median import geometric_median_coefficients
 from .krum import check_krum_config, krum_scores, multi_krum_select
@@ -36,6 +37,9 @@ from .span import sq_dist_to_combination
 from .trimmed_mean import trim_count, trimmed_mean
 from .weights import cap_weights
 
+# sign bytes per contributor batched into one compressed-domain distance pass: bounds memory at
+# about n x 16 MiB while removing per-tensor Python work on models with many small tensors
+_PACKED_BATCH_BYTES = 16 << 20
 _NEEDS_DISTANCES = ("krum", "multi-krum", "bulyan", "geometric-median", "centered-clip")
 
 
@@ -133,15 +137,24 @@ class DeltaSoup:
     def _distances(self, source: DeltaSource, names: Sequence[str], acc: Tensor,
                    factors: Tensor) -> Tensor:
         k = acc.numel()
+        idx = acc.tolist()
         dist = torch.zeros((k, k), dtype=torch.float64)
+        batch: list[list[Any]] = [[] for _ in idx]  # batch[j]: accepted contributor j's tensors
+        batch_bytes = 0
         for name in names:
             packed = source.packed(name)
-            if packed is not None:
-                dist += packed_pairwise_sq_distances([packed[i] for i in acc.tolist()],
-                                                     scale=factors)
+            if packed is not None:  # BitDelta: batch tensors into one whole-model XOR pass
+                for j, i in enumerate(idx):
+                    batch[j].append(packed[i])
+                batch_bytes += int(packed[idx[0]].signs.numel())
+                if batch_bytes >= _PACKED_BATCH_BYTES:
+                    dist += packed_model_sq_distances(batch, scale=factors)
+                    batch, batch_bytes = [[] for _ in idx], 0
             else:
                 x = source.stacked(name)[acc] * factors.to(torch.float32)[:, None]
                 dist += pairwise_sq_distances(x)
+        if batch_bytes:
+            dist += packed_model_sq_distances(batch, scale=factors)
         return dist
 
     def run(self, source: DeltaSource, sink: Callable[[str, Tensor], None], *,
