@@ -1,20 +1,38 @@
 """Benchmark: cost of scoring a round relative to aggregating it, on the tiny model.
 
-    python benchmarks/rewards.py [--contributors 10 50] [--repeats 3] [--validation-examples 128]
+    python benchmarks/rewards.py [--contributors 10 50] [--repeats 3] [--out benchmarks/results/rewards.json]
 
-Prints one JSON object. For each n:
-  aggregation_s   DeltaSoup (Multi-Krum, f = (n - 3) // 2, DP clipping) over n synthetic deltas
-                  shaped like the tiny model's parameters (median of `repeats` runs);
-  scoring_s       what the server does to score the round: the base loss, n solo losses
-                  (base + clipped delta), the GTG-Shapley subset losses (bounded by
-                  max_evaluations) and `score_round` itself (median of `repeats`);
-  ratio           scoring_s / aggregation_s (target <= 1 at n = 10);
-  forward_passes  validation-set evaluations the scoring made; seconds_per_forward;
-  score_round_s   the rewards library's own maths (no loss evaluations), and its ratio;
-  first_order     the same round scored from one gradient (first_order.py): time, ratio, and
-                  whether the zero delta / sign-flip / honest ones pass the minimum quality.
-The two are measured in the same process, one after the other, so the ratio is comparable
-across machines even though the seconds are not.
+Prints (and writes with --out) one JSON object. The round: n - 3 honest contributors (one SGD
+step of norm 0.05 on their own disjoint training shard of 16 examples: a real, imperfect
+direction), a zero delta, a random delta of honest norm and a sign-flip of an honest step. Every
+delta is encoded as the client sends it (BitDelta, groups of 128), stored as bytes, and read back
+through the server's own ``StoredDeltas`` source.
+
+  aggregation_s   what the server pays to aggregate: DeltaSoup (Multi-Krum, f = (n - 3) // 2, DP
+                  clipping at the median norm) over the stored payloads: manifest parse + decode
+                  + packed distances + aggregate (median of `repeats`);
+  methods         each scoring option, timed in the same process (median of `repeats`), with
+                  ratio = seconds / aggregation_s (target <= 1 at n = 10), forward passes, and
+                  whether the zero / random / sign-flip deltas were paid and how many honest were:
+    exact_128         today's server: base loss, n solo losses, GTG-Shapley subset losses
+                      (max_evaluations 32) on the 128 validation examples, after decoding;
+    exact_32          the same on the 32-example scoring set;
+    first_order_128   gradient at the base on 128 examples + streamed slopes + linear Shapley +
+                      2 exact solo checks (score_round_first_order);
+    first_order_32    the same on the 32-example scoring set (the proposed server default);
+    first_order_32_cached  the same with the base gradient computed before the round (it depends
+                      only on the base and the scoring set): the cost left at settlement;
+    first_order_32_tap     first_order_32 with the slopes computed by a SlopeTap around the
+                      aggregation's own source (one mat-vec per tensor on rows it decodes anyway,
+                      no second decode): gradient + tap seconds + scoring + 2 exact checks;
+    first_order_32_tap_cached  the same with the gradient computed before the round.
+  agreement       share of contributors whose paid / not-paid decision equals exact_128's.
+  noise (n = 10)  the scoring set's sampling noise: solo gains recomputed on the 4 disjoint
+                  32-example quarters of the 128 validation examples; the median over honest
+                  deltas of std(quarters) / |gain on 128|, and the share of (honest, quarter)
+                  pairs whose gain sign flips.
+  batched_forward (n = 10) torch.func.vmap over 8 stacked weight sets vs 8 sequential forward
+                  passes on the 32-example set (one batch): seconds and ratio.
 """
 
 from __future__ import annotations
@@ -24,68 +42,46 @@ import json
 import math
 import pathlib
 import statistics
-import tempfile
 import time
+import warnings
 
 import torch
+from safetensors.torch import load_file
 
+from zoo_gym import codec
 from zoo_gym.aggregation import DeltaSoup, SoupConfig
-from zoo_gym.aggregation.sources import DictDeltaSource
-from zoo_gym.gym_train import Evaluator, default_validation_examples, tiny_model_dir
-from zoo_gym.rewards import (ContributionDiagnostics, ScoringConfig, directional_slopes,
-                             linear_losses, score_round_detailed)
+from zoo_gym.gym_train import Evaluator, builtin_examples, default_validation_examples, tiny_model_dir
+from zoo_gym.gym_train.evaluate import collate, tokenize_examples
+from zoo_gym.rewards import (ContributionDiagnostics, FirstOrderConfig, ScoringConfig, SlopeTap,
+                             accept_by_quality, base_gradient, score_round_detailed,
+                             score_round_first_order, streamed_slopes)
+from zoo_gym.server.publish import StoredDeltas
+
+SCORING_EXAMPLES = 32  # the scoring set: the first 32 of the server's validation examples
 
 
-def _validation_gradient(evaluator: Evaluator) -> tuple[float, dict[str, torch.Tensor]]:
-    """Mean completion loss and its gradient at the base: one forward + backward (the server's
-    side of first-order scoring; written here because gym_train has no gradient API yet)."""
-    model = evaluator.model
-    model.zero_grad(set_to_none=True)
-    total, count = None, 0
-    for ids, mask, labels in evaluator._batches:  # noqa: SLF001 (the same pre-collated batches)
-        logits = model(input_ids=ids, attention_mask=mask).logits  # (B, T, V)
-        shift_labels = labels[:, 1:]  # (B, T-1)
-        loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].float().reshape(-1, logits.shape[-1]), shift_labels.reshape(-1),
-            ignore_index=-100, reduction="sum")
-        total = loss if total is None else total + loss
-        count += int((shift_labels != -100).sum())
-    mean = total / max(count, 1)
-    mean.backward()
-    grad = {k: p.grad.detach().clone() for k, p in model.named_parameters(remove_duplicate=True)}
-    model.zero_grad(set_to_none=True)
-    return float(mean.detach()), grad
+def _batches(evaluator: Evaluator, examples: list[dict]):
+    pad = evaluator.tokenizer.pad_token_id or 0
+    return [collate(tokenize_examples(evaluator.tokenizer, examples), pad_id=pad)]
 
 
-def _model_dir(tmp: pathlib.Path) -> tuple[pathlib.Path, str]:
-    d = tiny_model_dir()
-    if (d / "config.json").exists():
-        return d, "shipped tiny model"
-    from zoo_gym.gym_train.make_tiny import make_tiny  # not shipped yet: same architecture, untrained
-
-    return make_tiny(tmp / "tiny", steps=0), "tiny architecture, untrained (timing only)"
-
-
-def _synthetic_deltas(grad: dict[str, torch.Tensor], n: int, gen: torch.Generator):
-    """n deltas: honest ones = a small step down the validation gradient + their own noise
-    (norm 0.5x the step), one zero delta, one sign-flip of the step."""
-    shapes = {k: g.shape for k, g in grad.items()}
-    g_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grad.values())))
-    common = {k: -g * (0.05 / g_norm) for k, g in grad.items()}  # whole-delta L2 norm 0.05
-    d_total = sum(g.numel() for g in grad.values())
-    out = []
-    for i in range(n):
-        if i == n - 2:
-            out.append({k: torch.zeros(s) for k, s in shapes.items()})
-        elif i == n - 1:
-            out.append({k: -v for k, v in common.items()})
-        else:
-            out.append({k: v + torch.randn(v.shape, generator=gen) * (0.025 / d_total ** 0.5)
-                        for k, v in common.items()})
-    return out
+def _deltas(evaluator: Evaluator, names: list[str], n: int, gen: torch.Generator):
+    """n - 3 honest SGD steps (own shard), a zero, a random and a sign-flipped delta."""
+    honest = []
+    for i in range(n - 3):
+        shard = builtin_examples("default", shard=i, n_shards=n, n=16, split="train", seed=i)
+        g = base_gradient(evaluator.model, _batches(evaluator, shard))
+        step = 0.05 / g.norm
+        honest.append({k: -g.grad[k] * step for k in names})
+    zero = {k: torch.zeros_like(v) for k, v in honest[0].items()}
+    rand = {k: torch.randn(v.shape, generator=gen) for k, v in honest[0].items()}
+    rn = math.sqrt(sum(float((v.double() ** 2).sum()) for v in rand.values()))
+    rand = {k: v * (0.05 / rn) for k, v in rand.items()}
+    flip = {k: -v for k, v in honest[1 % len(honest)].items()}
+    return honest + [zero, rand, flip]
 
 
-def _median_time(fn, repeats: int) -> tuple[float, object]:
+def _median_time(fn, repeats: int):
     times, result = [], None
     for _ in range(repeats):
         t = time.perf_counter()
@@ -94,26 +90,35 @@ def _median_time(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), result
 
 
-def bench(n: int, *, evaluator: Evaluator, repeats: int, scoring: ScoringConfig) -> dict:
-    params = {k: p for k, p in evaluator.model.named_parameters(remove_duplicate=True)}
-    shapes = {k: p.shape for k, p in params.items()}
+def _summary(scores, n: int, reference=None) -> dict:
+    ok = accept_by_quality(scores)
+    out = {"zero_delta_paid": ok[n - 3], "random_delta_paid": ok[n - 2],
+           "sign_flip_paid": ok[n - 1], "honest_paid": sum(ok[: n - 3])}
+    if reference is not None:
+        out["agreement"] = round(sum(a == b for a, b in zip(ok, reference)) / n, 3)
+    return out
+
+
+def bench(n: int, *, full: Evaluator, small: Evaluator, base: dict, repeats: int,
+          noise: bool) -> dict:
+    names = [k for k in base]
     gen = torch.Generator().manual_seed(n)
-    _, grad0 = _validation_gradient(evaluator)
-    deltas = _synthetic_deltas(grad0, n, gen)
+    deltas = _deltas(full, names, n, gen)
+    payloads = [codec.encode(d, codec="bitdelta", group_size=128) for d in deltas]
     ids = [f"c{i:03d}" for i in range(n)]
-    source = DictDeltaSource(ids, deltas)
     f = max(0, (n - 3) // 2)
-    norms = torch.stack([torch.sqrt(sum((v.double() ** 2).sum() for v in d.values())) for d in deltas])
+    norms0 = [math.sqrt(sum(float((v.double() ** 2).sum()) for v in d.values())) for d in deltas]
     soup = DeltaSoup(SoupConfig(aggregator="multi-krum", byzantine_f=f,
-                                dp_clip=float(norms.median())))
+                                dp_clip=statistics.median(norms0)))
 
     def aggregate():
+        source = StoredDeltas(payloads, ids, base)
         sink: dict[str, torch.Tensor] = {}
-        report = soup.run(source, lambda name, t: sink.__setitem__(name, t))
-        return report
+        return soup.run(source, lambda name, t: sink.__setitem__(name, t))
 
     agg_s, report = _median_time(aggregate, repeats)
     contribs = report.contributors
+    clip = [c.clip_factor if c.accepted else 1.0 for c in contribs]
     used = [c.clip_factor * (1.0 if c.selected else 0.0) * (1.0 - c.trimmed_share) if c.accepted
             else 0.0 for c in contribs]
     weights = [max(c.weight, 0.0) if c.accepted else 0.0 for c in contribs]
@@ -122,104 +127,177 @@ def bench(n: int, *, evaluator: Evaluator, repeats: int, scoring: ScoringConfig)
         trimmed_share=min(max(c.trimmed_share, 0.0), 1.0),
         clip_factor=min(max(c.clip_factor, 1e-12), 1.0) if c.accepted else 1.0,
         krum_score=c.score if c.score is not None else math.nan) for c in contribs]
+    shapes = {k: tuple(v.shape) for k, v in base.items()}
     passes = {"n": 0}
 
-    def loss(delta):
-        passes["n"] += 1
-        return evaluator.loss(delta)
+    def exact(evaluator: Evaluator):
+        """settlement.py's path: decode all deltas, base + n solo + GTG subset losses."""
+        source = StoredDeltas(payloads, ids, base)
+        dense = [{} for _ in range(n)]
+        for name in source.names():
+            stacked = source.stacked(name)  # (n, numel)
+            for i in range(n):
+                dense[i][name] = stacked[i].reshape(shapes[name])
 
-    def score():
-        passes["n"] = 0
-        base = loss(None)
-        solo = [loss({k: v * contribs[i].clip_factor for k, v in deltas[i].items()})
-                for i in range(n)]
+        def loss(delta):
+            passes["n"] += 1
+            return evaluator.loss(delta)
+
+        b = loss(None)
+        solo = [loss({k: v * clip[i] for k, v in dense[i].items()}) for i in range(n)]
 
         def subset_loss(s: frozenset[int]) -> float:
             tw = sum(weights[i] for i in s if used[i] > 0)
             if tw <= 0:
-                return base
+                return b
             merged = {k: torch.zeros(sh) for k, sh in shapes.items()}
             for i in s:
                 if used[i] > 0:
-                    for k in shapes:
-                        merged[k] += deltas[i][k] * (used[i] * weights[i] / tw)
+                    for k in merged:
+                        merged[k] += dense[i][k] * (used[i] * weights[i] / tw)
             return loss(merged)
 
-        res = score_round_detailed(ids, base, solo, diags, subset_loss, scoring)
-        return res
+        return score_round_detailed(ids, b, solo, diags, subset_loss,
+                                    ScoringConfig(max_evaluations=32))
 
-    score_s, res = _median_time(score, repeats)
-    forward = passes["n"]
+    def exact_solo_on(evaluator: Evaluator):
+        def exact_solo(i: int) -> float:
+            passes["n"] += 1
+            return evaluator.loss(codec.decode(payloads[i]), scale=clip[i])  # this one only
+        return exact_solo
 
-    # the library's own maths, with the losses precomputed (table lookups)
-    table: dict[frozenset[int], float] = {}
-    base = evaluator.loss(None)
+    def first_order(evaluator: Evaluator, batches, cached=None):
+        """Gradient (unless cached), a second streamed decode for the slopes, linear Shapley,
+        top-k exact checks."""
+        g = cached if cached is not None else base_gradient(evaluator.model, batches)
+        source = StoredDeltas(payloads, ids, base)
+        slopes, norms = streamed_slopes(g.grad, source, scales=clip)
+        return _fo(g, slopes, norms, exact_solo_on(evaluator))
 
-    def cached_subset(s):
-        if s not in table:
-            table[s] = 0.0 if not s else base - 1e-3 * len(s)
-        return table[s]
+    def tapped(evaluator: Evaluator, batches, cached=None):
+        """Proposed server path: the slopes ride on the aggregation's own decode (SlopeTap);
+        timed = gradient (unless cached) + the tap's own seconds + scoring + top-k checks."""
+        t0 = time.perf_counter()
+        g = cached if cached is not None else base_gradient(evaluator.model, batches)
+        grad_s = time.perf_counter() - t0
+        tap = SlopeTap(StoredDeltas(payloads, ids, base), g.grad)
+        soup.run(tap, lambda name, t: None)  # the aggregation itself: not scoring's cost
+        t0 = time.perf_counter()
+        slopes, norms = tap.result(scales=clip)
+        res = _fo(g, slopes, norms, exact_solo_on(evaluator))
+        return grad_s + tap.seconds + time.perf_counter() - t0, res
 
-    solo = [base - 1e-3 * (i % 3) for i in range(n)]
-    lib_s, _ = _median_time(lambda: score_round_detailed(ids, base, solo, diags, cached_subset,
-                                                         scoring), repeats)
-    paid = [s.contributor for s in res.scores if s.score > 0]
+    def _fo(g, slopes, norms, exact_solo):
+        return score_round_first_order(
+            ids, base_loss=g.base_loss, grad_norm=g.norm, numel=g.numel, slopes=slopes,
+            norms=norms, weights=[used[i] * weights[i] for i in range(n)], diagnostics=diags,
+            config=ScoringConfig(), first_order=FirstOrderConfig(), exact_solo_loss=exact_solo)
 
-    # first-order scoring: one forward + backward, then dot products (first_order.py)
-    def score_first_order():
-        base_fo, grad = _validation_gradient(evaluator)
-        scaled = [{k: v * contribs[i].clip_factor for k, v in deltas[i].items()} for i in range(n)]
-        slopes = directional_slopes(grad, scaled)
-        w = [used[i] * weights[i] for i in range(n)]
-        solo_fo, subset_fo = linear_losses(base_loss=base_fo, slopes=slopes, weights=w)
-        return score_round_detailed(ids, base_fo, solo_fo, diags, subset_fo,
-                                    ScoringConfig(max_evaluations=256, max_permutations=32))
+    full_batches, small_batches = full._batches, small._batches  # noqa: SLF001 (same batches)
+    cached = base_gradient(small.model, small_batches)
+    runs = {"exact_128": lambda: exact(full), "exact_32": lambda: exact(small),
+            "first_order_128": lambda: first_order(full, full_batches),
+            "first_order_32": lambda: first_order(small, small_batches),
+            "first_order_32_cached": lambda: first_order(small, small_batches, cached),
+            "first_order_32_tap": lambda: tapped(small, small_batches),
+            "first_order_32_tap_cached": lambda: tapped(small, small_batches, cached)}
+    methods, reference = {}, None
+    for name, fn in runs.items():
+        passes["n"] = 0
+        if "tap" in name:
+            timed = [fn() for _ in range(repeats)]
+            t, res = statistics.median(x[0] for x in timed), timed[-1][1]
+        else:
+            t, res = _median_time(fn, repeats)
+        row = {"seconds": round(t, 4), "ratio": round(t / agg_s, 3),
+               "forward_passes": passes["n"] // repeats, "marginal": res.estimate.method,
+               "permutations": res.estimate.permutations, **_summary(res.scores, n, reference)}
+        if reference is None:
+            reference = accept_by_quality(res.scores)
+        methods[name] = row
+    out = {"contributors": n, "byzantine_f": f, "aggregation_s": round(agg_s, 4),
+           "selected": sum(c.selected for c in contribs if c.accepted), "methods": methods}
+    if noise:
+        out["noise"] = _noise(full, deltas[: n - 3])
+        out["batched_forward"] = _batched(small, base)
+    return out
 
-    fo_s, fo = _median_time(score_first_order, repeats)
-    from zoo_gym.rewards import accept_by_quality
 
-    fo_ok = accept_by_quality(fo.scores)
-    exact_ok = accept_by_quality(res.scores)
-    return {"contributors": n, "byzantine_f": f, "aggregation_s": round(agg_s, 4),
-            "scoring_s": round(score_s, 4), "ratio": round(score_s / agg_s, 3),
-            "forward_passes": forward, "seconds_per_forward": round(score_s / max(forward, 1), 4),
-            "marginal_method": res.estimate.method, "marginal_evaluations": res.estimate.evaluations,
-            "permutations": res.estimate.permutations,
-            "score_round_s": round(lib_s, 5), "score_round_ratio": round(lib_s / agg_s, 4),
-            "zero_delta_paid": exact_ok[n - 2], "sign_flip_paid": exact_ok[n - 1],
-            "honest_paid": sum(exact_ok[: n - 2]),
-            "first_order": {"scoring_s": round(fo_s, 4), "ratio": round(fo_s / agg_s, 3),
-                            "permutations": fo.estimate.permutations,
-                            "zero_delta_paid": fo_ok[n - 2], "sign_flip_paid": fo_ok[n - 1],
-                            "honest_paid": sum(fo_ok[: n - 2])}}
+def _noise(full: Evaluator, honest: list[dict]) -> dict:
+    """Sampling noise of 32-example gains: the 4 disjoint quarters of the 128 examples."""
+    examples = default_validation_examples(n=128)
+    quarters = [Evaluator(None, examples[q * 32:(q + 1) * 32], model=full.model,
+                          tokenizer=full.tokenizer) for q in range(4)]
+    rel, flips, total = [], 0, 0
+    base_full = full.loss(None)
+    for d in honest:
+        g_full = (base_full - full.loss(d)) / base_full
+        gq = []
+        for ev in quarters:
+            b = ev.loss(None)
+            gq.append((b - ev.loss(d)) / b)
+        rel.append(statistics.pstdev(gq) / max(abs(g_full), 1e-12))
+        flips += sum((x > 0) != (g_full > 0) for x in gq)
+        total += len(gq)
+    return {"honest_deltas": len(honest), "median_rel_std_of_gain_32": round(statistics.median(rel), 3),
+            "sign_flip_share_32": round(flips / total, 3)}
+
+
+def _batched(small: Evaluator, base: dict, k: int = 8) -> dict:
+    from torch.func import functional_call, vmap
+
+    model = small.model
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    ids, mask, _ = small._batches[0]  # noqa: SLF001
+    gen = torch.Generator().manual_seed(1)
+    stacked = {n: p.unsqueeze(0) + 1e-3 * torch.randn((k,) + tuple(p.shape), generator=gen)
+               for n, p in params.items()}
+
+    def fwd(pp):
+        return functional_call(model, pp, (), {"input_ids": ids, "attention_mask": mask}).logits
+
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = time.perf_counter()
+        for j in range(k):
+            fwd({n: v[j] for n, v in stacked.items()})
+        seq = time.perf_counter() - t
+        t = time.perf_counter()
+        vmap(fwd)(stacked)
+        vm = time.perf_counter() - t
+    return {"weight_sets": k, "sequential_s": round(seq, 4), "vmap_s": round(vm, 4),
+            "vmap_over_sequential": round(vm / seq, 3)}
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contributors", type=int, nargs="+", default=[10, 50])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--validation-examples", type=int, default=128)
-    ap.add_argument("--max-evaluations", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: a loaded shared machine oversubscribes with more)")
+    ap.add_argument("--out", type=pathlib.Path, default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir, model_note = _model_dir(pathlib.Path(tmp))
-        examples = default_validation_examples(n=args.validation_examples)
-        evaluator = Evaluator(model_dir, examples)
-        scoring = ScoringConfig(max_evaluations=args.max_evaluations)
-        n_params = sum(p.numel() for p in evaluator.model.parameters())
-        rows = [bench(n, evaluator=evaluator, repeats=args.repeats, scoring=scoring)
-                for n in args.contributors]
-    print(json.dumps({"benchmark": "rewards.scoring_vs_aggregation", "model": model_note,
-                      "parameters": n_params, "validation_examples": len(examples),
-                      "max_evaluations": args.max_evaluations, "torch_threads": torch.get_num_threads(),
-                      "results": rows,
-                      "target": "ratio <= 1 at 10 contributors",
-                      "target_met": next((r["ratio"] <= 1 for r in rows if r["contributors"] == 10), None)},
-                     indent=2))
+    model_dir = tiny_model_dir()
+    examples = default_validation_examples(n=128)
+    full = Evaluator(model_dir, examples)
+    small = Evaluator(None, examples[:SCORING_EXAMPLES], model=full.model, tokenizer=full.tokenizer)
+    base = load_file(str(model_dir / "model.safetensors"))
+    rows = [bench(n, full=full, small=small, base=base, repeats=args.repeats, noise=(i == 0))
+            for i, n in enumerate(args.contributors)]
+    at10 = next((r for r in rows if r["contributors"] == 10), None)
+    result = {"benchmark": "rewards.scoring_vs_aggregation", "model": "shipped tiny model",
+              "parameters": sum(p.numel() for p in full.model.parameters()),
+              "validation_examples": len(examples), "scoring_examples": SCORING_EXAMPLES,
+              "torch_threads": torch.get_num_threads(), "repeats": args.repeats, "results": rows,
+              "target": "first_order_32_tap ratio <= 1 at 10 contributors (gradient included)",
+              "target_met": None if at10 is None else at10["methods"]["first_order_32_tap"]["ratio"] <= 1}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
 
 
 if __name__ == "__main__":

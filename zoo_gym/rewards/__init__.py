@@ -8,7 +8,9 @@ losses as floats and callables from the server. Formulas: see each module's docs
 from .acceptance import accept_by_quality, quality_threshold
 from .errors import (ConfigError, LedgerConflictError, LedgerError, RewardsError,
                      RoundAlreadySettledError, ScoringInputError, SplitError)
-from .first_order import directional_slopes, linear_losses
+from .first_order import SlopeTap, directional_slopes, linear_losses, linear_shapley, streamed_slopes
+from .first_order_scoring import FirstOrderConfig, score_round_first_order
+from .gradient import BaseGradient, base_gradient, gradient_from_mapping
 from .ledger import (GENESIS_HASH, LEDGER_KINDS, Ledger, LedgerEntry, LedgerEntryBase,
                      LedgerEntryPublic, NewEntry, canonical_entry_bytes, compute_entry_hash,
                      create_ledger_tables, signing_message)
@@ -16,13 +18,15 @@ from .marginal import MarginalEstimate
 from .reputation import (Reputation, ReputationBase, ReputationBook, ReputationConfig,
                          ReputationPublic, aggregation_weights, next_reputation)
 from .scoring import (ContributionDiagnostics, ContributionScore, RoundScoring, ScoringConfig,
-                      score_round, score_round_detailed)
+                      combine_scores, score_round, score_round_detailed)
 from .settle import (Payout, Settlement, SettlementConfig, SettlementPlan, plan_settlement,
                      settle_round)
 from .split import split_pool
 from .verify import VerifyReport, load_public_key, verify_chain, verify_entries
 
 __all__ = [
+    "BaseGradient", "FirstOrderConfig", "SlopeTap", "base_gradient", "combine_scores", "gradient_from_mapping",
+    "linear_shapley", "score_round_first_order", "streamed_slopes",
     "GENESIS_HASH", "LEDGER_KINDS", "ConfigError", "ContributionDiagnostics", "ContributionScore",
     "Ledger", "LedgerConflictError", "LedgerEntry", "LedgerEntryBase", "LedgerEntryPublic",
     "LedgerError", "MarginalEstimate", "NewEntry", "Payout", "Reputation", "ReputationBase",

@@ -17,7 +17,11 @@ server's norm bound / DP clipping on, or use exact losses when forward passes ar
 
 from __future__ import annotations
 
+import itertools
+import math
+import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -58,3 +62,144 @@ def linear_losses(*, base_loss: float, slopes: Sequence[float], weights: Sequenc
         return base_loss + sum(float(weights[i]) * float(slopes[i]) for i in subset) / tw
 
     return solo, subset_loss
+
+
+class DeltaRows(Protocol):
+    """What `streamed_slopes` reads: the aggregation's ``DeltaSource`` (one tensor at a time)."""
+
+    def names(self) -> Sequence[str]: ...
+
+    def stacked(self, name: str) -> Tensor: ...  # (n, numel) float32
+
+
+def streamed_slopes(grad: Mapping[str, Tensor], source: DeltaRows, *, scales: Sequence[float]
+                    ) -> tuple[list[float], list[float]]:
+    """``(slopes, norms)``: ``scales[i] * <g, delta_i>`` and ``scales[i] * ||delta_i||`` of every row.
+
+    Reads ``source`` one tensor at a time (memory: one tensor x n, like the aggregation), one
+    matrix-vector product per tensor, float64 accumulation. ``scales`` are the clip factors the
+    aggregator applied (1.0 for none). A tensor the gradient lacks is an error (wrong base).
+    """
+    slopes: Tensor | None = None  # (n,) float64
+    sq: Tensor | None = None      # (n,) float64
+    for name in source.names():
+        g = grad.get(name)
+        rows = source.stacked(name)                                       # (n, numel)
+        if g is None:
+            raise ScoringInputError(f"the deltas have tensor {name!r} that the gradient lacks: "
+                                    "compute the gradient on the round's base checkpoint")
+        if g.numel() != rows.shape[1]:
+            raise ScoringInputError(f"tensor {name!r} has {rows.shape[1]} values in the deltas, "
+                                    f"{g.numel()} in the gradient")
+        if len(scales) != rows.shape[0]:
+            raise ScoringInputError(f"`scales` has {len(scales)} entries for {rows.shape[0]} deltas")
+        rows64 = rows.to(torch.float64)
+        s = rows64 @ g.reshape(-1).to(torch.float64)                       # (n,)
+        q = (rows64 * rows64).sum(dim=1)                                  # (n,)
+        slopes = s if slopes is None else slopes + s
+        sq = q if sq is None else sq + q
+    if slopes is None or sq is None:
+        return [0.0] * len(scales), [0.0] * len(scales)
+    sc = torch.tensor([float(c) for c in scales], dtype=torch.float64)   # (n,)
+    return (slopes * sc).tolist(), (sq.sqrt() * sc.abs()).tolist()
+
+
+def linear_shapley(gains: Sequence[float], weights: Sequence[float], *, permutations: int,
+                   generator: torch.Generator) -> tuple[list[float], int, bool]:
+    """Shapley values of the weighted-mean game ``V(S) = sum_S w_i a_i / sum_S w_i`` (``V = 0``
+    when ``sum_S w = 0``), the first-order GTG game with ``a_i`` the linearised solo gains.
+
+    Returns ``(phi, permutations_used, exact)``. Every evaluation is arithmetic, so there is no
+    truncation: when ``n! <= permutations`` all permutations are enumerated (exact); otherwise
+    ``permutations`` are sampled, the ``k``-th led by player ``k mod n`` (GTG's guided sampling),
+    the rest in random order, all at once as tensors. Every permutation telescopes, so
+    ``sum_i phi_i = V(N)`` up to rounding (efficiency) either way. Cost: O(permutations x n).
+    """
+    n = len(gains)
+    if len(weights) != n:
+        raise ScoringInputError(f"`gains` ({n}) and `weights` ({len(weights)}) must have the "
+                                "same length")
+    if permutations < 1:
+        raise ScoringInputError(f"`permutations` must be >= 1, got {permutations}")
+    if n == 0:
+        return [], 0, True
+    a = torch.tensor([float(x) for x in gains], dtype=torch.float64)      # (n,)
+    w = torch.tensor([float(x) for x in weights], dtype=torch.float64)    # (n,)
+    if not bool(torch.isfinite(a).all()) or not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+        raise ScoringInputError("`gains` must be finite and `weights` finite and >= 0")
+    exact = math.factorial(n) <= permutations
+    if exact:
+        orders = torch.tensor(list(itertools.permutations(range(n))), dtype=torch.long)  # (P, n)
+    else:
+        keys = torch.rand((permutations, n), generator=generator, dtype=torch.float64)  # (P, n)
+        keys[torch.arange(permutations), torch.arange(permutations) % n] = -1.0  # guided lead
+        orders = keys.argsort(dim=1)                                                     # (P, n)
+    cw = w[orders].cumsum(dim=1)                                          # (P, n)
+    cwa = (w * a)[orders].cumsum(dim=1)                                   # (P, n)
+    v = torch.where(cw > 0, cwa / cw.clamp_min(1e-300), torch.zeros_like(cw))  # (P, n) V(prefix)
+    marg = torch.diff(v, dim=1, prepend=torch.zeros(v.shape[0], 1, dtype=v.dtype))  # (P, n)
+    phi = torch.zeros(n, dtype=torch.float64).index_add_(0, orders.reshape(-1), marg.reshape(-1))
+    used = orders.shape[0]
+    return (phi / used).tolist(), used, exact
+
+
+class SlopeTap:
+    """A ``DeltaSource`` proxy that computes slopes from the rows the aggregation decodes anyway.
+
+    Wrap the server's source before ``DeltaSoup.run(SlopeTap(source, grad), ...)``; the first
+    ``stacked(name)`` of every tensor also adds ``rows @ g[name]`` and ``|rows|^2`` to per-row
+    sums (one matrix-vector product: no second decode of the payloads, no extra memory beyond one
+    tensor x n). Afterwards ``result(scales=clip_factors)`` equals
+    ``streamed_slopes(grad, source, scales=...)``. ``seconds`` is the time the tap itself added.
+    Everything else (``names``, ``shape``, ``packed``, ``contributors`` ...) is passed through.
+    """
+
+    def __init__(self, source: DeltaRows, grad: Mapping[str, Tensor]) -> None:
+        self._source = source
+        self._grad = grad
+        self._seen: set[str] = set()
+        self._slopes: Tensor | None = None  # (n,) float64
+        self._sq: Tensor | None = None      # (n,) float64
+        self.seconds = 0.0
+
+    def __getattr__(self, attr: str):  # only called for attributes SlopeTap lacks
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        return getattr(self._source, attr)
+
+    def names(self) -> Sequence[str]:
+        return self._source.names()
+
+    def stacked(self, name: str) -> Tensor:
+        rows = self._source.stacked(name)                                 # (n, numel)
+        if name not in self._seen:
+            t = time.perf_counter()
+            g = self._grad.get(name)
+            if g is None:
+                raise ScoringInputError(f"the deltas have tensor {name!r} that the gradient "
+                                        "lacks: compute the gradient on the round's base")
+            if g.numel() != rows.shape[1]:
+                raise ScoringInputError(f"tensor {name!r} has {rows.shape[1]} values in the "
+                                        f"deltas, {g.numel()} in the gradient")
+            rows64 = rows.to(torch.float64)
+            s = rows64 @ g.reshape(-1).to(torch.float64)                   # (n,)
+            q = (rows64 * rows64).sum(dim=1)                              # (n,)
+            self._slopes = s if self._slopes is None else self._slopes + s
+            self._sq = q if self._sq is None else self._sq + q
+            self._seen.add(name)
+            self.seconds += time.perf_counter() - t
+        return rows
+
+    def result(self, *, scales: Sequence[float]) -> tuple[list[float], list[float]]:
+        """``(slopes, norms)`` scaled by ``scales`` (clip factors); every tensor must be seen."""
+        missing = [k for k in self._source.names() if k not in self._seen]
+        if missing:
+            raise ScoringInputError(f"the aggregation never read {len(missing)} tensor(s) "
+                                    f"(first: {missing[0]!r}); call result() after DeltaSoup.run")
+        if self._slopes is None or self._sq is None:
+            return [0.0] * len(scales), [0.0] * len(scales)
+        if len(scales) != self._slopes.shape[0]:
+            raise ScoringInputError(f"`scales` has {len(scales)} entries for "
+                                    f"{self._slopes.shape[0]} deltas")
+        sc = torch.tensor([float(c) for c in scales], dtype=torch.float64)  # (n,)
+        return (self._slopes * sc).tolist(), (self._sq.sqrt() * sc.abs()).tolist()

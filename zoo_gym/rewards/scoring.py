@@ -146,6 +146,52 @@ def _consensus(krum: Sequence[float], accepted: Sequence[bool], *, exponent: flo
     return out
 
 
+def combine_scores(contributors: Sequence[str], gains: Sequence[float],
+                   estimate: MarginalEstimate, diagnostics: Sequence[DiagnosticsLike],
+                   config: ScoringConfig, *, zero_reasons: dict[int, str] | None = None
+                   ) -> list[ContributionScore]:
+    """``score_i = sqrt(max(g_i,0) max(phi_i,0)) p_i c_i`` from solo gains, marginals and the
+    aggregator's diagnostics (module docstring); shared by exact and first-order scoring.
+
+    ``zero_reasons[i]``, when given, forces submission ``i``'s score to 0 with that reason (a
+    check outside this formula failed, e.g. first-order scoring's random-direction gate).
+    """
+    accepted = [bool(d.accepted) for d in diagnostics]
+    zero_reasons = zero_reasons or {}
+    consensus = _consensus([float(d.krum_score) for d in diagnostics], accepted,
+                           exponent=config.krum_exponent)
+    scores = []
+    for i, (who, d) in enumerate(zip(contributors, diagnostics)):
+        if not accepted[i]:
+            scores.append(ContributionScore(
+                contributor=who, score=0.0, accepted=False,
+                reason=f"refused by validation: {d.reason or 'no reason given'}",
+                solo_gain=gains[i], marginal=math.nan, value=0.0, participation=0.0,
+                consensus=consensus[i], method=estimate.method))
+            continue
+        g, phi = gains[i], estimate.values[i]
+        value_i = math.sqrt(max(g, 0.0) * max(phi, 0.0))
+        sel = 1.0 if d.selected else config.unselected_factor
+        part = sel * (1.0 - d.trimmed_share) * d.clip_factor ** config.clip_exponent
+        score = value_i * part * consensus[i]
+        if i in zero_reasons:
+            score, reason = 0.0, zero_reasons[i]
+        elif g <= 0:
+            reason = f"held-out loss did not improve (solo gain {g:.3g})"
+        elif phi <= 0:
+            reason = f"no positive marginal effect on the aggregate ({estimate.method} {phi:.3g})"
+        elif not d.selected and config.unselected_factor == 0:
+            reason = "not selected by the robust aggregator"
+        else:
+            reason = (f"solo gain {g:.3g}, marginal {phi:.3g} ({estimate.method}), "
+                      f"participation {part:.3g}, consensus {consensus[i]:.3g}")
+        scores.append(ContributionScore(
+            contributor=who, score=score, accepted=True, reason=reason, solo_gain=g,
+            marginal=phi, value=value_i, participation=part, consensus=consensus[i],
+            method=estimate.method))
+    return scores
+
+
 def score_round_detailed(contributors: Sequence[str], base_loss: float,
                          solo_losses: Sequence[float], diagnostics: Sequence[DiagnosticsLike],
                          subset_loss: SubsetLoss | None, config: ScoringConfig, *,
@@ -190,35 +236,7 @@ def score_round_detailed(contributors: Sequence[str], base_loss: float,
         estimate = MarginalEstimate(values={i: gains[i] for i in players}, method="solo",
                                     evaluations=spent, note=note)
 
-    consensus = _consensus([float(d.krum_score) for d in diagnostics], accepted,
-                           exponent=config.krum_exponent)
-    scores = []
-    for i, (who, d) in enumerate(zip(contributors, diagnostics)):
-        if not accepted[i]:
-            scores.append(ContributionScore(
-                contributor=who, score=0.0, accepted=False,
-                reason=f"refused by validation: {d.reason or 'no reason given'}",
-                solo_gain=gains[i], marginal=math.nan, value=0.0, participation=0.0,
-                consensus=consensus[i], method=estimate.method))
-            continue
-        g, phi = gains[i], estimate.values[i]
-        value_i = math.sqrt(max(g, 0.0) * max(phi, 0.0))
-        sel = 1.0 if d.selected else config.unselected_factor
-        part = sel * (1.0 - d.trimmed_share) * d.clip_factor ** config.clip_exponent
-        score = value_i * part * consensus[i]
-        if g <= 0:
-            reason = f"held-out loss did not improve (solo gain {g:.3g})"
-        elif phi <= 0:
-            reason = f"no positive marginal effect on the aggregate ({estimate.method} {phi:.3g})"
-        elif not d.selected and config.unselected_factor == 0:
-            reason = "not selected by the robust aggregator"
-        else:
-            reason = (f"solo gain {g:.3g}, marginal {phi:.3g} ({estimate.method}), "
-                      f"participation {part:.3g}, consensus {consensus[i]:.3g}")
-        scores.append(ContributionScore(
-            contributor=who, score=score, accepted=True, reason=reason, solo_gain=g,
-            marginal=phi, value=value_i, participation=part, consensus=consensus[i],
-            method=estimate.method))
+    scores = combine_scores(contributors, gains, estimate, diagnostics, config)
     return RoundScoring(scores=scores, estimate=estimate)
 
 
