@@ -92,6 +92,7 @@ def common_training_args(cfg: TrainConfig, output_dir: str, *, progress: bool) -
         log_level="info" if progress else "error",
         dataloader_num_workers=0,
         include_num_input_tokens_seen="non_padding",
+        gradient_checkpointing=False,  # TRL defaults it on; the tiny model needs no memory saving
     )
 
 

@@ -1,0 +1,164 @@
+"""Client-side DP-SGD for ``sft`` and ``lora`` through Opacus.
+
+DP-SGD: Abadi et al., "Deep Learning with Differential Privacy", CCS 2016 (per-example clipping,
+Gaussian noise, Poisson sampling); accounting with Opacus's RDP accountant (Mironov, "Renyi
+Differential Privacy", 2017).
+
+Why a small loop instead of TRL's trainer: Opacus must own the optimizer (``DPOptimizer`` clips per
+example and adds noise), the model (``GradSampleModule`` hooks) and the data loader (Poisson
+sampling gives the guarantee its sample rate). TRL's trainers build all three themselves through
+accelerate, so wiring ``make_private`` into them would mean overriding their internals; the loop
+below is the smallest one that lets Opacus own them (FINDINGS: ``grad_sample_mode="hooks"`` works on
+a PEFT model's LoRA parameters).
+
+What is private: each training *example* (one alpaca record) of this client's local round, for
+this round's steps. For ``sft`` only the Linear weights of the decoder blocks are trained under DP:
+Opacus has no per-sample gradient for Qwen3's custom RMSNorm, and the tied embedding / LM head
+would be counted twice; they stay frozen (their delta is exactly zero).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+
+import torch
+
+from .config import TrainConfig
+from .delta import base_parameter_names, capture_initial_factors, dense_delta_from_models, lora_factors, merged_lora_delta
+from .evaluate import Evaluator, collate, load_model, load_tokenizer, tokenize_examples
+
+
+def noise_for_epsilon(*, target_epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
+    """Smallest noise multiplier whose RDP epsilon after ``steps`` stays within ``target_epsilon``."""
+    from opacus.accountants.utils import get_noise_multiplier
+
+    return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta,
+                                      sample_rate=sample_rate, steps=steps, accountant="rdp"))
+
+
+def _freeze_for_dp_sft(model) -> None:
+    for name, p in model.named_parameters():
+        p.requires_grad_(False)
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}":
+            module.weight.requires_grad_(True)
+            if module.bias is not None:
+                module.bias.requires_grad_(True)
+
+
+def _per_example_loss(model, ids, mask, labels) -> torch.Tensor:
+    """(B,) mean completion-token cross-entropy of each example."""
+    logits = model(input_ids=ids, attention_mask=mask).logits  # (B, T, V)
+    lg, lb = logits[:, :-1], labels[:, 1:]  # (B, T-1, V), (B, T-1)
+    tok = torch.nn.functional.cross_entropy(lg.transpose(1, 2), lb, ignore_index=-100, reduction="none")  # (B, T-1)
+    n = (lb != -100).sum(1).clamp(min=1)  # (B,)
+    return tok.sum(1) / n
+
+
+def train_dp(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_examples=None,
+             progress: bool = False):
+    from opacus import PrivacyEngine
+    from peft import get_peft_model
+    from safetensors.torch import load_file
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from .train import TrainResult, _lora_config, _quiet, _split_heldout
+
+    _quiet(progress)
+    torch.manual_seed(config.seed)
+    base_dir = pathlib.Path(base_dir)
+    train_ex, held = _split_heldout(examples, eval_examples)
+    names = list(base_parameter_names(base_dir))
+    base_state = {}
+    for f in sorted(base_dir.glob("*.safetensors")):
+        base_state.update(load_file(str(f)))
+    tokenizer = load_tokenizer(base_dir)
+    model = load_model(base_dir, attn_implementation=config.attn_implementation or "eager")
+    loss_before = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
+
+    initial = None
+    if config.method == "lora":
+        model = get_peft_model(model, _lora_config(config))
+        if config.init_lora_weights not in (True, False, "gaussian"):
+            initial = capture_initial_factors(model)
+    else:
+        _freeze_for_dp_sft(model)
+    model.train()
+
+    pairs = [(p, c) for p, c in tokenize_examples(tokenizer, train_ex)]
+    pairs = [(p, c[: max(1, config.max_length - len(p))]) for p, c in pairs]
+    ids, mask, labels = collate(pairs, pad_id=tokenizer.pad_token_id)  # (N, T) each
+    n = ids.shape[0]
+    sample_rate = min(1.0, config.batch_size / n)
+    if config.dp_target_epsilon is not None:
+        noise = noise_for_epsilon(target_epsilon=config.dp_target_epsilon, delta=config.dp_delta,
+                                  sample_rate=sample_rate, steps=config.max_steps)
+    else:
+        noise = float(config.dp_noise_multiplier)
+
+    gen = torch.Generator().manual_seed(config.seed)
+    loader = DataLoader(TensorDataset(ids, mask, labels), batch_size=config.batch_size, generator=gen)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
+    engine = PrivacyEngine(accountant="rdp")
+    noise_gen = torch.Generator().manual_seed(config.seed + 1)
+    dp_model, dp_opt, dp_loader = engine.make_private(
+        module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=noise,
+        max_grad_norm=config.dp_max_grad_norm, poisson_sampling=True, grad_sample_mode="hooks",
+        noise_generator=noise_gen,
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: min(1.0, (s + 1) / max(1, config.warmup_steps)) * max(0.0, 1.0 - s / config.max_steps),
+    )
+    t0 = time.perf_counter()
+    steps = examples_seen = tokens_seen = 0
+    while steps < config.max_steps:
+        for b_ids, b_mask, b_labels in dp_loader:
+            if steps >= config.max_steps:
+                break
+            dp_opt.zero_grad(set_to_none=True)
+            if b_ids.shape[0] > 0:
+                loss = _per_example_loss(dp_model, b_ids, b_mask, b_labels).mean()
+                loss.backward()
+            dp_opt.step()  # an empty Poisson batch still adds noise and counts for the accountant
+            sched.step()
+            steps += 1
+            examples_seen += int(b_ids.shape[0])
+            tokens_seen += int(b_mask.sum())
+            if progress and steps % max(1, config.max_steps // 10) == 0:
+                print(f"dp step {steps}/{config.max_steps} eps={engine.get_epsilon(config.dp_delta):.3f}", flush=True)
+    seconds = time.perf_counter() - t0
+    epsilon = float(engine.get_epsilon(config.dp_delta))
+
+    model = dp_model._module
+    model.eval()
+    loss_after = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
+    if config.method == "sft":
+        delta = dense_delta_from_models(base_state, model, names)
+    elif config.merged_delta or config.use_dora:
+        delta = merged_lora_delta(model, base_state, names)
+    else:
+        delta = lora_factors(model, initial=initial)
+    meta = {
+        "method": config.method,
+        "steps": steps,
+        "examples_seen": examples_seen,
+        "tokens_seen": tokens_seen,
+        "train_seconds": round(seconds, 3),
+        "loss_before": loss_before,
+        "loss_after": loss_after,
+        "heldout_examples": len(held) if held else 0,
+        "epsilon": epsilon,
+        "dp_delta": config.dp_delta,
+        "dp_noise_multiplier": noise,
+        "dp_max_grad_norm": config.dp_max_grad_norm,
+        "dp_sample_rate": sample_rate,
+        "dp_accountant": "rdp",
+        "dp_unit": "example",
+        "base_sha256": base_sha256,
+        "seed": config.seed,
+        "delta_format": "dense" if isinstance(next(iter(delta.values())), torch.Tensor) else "lora_factors",
+    }
+    return TrainResult(delta=delta, base_sha256=base_sha256, metadata=meta)
