@@ -70,3 +70,75 @@ def test_packed_refuses_mixed_layouts():
     b = make_packed(torch.randn(2, 16), group_size=None)
     with pytest.raises(InvalidDeltaError, match="identical layouts"):
         packed_pairwise_sq_distances([a, b])
+
+
+# ---- whole-model packed distances (several tensors, mixed layouts, one pass) --------------------
+from zoo_gym.aggregation.distances import PackedModel, packed_model_sq_distances  # noqa: E402
+
+
+def _decoded_reference(models) -> torch.Tensor:
+    """float64 pairwise squared distances of the decoded, concatenated tensors."""
+    dense = torch.stack([torch.cat([p.to_dense().reshape(-1) for p in m]) for m in models])
+    return _reference(dense)
+
+
+def test_whole_model_hand_computed():
+    # contributor 0: +1,+1 / -2 ; contributor 1: +1,-1 / +2 (one group per row, scales 1 and 2)
+    a = [make_packed(torch.tensor([[1.0, 1.0]]), group_size=None), make_packed(torch.tensor([[-2.0]]), group_size=None)]
+    b = [make_packed(torch.tensor([[1.0, -1.0]]), group_size=None), make_packed(torch.tensor([[2.0]]), group_size=None)]
+    d = packed_model_sq_distances([a, b])
+    assert d.tolist() == [[0.0, 4.0 + 16.0], [20.0, 0.0]]  # (1-(-1))^2 + (-2-2)^2
+
+
+@settings(max_examples=30, deadline=None)
+@given(shapes=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 90)), min_size=1, max_size=5),
+       groups=st.lists(st.sampled_from([None, -1, 8, 16, 24, 64, 128]), min_size=5, max_size=5),
+       n=st.integers(1, 6), seed=st.integers(0, 2**31 - 1))
+def test_whole_model_equals_decoded_reference(shapes, groups, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    models = [[make_packed(torch.randn(r, c, generator=g) * (1 + i), group_size=groups[t])
+               for t, (r, c) in enumerate(shapes)] for i in range(n)]
+    ref = _decoded_reference(models)
+    got = packed_model_sq_distances(models)
+    assert got.diagonal().tolist() == [0.0] * n
+    assert torch.allclose(got, got.T, rtol=0, atol=0)
+    assert torch.allclose(got, ref, rtol=1e-12, atol=1e-15)
+    scale = torch.rand(n, generator=g, dtype=torch.float64)
+    dense = torch.stack([torch.cat([p.to_dense().reshape(-1) for p in m]) for m in models]).double()
+    assert torch.allclose(packed_model_sq_distances(models, scale=scale),
+                          _reference(dense * scale[:, None]), rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("group", [None, 8, 32, 128, 4096])
+def test_word_layouts_chunked_equal_reference(group):
+    # wide rows span several chunks; short last groups force padding; all word layouts exercised
+    g = torch.Generator().manual_seed(7)
+    models = [[make_packed(torch.randn(3, 70_001, generator=g), group_size=group),
+               make_packed(torch.randn(1, 129, generator=g), group_size=group)] for _ in range(4)]
+    pm = PackedModel.build(models)
+    assert pm.words.shape[0] == 4 and pm.counts.sum() == 3 * 70_001 + 129
+    got = torch.from_numpy(pm.sq_distances())
+    assert torch.allclose(got, _decoded_reference(models), rtol=1e-12, atol=0)
+
+
+def test_identical_contributors_are_exactly_zero_and_scaled_copies_exact():
+    g = torch.Generator().manual_seed(3)
+    p = [make_packed(torch.randn(5, 300, generator=g), group_size=16)]
+    q = [make_packed(torch.randn(5, 300, generator=g), group_size=16)]
+    d = packed_model_sq_distances([p, p, q])
+    assert d[0, 1] == 0.0 and d[0, 2] > 0
+    # same signs, scales x (1 + 1e-9): the scale term cancels in a Gram formula; must stay exact
+    d2 = packed_model_sq_distances([p, p], scale=torch.tensor([1.0, 1.0 + 1e-9], dtype=torch.float64))
+    exact = float(_decoded_reference([p, p])[0, 0]) + float((p[0].to_dense().double() ** 2).sum()) * 1e-18
+    assert float(d2[0, 1]) == pytest.approx(exact, rel=1e-6)
+
+
+def test_whole_model_refuses_ragged_and_mismatched():
+    a = make_packed(torch.randn(2, 16), group_size=8)
+    b = make_packed(torch.randn(2, 16), group_size=None)
+    with pytest.raises(InvalidDeltaError, match="same tensors in the same order"):
+        packed_model_sq_distances([[a, a], [a]])
+    with pytest.raises(InvalidDeltaError, match="identical layouts"):
+        packed_model_sq_distances([[a, a], [a, b]])
+    with pytest.raises(InvalidDeltaError, match="one entry per contributor"):
+        packed_model_sq_distances([[a], [a]], scale=torch.ones(3))
