@@ -86,7 +86,9 @@ def serve(
 
         from zoo_gym.server.settlement import validate_rewards_settings
 
-        SoupConfig.from_mapping(cfg.soup)  # fail now, not at the end of the first round
+        from zoo_gym.server.config import check_round_size
+
+        check_round_size(SoupConfig.from_mapping(cfg.soup), cfg.min_contributors)  # fail now, not at round end
         validate_rewards_settings(cfg)
         state = open_state(state_dir, db_url=db)
         from zoo_gym.server.servicer import build_server

@@ -120,3 +120,21 @@ def build_config(file_values: dict[str, Any] | None = None, **flags: Any) -> Ser
         return ServerConfig(**kwargs)
     except TypeError as exc:
         raise ConfigError(str(exc)) from exc
+
+
+def check_round_size(soup, min_contributors: int) -> None:
+    """Refuse a --min-contributors too small for the robust rule to work with (named in the message)."""
+    from zoo_gym.aggregation.bulyan import check_bulyan_config
+    from zoo_gym.aggregation.krum import check_krum_config
+    from zoo_gym.aggregation.trimmed_mean import trim_count
+
+    try:
+        if soup.aggregator in ("krum", "multi-krum"):
+            check_krum_config(n=min_contributors, f=soup.byzantine_f, rule=soup.aggregator)
+        elif soup.aggregator == "bulyan":
+            check_bulyan_config(n=min_contributors, f=soup.byzantine_f)
+        elif soup.aggregator == "trimmed-mean":
+            trim_count(n=min_contributors, beta=soup.trim_beta)
+    except ValueError as exc:
+        raise ConfigError(f"--min-contributors {min_contributors} is too few for --aggregator "
+                          f"{soup.aggregator}: {exc}") from exc

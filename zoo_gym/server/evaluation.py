@@ -19,13 +19,33 @@ def _validation_examples(validation_file: str | None, n: int) -> tuple:
 
 
 class ServerEvaluator:
-    """gym_train.Evaluator on one base checkpoint, plus the loss of any other checkpoint directory."""
+    """gym_train.Evaluator on one base checkpoint, plus the loss of any other checkpoint directory.
 
-    def __init__(self, base_dir: Path, examples: list[dict]) -> None:
+    Rewards scoring uses a smaller fixed scoring set (the first `scoring_examples` validation
+    examples) and the gradient of the base's loss on it, computed once per base.
+    """
+
+    def __init__(self, base_dir: Path, examples: list[dict], *, scoring_examples: int = 32) -> None:
         from zoo_gym.gym_train import Evaluator
 
         self.examples = examples
         self.base = Evaluator(base_dir, examples)
+        self.scoring_set = examples[:scoring_examples]
+        self.scoring = Evaluator(None, self.scoring_set, model=self.base.model, tokenizer=self.base.tokenizer)
+        self._gradient = None
+
+    def gradient(self):
+        """zoo_gym.rewards.BaseGradient of the base's loss on the scoring set (cached)."""
+        if self._gradient is None:
+            from zoo_gym.gym_train.evaluate import collate, tokenize_examples
+            from zoo_gym.rewards import base_gradient
+
+            tok = self.base.tokenizer
+            pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+            pairs = tokenize_examples(tok, self.scoring_set)
+            batches = [collate(pairs[i:i + 64], pad_id=pad) for i in range(0, len(pairs), 64)]
+            self._gradient = base_gradient(self.base.model, batches)
+        return self._gradient
 
     def loss(self, delta=None, *, scale: float = 1.0) -> float:
         return self.base.loss(delta, scale=scale)

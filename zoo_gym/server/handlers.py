@@ -224,6 +224,8 @@ def _check_payload(payload, h: SubmitHeader, base: dict[str, tuple[tuple[int, ..
             raise InvalidArgument(f"tensor {e.name!r} holds NaN or infinite values")
         sq_norm += float(t.double().pow(2).sum())
     norm = math.sqrt(sq_norm)
+    if norm == 0.0:
+        raise InvalidArgument("the delta is all zeros: there is nothing to contribute (train first)")
     if config.soup.get("max_delta_norm") and norm > float(config.soup["max_delta_norm"]):
         raise InvalidArgument(f"the delta's L2 norm {norm:.4g} exceeds the server's limit "
                               f"{config.soup['max_delta_norm']}")

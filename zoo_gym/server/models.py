@@ -67,6 +67,9 @@ class Round(SQLModel, table=True):
     dp_noise_multiplier: float | None = None
     dp_sample_rate: float | None = None
     message: str = ""
+    # Set when aggregation could not run with the submissions in hand (e.g. too few for the robust rule
+    # after refusals): the round reopens and waits for at least this many before trying again.
+    needs: int = 0
 
 
 class Submission(SQLModel, table=True):

@@ -20,12 +20,13 @@ from safetensors.torch import load_file, save_file
 from sqlmodel import func, select
 
 from zoo_gym import codec
-from zoo_gym.aggregation import DeltaSoup, PrivacyAccountant, PrivacyBudgetExceeded, SoupConfig
+from zoo_gym.aggregation import (DeltaSoup, NotRobustConfigError, PrivacyAccountant, PrivacyBudgetExceeded,
+                                 SoupConfig)
 from zoo_gym.proto import archive
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.evaluation import evaluator_for
 from zoo_gym.server.models import Checkpoint, Contributor, Round, RoundState, Submission
-from zoo_gym.server.settlement import settle_rewards
+from zoo_gym.server.settlement import scoring_tap, settle_rewards
 from zoo_gym.server.state import ServerState
 
 log = logging.getLogger("zoo_gym.server")
@@ -56,6 +57,12 @@ class StoredDeltas:
             else:  # this contributor did not change the tensor (e.g. LoRA leaves norms alone)
                 rows.append(torch.zeros(self._base[name].numel()))
         return torch.stack(rows)  # (n, numel)
+
+    def stacked_one(self, i: int, name: str) -> torch.Tensor:
+        """Contributor i's delta for one tensor, in the base's shape (zeros when it did not send it)."""
+        if name in self._entries[i]:
+            return codec.decode_tensor(self._payloads[i], name).reshape(self._base[name].shape).float()
+        return torch.zeros(self._base[name].shape)
 
     def packed(self, name: str):
         if not all(name in e and e[name].codec == "bitdelta" for e in self._entries):
@@ -90,17 +97,16 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
         population = int(s.exec(select(func.count()).select_from(Contributor)).one())
     accountant = PrivacyAccountant(history)
     new_weights = {k: v.clone() for k, v in base.items()}
-    aggregate: dict[str, torch.Tensor] = {}
 
-    def sink(name: str, agg: torch.Tensor) -> None:
-        aggregate[name] = agg.reshape(base[name].shape)
-        new_weights[name] = (base[name].float() + aggregate[name]).to(base[name].dtype)
+    def sink(name: str, agg: torch.Tensor) -> None:  # agg: (numel,) float32
+        new_weights[name] = (base[name].float() + agg.reshape(base[name].shape)).to(base[name].dtype)
 
     with ExitStack() as stack:
         payloads = []
         for sub in subs:
             payloads.append(stack.enter_context(state.blobs.mapped(sub.payload_sha256)))
-        source = StoredDeltas(payloads, contributors, base)
+        evaluator = evaluator_for(state, config, rnd.base_sha256)
+        source = scoring_tap(config, StoredDeltas(payloads, contributors, base), evaluator)
         weights = None
         try:
             from zoo_gym.server.settlement import aggregation_weights
@@ -112,6 +118,14 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
         try:
             report = DeltaSoup(soup_config, dp_clip=_last_dp_clip(state)).run(source, sink, weights=weights, generator=gen,
                                                 accountant=accountant, population=max(population, 1))
+        except NotRobustConfigError as exc:
+            with state.write_lock, state.session() as s:
+                r = s.get(Round, rnd.id)
+                r.state, r.needs = RoundState.OPEN, len(subs) + 1
+                r.message = f"waiting for more submissions: {exc}"
+                s.add(r)
+                s.commit()
+            return f"REOPENED ({exc})"
         except PrivacyBudgetExceeded as exc:
             with state.write_lock, state.session() as s:
                 r = s.get(Round, rnd.id)
@@ -120,8 +134,7 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
                 s.add(r)
                 s.commit()
             return f"HALTED ({exc})"
-        evaluator = evaluator_for(state, config, rnd.base_sha256)
-        rewards_summary = settle_rewards(state, config, rnd, source, report, aggregate, evaluator)
+        rewards_summary = settle_rewards(state, config, rnd, source, report, evaluator)
 
     report_json = json.dumps(_jsonable({"soup": report, "rewards": rewards_summary}), sort_keys=True)
     privacy = getattr(report, "privacy", None)
@@ -147,6 +160,10 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
             sha = w.commit()
         size = state.blobs.size(sha)
     with state.write_lock, state.session() as s:
+        parent = s.get(Checkpoint, rnd.base_sha256)
+        if parent is not None and parent.heldout_loss is None and evaluator is not None:
+            parent.heldout_loss = evaluator.loss(None)  # genesis: measured once, on the same set
+            s.add(parent)
         if s.get(Checkpoint, sha) is None:
             s.add(Checkpoint(sha256=sha, round_id=rnd.id, parent_sha256=rnd.base_sha256, size=size,
                              heldout_loss=heldout, manifest_json=json.dumps(lineage, sort_keys=True)))

@@ -76,8 +76,8 @@ class RoundManager:
             return
         if rnd.state == RoundState.OPEN:
             n = handlers.submissions_count(self.state, rnd.id)
-            ready = n >= self.config.effective_quorum or (
-                handlers.deadline_passed(rnd) and n >= self.config.min_contributors)
+            ready = n >= rnd.needs and (n >= self.config.effective_quorum or (
+                handlers.deadline_passed(rnd) and n >= self.config.min_contributors))
             if not ready:
                 return
             with self.state.write_lock, self.state.session() as s:
