@@ -176,11 +176,12 @@ def train(
         base_state.update(load_file(str(f)))
     tokenizer = load_tokenizer(base_dir)
     tokenizer.padding_side = "right"
-    model = load_model(base_dir, attn_implementation=config.attn_implementation)
     if config.quantization == "4bit":
         from .qlora import load_4bit_model
 
         model = load_4bit_model(base_dir, attn_implementation=config.attn_implementation)
+    else:
+        model = load_model(base_dir, attn_implementation=config.attn_implementation)
     loss_before = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
 
     initial = None
