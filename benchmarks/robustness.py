@@ -1,19 +1,26 @@
 """Benchmark: the attack suite. Held-out loss after R federated rounds on the tiny model, for every
 robust aggregator x attack, against the no-attack run with the same seeds.
 
-    python benchmarks/robustness.py            # full: n=10, f=3, R=2 -> results/robustness.{json,png}
-    python benchmarks/robustness.py --quick    # smoke check (~3 min): n=5, f=1, 3 aggregators
+    python benchmarks/robustness.py --workers 2   # full: n=10, f=3, R=2 -> results/robustness.{json,png}
+    python benchmarks/robustness.py --quick       # smoke check (~3 min): n=5, f=1, mean + multi-krum
     python benchmarks/robustness.py --rounds 3 --steps 12 --out /tmp/r.json   # any knob
+
+Cost: one contributor round is 1.3-2.5 s of one core (8 steps; mostly TRL/PEFT set-up), and the
+full grid trains 371 of them (13 in round 1, then one set per each of 46 distinct bases): 8-15
+core-minutes, so `--workers 2` (processes of one thread each; same numbers as --workers 1) needs
+~5-8 minutes on two idle cores. The committed results ran with --workers 14 on a 16-core machine
+(100 s).
 
 Protocol (also written into the JSON under "protocol"):
   * n contributors; contributors 0..n-f-1 are honest, n-f..n-1 Byzantine (f of them). Contributor i
     owns shard i of `builtin_examples("default", n_shards=n)` (reverse a string of digits, a skill
     the tiny base never saw); in round r it draws `steps * batch_size` fresh examples of its shard
-    (`seed=r`) and trains a LoRA round with `gym_train.train` (r=8, all linear layers, merged dense
-    delta, one CPU thread) from ITS trajectory's current base. Every contributor uses the same
-    training seed, as `gym-client join` does (its TrainConfig seed defaults to 0 for everyone): the
-    LoRA init is shared, so honest deltas are comparable (cosine ~0.6) rather than near-orthogonal
-    (with a seed per contributor, coordinate-wise rules see mostly init noise).
+    (`seed=r`) and trains a LoRA round with `gym_train.train` (r=8, all linear layers, 8 steps of
+    batch 8, lr 1e-2, merged dense delta, one CPU thread) from ITS trajectory's current base.
+    Every contributor uses the same training seed, as `gym-client join` does (its TrainConfig
+    seed defaults to 0 for everyone): the LoRA init is shared, so honest deltas are comparable
+    (cosine ~0.6) rather than near-orthogonal (with a seed per contributor, coordinate-wise
+    rules see mostly init noise).
   * A trajectory is one (aggregator, attack) pair run for R rounds from the shipped tiny base.
     Each round: the honest contributors train; the Byzantine ones either craft their deltas from
     the honest deltas of the same round (model poisoning, `zoo_gym.aggregation.attacks`; they
@@ -51,6 +58,8 @@ import contextlib
 import hashlib
 import io
 import json
+import math
+import os
 import pathlib
 import platform
 import shutil
@@ -240,10 +249,33 @@ def aggregate(stack: torch.Tensor, *, aggregator: str, cfg: BenchConfig, names: 
     raise AssertionError("unreachable")
 
 
-def run(cfg: BenchConfig, *, log=print) -> dict:
-    from safetensors.torch import load_file
+def _init_worker() -> None:
+    import transformers
 
     torch.set_num_threads(1)
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _train_job(base_dir: str, sha: str, contributor: int, round_index: int, poisoned: bool,
+               cfg_fields: dict) -> tuple[dict, float]:
+    """One contributor's training (in a worker process: numpy out, no tensor sharing)."""
+    t0 = time.perf_counter()
+    delta = contributor_delta(pathlib.Path(base_dir), sha, contributor=contributor,
+                              round_index=round_index, poisoned=poisoned,
+                              cfg=BenchConfig(**cfg_fields))
+    return {k: v.numpy() for k, v in delta.items()}, time.perf_counter() - t0
+
+
+def run(cfg: BenchConfig, *, workers: int = 1, log=print) -> dict:
+    """All trajectories for cfg.rounds rounds; `workers` > 1 trains in that many processes (one
+    thread each; the results do not depend on it)."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from safetensors.torch import load_file
+
+    _init_worker()
     t_start = time.perf_counter()
     base0 = load_file(str(tiny_model_dir() / "model.safetensors"))
     evaluator = Evaluator(tiny_model_dir(), default_validation_examples(cfg.validation_examples))
@@ -251,14 +283,18 @@ def run(cfg: BenchConfig, *, log=print) -> dict:
     trajs = [Trajectory(a, k) for a in cfg.aggregators for k in cfg.attacks]
     n_honest = cfg.n - cfg.f
     trainings, distinct, train_seconds = 0, [], 0.0
-    with tempfile.TemporaryDirectory(prefix="zoo_gym_robustness_") as tmp:
+    pool = (ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker)
+            if workers > 1 else None)
+    with tempfile.TemporaryDirectory(prefix="zoo_gym_robustness_") as tmp, \
+            (pool or contextlib.nullcontext()):
         for r in range(cfg.rounds):
             groups: dict[str, list[Trajectory]] = {}
             for t in trajs:
                 if t.error is None:
                     groups.setdefault(tensor_key(t.cum), []).append(t)
             distinct.append(len(groups))
-            for g, (key, members) in enumerate(groups.items()):
+            jobs = []  # per group: (base_dir, {(i, poisoned): future or job args})
+            for g, members in enumerate(groups.values()):
                 base_dir = pathlib.Path(tmp) / f"r{r}_{g}"
                 sha = write_base(base0, members[0].cum, base_dir)
                 need = {(i, False) for i in range(n_honest)}
@@ -266,13 +302,17 @@ def run(cfg: BenchConfig, *, log=print) -> dict:
                     need |= {(i, False) for i in range(n_honest, cfg.n)}
                 if any(t.attack == "label_flip" for t in members):
                     need |= {(i, True) for i in range(n_honest, cfg.n)}
+                args = {key: (str(base_dir), sha, key[0], r, key[1], asdict(cfg)) for key in sorted(need)}
+                if pool is not None:
+                    args = {key: pool.submit(_train_job, *a) for key, a in args.items()}
+                jobs.append((base_dir, args))
+            for members, (base_dir, args) in zip(groups.values(), jobs):
                 trained = {}
-                t0 = time.perf_counter()
-                for i, poisoned in sorted(need):
-                    trained[(i, poisoned)] = contributor_delta(
-                        base_dir, sha, contributor=i, round_index=r, poisoned=poisoned, cfg=cfg)
+                for key, job in args.items():
+                    arrays, seconds = job.result() if pool is not None else _train_job(*job)
+                    trained[key] = {k: torch.from_numpy(v) for k, v in arrays.items()}
                     trainings += 1
-                train_seconds += time.perf_counter() - t0
+                    train_seconds += seconds
                 names = sorted(set().union(*(d.keys() for d in trained.values())))
                 shapes = {k: base0[k].shape for k in names}
                 for d in trained.values():  # LoRA merges keep only changed weights: fill zeros
@@ -301,11 +341,20 @@ def run(cfg: BenchConfig, *, log=print) -> dict:
                 shutil.rmtree(base_dir)
             log(f"round {r + 1}/{cfg.rounds}: {distinct[-1]} distinct bases, {trainings} trainings "
                 f"so far, {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
-    return report(cfg, trajs, base_loss=base_loss, trainings=trainings, distinct=distinct,
-                  train_seconds=train_seconds, seconds=time.perf_counter() - t_start)
+    doc = report(cfg, trajs, base_loss=base_loss, trainings=trainings, distinct=distinct,
+                 train_seconds=train_seconds, seconds=time.perf_counter() - t_start)
+    doc["machine"]["workers"] = workers
+    doc["machine"]["cpu_count"] = os.cpu_count()
+    return doc
 
 
 # ---- the JSON document -------------------------------------------------------------------------
+def _version(module: str) -> str:
+    from importlib.metadata import version
+
+    return version(module)
+
+
 def report(cfg: BenchConfig, trajs: list[Trajectory], *, base_loss: float, trainings: int,
            distinct: list[int], train_seconds: float, seconds: float) -> dict:
     by = {(t.aggregator, t.attack): t for t in trajs}
@@ -322,6 +371,8 @@ def report(cfg: BenchConfig, trajs: list[Trajectory], *, base_loss: float, train
                         byzantine_f_used=t.f_used)
             if clean_final is not None:
                 cell["ratio_same_aggregator"] = round(final / clean_final, 4)
+                cell["ratio_same_aggregator_per_round"] = [
+                    round(x / c, 4) for x, c in zip(t.losses, clean.losses)]
                 cell["within_tolerance"] = final <= (1 + cfg.tolerance) * clean_final
             if fedavg_loss is not None:
                 cell["ratio_fedavg_clean"] = round(final / fedavg_loss, 4)
@@ -330,6 +381,13 @@ def report(cfg: BenchConfig, trajs: list[Trajectory], *, base_loss: float, train
         results.setdefault(t.aggregator, {})[t.attack] = cell
     robust = {a: {k: results[a][k].get("within_tolerance", False) for k in cfg.attacks if k != "none"}
               for a in TARGET_ROBUST if a in results}
+    # the same verdict after each round (the target is stated after R; earlier rounds show the path)
+    robust_rounds = {a: [all(results[a][k].get("ratio_same_aggregator_per_round", [math.inf] * (r + 1))[r]
+                             <= 1 + cfg.tolerance for k in cfg.attacks if k != "none")
+                         for r in range(cfg.rounds)] for a in robust}
+    worst = {a: max(((results[a][k].get("ratio_same_aggregator", math.inf), k)
+                     for k in cfg.attacks if k != "none"), default=(math.nan, None))
+             for a in results}
     broken = {}
     if "mean" in results:
         for k in TARGET_BROKEN:
@@ -352,9 +410,11 @@ def report(cfg: BenchConfig, trajs: list[Trajectory], *, base_loss: float, train
                                                    "\"protocol\"):")[1].split("Prints the JSON")[0]
                      .strip(), "config": asdict(cfg)},
         "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                    **{m: _version(m) for m in ("transformers", "peft", "trl")},
                     "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()},
         "seconds": round(seconds, 1),
         "trainings": trainings,
+        "train_seconds_sum": round(train_seconds, 1),  # serial cost: what one core would spend
         "seconds_per_training": round(train_seconds / max(trainings, 1), 2),
         "distinct_bases_per_round": distinct,
         "base_loss": round(base_loss, 5),
@@ -364,6 +424,8 @@ def report(cfg: BenchConfig, trajs: list[Trajectory], *, base_loss: float, train
         "targets": {
             "robust_within_tolerance": robust,
             "robust_pass": {a: all(v.values()) for a, v in robust.items()},
+            "robust_pass_per_round": robust_rounds,
+            "worst_attack_per_aggregator": {a: {"attack": k, "ratio": v} for a, (v, k) in worst.items()},
             "fedavg_broken": broken,
             "fedavg_broken_pass": bool(broken) and all(v["broken"] for v in broken.values()),
             "complete_grid": complete,
@@ -382,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=pathlib.Path, help="JSON path (default results/robustness.json; "
                    "--quick writes nothing unless given)")
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--workers", type=int, default=1, help="training processes (one thread each)")
     args = p.parse_args(argv)
     kw: dict = dict(QUICK) if args.quick else {}
     for name in ("n", "f", "rounds", "steps", "batch_size", "learning_rate", "trim_beta", "seed"):
@@ -391,11 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         kw["aggregators"] = tuple(args.aggregators)
     if args.attacks:
         kw["attacks"] = tuple(args.attacks)
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    doc = run(BenchConfig(**kw), log=print)
+    doc = run(BenchConfig(**kw), workers=args.workers, log=print)
     text = json.dumps(doc, indent=1)
     print(text)
     out = args.out if args.out else (None if args.quick else RESULTS / "robustness.json")
