@@ -41,7 +41,7 @@ from zoo_gym.codec.container import (
     parse_manifest,
 )
 from zoo_gym.codec.errors import CodecError
-from zoo_gym.codec.layout import CODECS, DENSE_CODECS, SCALE_DTYPES, align, leaf_parts
+from zoo_gym.codec.layout import CODECS, DENSE_CODECS, SCALE_DTYPES, align, leaf_parts, resolve_scale_dtype
 from zoo_gym.codec.leaf import TORCH_DTYPES, Leaf, decode_leaf, dtype_name, encode_leaf, packed_leaf
 from zoo_gym.codec.lora import LoraFactors
 
@@ -69,7 +69,7 @@ def relative_error(approx: Tensor, exact: Tensor) -> float:
 # ---------------------------------------------------------------- encoding
 
 def _check_args(*, codec: str, group_size: Any, vector_codec: str, lora_codec: str, max_rel_error: float,
-                scale_dtype: str) -> None:
+                scale_dtype: str | None) -> None:
     if codec not in CODECS:
         raise CodecError(f"`codec` must be one of {CODECS}, got {codec!r}")
     if vector_codec not in DENSE_CODECS:
@@ -83,11 +83,12 @@ def _check_args(*, codec: str, group_size: Any, vector_codec: str, lora_codec: s
         raise CodecError(f"`group_size` must be a multiple of 8 when bitdelta is used, got {group_size}")
     if not (isinstance(max_rel_error, (int, float)) and math.isfinite(max_rel_error) and max_rel_error >= 0):
         raise CodecError(f"`max_rel_error` must be a finite number >= 0, got {max_rel_error!r}")
-    if scale_dtype not in SCALE_DTYPES:
-        raise CodecError(f"`scale_dtype` must be one of {sorted(SCALE_DTYPES)}, got {scale_dtype!r}")
+    if scale_dtype is not None and scale_dtype not in SCALE_DTYPES:
+        raise CodecError(f"`scale_dtype` must be None (the codec's default) or one of {sorted(SCALE_DTYPES)}, "
+                         f"got {scale_dtype!r}")
 
 
-def _candidates(x: Tensor, *, group_size: int | None, scale_dtype: str, what: str) -> list[Leaf | tuple]:
+def _candidates(x: Tensor, *, group_size: int | None, scale_dtype: str | None, what: str) -> list[Leaf | tuple]:
     """Dense candidates for auto in ascending size (encoded lazily by the caller)."""
     native = _PASSTHROUGH_FOR[dtype_name(x.dtype, what=what)]
     names = ["bitdelta", "int4", "int8", "fp16", native]
@@ -95,7 +96,7 @@ def _candidates(x: Tensor, *, group_size: int | None, scale_dtype: str, what: st
 
 
 def _encode_value(value: Tensor | LoraFactors, *, name: str, codec: str, group_size: int | None, vector_codec: str,
-                  lora_codec: str, max_rel_error: float, scale_dtype: str) -> Leaf | tuple[LoraFactors, Leaf, Leaf]:
+                  lora_codec: str, max_rel_error: float, scale_dtype: str | None) -> Leaf | tuple[LoraFactors, Leaf, Leaf]:
     what = f"tensor {name!r}"
 
     def leaf(x: Tensor, c: str, *, w: str = what) -> Leaf:
@@ -146,9 +147,10 @@ def _encode_value(value: Tensor | LoraFactors, *, name: str, codec: str, group_s
     raise CodecError(f"{what}: no candidate met max_rel_error={max_rel_error}")  # unreachable: passthrough is exact
 
 
-def _leaf_size(codec: str, shape: tuple[int, ...], group_size: int | None, scale_dtype: str) -> int:
-    data, off, sb = leaf_parts(codec=codec, shape=shape, group_size=group_size if codec in ("bitdelta", "int4", "int8")
-                               else None, scale_dtype=scale_dtype)
+def _leaf_size(codec: str, shape: tuple[int, ...], group_size: int | None, scale_dtype: str | None) -> int:
+    quant = codec in ("bitdelta", "int4", "int8")
+    sd = resolve_scale_dtype(scale_dtype, codec=codec, group_size=group_size) if quant else None
+    data, off, sb = leaf_parts(codec=codec, shape=shape, group_size=group_size if quant else None, scale_dtype=sd)
     return data if not sb else off + sb
 
 
@@ -177,13 +179,16 @@ def encode(
     lora_codec: str = "fp16",
     max_rel_error: float = 0.7,
     metadata: Mapping[str, Any] | None = None,
-    scale_dtype: str = "float32",
+    scale_dtype: str | None = None,
 ) -> bytes:
     """Encode a delta (name -> Tensor or LoraFactors) into one payload.
 
     ``group_size``: >0 groups of G along each row (a multiple of 8 for bitdelta), None one scale per
     row, -1 one scale per tensor. 0-D/1-D tensors use ``vector_codec`` under bitdelta/int8/int4/lora/auto.
-    ``scale_dtype``: "float32" (default) or "bfloat16" for the stored scales of bitdelta/int8/int4.
+    ``scale_dtype``: how bitdelta/int8/int4 store their scales: "float32", "bfloat16" or "log8" (one
+    float32 reference per tensor and one byte per group on a 1/16-octave log grid; see ``logscale``).
+    None (default) means float32, except bitdelta with groups (``group_size > 0``), which uses
+    ``layout.DEFAULT_GROUP_SCALE_DTYPE``.
     """
     _check_args(codec=codec, group_size=group_size, vector_codec=vector_codec, lora_codec=lora_codec,
                 max_rel_error=max_rel_error, scale_dtype=scale_dtype)

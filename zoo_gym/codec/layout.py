@@ -24,6 +24,8 @@ __all__ = [
     "leaf_nbytes",
     "leaf_parts",
     "align",
+    "scale_nbytes",
+    "resolve_scale_dtype",
 ]
 
 # dtype name -> bytes per element (the dtypes a delta may have)
@@ -32,8 +34,9 @@ PASSTHROUGH_CODECS: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp
 QUANT_CODECS: tuple[str, ...] = ("bitdelta", "int8", "int4")
 DENSE_CODECS: tuple[str, ...] = QUANT_CODECS + tuple(PASSTHROUGH_CODECS)
 CODECS: tuple[str, ...] = ("bitdelta", "int8", "int4", "fp16", "bf16", "fp32", "lora", "auto")
-# dtype name -> bytes per stored scale
-SCALE_DTYPES: dict[str, int] = {"float32": 4, "bfloat16": 2}
+# scale storage name -> bytes per stored scale; "log8" adds one float32 reference per tensor (see logscale)
+SCALE_DTYPES: dict[str, int] = {"float32": 4, "bfloat16": 2, "log8": 1}
+LOG8_REF_BYTES = 4
 
 PART_ALIGN = 8  # bytes; scales start on this boundary inside a leaf
 
@@ -99,7 +102,30 @@ def leaf_parts(
         data = -(-(rows * cols) // 2)  # two codes per byte over the flattened view
     else:
         raise CodecError(f"unknown codec {codec!r}; expected one of {DENSE_CODECS}")
-    return data, align(data), g.n_scales * SCALE_DTYPES[scale_dtype]
+    return data, align(data), scale_nbytes(n_scales=g.n_scales, scale_dtype=scale_dtype)
+
+
+def scale_nbytes(*, n_scales: int, scale_dtype: str) -> int:
+    """Bytes of the scale part of a leaf holding ``n_scales`` scales."""
+    if scale_dtype not in SCALE_DTYPES:
+        raise CodecError(f"`scale_dtype` must be one of {sorted(SCALE_DTYPES)}, got {scale_dtype!r}")
+    return n_scales * SCALE_DTYPES[scale_dtype] + (LOG8_REF_BYTES if scale_dtype == "log8" else 0)
+
+
+def resolve_scale_dtype(scale_dtype: str | None, *, codec: str, group_size: int | None) -> str:
+    """The scale storage a leaf uses: ``scale_dtype`` when given, else the default for its codec.
+
+    Default: ``log8`` for bitdelta with groups (``group_size > 0``; 1 byte per group, see logscale),
+    ``float32`` for per-row / per-tensor bitdelta and for int8/int4.
+    """
+    if scale_dtype is not None:
+        return scale_dtype
+    if codec == "bitdelta" and type(group_size) is int and group_size > 0:
+        return DEFAULT_GROUP_SCALE_DTYPE
+    return "float32"
+
+
+DEFAULT_GROUP_SCALE_DTYPE = "float32"  # the default for bitdelta groups; see resolve_scale_dtype
 
 
 def leaf_nbytes(*, codec: str, shape: tuple[int, ...], group_size: int | None, scale_dtype: str | None) -> int:

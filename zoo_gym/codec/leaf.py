@@ -17,7 +17,8 @@ from torch import Tensor
 from zoo_gym.codec.bitdelta import BitDeltaPacked, pack_bitdelta
 from zoo_gym.codec.errors import CodecError
 from zoo_gym.codec.intquant import QMAX, absmax_scales, dequantize, pack_int4, quantize, unpack_int4
-from zoo_gym.codec.layout import PASSTHROUGH_CODECS, groups_for, leaf_parts, view_2d
+from zoo_gym.codec.layout import PASSTHROUGH_CODECS, groups_for, leaf_parts, resolve_scale_dtype, view_2d
+from zoo_gym.codec.logscale import log8_codes, log8_from_bytes, log8_scales, log8_to_bytes
 
 __all__ = ["Leaf", "TORCH_DTYPES", "dtype_name", "encode_leaf", "decode_leaf", "packed_leaf"]
 
@@ -60,21 +61,34 @@ def _u8(t: Tensor) -> np.ndarray:
     return t.reshape(-1).contiguous().view(torch.uint8).numpy()
 
 
-def _store_scales(s: Tensor, *, scale_dtype: str) -> tuple[np.ndarray, Tensor]:
-    """(stored bytes, the stored scales read back as float32) of float32 scales."""
+def _store_scales(s: Tensor | np.ndarray, *, scale_dtype: str, log8_mode: str = "nearest") -> tuple[np.ndarray, Tensor]:
+    """(stored bytes, the stored scales read back as float32) of scales (scale_rows, n_groups).
+
+    ``log8_mode`` picks the log8 grid point: "nearest" (bitdelta) or "ceil" (int codes never clip).
+    """
+    if scale_dtype == "log8":
+        ref, codes = log8_codes(np.asarray(s), mode=log8_mode)  # float64 scales keep the nearest choice exact
+        return log8_to_bytes(ref, codes), torch.from_numpy(log8_scales(ref, codes))
+    if isinstance(s, np.ndarray):
+        s = torch.from_numpy(s).float()
     stored = s.to(TORCH_DTYPES[scale_dtype]).contiguous()
     return _u8(stored), stored.float()
 
 
 def _scales_from_bytes(raw: np.ndarray, *, scale_dtype: str, shape: tuple[int, int], what: str) -> np.ndarray:
+    if scale_dtype == "log8":
+        return log8_from_bytes(raw, shape=shape, what=what)  # validated, finite and >= 0 by construction
     s = torch.from_numpy(np.array(raw, dtype=np.uint8)).view(TORCH_DTYPES[scale_dtype]).float().reshape(shape)
     if not bool(torch.isfinite(s).all()) or bool((s < 0).any()):
         raise CodecError(f"{what}: scales must be finite and >= 0; the body is corrupt")
     return s.numpy()
 
 
-def encode_leaf(x: Tensor, *, codec: str, group_size: int | None, scale_dtype: str, what: str) -> Leaf:
-    """Encode one tensor (any supported float dtype, any shape) with one dense codec."""
+def encode_leaf(x: Tensor, *, codec: str, group_size: int | None, scale_dtype: str | None, what: str) -> Leaf:
+    """Encode one tensor (any supported float dtype, any shape) with one dense codec.
+
+    ``scale_dtype`` None takes the codec's default (:func:`zoo_gym.codec.layout.resolve_scale_dtype`).
+    """
     dtype = dtype_name(x.dtype, what=what)
     shape = tuple(x.shape)
     if math.prod(shape) == 0:
@@ -87,6 +101,7 @@ def encode_leaf(x: Tensor, *, codec: str, group_size: int | None, scale_dtype: s
         if not bool(torch.isfinite(y).all()):
             raise CodecError(f"{what}: values exceed the range of {codec}; use codec 'bf16' or 'fp32'")
         return Leaf(codec, shape, dtype, None, None, _u8(y), None)
+    scale_dtype = resolve_scale_dtype(scale_dtype, codec=codec, group_size=group_size)
     rows, cols = view_2d(shape)
     groups = groups_for(rows=rows, cols=cols, group_size=group_size, codec=codec)
     x2d = x.reshape(rows, cols)
@@ -95,13 +110,16 @@ def encode_leaf(x: Tensor, *, codec: str, group_size: int | None, scale_dtype: s
             signs, means = pack_bitdelta(x2d, groups=groups)
         except CodecError as e:
             raise CodecError(f"{what}: {e}") from None
-        raw, _ = _store_scales(torch.from_numpy(means).float(), scale_dtype=scale_dtype)
+        raw, _ = _store_scales(means if scale_dtype == "log8" else torch.from_numpy(means).float(),
+                               scale_dtype=scale_dtype)
         return Leaf(codec, shape, dtype, group_size, scale_dtype, signs.reshape(-1), raw)
     xf = x2d.float()
     if not bool(torch.isfinite(xf).all()):
         raise CodecError(f"{what}: tensor contains NaN or inf")
     qmax = QMAX[codec]
-    raw, stored = _store_scales(absmax_scales(xf, groups=groups, qmax=qmax), scale_dtype=scale_dtype)
+    amax = absmax_scales(xf, groups=groups, qmax=qmax)  # (scale_rows, n_groups)
+    raw, stored = _store_scales(amax.numpy() if scale_dtype == "log8" else amax, scale_dtype=scale_dtype,
+                                log8_mode="ceil")
     q = quantize(xf, stored, groups=groups, qmax=qmax)  # int8 (rows, cols)
     data = _u8(q) if codec == "int8" else pack_int4(q)
     return Leaf(codec, shape, dtype, group_size, scale_dtype, data, raw)
