@@ -8,6 +8,10 @@ Run ``python benchmarks/codec.py`` (or ``--quick``); prints one JSON document. S
 * ``lora_rank8``: rank-8 LoRA factors on every Linear of that model (and of the 1.8M tiny model):
   factors in fp16 vs a sign code of the merged delta, size and relative L2 error, and auto's choices.
 
+Rows ``*_log8`` store one float32 reference per tensor and one byte per group (``scale_dtype="log8"``);
+``rel_l2_error_vs_f32_scales`` is their error relative to the same grouping with float32 scales, minus 1.
+``--out PATH`` also writes the JSON to PATH (the committed full run is ``benchmarks/results/codec.json``).
+
 Times are the minimum over repeats; each codec's time is divided by the clone time of the same input
 measured in the same run (clone and codec interleaved), so the ratios survive a busy machine better
 than absolute seconds. Targets (issue 2): bitdelta >= 30x smaller than fp32 and >= 15x than bf16 with
@@ -88,10 +92,15 @@ def _measure(delta: dict, settings: dict, *, repeats: int) -> dict:
 MATRIX_SETTINGS = {
     "bitdelta_per_row": dict(codec="bitdelta", group_size=None),
     "bitdelta_per_tensor": dict(codec="bitdelta", group_size=-1),
-    "bitdelta_g128_f32": dict(codec="bitdelta", group_size=128),
+    "bitdelta_g128_f32": dict(codec="bitdelta", group_size=128, scale_dtype="float32"),
     "bitdelta_g128_bf16": dict(codec="bitdelta", group_size=128, scale_dtype="bfloat16"),
+    "bitdelta_g128_log8": dict(codec="bitdelta", group_size=128, scale_dtype="log8"),
+    "bitdelta_g64_f32": dict(codec="bitdelta", group_size=64, scale_dtype="float32"),
+    "bitdelta_g64_log8": dict(codec="bitdelta", group_size=64, scale_dtype="log8"),
+    "bitdelta_g32_f32": dict(codec="bitdelta", group_size=32, scale_dtype="float32"),
+    "bitdelta_g32_log8": dict(codec="bitdelta", group_size=32, scale_dtype="log8"),
     "bitdelta_g256_bf16": dict(codec="bitdelta", group_size=256, scale_dtype="bfloat16"),
-    "bitdelta_g512_f32": dict(codec="bitdelta", group_size=512),
+    "bitdelta_g512_f32": dict(codec="bitdelta", group_size=512, scale_dtype="float32"),
     "int4_g128": dict(codec="int4", group_size=128),
     "int8_g128": dict(codec="int8", group_size=128),
     "fp16": dict(codec="fp16"),
@@ -99,13 +108,25 @@ MATRIX_SETTINGS = {
 }
 MODEL_SETTINGS = {
     "bitdelta_per_row": dict(codec="bitdelta", group_size=None),
-    "bitdelta_g128_f32": dict(codec="bitdelta", group_size=128),
+    "bitdelta_g128_f32": dict(codec="bitdelta", group_size=128, scale_dtype="float32"),
+    "bitdelta_g128_log8": dict(codec="bitdelta", group_size=128, scale_dtype="log8"),
+    "bitdelta_g64_log8": dict(codec="bitdelta", group_size=64, scale_dtype="log8"),
+    "bitdelta_g32_f32": dict(codec="bitdelta", group_size=32, scale_dtype="float32"),
+    "bitdelta_g32_log8": dict(codec="bitdelta", group_size=32, scale_dtype="log8"),
     "bitdelta_g256_bf16": dict(codec="bitdelta", group_size=256, scale_dtype="bfloat16"),
     "int4_g128": dict(codec="int4", group_size=128),
     "int8_g128": dict(codec="int8", group_size=128),
     "fp16": dict(codec="fp16"),
     "auto_default": dict(codec="auto"),
 }
+
+
+def _log8_vs_f32(results: dict) -> None:
+    """Add ``rel_l2_error_vs_f32_scales`` (log8 error / float32-scale error - 1) to each log8 row."""
+    for name, r in results.items():
+        if name.endswith("_log8") and name[: -len("log8")] + "f32" in results:
+            base = results[name[: -len("log8")] + "f32"]["rel_l2_error"]
+            r["rel_l2_error_vs_f32_scales"] = round(r["rel_l2_error"] / base - 1, 6)
 
 
 def _target(name: str, r: dict) -> dict | None:
@@ -166,6 +187,7 @@ def _lora_section(shapes: dict, *, repeats: int) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller inputs and fewer repeats (CI smoke run)")
+    ap.add_argument("--out", default=None, help="also write the JSON to this file (e.g. benchmarks/results/codec.json)")
     args = ap.parse_args(argv)
     n = 1024 if args.quick else 4096
     repeats = 3 if args.quick else 7
@@ -182,6 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
         if t is not None:
             r["targets"] = t
         report["matrix"]["results"][name] = r
+    _log8_vs_f32(report["matrix"]["results"])
     del x
     big = dict(hidden=512, inter=1536, layers=8, heads=8, kv=4, vocab=32000)
     small = dict(hidden=256, inter=768, layers=2, heads=4, kv=2, vocab=8000)
@@ -195,6 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     for name, kw in MODEL_SETTINGS.items():
         report["model"]["results"][name] = _measure(delta, kw, repeats=max(1, repeats // 2))
+    _log8_vs_f32(report["model"]["results"])
     del delta
     report["lora_rank8"] = {
         "model": _lora_section(shapes, repeats=1),
@@ -203,6 +227,10 @@ def main(argv: list[str] | None = None) -> dict:
     }
     json.dump(report, sys.stdout, indent=1)
     sys.stdout.write("\n")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+            f.write("\n")
     return report
 
 

@@ -43,6 +43,7 @@ __all__ = ["STEPS_PER_OCTAVE", "LOG8_HEADER_BYTES", "LOG8_MULT", "log8_nbytes", 
 
 STEPS_PER_OCTAVE = 16
 LOG8_HEADER_BYTES = 4  # the float32 reference scale
+_CHUNK = 8192  # scales per chunk when choosing codes: 64 KiB float64 temporaries
 
 # float32 nearest to 2 ** (-j / 16), j = 0..15 (written out so decoding never depends on a libm pow)
 _FRAC = np.array([float.fromhex(h) for h in (
@@ -89,20 +90,31 @@ def log8_codes(scales: np.ndarray, *, mode: str) -> tuple[np.float32, np.ndarray
             raise CodecError(f"largest scale {top!r} exceeds the float32 range of the log8 reference")
         return np.float32(0.0), np.zeros(m.shape, dtype=np.uint8)
     grid = log8_scales(ref, np.arange(256)).astype(np.float64)  # (256,) the stored values, ascending
+    flat = m.reshape(-1)
+    codes = np.empty(flat.shape, dtype=np.uint8)
+    for i in range(0, flat.size, _CHUNK):  # chunks keep every temporary small and in cache
+        codes[i : i + _CHUNK] = _codes_chunk(flat[i : i + _CHUNK], grid=grid, ref=float(ref), mode=mode)
+    return ref, codes.reshape(m.shape)
+
+
+def _codes_chunk(m: np.ndarray, *, grid: np.ndarray, ref: float, mode: str) -> np.ndarray:
+    """int64 codes (n,) of float64 scales m (n,) against the stored grid (256,)."""
     with np.errstate(divide="ignore"):
-        pos = 255.0 + STEPS_PER_OCTAVE * np.log2(m / float(ref))  # -inf for m == 0
-    lo = np.clip(np.floor(np.nan_to_num(pos, neginf=-1.0)), 0, 255).astype(np.int64)  # log-neighbour below
-    # the true neighbours may be off by one from float rounding of log2: look at lo-1 .. lo+2 and 0
-    cand = np.clip(lo[..., None] + np.arange(-1, 3), 0, 255)  # (..., 4)
-    cand = np.concatenate([np.zeros(m.shape + (1,), dtype=np.int64), cand], axis=-1)  # (..., 5)
-    vals = grid[cand]  # (..., 5)
+        pos = np.log2(m / ref)  # -inf for m == 0
+    pos *= STEPS_PER_OCTAVE
+    pos += 255.0
+    # log-neighbour below, kept in [1, 254] so lo and lo + 1 are both codes of the nonzero grid. Rounding
+    # in log2 can move it by one only when m is within ~1e-13 of a grid point, which stays a candidate.
+    lo = np.clip(pos, 1.0, 254.0, out=pos).astype(np.int64)  # floor: pos >= 1 after the clip
+    g_lo, g_hi = grid[lo], grid[lo + 1]
     if mode == "nearest":
-        pick = np.argmin(np.abs(vals - m[..., None]), axis=-1)
-    else:
-        # smallest value >= m: among candidates >= m take the least (code 255 = ref >= m always)
-        pick = np.argmin(np.where(vals >= m[..., None], vals, np.inf), axis=-1)
-    codes = np.take_along_axis(cand, pick[..., None], axis=-1)[..., 0].astype(np.uint8)
-    return ref, codes
+        codes = np.where(m - g_lo <= g_hi - m, lo, lo + 1)
+        return np.where(m < 0.5 * grid[1], 0, codes)  # nearer to 0 than to the smallest nonzero point
+    codes = np.where(g_lo >= m, lo, lo + 1)
+    for _ in range(2):  # guard the off-by-one of the floor in both directions
+        codes = np.where((codes < 255) & (grid[codes] < m), codes + 1, codes)
+        codes = np.where((codes > 1) & (grid[codes - 1] >= m), codes - 1, codes)
+    return np.where(m == 0, 0, codes)
 
 
 def log8_to_bytes(ref: np.float32, codes: np.ndarray) -> np.ndarray:
