@@ -28,7 +28,7 @@ def _delta():
 
 
 PAYLOADS = {
-    "bitdelta": encode(_delta(), codec="bitdelta", group_size=8),
+    "bitdelta": encode(_delta(), codec="bitdelta", group_size=8, scale_dtype="float32"),  # log8: test_codec_log8
     "int8": encode(_delta(), codec="int8", group_size=8),
     "int4": encode(_delta(), codec="int4", group_size=None),
     "lora": encode(_delta(), codec="lora", lora_codec="bitdelta", group_size=-1),

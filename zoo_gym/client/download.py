@@ -15,14 +15,6 @@ class DownloadError(RuntimeError):
     """The downloaded bytes do not match the checkpoint's sha256 or size."""
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def fetch_checkpoint(stub, sha256: str, size: int, workdir: Path, *, progress: bool = True,
                      retry: Callable | None = None) -> Path:
     """Return the unpacked model directory of checkpoint `sha256`, downloading what is missing.
@@ -37,11 +29,21 @@ def fetch_checkpoint(stub, sha256: str, size: int, workdir: Path, *, progress: b
     downloads.mkdir(parents=True, exist_ok=True)
     partial = downloads / f"{sha256}.partial"
 
+    digest = hashlib.sha256()
+    hashed = 0  # bytes of the partial file already fed to `digest`
+
     def attempt() -> None:
+        nonlocal digest, hashed
         have = partial.stat().st_size if partial.exists() else 0
         if have > size:
             partial.unlink()
             have = 0
+        if hashed != have:  # resuming: hash what an earlier run left, once
+            digest, hashed = hashlib.sha256(), 0
+            with open(partial, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+                    hashed += len(chunk)
         if have == size:
             return
         bar = tqdm(total=size, initial=have, unit="B", unit_scale=True, desc=f"download {sha256[:12]}",
@@ -51,12 +53,13 @@ def fetch_checkpoint(stub, sha256: str, size: int, workdir: Path, *, progress: b
                 if chunk.offset != f.tell():
                     raise DownloadError(f"server sent offset {chunk.offset}, expected {f.tell()}")
                 f.write(chunk.data)
-                f.flush()
+                digest.update(chunk.data)
+                hashed += len(chunk.data)
                 bar.update(len(chunk.data))
         bar.close()
 
     (retry or (lambda c: c()))(attempt)
-    if partial.stat().st_size != size or _sha256_file(partial) != sha256:
+    if partial.stat().st_size != size or hashed != size or digest.hexdigest() != sha256:
         partial.unlink()
         raise DownloadError(f"checkpoint {sha256[:12]} failed verification (size or sha256); it was discarded, "
                             "run again to download it afresh")

@@ -125,7 +125,7 @@ def resolve_scale_dtype(scale_dtype: str | None, *, codec: str, group_size: int 
     return "float32"
 
 
-DEFAULT_GROUP_SCALE_DTYPE = "float32"  # the default for bitdelta groups; see resolve_scale_dtype
+DEFAULT_GROUP_SCALE_DTYPE = "log8"  # bitdelta groups: 1 byte per group, >= 30x at G=128 (benchmarks/codec.py)
 
 
 def leaf_nbytes(*, codec: str, shape: tuple[int, ...], group_size: int | None, scale_dtype: str | None) -> int:

@@ -219,10 +219,12 @@ def _check_payload(payload, h: SubmitHeader, base: dict[str, tuple[tuple[int, ..
             t = codec.decode_tensor(payload, e.name)
         except codec.CodecError as exc:
             raise InvalidArgument(f"tensor {e.name!r}: {exc}") from exc
-        t = t.float()
-        if not bool(torch.isfinite(t).all()):
-            raise InvalidArgument(f"tensor {e.name!r} holds NaN or infinite values")
-        sq_norm += float(t.double().pow(2).sum())
+        t_norm = float(torch.linalg.vector_norm(t.float()))  # NaN/inf in t make this non-finite
+        if not math.isfinite(t_norm):
+            if not bool(torch.isfinite(t).all()):
+                raise InvalidArgument(f"tensor {e.name!r} holds NaN or infinite values")
+            t_norm = float(torch.linalg.vector_norm(t.double()))  # finite but huge: recompute exactly
+        sq_norm += t_norm * t_norm
     norm = math.sqrt(sq_norm)
     if norm == 0.0:
         raise InvalidArgument("the delta is all zeros: there is nothing to contribute (train first)")

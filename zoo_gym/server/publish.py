@@ -33,13 +33,22 @@ log = logging.getLogger("zoo_gym.server")
 
 
 class StoredDeltas:
-    """DeltaSource over a round's stored payloads (zoo_gym.aggregation.DeltaSource)."""
+    """DeltaSource over a round's stored payloads (zoo_gym.aggregation.DeltaSource).
 
-    def __init__(self, payloads: list, contributors: list[str], base: dict[str, torch.Tensor]) -> None:
+    DeltaSoup reads every tensor in more than one pass (validate, distances, aggregate). Decoded rows are
+    kept in a cache bounded by `cache_bytes`, so small models are decoded once while a model larger
+    than the budget still streams one tensor x n at a time.
+    """
+
+    def __init__(self, payloads: list, contributors: list[str], base: dict[str, torch.Tensor], *,
+                 cache_bytes: int = 512 << 20) -> None:
         self.contributors = contributors
+        self._cache: dict[str, torch.Tensor] = {}
+        self._cache_left = cache_bytes
         self._payloads = payloads
         self._base = base
-        self._entries = [{e.name: e for e in codec.read_manifest(p).entries} for p in payloads]
+        self._manifests = [codec.read_manifest(p) for p in payloads]  # parsed once, passed to every decode
+        self._entries = [{e.name: e for e in m.entries} for m in self._manifests]
         names = set().union(*(set(e) for e in self._entries)) if self._entries else set()
         self._names = [n for n in base if n in names]  # base order: deterministic
 
@@ -50,24 +59,31 @@ class StoredDeltas:
         return tuple(self._base[name].shape)
 
     def stacked(self, name: str) -> torch.Tensor:
+        if name in self._cache:
+            return self._cache[name]
         rows = []
-        for payload, entries in zip(self._payloads, self._entries):
+        for payload, entries, manifest in zip(self._payloads, self._entries, self._manifests):
             if name in entries:
-                rows.append(codec.decode_tensor(payload, name).reshape(-1).float())
+                rows.append(codec.decode_tensor(payload, name, manifest=manifest).reshape(-1).float())
             else:  # this contributor did not change the tensor (e.g. LoRA leaves norms alone)
                 rows.append(torch.zeros(self._base[name].numel()))
-        return torch.stack(rows)  # (n, numel)
+        out = torch.stack(rows)  # (n, numel)
+        if out.nbytes <= self._cache_left:
+            self._cache[name] = out
+            self._cache_left -= out.nbytes
+        return out
 
     def stacked_one(self, i: int, name: str) -> torch.Tensor:
         """Contributor i's delta for one tensor, in the base's shape (zeros when it did not send it)."""
         if name in self._entries[i]:
-            return codec.decode_tensor(self._payloads[i], name).reshape(self._base[name].shape).float()
+            return codec.decode_tensor(self._payloads[i], name, manifest=self._manifests[i]).reshape(
+                self._base[name].shape).float()
         return torch.zeros(self._base[name].shape)
 
     def packed(self, name: str):
         if not all(name in e and e[name].codec == "bitdelta" for e in self._entries):
             return None
-        return [codec.read_bitdelta(p, name) for p in self._payloads]
+        return [codec.read_bitdelta(p, name, manifest=m) for p, m in zip(self._payloads, self._manifests)]
 
 
 def _jsonable(obj):
