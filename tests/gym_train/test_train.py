@@ -152,3 +152,17 @@ def test_qlora_gradient_check_on_cpu():
     with safe_open(str(BASE / "model.safetensors"), framework="pt") as f:
         orig = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
     assert not torch.equal(w, orig)
+
+
+def test_qlora_delta_is_the_adapter_relative_to_the_base():
+    # QLoRA's contribution is its adapter (the 4-bit rounding of the base is not learned): exact factors,
+    # named and shaped like the base's weights. Found on a CUDA run, where subtracting the merged packed
+    # NF4 weights from the base failed.
+    ex = builtin_examples("default", n=64)
+    r = train(BASE, ex, TrainConfig(method="lora", max_steps=2, batch_size=8, quantization="4bit"),
+              base_sha256="q")
+    shapes = _base_shapes()
+    assert r.delta and all(isinstance(v, LoraFactors) for v in r.delta.values())
+    assert all(tuple(v.merged().shape) == shapes[k] for k, v in r.delta.items())
+    with pytest.raises(TrainConfigError, match="`use_dora`"):
+        TrainConfig(method="lora", quantization="4bit", use_dora=True)

@@ -103,5 +103,7 @@ class TrainConfig:
             bad("quantization", "must be None or '4bit'")
         if self.quantization == "4bit" and self.method == "sft":
             bad("quantization", "'4bit' is QLoRA: use method 'lora' or 'grpo', a 4-bit base cannot be fully fine-tuned")
+        if self.quantization == "4bit" and self.use_dora:
+            bad("use_dora", "DoRA on a 4-bit base is not supported: its magnitude vector is not a low-rank delta")
         if self.attn_implementation not in (None, "eager", "sdpa", "flash_attention_2"):
             bad("attn_implementation", "must be None, 'eager', 'sdpa' or 'flash_attention_2'")

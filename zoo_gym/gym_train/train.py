@@ -206,8 +206,15 @@ def train(
 
     if config.method == "sft":
         delta = dense_delta_from_models(base_state, model, names)
-    elif config.merged_delta or config.use_dora or config.quantization == "4bit":
-        # DoRA's magnitude vector is not low-rank; a 4-bit base's merge dequantises: both travel dense
+    elif config.quantization == "4bit":
+        # QLoRA's contribution is its adapter: the 4-bit base's rounding error is not something the
+        # contributor learned (and merging into packed NF4 weights cannot be subtracted from the base).
+        # DoRA on 4-bit is refused by the config checks.
+        delta = lora_factors(model, initial=initial)
+        if config.merged_delta:
+            delta = {k: f.merged() for k, f in delta.items()}
+    elif config.merged_delta or config.use_dora:
+        # DoRA's magnitude vector is not low-rank: it travels dense
         delta = merged_lora_delta(model, base_state, names)
     else:
         delta = lora_factors(model, initial=initial)
