@@ -145,6 +145,7 @@ def transfer(mib: int, root: Path) -> dict:
         t0 = time.perf_counter()
         fetch_checkpoint(stub, info.base_sha256, info.base_size, root / "client", progress=False)
         down = time.perf_counter() - t0
+        os.sync()  # start the upload with no writeback of the download's 512 MB still pending
         key = Ed25519PrivateKey.generate()
         cid = stub.Register(register_request(key, "bench")).contributor_id
         payload = codec.encode({"model.big.weight": torch.randn(side, side) * 1e-3}, codec="fp32")

@@ -66,14 +66,21 @@ class BlobWriter:
         """Make what was written readable through `self.path` (not yet durable, not yet visible)."""
         self._file.flush()
 
+    def sync(self) -> None:
+        """flush + fsync the data now (e.g. in a thread while the caller validates the same bytes)."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._synced_size = self.size
+
     @property
     def sha256(self) -> str:
         return self._hash.hexdigest()
 
     def commit(self, *, expect_sha256: str | None = None) -> str:
         """fsync, move into place, fsync the directory; return the sha256. Idempotent for equal content."""
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        if getattr(self, "_synced_size", None) != self.size:
+            self._file.flush()
+            os.fsync(self._file.fileno())
         self._file.close()
         digest = self.sha256
         if expect_sha256 is not None and digest != expect_sha256:

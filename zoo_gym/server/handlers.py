@@ -12,6 +12,7 @@ import math
 import re
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -257,9 +258,12 @@ def submit_delta(header: SubmitHeader, chunks: Iterable[bytes], *, state: Server
             raise InvalidArgument(f"the stream ended after {w.size} of the declared {header.payload_size} bytes")
         if w.sha256 != header.payload_sha256:
             raise InvalidArgument("the payload's sha256 does not match the signed payload_sha256")
-        w.flush()
-        with map_file(w.path) as payload:
-            codecs_used = _check_payload(payload, header, base, config)
+        # Durability and validation are both needed before the answer: run the fsync beside the check.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            synced = pool.submit(w.sync)
+            with map_file(w.path) as payload:
+                codecs_used = _check_payload(payload, header, base, config)
+            synced.result()
         try:
             sha = w.commit(expect_sha256=header.payload_sha256)
         except BlobError as exc:
