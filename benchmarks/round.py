@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import mmap
 import os
@@ -165,6 +166,26 @@ def transfer(mib: int, root: Path) -> dict:
         t0 = time.perf_counter()
         handlers._check_payload(payload, h, base_m, cfg)  # noqa: SLF001 - measuring the step itself
         validate = time.perf_counter() - t0
+        # Transport alone: the same servicer and stream, with a handler that only hashes what arrives
+        # (then refuses), to separate gRPC streaming from the server's durable-and-validated storage.
+        from zoo_gym.server import errors as server_errors
+
+        real = handlers.submit_delta
+
+        def hash_only(header, chunks, *, state, config):
+            h = hashlib.sha256()
+            for c in chunks:
+                h.update(c)
+            raise server_errors.InvalidArgument(f"probe: {h.hexdigest()}")
+
+        handlers.submit_delta = hash_only
+        t0 = time.perf_counter()
+        try:
+            stub.SubmitDelta(request_stream(header, payload, chunk_bytes=4 << 20))
+        except grpc.RpcError as exc:
+            assert codec.sha256_hex(payload) in exc.details()
+        stream_up = time.perf_counter() - t0
+        handlers.submit_delta = real
     finally:
         channel.close()
         server.stop(grace=None)
@@ -175,6 +196,8 @@ def transfer(mib: int, root: Path) -> dict:
             "download_fetch_MBps": info.base_size / down / mb,
             "download_fetch_includes": "streaming + incremental sha256 + write + untar into the cache",
             "payload_bytes": len(payload),
+            "upload_stream_MBps": len(payload) / stream_up / mb,
+            "upload_stream_includes": "gRPC client stream + server sha256 only (no storage, no validation)",
             "upload_MBps": len(payload) / up / mb,
             "upload_includes": "streaming + server sha256 + write + decode/finite/norm validation + fsync + commit",
             "server_validation_s": validate,
