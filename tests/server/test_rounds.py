@@ -74,3 +74,45 @@ def test_interrupted_aggregation_resumes_after_restart(federation):
         assert r2.state == RoundState.PUBLISHED and s.get(Round, 3).state == RoundState.OPEN
         assert len(list(s.exec(select(Checkpoint)))) == 3
     reopened.engine.dispose()
+
+
+def test_lora_contributions_are_merged_as_products_not_factors(federation):
+    """The published change is the mean of B_i @ A_i, not (mean B)(mean A) (naive federated LoRA)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from zoo_gym.codec import LoraFactors
+
+    shapes = federation.base_shapes()
+    name = next(k for k, s in shapes.items() if k.endswith("q_proj.weight"))
+    out_f, in_f = shapes[name]
+    g = torch.Generator().manual_seed(3)
+    factors = [LoraFactors(A=torch.randn(2, in_f, generator=g) * 0.1, B=torch.randn(out_f, 2, generator=g) * 0.1)
+               for _ in range(2)]
+    for f in factors:
+        key, cid = federation.register()
+        federation.submit(key, cid, codec.encode({name: f}, codec="lora", lora_codec="fp32"))
+    rnd = _wait_published(federation, 1)
+    before = load_file(str(federation.state.checkpoint_dir(rnd.base_sha256) / "model.safetensors"))[name]
+    after = load_file(str(federation.state.checkpoint_dir(rnd.published_sha256) / "model.safetensors"))[name]
+    products = (factors[0].merged() + factors[1].merged()) / 2
+    naive = ((factors[0].B + factors[1].B) / 2) @ ((factors[0].A + factors[1].A) / 2)
+    assert not torch.allclose(products, naive, atol=1e-3)  # the two really differ here
+    torch.testing.assert_close(after - before, products, atol=1e-5, rtol=1e-4)
+
+
+def test_health_and_reflection_services_answer(federation):
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{federation.port}")
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "zoo_gym.v1.Gym"):
+        assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    names = {s.name for r in responses for s in r.list_services_response.service}
+    assert "zoo_gym.v1.Gym" in names and "grpc.health.v1.Health" in names
+    channel.close()

@@ -259,6 +259,7 @@ def submit_delta(header: SubmitHeader, chunks: Iterable[bytes], *, state: Server
         if w.sha256 != header.payload_sha256:
             raise InvalidArgument("the payload's sha256 does not match the signed payload_sha256")
         # Durability and validation are both needed before the answer: run the fsync beside the check.
+        w.flush()  # every byte readable through the path before the check maps it
         with ThreadPoolExecutor(max_workers=1) as pool:
             synced = pool.submit(w.sync)
             with map_file(w.path) as payload:
