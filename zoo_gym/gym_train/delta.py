@@ -97,3 +97,31 @@ def merged_lora_delta(peft_model, base_state: dict[str, torch.Tensor], names) ->
     full = dense_delta_from_models(base_state, merged, names)
     # keep only the weights that changed (the adapted Linears); the rest is exactly zero
     return {k: v for k, v in full.items() if bool(v.abs().max() > 0)}
+
+
+def load_base_state(base_dir) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """(parameter names, {name: tensor}) of the base checkpoint's safetensors files."""
+    from safetensors.torch import load_file
+
+    base_dir = pathlib.Path(base_dir)
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(base_dir.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return list(base_parameter_names(base_dir)), state
+
+
+def adapter_delta(peft_model, config, base_state: dict[str, torch.Tensor], names, *, initial=None) -> dict:
+    """The delta a LoRA-family run sends: exact factors, or dense where factors cannot say it.
+
+    * 4-bit (QLoRA): the adapter's factors. The base's NF4 rounding is not something the contributor
+      learned, and merged packed NF4 weights cannot be subtracted from the base (DoRA on 4-bit is refused
+      by TrainConfig); dense B @ A on request.
+    * DoRA (its magnitude vector is not low-rank) or `merged_delta`: merged model minus base, dense.
+    * otherwise: LoraFactors (scaling folded into B).
+    """
+    if config.quantization == "4bit":
+        factors = lora_factors(peft_model, initial=initial)
+        return {k: f.merged() for k, f in factors.items()} if config.merged_delta else factors
+    if config.merged_delta or config.use_dora:
+        return merged_lora_delta(peft_model, base_state, names)
+    return lora_factors(peft_model, initial=initial)

@@ -25,7 +25,7 @@ import time
 import torch
 
 from .config import TrainConfig
-from .delta import base_parameter_names, capture_initial_factors, dense_delta_from_models, lora_factors, merged_lora_delta
+from .delta import adapter_delta, capture_initial_factors, dense_delta_from_models, load_base_state
 from .evaluate import Evaluator, collate, load_model, load_tokenizer, tokenize_examples
 
 
@@ -60,7 +60,6 @@ def train_dp(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_
              progress: bool = False):
     from opacus import PrivacyEngine
     from peft import get_peft_model
-    from safetensors.torch import load_file
     from torch.utils.data import DataLoader, TensorDataset
 
     from .train import TrainResult, _lora_config, _quiet, _split_heldout
@@ -69,10 +68,7 @@ def train_dp(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_
     torch.manual_seed(config.seed)
     base_dir = pathlib.Path(base_dir)
     train_ex, held = _split_heldout(examples, eval_examples)
-    names = list(base_parameter_names(base_dir))
-    base_state = {}
-    for f in sorted(base_dir.glob("*.safetensors")):
-        base_state.update(load_file(str(f)))
+    names, base_state = load_base_state(base_dir)
     tokenizer = load_tokenizer(base_dir)
     model = load_model(base_dir, attn_implementation=config.attn_implementation or "eager")
     loss_before = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
@@ -137,10 +133,8 @@ def train_dp(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_
     loss_after = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
     if config.method == "sft":
         delta = dense_delta_from_models(base_state, model, names)
-    elif config.merged_delta or config.use_dora:
-        delta = merged_lora_delta(model, base_state, names)
     else:
-        delta = lora_factors(model, initial=initial)
+        delta = adapter_delta(model, config, base_state, names, initial=initial)
     meta = {
         "method": config.method,
         "steps": steps,

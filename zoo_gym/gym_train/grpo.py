@@ -19,8 +19,8 @@ import torch
 
 from .chat import prompt_messages, render_prompt
 from .config import TrainConfig
-from .delta import base_parameter_names, capture_initial_factors, lora_factors, merged_lora_delta
-from .evaluate import Evaluator, load_model, load_tokenizer
+from .delta import adapter_delta, capture_initial_factors, load_base_state
+from .evaluate import Evaluator, load_tokenizer
 
 _INT = re.compile(r"-?\d+")
 
@@ -79,32 +79,21 @@ def mean_reward(model, tokenizer, examples: list[dict], *, max_new_tokens: int, 
 def train_grpo(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_examples=None,
                progress: bool = False):
     from peft import get_peft_model
-    from safetensors.torch import load_file
     from transformers import set_seed
     from trl import GRPOConfig, GRPOTrainer
 
-    from .train import TrainResult, _lora_config, _quiet, _split_heldout, common_training_args, quiet_trainer
+    from .train import (TrainResult, _lora_config, _quiet, _split_heldout, common_training_args, load_training_model,
+                        quiet_trainer)
 
     _quiet(progress)
     set_seed(config.seed)
     base_dir = pathlib.Path(base_dir)
     train_ex, held = _split_heldout(examples, eval_examples)
     held = (held or [])[: config.grpo_eval_prompts]
-    names = list(base_parameter_names(base_dir))
-    base_state = {}
-    for f in sorted(base_dir.glob("*.safetensors")):
-        base_state.update(load_file(str(f)))
+    names, base_state = load_base_state(base_dir)
     tokenizer = load_tokenizer(base_dir)
     tokenizer.padding_side = "left"
-    if config.quantization == "4bit":
-        from peft import prepare_model_for_kbit_training
-
-        from .qlora import load_4bit_model
-
-        model = load_4bit_model(base_dir, attn_implementation=config.attn_implementation)
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    else:
-        model = load_model(base_dir, attn_implementation=config.attn_implementation)
+    model = load_training_model(base_dir, config)
     gen_len = config.grpo_max_completion_length
     reward_before = mean_reward(model, tokenizer, held, max_new_tokens=gen_len) if held else None
     loss_before = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
@@ -138,10 +127,7 @@ def train_grpo(base_dir, examples, config: TrainConfig, *, base_sha256: str, eva
     loss_after = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
     train_rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
 
-    if config.merged_delta or config.use_dora or config.quantization == "4bit":
-        delta = merged_lora_delta(model, base_state, names)
-    else:
-        delta = lora_factors(model, initial=initial)
+    delta = adapter_delta(model, config, base_state, names, initial=initial)
     steps = int(trainer.state.global_step)
     meta = {
         "method": "grpo",

@@ -18,7 +18,7 @@ import torch
 
 from .chat import prompt_messages
 from .config import TrainConfig
-from .delta import base_parameter_names, capture_initial_factors, dense_delta_from_models, lora_factors, merged_lora_delta
+from .delta import adapter_delta, capture_initial_factors, dense_delta_from_models, load_base_state
 from .evaluate import Evaluator, load_model, load_tokenizer
 from .hardware import check_hardware
 
@@ -116,6 +116,18 @@ def sft_dataset(examples: list[dict]):
     return Dataset.from_list(rows)
 
 
+def load_training_model(base_dir, config: TrainConfig):
+    """The base model to train: 4-bit NF4 for QLoRA (prepared for k-bit training), else float32."""
+    if config.quantization == "4bit":
+        from peft import prepare_model_for_kbit_training
+
+        from .qlora import load_4bit_model
+
+        model = load_4bit_model(base_dir, attn_implementation=config.attn_implementation)
+        return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return load_model(base_dir, attn_implementation=config.attn_implementation)
+
+
 def _run_sft(model, tokenizer, train_ex, cfg: TrainConfig, tmp: str, progress: bool):
     from trl import SFTConfig, SFTTrainer
 
@@ -164,34 +176,21 @@ def train(
         return train_grpo(base_dir, examples, config, base_sha256=base_sha256,
                           eval_examples=eval_examples, progress=progress)
 
-    from safetensors.torch import load_file
     from transformers import set_seed
 
     _quiet(progress)
     set_seed(config.seed)
     train_ex, held = _split_heldout(examples, eval_examples)
-    names = list(base_parameter_names(base_dir))
-    base_state = {}
-    for f in sorted(base_dir.glob("*.safetensors")):
-        base_state.update(load_file(str(f)))
+    names, base_state = load_base_state(base_dir)
     tokenizer = load_tokenizer(base_dir)
     tokenizer.padding_side = "right"
-    if config.quantization == "4bit":
-        from .qlora import load_4bit_model
-
-        model = load_4bit_model(base_dir, attn_implementation=config.attn_implementation)
-    else:
-        model = load_model(base_dir, attn_implementation=config.attn_implementation)
+    model = load_training_model(base_dir, config)
     loss_before = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
 
     initial = None
     if config.method == "lora":
         from peft import get_peft_model
 
-        if config.quantization == "4bit":
-            from peft import prepare_model_for_kbit_training
-
-            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         model = get_peft_model(model, _lora_config(config))
         if config.init_lora_weights not in (True, False, "gaussian"):
             initial = capture_initial_factors(model)
@@ -206,18 +205,8 @@ def train(
 
     if config.method == "sft":
         delta = dense_delta_from_models(base_state, model, names)
-    elif config.quantization == "4bit":
-        # QLoRA's contribution is its adapter: the 4-bit base's rounding error is not something the
-        # contributor learned (and merging into packed NF4 weights cannot be subtracted from the base).
-        # DoRA on 4-bit is refused by the config checks.
-        delta = lora_factors(model, initial=initial)
-        if config.merged_delta:
-            delta = {k: f.merged() for k, f in delta.items()}
-    elif config.merged_delta or config.use_dora:
-        # DoRA's magnitude vector is not low-rank: it travels dense
-        delta = merged_lora_delta(model, base_state, names)
     else:
-        delta = lora_factors(model, initial=initial)
+        delta = adapter_delta(model, config, base_state, names, initial=initial)
 
     steps = int(trainer.state.global_step)
     meta = {

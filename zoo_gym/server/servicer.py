@@ -33,19 +33,22 @@ _STATES = {
 }
 
 
-def _guard(method):
-    """Map domain errors to gRPC statuses; never leak internals to a peer."""
+def _abort(exc: Exception, context, name: str):
+    """Map a domain error to its status; anything unexpected to INTERNAL without leaking internals."""
+    if isinstance(exc, GymError):
+        context.abort(exc.code, str(exc))
+    log.error("unexpected error in %s", name, exc_info=exc)
+    context.abort(grpc.StatusCode.INTERNAL, "internal server error; the operator's log has details")
 
+
+def _guard(method):
     def wrapper(self, request, context):
         try:
             return method(self, request, context)
-        except GymError as exc:
-            context.abort(exc.code, str(exc))
         except grpc.RpcError:
             raise
-        except Exception:  # noqa: BLE001
-            log.exception("unexpected error in %s", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, "internal server error; the operator's log has details")
+        except Exception as exc:  # noqa: BLE001 - mapped by _abort
+            _abort(exc, context, method.__name__)
 
     wrapper.__name__ = method.__name__
     return wrapper
@@ -55,13 +58,10 @@ def _guard_stream(method):
     def wrapper(self, request, context):
         try:
             yield from method(self, request, context)
-        except GymError as exc:
-            context.abort(exc.code, str(exc))
         except grpc.RpcError:
             raise
-        except Exception:  # noqa: BLE001
-            log.exception("unexpected error in %s", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, "internal server error; the operator's log has details")
+        except Exception as exc:  # noqa: BLE001 - mapped by _abort
+            _abort(exc, context, method.__name__)
 
     wrapper.__name__ = method.__name__
     return wrapper
