@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -167,7 +166,3 @@ def _wait_for_round_after(stub, round_id: int, retry, say, opts: JoinOptions) ->
         if time.monotonic() > deadline:
             raise JoinError(f"round {round_id} was not published within {opts.max_wait:.0f} s")
         time.sleep(1.0)
-
-
-def summaries_json(summaries: list[dict]) -> str:
-    return json.dumps(summaries, indent=2)

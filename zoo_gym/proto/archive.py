@@ -8,7 +8,6 @@ archive cannot write outside the target directory.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -76,14 +75,3 @@ def unpack(archive: Path, dest: Path) -> Path:
 
 def write_lineage(model_dir: Path, lineage: dict) -> None:
     (Path(model_dir) / LINEAGE).write_text(json.dumps(lineage, indent=2, sort_keys=True) + "\n")
-
-
-def read_lineage(model_dir: Path) -> dict:
-    path = Path(model_dir) / LINEAGE
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def pack_bytes(model_dir: Path) -> bytes:
-    buf = io.BytesIO()
-    pack(model_dir, buf)
-    return buf.getvalue()

@@ -126,11 +126,6 @@ class BlobStore:
             if w.path.exists():
                 w.discard()
 
-    def put_file(self, path: Path) -> str:
-        with self.writer() as w, open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                w.write(chunk)
-            return w.commit()
 
     @contextmanager
     def mapped(self, sha256: str) -> Iterator[mmap.mmap]:
@@ -138,10 +133,6 @@ class BlobStore:
         with map_file(self.path(sha256)) as m:
             yield m
 
-    def read_range(self, sha256: str, offset: int, length: int) -> bytes:
-        with open(self.path(sha256), "rb") as f:
-            f.seek(offset)
-            return f.read(length)
 
     def clean_tmp(self) -> int:
         """Remove leftovers of writes a crash interrupted (never visible as blobs). Returns how many."""

@@ -15,7 +15,6 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 from safetensors import safe_open
@@ -296,6 +295,3 @@ def submissions_count(state: ServerState, round_id: int) -> int:
 def deadline_passed(rnd: Round) -> bool:
     return rnd.deadline_unix > 0 and time.time() >= rnd.deadline_unix
 
-
-def weights_path(state: ServerState, sha256: str) -> Path:
-    return state.checkpoint_dir(sha256) / "model.safetensors"

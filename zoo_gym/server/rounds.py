@@ -8,7 +8,6 @@ aggregating again on restart (blobs are content-addressed, so nothing is duplica
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -93,9 +92,3 @@ class RoundManager:
         outcome = publish_round(self.state, self.config, rnd, subs)
         log.info("round %d: %s in %.2f s", rnd.id, outcome, time.perf_counter() - started)
         self._ensure_deadline()
-
-
-def round_report(state: ServerState, round_id: int) -> dict:
-    with state.session() as s:
-        rnd = s.get(Round, round_id)
-        return json.loads(rnd.report_json) if rnd else {}

@@ -37,7 +37,6 @@ from zoo_gym.rewards import (
     aggregation_weights as _rep_weights,
     score_round,
     settle_round,
-    verify_chain,
 )
 from zoo_gym.server.config import ConfigError, ServerConfig
 from zoo_gym.server.state import ServerState
@@ -193,5 +192,5 @@ def verify_ledger(state: ServerState) -> dict[str, Any]:
     return asdict(report)
 
 
-__all__ = ["aggregation_weights", "balance_of", "ledger_entries", "settle_rewards", "verify_ledger",
-           "verify_chain"]
+__all__ = ["aggregation_weights", "balance_of", "ledger_entries", "scoring_tap", "settle_rewards",
+           "validate_rewards_settings", "verify_ledger"]
