@@ -25,7 +25,7 @@ import time
 import torch
 
 from .config import TrainConfig
-from .delta import adapter_delta, capture_initial_factors, dense_delta_from_models, load_base_state
+from .delta import adapter_delta, dense_delta_from_models, load_base_state
 from .evaluate import Evaluator, collate, load_model, load_tokenizer, tokenize_examples
 
 
@@ -59,10 +59,9 @@ def _per_example_loss(model, ids, mask, labels) -> torch.Tensor:
 def train_dp(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_examples=None,
              progress: bool = False):
     from opacus import PrivacyEngine
-    from peft import get_peft_model
     from torch.utils.data import DataLoader, TensorDataset
 
-    from .train import TrainResult, _lora_config, _quiet, _split_heldout
+    from .train import TrainResult, _quiet, _split_heldout, with_lora
 
     _quiet(progress)
     torch.manual_seed(config.seed)
@@ -75,9 +74,7 @@ def train_dp(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_
 
     initial = None
     if config.method == "lora":
-        model = get_peft_model(model, _lora_config(config))
-        if config.init_lora_weights not in (True, False, "gaussian"):
-            initial = capture_initial_factors(model)
+        model, initial = with_lora(model, config)
     else:
         _freeze_for_dp_sft(model)
     model.train()

@@ -19,7 +19,7 @@ import torch
 
 from .chat import prompt_messages, render_prompt
 from .config import TrainConfig
-from .delta import adapter_delta, capture_initial_factors, load_base_state
+from .delta import adapter_delta, load_base_state
 from .evaluate import Evaluator, load_tokenizer
 
 _INT = re.compile(r"-?\d+")
@@ -78,12 +78,11 @@ def mean_reward(model, tokenizer, examples: list[dict], *, max_new_tokens: int, 
 
 def train_grpo(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_examples=None,
                progress: bool = False):
-    from peft import get_peft_model
     from transformers import set_seed
     from trl import GRPOConfig, GRPOTrainer
 
-    from .train import (TrainResult, _lora_config, _quiet, _split_heldout, common_training_args, load_training_model,
-                        quiet_trainer)
+    from .train import (TrainResult, _quiet, _split_heldout, common_training_args, load_training_model, quiet_trainer,
+                        with_lora)
 
     _quiet(progress)
     set_seed(config.seed)
@@ -98,8 +97,7 @@ def train_grpo(base_dir, examples, config: TrainConfig, *, base_sha256: str, eva
     reward_before = mean_reward(model, tokenizer, held, max_new_tokens=gen_len) if held else None
     loss_before = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
 
-    model = get_peft_model(model, _lora_config(config))
-    initial = capture_initial_factors(model) if config.init_lora_weights not in (True, False, "gaussian") else None
+    model, initial = with_lora(model, config)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="zoo_gym_grpo_") as tmp:
         args = GRPOConfig(

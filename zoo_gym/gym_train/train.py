@@ -116,6 +116,16 @@ def sft_dataset(examples: list[dict]):
     return Dataset.from_list(rows)
 
 
+def with_lora(model, config: TrainConfig):
+    """(PEFT model, initial factors): the initial factors are kept only for inits where B0 @ A0 != 0
+    (PiSSA, OLoRA ...), whose delta must subtract them (see delta.lora_factors)."""
+    from peft import get_peft_model
+
+    model = get_peft_model(model, _lora_config(config))
+    initial = capture_initial_factors(model) if config.init_lora_weights not in (True, False, "gaussian") else None
+    return model, initial
+
+
 def load_training_model(base_dir, config: TrainConfig):
     """The base model to train: 4-bit NF4 for QLoRA (prepared for k-bit training), else float32."""
     if config.quantization == "4bit":
@@ -189,11 +199,7 @@ def train(
 
     initial = None
     if config.method == "lora":
-        from peft import get_peft_model
-
-        model = get_peft_model(model, _lora_config(config))
-        if config.init_lora_weights not in (True, False, "gaussian"):
-            initial = capture_initial_factors(model)
+        model, initial = with_lora(model, config)
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="zoo_gym_train_") as tmp:
