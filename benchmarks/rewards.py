@@ -55,6 +55,7 @@ from zoo_gym.gym_train.evaluate import collate, tokenize_examples
 from zoo_gym.rewards import (ContributionDiagnostics, FirstOrderConfig, ScoringConfig, SlopeTap,
                              accept_by_quality, base_gradient, score_round_detailed,
                              score_round_first_order, streamed_slopes)
+from zoo_gym.rewards.packing import PackedScoringSet
 from zoo_gym.server.publish import StoredDeltas
 
 SCORING_EXAMPLES = 32  # the scoring set: the first 32 of the server's validation examples
@@ -99,8 +100,8 @@ def _summary(scores, n: int, reference=None) -> dict:
     return out
 
 
-def bench(n: int, *, full: Evaluator, small: Evaluator, base: dict, repeats: int,
-          noise: bool) -> dict:
+def bench(n: int, *, full: Evaluator, small: Evaluator, packed: PackedScoringSet, base: dict,
+          repeats: int, noise: bool) -> dict:
     names = [k for k in base]
     gen = torch.Generator().manual_seed(n)
     deltas = _deltas(full, names, n, gen)
@@ -160,7 +161,8 @@ def bench(n: int, *, full: Evaluator, small: Evaluator, base: dict, repeats: int
         return score_round_detailed(ids, b, solo, diags, subset_loss,
                                     ScoringConfig(max_evaluations=32))
 
-    def exact_solo_on(evaluator: Evaluator):
+    def exact_solo_on(evaluator):
+        """Exact solo loss of contributor i on `evaluator` (Evaluator or PackedScoringSet)."""
         def exact_solo(i: int) -> float:
             passes["n"] += 1
             return evaluator.loss(codec.decode(payloads[i]), scale=clip[i])  # this one only
@@ -174,18 +176,39 @@ def bench(n: int, *, full: Evaluator, small: Evaluator, base: dict, repeats: int
         slopes, norms = streamed_slopes(g.grad, source, scales=clip)
         return _fo(g, slopes, norms, exact_solo_on(evaluator))
 
-    def tapped(evaluator: Evaluator, batches, cached=None):
-        """Proposed server path: the slopes ride on the aggregation's own decode (SlopeTap);
-        timed = gradient (unless cached) + the tap's own seconds + scoring + top-k checks."""
+    def tapped(loss_on, gradient, cached=None, *, keep_rows=True):
+        """The server's path: the slopes ride on the aggregation's own decode (SlopeTap);
+        timed = gradient (unless cached) + the tap's own seconds + scoring + top-k checks (on
+        the rows the tap kept, as settlement.py does; keep_rows=False: decode the payload again,
+        the previous path). Returns (seconds, result, breakdown)."""
         t0 = time.perf_counter()
-        g = cached if cached is not None else base_gradient(evaluator.model, batches)
+        g = cached if cached is not None else gradient()
         grad_s = time.perf_counter() - t0
-        tap = SlopeTap(StoredDeltas(payloads, ids, base), g.grad)
+        tap = SlopeTap(StoredDeltas(payloads, ids, base), g.grad,
+                       keep_bytes=(512 << 20) if keep_rows else 0)
         soup.run(tap, lambda name, t: None)  # the aggregation itself: not scoring's cost
+        checks = {"s": 0.0}
+        if keep_rows:
+            def exact_solo(i: int) -> float:
+                passes["n"] += 1
+                return loss_on.loss(tap.delta_of(i), scale=clip[i])
+        else:
+            exact_solo = exact_solo_on(loss_on)
+
+        def timed_check(i: int) -> float:
+            t = time.perf_counter()
+            out = exact_solo(i)
+            checks["s"] += time.perf_counter() - t
+            return out
+
         t0 = time.perf_counter()
         slopes, norms = tap.result(scales=clip)
-        res = _fo(g, slopes, norms, exact_solo_on(evaluator))
-        return grad_s + tap.seconds + time.perf_counter() - t0, res
+        res = _fo(g, slopes, norms, timed_check)
+        rest = time.perf_counter() - t0
+        total = grad_s + tap.seconds + rest
+        return total, res, {"gradient_s": round(grad_s, 4), "tap_s": round(tap.seconds, 4),
+                            "exact_checks_s": round(checks["s"], 4),
+                            "scoring_s": round(rest - checks["s"], 4)}
 
     def _fo(g, slopes, norms, exact_solo):
         return score_round_first_order(
@@ -195,23 +218,30 @@ def bench(n: int, *, full: Evaluator, small: Evaluator, base: dict, repeats: int
 
     full_batches, small_batches = full._batches, small._batches  # noqa: SLF001 (same batches)
     cached = base_gradient(small.model, small_batches)
+    packed_cached = packed.gradient()
     runs = {"exact_128": lambda: exact(full), "exact_32": lambda: exact(small),
             "first_order_128": lambda: first_order(full, full_batches),
             "first_order_32": lambda: first_order(small, small_batches),
             "first_order_32_cached": lambda: first_order(small, small_batches, cached),
-            "first_order_32_tap": lambda: tapped(small, small_batches),
-            "first_order_32_tap_cached": lambda: tapped(small, small_batches, cached)}
+            "first_order_32_tap": lambda: tapped(packed, packed.gradient),
+            "first_order_32_tap_padded": lambda: tapped(
+                small, lambda: base_gradient(small.model, small_batches), keep_rows=False),
+            "first_order_32_tap_cached": lambda: tapped(packed, packed.gradient, packed_cached)}
     methods, reference = {}, None
     for name, fn in runs.items():
         passes["n"] = 0
+        extra = {}
         if "tap" in name:
             timed = [fn() for _ in range(repeats)]
             t, res = statistics.median(x[0] for x in timed), timed[-1][1]
+            extra = {"breakdown_median": {k: round(statistics.median(x[2][k] for x in timed), 4)
+                                          for k in timed[0][2]}}
         else:
             t, res = _median_time(fn, repeats)
         row = {"seconds": round(t, 4), "ratio": round(t / agg_s, 3),
                "forward_passes": passes["n"] // repeats, "marginal": res.estimate.method,
-               "permutations": res.estimate.permutations, **_summary(res.scores, n, reference)}
+               "permutations": res.estimate.permutations, **_summary(res.scores, n, reference),
+               **extra}
         if reference is None:
             reference = accept_by_quality(res.scores)
         methods[name] = row
@@ -284,7 +314,11 @@ def main(argv: list[str] | None = None) -> None:
     full = Evaluator(model_dir, examples)
     small = Evaluator(None, examples[:SCORING_EXAMPLES], model=full.model, tokenizer=full.tokenizer)
     base = load_file(str(model_dir / "model.safetensors"))
-    rows = [bench(n, full=full, small=small, base=base, repeats=args.repeats, noise=(i == 0))
+    pad = full.tokenizer.pad_token_id or 0
+    packed = PackedScoringSet(full.model, tokenize_examples(full.tokenizer, examples[:SCORING_EXAMPLES]),
+                              pad_id=pad)
+    rows = [bench(n, full=full, small=small, packed=packed, base=base, repeats=args.repeats,
+                  noise=(i == 0))
             for i, n in enumerate(args.contributors)]
     at10 = next((r for r in rows if r["contributors"] == 10), None)
     result = {"benchmark": "rewards.scoring_vs_aggregation", "model": "shipped tiny model",

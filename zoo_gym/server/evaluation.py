@@ -22,29 +22,37 @@ class ServerEvaluator:
     """gym_train.Evaluator on one base checkpoint, plus the loss of any other checkpoint directory.
 
     Rewards scoring uses a smaller fixed scoring set (the first `scoring_examples` validation
-    examples) and the gradient of the base's loss on it, computed once per base.
+    examples): `scoring.loss(delta, scale=c)` for exact losses and `gradient()` for the base's
+    gradient (computed once per base). Both run on the scoring set packed with its shared chat
+    prefix computed once (zoo_gym.rewards.packing: same loss, ~0.6x the positions of padded
+    batches); a model whose attention cannot take the packing mask falls back to padded batches.
     """
 
     def __init__(self, base_dir: Path, examples: list[dict], *, scoring_examples: int = 32) -> None:
         from zoo_gym.gym_train import Evaluator
+        from zoo_gym.gym_train.evaluate import tokenize_examples
+        from zoo_gym.rewards.packing import PackedScoringSet, supports_packing
 
         self.examples = examples
         self.base = Evaluator(base_dir, examples)
         self.scoring_set = examples[:scoring_examples]
-        self.scoring = Evaluator(None, self.scoring_set, model=self.base.model, tokenizer=self.base.tokenizer)
+        tok, model = self.base.tokenizer, self.base.model
+        if supports_packing(model):
+            pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+            self.scoring = PackedScoringSet(model, tokenize_examples(tok, self.scoring_set), pad_id=pad)
+        else:
+            self.scoring = Evaluator(None, self.scoring_set, model=model, tokenizer=tok)
         self._gradient = None
 
     def gradient(self):
         """zoo_gym.rewards.BaseGradient of the base's loss on the scoring set (cached)."""
         if self._gradient is None:
-            from zoo_gym.gym_train.evaluate import collate, tokenize_examples
             from zoo_gym.rewards import base_gradient
 
-            tok = self.base.tokenizer
-            pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-            pairs = tokenize_examples(tok, self.scoring_set)
-            batches = [collate(pairs[i:i + 64], pad_id=pad) for i in range(0, len(pairs), 64)]
-            self._gradient = base_gradient(self.base.model, batches)
+            if hasattr(self.scoring, "gradient"):
+                self._gradient = self.scoring.gradient()
+            else:  # padded fallback: the Evaluator's own length-sorted batches
+                self._gradient = base_gradient(self.base.model, self.scoring._batches)  # noqa: SLF001
         return self._gradient
 
     def loss(self, delta=None, *, scale: float = 1.0) -> float:

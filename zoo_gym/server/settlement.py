@@ -6,8 +6,10 @@ held-out losses from the validation set and the DeltaSoup report of the round.
 Default (`scoring-method = "first-order"`, zoo_gym/rewards/first_order_scoring.py): one gradient of
 the base's loss on a fixed 32-example scoring set (computed once per base), slopes <g, delta_i> taken
 from the rows the aggregation decodes anyway (SlopeTap: no second decode, memory one tensor x n), the
-linear Shapley game, a random-direction gate, and exact forward passes for the top 2 only. Measured
-cost: 0.18x the round's aggregation at n = 10 (benchmarks/results/rewards.json).
+linear Shapley game, a random-direction gate, and exact forward passes for the top 2 only (on the rows
+the tap kept, no decode). The gradient and the checks run on the scoring set packed with its shared chat
+prefix computed once (zoo_gym/rewards/packing.py, evaluation.py). Measured cost, gradient included:
+see benchmarks/results/rewards.json (`first_order_32_tap`, target <= 1x the aggregation at n = 10).
 
 `scoring-method = "exact"`: 1 + n + (marginal evaluations, bounded by `scoring-max-evaluations`)
 forward passes. The marginal game V(S) evaluates base + the aggregate of subset S, where the subset
@@ -43,6 +45,11 @@ from zoo_gym.server.state import ServerState
 
 _DEFAULTS = {"reward_pool": 1000, "reputation_weighting": True, "scoring_method": "first-order",
              "scoring_marginal": "gtg_shapley", "scoring_max_evaluations": 32}
+
+
+# Rows the tap keeps (references) for the exact checks; the server's StoredDeltas caches up to 512 MB of
+# decoded rows itself, so within that the references cost no memory and the checks decode nothing.
+_TAP_KEEP_BYTES = 512 << 20
 
 
 def _settings(config: ServerConfig) -> tuple[int, bool, ScoringConfig, SettlementConfig]:
@@ -95,7 +102,7 @@ def scoring_tap(config: ServerConfig, source, evaluator):
     """Wrap the round's DeltaSource so first-order slopes are taken from the rows aggregation decodes."""
     if evaluator is None or {**_DEFAULTS, **config.rewards}["scoring_method"] != "first-order":
         return source
-    return SlopeTap(source, evaluator.gradient().grad)
+    return SlopeTap(source, evaluator.gradient().grad, keep_bytes=_TAP_KEEP_BYTES)
 
 
 def settle_rewards(state: ServerState, config: ServerConfig, rnd, source, report, evaluator) -> dict:
@@ -128,7 +135,7 @@ def settle_rewards(state: ServerState, config: ServerConfig, rnd, source, report
         result = score_round_first_order(
             ids, base_loss=bg.base_loss, grad_norm=bg.norm, numel=bg.numel, slopes=slopes, norms=norms,
             weights=weights, diagnostics=diagnostics, config=scoring,
-            exact_solo_loss=lambda i: evaluator.scoring.loss(solo_delta(i), scale=scales[i]))
+            exact_solo_loss=lambda i: evaluator.scoring.loss(source.delta_of(i), scale=scales[i]))
         scores, base_loss, method = result.scores, bg.base_loss, "first-order"
     else:
         scores, base_loss = _exact_scores(ids, source, scales, used, weights, diagnostics, scoring, evaluator,
