@@ -29,25 +29,27 @@ def test_layout_hand_checked():
     pairs = [([1, 2, 3], [4, 5]), ([1, 2, 6], [7]), ([1, 2], [8, 9])]
     # Execute
     b = pack_shared_prefix(pairs, pad_id=0, row_tokens=100)
-    # Assert: one row [1 | 2 3 4 5 | 2 6 7 | 2 8 9], positions restart after the prefix
+    # Assert: one row [1 | 2 3 4 | 2 6 | 2 8]: the prefix once, each example's last token (only a
+    # target) left out, positions restart after the prefix
     assert b.prefix == 1 and b.examples == 3 and b.tokens == 5
-    assert b.input_ids.tolist() == [[1, 2, 3, 4, 5, 2, 6, 7, 2, 8, 9]]
-    assert b.position_ids.tolist() == [[0, 1, 2, 3, 4, 1, 2, 3, 1, 2, 3]]
-    assert b.predict_at.tolist() == [2, 3, 6, 8, 9] and b.targets.tolist() == [4, 5, 7, 8, 9]
+    assert b.input_ids.tolist() == [[1, 2, 3, 4, 2, 6, 2, 8]]
+    assert b.position_ids.tolist() == [[0, 1, 2, 3, 1, 2, 1, 2]]
+    assert b.predict_at.tolist() == [2, 3, 5, 6, 7] and b.targets.tolist() == [4, 5, 7, 8, 9]
     allowed = b.allowed[0, 0]
-    assert torch.nonzero(allowed[6]).flatten().tolist() == [0, 5, 6]   # prefix + own suffix
-    assert torch.nonzero(allowed[9]).flatten().tolist() == [0, 8, 9]
+    assert torch.nonzero(allowed[5]).flatten().tolist() == [0, 4, 5]   # prefix + own suffix
+    assert torch.nonzero(allowed[7]).flatten().tolist() == [0, 6, 7]
     assert torch.nonzero(allowed[3]).flatten().tolist() == [0, 1, 2, 3]
 
 
 def test_rows_balanced_longest_first_and_pads_see_only_themselves():
-    pairs = [([5, 6], [7] * k) for k in (6, 1, 4, 3, 2)]  # suffix lengths 7, 2, 5, 4, 3
+    pairs = [([5, 6], [7] * k) for k in (6, 1, 4, 3, 3)]  # suffixes (last token dropped): k
     b = pack_shared_prefix(pairs, pad_id=0, row_tokens=12)
-    # P = 1 (first scored position is 1); 21 suffix tokens / 11 per row -> 2 rows; LPT: 7+3 | 5+4+2
-    assert b.prefix == 1 and tuple(b.input_ids.shape) == (2, 12)
-    assert b.input_ids[0, 11].item() == 0  # row 0 holds 10 suffix tokens + 1 prefix: one pad
-    assert torch.nonzero(b.allowed[0, 0, 11]).flatten().tolist() == [11]
-    assert b.tokens == 6 + 1 + 4 + 3 + 2
+    # P = 1 (first scored position is 1); 17 suffix tokens / 11 per row -> 2 rows;
+    # LPT: 6 -> r0, 4 -> r1, 3 -> r1, 3 -> r0, 1 -> r1: fills 9 and 8, T = 1 + 9
+    assert b.prefix == 1 and tuple(b.input_ids.shape) == (2, 10)
+    assert b.input_ids[1, 9].item() == 0 and b.input_ids[0, 9].item() != 0  # one pad, in row 1
+    assert torch.nonzero(b.allowed[1, 0, 9]).flatten().tolist() == [9]
+    assert b.tokens == 6 + 1 + 4 + 3 + 3
 
 
 def _padded_loss(model, pairs) -> float:

@@ -15,6 +15,7 @@ from .ledger import (GENESIS_HASH, LEDGER_KINDS, Ledger, LedgerEntry, LedgerEntr
                      LedgerEntryPublic, NewEntry, canonical_entry_bytes, compute_entry_hash,
                      create_ledger_tables, signing_message)
 from .marginal import MarginalEstimate
+from .packing import PackedBatch, PackedScoringSet, pack_shared_prefix, packed_loss_sum, supports_packing
 from .reputation import (Reputation, ReputationBase, ReputationBook, ReputationConfig,
                          ReputationPublic, aggregation_weights, next_reputation)
 from .scoring import (ContributionDiagnostics, ContributionScore, RoundScoring, ScoringConfig,
@@ -27,6 +28,7 @@ from .verify import VerifyReport, load_public_key, verify_chain, verify_entries
 __all__ = [
     "BaseGradient", "FirstOrderConfig", "SlopeTap", "base_gradient", "combine_scores", "gradient_from_mapping",
     "linear_shapley", "score_round_first_order", "streamed_slopes",
+    "PackedBatch", "PackedScoringSet", "pack_shared_prefix", "packed_loss_sum", "supports_packing",
     "GENESIS_HASH", "LEDGER_KINDS", "ConfigError", "ContributionDiagnostics", "ContributionScore",
     "Ledger", "LedgerConflictError", "LedgerEntry", "LedgerEntryBase", "LedgerEntryPublic",
     "LedgerError", "MarginalEstimate", "NewEntry", "Payout", "Reputation", "ReputationBase",

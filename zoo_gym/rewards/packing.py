@@ -19,7 +19,8 @@ position in its own example, so rotary embeddings see exactly what the padded ba
 The logits at the positions that predict completion tokens are then the padded batch's logits
 (up to float rounding: the matmuls see other row shapes), so the loss, its gradient and every
 exact check are the same quantities as ``gym_train.Evaluator`` computes, with fewer FLOPs
-(tiny model, 32 examples: 504 positions instead of 896, about 0.6x the forward time).
+(tiny model, 32 examples: 472 positions instead of 896, about 0.6x the forward time). An
+example's last token is only a target, never an input to a scored position, so it is left out.
 
 The shared prefix stops before the first position that predicts a completion token, so every
 scored position lies in a suffix. Pad positions (the tail of a short row) attend only to
@@ -74,7 +75,8 @@ def pack_shared_prefix(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, 
 
     The loss runs over the completion tokens exactly as ``gym_train.evaluate.collate`` labels
     them: token ``j`` of ``prompt + completion`` is predicted at position ``j - 1`` for every
-    ``j >= max(len(prompt), 1)``. The longest prefix that all examples share (and that ends
+    ``j >= max(len(prompt), 1)``. Each example's last token is left out of the input (it is only
+    a target, nothing scored depends on it). The longest prefix that all examples share (and that ends
     before the first scored position of every example) is stored once per row. Suffixes go to
     ``ceil(total suffix tokens / (row_tokens - P))`` rows, longest first into the emptiest row
     (LPT), so the rows come out nearly equal; a suffix longer than a row gets a row of its own
@@ -84,10 +86,13 @@ def pack_shared_prefix(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, 
         raise ScoringInputError("`pairs` is empty: there is nothing to compute a loss on")
     if row_tokens < 2:
         raise ScoringInputError(f"`row_tokens` must be >= 2, got {row_tokens}")
-    seqs = [list(p) + list(c) for p, c in pairs]
+    full = [list(p) + list(c) for p, c in pairs]
     first_scored = [max(len(p), 1) - 1 for p, _ in pairs]  # first position that predicts a target
-    if sum(max(len(s) - 1 - f, 0) for s, f in zip(seqs, first_scored)) == 0:
+    if sum(max(len(s) - 1 - f, 0) for s, f in zip(full, first_scored)) == 0:
         raise ScoringInputError("no example has a completion token: nothing to compute a loss on")
+    # An example's last token is only ever a target: no position of its own example comes after
+    # it, so it is never an input anything scored depends on. Dropped (exact; 1 position each).
+    seqs = [s[:-1] for s in full]
     P = _shared_prefix(seqs, first_scored)
     suffix = [len(s) - P for s in seqs]
     room = max(row_tokens - P, 1)
@@ -118,9 +123,9 @@ def pack_shared_prefix(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, 
             pos[r, o:o + n] = torch.arange(P, len(s))
             allowed[r, 0, o:o + n, :P] = True
             allowed[r, 0, o:o + n, o:o + n] = causal[:n, :n]
-            for j in range(first_scored[i] + 1, len(s)):  # token j is predicted at j - 1 >= P
+            for j in range(first_scored[i] + 1, len(full[i])):  # token j: predicted at j - 1 >= P
                 predict_at.append(r * T + o + (j - 1 - P))
-                targets.append(s[j])
+                targets.append(full[i][j])
             o += n
         for t in range(o, T):  # pads see only themselves: finite, and invisible to the rest
             allowed[r, 0, t, t] = True

@@ -1,4 +1,12 @@
-"""Held-out evaluation on the server's validation set (built-in for the tiny model, a file otherwise)."""
+"""Held-out evaluation on the server's validation set (built-in for the tiny model, a file otherwise).
+
+One pass per published base serves both the held-out loss and rewards scoring: when a round publishes
+a checkpoint, `loss_of_dir` builds the next round's `ServerEvaluator`, whose `heldout_loss()` takes
+the scoring set's part of the loss from the forward pass of the scoring gradient (so the gradient
+costs scoring only its backward) and evaluates the other validation examples without gradients;
+`evaluator_for` hands that evaluator to the next round (recognised by its weights' sha256). The first
+base after a start has no such pass: its gradient is computed in full when its round is scored.
+"""
 
 from __future__ import annotations
 
@@ -58,13 +66,66 @@ class ServerEvaluator:
     def loss(self, delta=None, *, scale: float = 1.0) -> float:
         return self.base.loss(delta, scale=scale)
 
-    def loss_of_dir(self, model_dir: Path) -> float:
-        from zoo_gym.gym_train import heldout_loss
+    def heldout_loss(self) -> float:
+        """Mean completion loss of this base on all validation examples, token-weighted.
 
-        return float(heldout_loss(model_dir, self.examples))
+        The scoring set's part comes from the forward pass of `gradient()` (computed and cached
+        here: the held-out loss needs that forward anyway, so scoring adds only the backward);
+        the other examples are evaluated without gradients.
+        """
+        g = self.gradient()
+        total, count = g.base_loss * g.tokens, g.tokens
+        rest = self.examples[len(self.scoring_set):]
+        if rest:
+            t, c = _loss_sum(self.base.model, self.base.tokenizer, rest)
+            total, count = total + t, count + c
+        return total / max(count, 1)
+
+    def loss_of_dir(self, model_dir: Path) -> float:
+        """Held-out loss of a newly published checkpoint, measured by the evaluator of the round
+        it starts: its scoring gradient is computed in the same pass (`heldout_loss`) and the
+        evaluator is handed to `evaluator_for` when that round is scored (no second model load,
+        no second forward over the scoring set)."""
+        nxt = ServerEvaluator(Path(model_dir), self.examples, scoring_examples=len(self.scoring_set))
+        loss = nxt.heldout_loss()
+        _prepared.clear()  # one prepared base at a time
+        _prepared[_weights_digest(Path(model_dir))] = nxt
+        return loss
+
+
+def _loss_sum(model, tokenizer, examples: list[dict]) -> tuple[float, int]:
+    """(summed completion cross-entropy, completion tokens) without gradients."""
+    import torch
+
+    from zoo_gym.gym_train.evaluate import collate, completion_loss_sum, tokenize_examples
+    from zoo_gym.rewards.packing import PackedScoringSet, supports_packing
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pairs = tokenize_examples(tokenizer, examples)
+    if supports_packing(model):
+        ps = PackedScoringSet(model, pairs, pad_id=pad)
+        return ps.loss(None) * ps.batch.tokens, ps.batch.tokens
+    pairs.sort(key=lambda pc: len(pc[0]) + len(pc[1]))
+    with torch.inference_mode():
+        return completion_loss_sum(model, [collate(pairs[i:i + 64], pad_id=pad)
+                                           for i in range(0, len(pairs), 64)])
+
+
+def _weights_digest(model_dir: Path) -> str:
+    """sha256 of a checkpoint's weights file: recognises a published base after its archive round trip."""
+    import hashlib
+
+    from zoo_gym.proto import archive
+
+    h = hashlib.sha256()
+    with open(model_dir / archive.WEIGHTS, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 _cache: dict[str, ServerEvaluator] = {}
+_prepared: dict[str, ServerEvaluator] = {}  # weights sha256 -> evaluator built when it was published
 
 
 def evaluator_for(state: ServerState, config: ServerConfig, base_sha256: str) -> ServerEvaluator:
@@ -72,5 +133,11 @@ def evaluator_for(state: ServerState, config: ServerConfig, base_sha256: str) ->
     if key not in _cache:
         _cache.clear()  # one base at a time: a model in memory is enough
         examples = list(_validation_examples(config.validation_file, config.validation_examples))
-        _cache[key] = ServerEvaluator(state.checkpoint_dir(base_sha256), examples)
+        base_dir = state.checkpoint_dir(base_sha256)
+        ready = _prepared.pop(_weights_digest(base_dir), None) if _prepared else None
+        _prepared.clear()
+        if ready is not None and ready.examples == examples:
+            _cache[key] = ready  # built at publish; its scoring gradient came with the held-out loss
+        else:
+            _cache[key] = ServerEvaluator(base_dir, examples)
     return _cache[key]

@@ -1,0 +1,65 @@
+"""One pass per published base: the held-out loss of a new checkpoint takes the scoring set's part from
+the forward pass of the next round's scoring gradient, and the next round's scoring gets that very
+evaluator (and gradient) back, through the blob store's archive round trip."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from zoo_gym.gym_train import heldout_loss
+from zoo_gym.proto import archive
+from zoo_gym.server.config import build_config
+from zoo_gym.server.evaluation import ServerEvaluator, evaluator_for
+from zoo_gym.server.state import init_state
+
+
+def _publish_like(base_dir, out, *, seed: int):
+    """Write base + a small change to `out` (as publish_round does) and return its blob sha256."""
+    shutil.copytree(base_dir, out, ignore=shutil.ignore_patterns(archive.WEIGHTS, archive.LINEAGE))
+    weights = load_file(str(base_dir / archive.WEIGHTS))
+    gen = torch.Generator().manual_seed(seed)
+    weights = {k: v + 1e-2 * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
+    save_file(weights, str(out / archive.WEIGHTS), metadata={"format": "pt"})
+    archive.write_lineage(out, {"round": 1, "parent_sha256": None})
+
+
+def _commit(state, out) -> str:
+    with state.blobs.writer() as w:
+        archive.pack(out, w)
+        return w.commit()
+
+
+def test_published_base_is_scored_with_the_evaluator_that_measured_it(tmp_path):
+    state = init_state(tmp_path / "state", base_model="tiny")
+    config = build_config({}, port=0, validation_examples=40)
+    with state.session() as s:
+        genesis = state.current_round(s).base_sha256
+    ev = evaluator_for(state, config, genesis)
+    assert ev._gradient is None  # noqa: SLF001 (the first base: nothing computed yet)
+    out = tmp_path / "ckpt"
+    _publish_like(state.checkpoint_dir(genesis), out, seed=1)
+    # Execute: what publish_round does with the new checkpoint, then the next round's lookup
+    loss = ev.loss_of_dir(out)
+    want = heldout_loss(out, list(ev.examples))  # the padded reference on all 40 examples
+    sha = _commit(state, out)
+    nxt = evaluator_for(state, config, sha)
+    # Assert: the same held-out loss; the next round reuses the evaluator and its gradient
+    assert loss == pytest.approx(want, rel=1e-6)
+    assert loss != pytest.approx(ev.loss(None), rel=1e-4)  # it measured the new weights
+    assert nxt._gradient is not None  # noqa: SLF001 (computed in the held-out pass)
+    fresh = ServerEvaluator(state.checkpoint_dir(sha), list(ev.examples))
+    ref = fresh.gradient()
+    g = nxt.gradient()
+    assert g.base_loss == pytest.approx(ref.base_loss, rel=1e-6)
+    for k, v in ref.grad.items():
+        assert float((g.grad[k] - v).norm()) <= 1e-4 * float(v.norm()) + 1e-9, k
+    assert evaluator_for(state, config, sha) is nxt  # cached for the round
+    # A checkpoint that was not measured this way gets a fresh evaluator (no stale gradient).
+    other = tmp_path / "other"
+    _publish_like(state.checkpoint_dir(genesis), other, seed=2)
+    sha2 = _commit(state, other)
+    assert evaluator_for(state, config, sha2)._gradient is None  # noqa: SLF001
