@@ -19,7 +19,7 @@ position in its own example, so rotary embeddings see exactly what the padded ba
 The logits at the positions that predict completion tokens are then the padded batch's logits
 (up to float rounding: the matmuls see other row shapes), so the loss, its gradient and every
 exact check are the same quantities as ``gym_train.Evaluator`` computes, with fewer FLOPs
-(tiny model, 32 examples: 472 positions instead of 896, about 0.6x the forward time). An
+(tiny model, 32 examples: 472 positions instead of 896, about 0.65x the forward time). An
 example's last token is only a target, never an input to a scored position, so it is left out.
 
 The shared prefix stops before the first position that predicts a completion token, so every

@@ -90,6 +90,7 @@ class ServerEvaluator:
         loss = nxt.heldout_loss()
         _prepared.clear()  # one prepared base at a time
         _prepared[_weights_digest(Path(model_dir))] = nxt
+        _cache.clear()  # this base is superseded: at most two models (this one, the caller's) live
         return loss
 
 
