@@ -11,18 +11,25 @@ ours gets the packed payloads; Flower gets the same deltas decoded by the codec 
 ndarrays (`aggregate_krum` results, or message-API `ArrayRecord`s), built contributor by
 contributor. Peak RSS = getrusage maxrss; reported raw and minus the process baseline measured
 right after imports (torch is imported on both sides: the codec decodes Flower's inputs).
-Timed: the whole Krum / Multi-Krum call. Ours = whole-model packed distances + selection, then
-(Multi-Krum) the mean of the selected deltas decoded tensor by tensor in row chunks; Krum's result
-is the selected packed delta itself, as Flower's legacy Krum returns its selected input array.
+Timed: the whole Krum / Multi-Krum call. Ours = lay every contributor's tensors end to end
+(`PackedModel.build`), packed distances + selection, then (Multi-Krum) the mean of the selected
+deltas straight from their bits (`model_mean`); Krum's result is the selected packed delta itself,
+as Flower's legacy Krum returns its selected input array. Each side is called `--repeats` times
+in its process (`--big-repeats` at 100M): the speedup compares best call with best call (warm,
+as a server aggregating round after round runs), `first_call_speedup_*` the first calls (cold:
+page faults of fresh buffers included). Both sides get the same thread budget (`--threads`, all
+cores by default): torch's, OpenMP's and numpy's BLAS (Flower's norms and dot products use it).
 Distance error: each side's (n, n) matrix against a float64 reference of the decoded deltas.
 
-    python benchmarks/aggregation.py [--quick] [--out benchmarks/results/aggregation.json]
+    python benchmarks/aggregation.py [--quick] [--threads N] [--cases tiny_n10,...]
+                                     [--out benchmarks/results/aggregation.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -104,51 +111,55 @@ def decode_rows(p, r0: int, r1: int, *, weight: float = 1.0) -> np.ndarray:
     return unpack_bitdelta(p.signs.numpy()[r0:r1], s, cols=p.cols, groups=g)
 
 
-def packed_mean(packed: list, coeff: list[float]):
-    """(rows, cols) float32 sum_i coeff_i * decode(packed_i), straight from the packed bits
-    (zoo_gym.aggregation.packed_mean: bit-transposed codes of 8 contributors, per-group tables)."""
-    from zoo_gym.aggregation.packed_mean import packed_mean as fast_mean
-
-    return fast_mean(packed, weights=coeff)
-
-
 def worker(spec: dict) -> dict:
     import torch
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(spec["threads"])
     shapes = [tuple(s) for s in spec["shapes"]]
     n, seed, kind, m = spec["n"], spec["seed"], spec["kind"], spec.get("m", 1)
+    repeats = spec.get("repeats", 1)
     out: dict = {}
     if kind == "ours":
         from zoo_gym.aggregation import multi_krum_select
-        from zoo_gym.aggregation.distances import packed_model_sq_distances
+        from zoo_gym.aggregation.distances import model_sq_distances
+        from zoo_gym.aggregation.packed_mean import model_mean
+        from zoo_gym.aggregation.packed_model import PackedModel
 
         out["base_rss_mb"] = _current_rss_mb()
         models = [[packed_delta(t, i, s, seed, n) for t, s in enumerate(shapes)] for i in range(n)]
         out["inputs_rss_mb"] = _rss_mb()
-        t0 = time.perf_counter()
-        dist = packed_model_sq_distances(models)
-        chosen = multi_krum_select(dist, f=F, m=m).tolist()
-        t1 = time.perf_counter()
-        if m == 1:
-            result = [models[chosen[0]][t] for t in range(len(shapes))]  # the packed delta itself
-        else:
-            result = [packed_mean([models[i][t] for i in chosen], [1.0 / m] * m)
-                      for t in range(len(shapes))]
-        t2 = time.perf_counter()
-        out.update(select_s=t1 - t0, average_s=t2 - t1, seconds=t2 - t0,
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            pm = PackedModel.build(models)  # every tensor of every contributor, end to end
+            dist = torch.from_numpy(model_sq_distances(pm))
+            chosen = multi_krum_select(dist, f=F, m=m).tolist()
+            t1 = time.perf_counter()
+            if m == 1:
+                result = [models[chosen[0]][t] for t in range(len(shapes))]  # the packed delta itself
+            else:  # the mean of the chosen, straight from their bits: weight 0 for the others
+                w = [1.0 if i in chosen else 0.0 for i in range(n)]
+                result = model_mean(pm, weights=w)
+            t2 = time.perf_counter()
+            runs.append((t1 - t0, t2 - t1, t2 - t0))
+            del result, pm
+        best = min(range(repeats), key=lambda r: runs[r][2])
+        out.update(select_s=runs[best][0], average_s=runs[best][1], seconds=runs[best][2],
+                   first_s=runs[0][2], runs_s=[r[2] for r in runs],
                    distances=dist.numpy().tolist(), chosen=sorted(chosen))
-        del result
     elif kind == "ours-trimmed":
         from zoo_gym.aggregation import trimmed_mean
 
         out["base_rss_mb"] = _current_rss_mb()
         ws = [[dense_delta(t, i, s, seed, n) for t, s in enumerate(shapes)] for i in range(n)]
         out["inputs_rss_mb"] = _rss_mb()
-        t0 = time.perf_counter()
-        for t in range(len(shapes)):  # streamed tensor by tensor
-            trimmed_mean(torch.from_numpy(np.stack([w[t].reshape(-1) for w in ws])), beta=F_TRIM)
-        out["seconds"] = time.perf_counter() - t0
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for t in range(len(shapes)):  # streamed tensor by tensor
+                trimmed_mean(torch.from_numpy(np.stack([w[t].reshape(-1) for w in ws])), beta=F_TRIM)
+            runs.append(time.perf_counter() - t0)
+        out.update(seconds=min(runs), first_s=runs[0], runs_s=runs)
     elif kind in ("flower-legacy", "flower-trimmed"):
         import flwr.server.strategy.aggregate as agg
 
@@ -163,17 +174,20 @@ def worker(spec: dict) -> dict:
             return seen["d"]
 
         agg._compute_distances = spy
-        t0 = time.perf_counter()
-        if kind == "flower-legacy":
-            res = agg.aggregate_krum(results, F, 0 if m == 1 else m)  # to_keep=0: plain Krum
-        else:
-            res = agg.aggregate_trimmed_avg(results, F_TRIM)
-        out["seconds"] = time.perf_counter() - t0
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            if kind == "flower-legacy":
+                res = agg.aggregate_krum(results, F, 0 if m == 1 else m)  # to_keep=0: plain Krum
+            else:
+                res = agg.aggregate_trimmed_avg(results, F_TRIM)
+            runs.append(time.perf_counter() - t0)
+            del res
+        out.update(seconds=min(runs), first_s=runs[0], runs_s=runs)
         if "d" in seen:
             out["distances"] = np.asarray(seen["d"]).tolist()
             scores = [sorted(np.delete(row, j))[: n - F - 2] for j, row in enumerate(seen["d"])]
             out["chosen"] = sorted(np.argsort([sum(s) for s in scores], kind="stable")[:m].tolist())
-        del res
     elif kind == "flower-msg":
         import flwr.serverapp.strategy.multikrum as mk
         from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
@@ -193,13 +207,16 @@ def worker(spec: dict) -> dict:
             return seen["d"]
 
         mk.compute_distances = spy
-        t0 = time.perf_counter()
-        sel = mk.select_multikrum(contents, num_malicious_nodes=F, num_nodes_to_select=m)
-        res = aggregate_arrayrecords(sel, "num-examples")
-        out["seconds"] = time.perf_counter() - t0
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            sel = mk.select_multikrum(contents, num_malicious_nodes=F, num_nodes_to_select=m)
+            res = aggregate_arrayrecords(sel, "num-examples")
+            runs.append(time.perf_counter() - t0)
+            del res
+        out.update(seconds=min(runs), first_s=runs[0], runs_s=runs)
         out["distances"] = np.asarray(seen["d"]).tolist()
         out["chosen"] = sorted(contents.index(c) for c in sel)
-        del res
     elif kind == "reference":  # float64, decoded by the codec, centred Gram per row chunk
         d = torch.zeros((n, n), dtype=torch.float64)
         for t, s in enumerate(shapes):
@@ -218,8 +235,11 @@ def worker(spec: dict) -> dict:
 
 
 def run_worker(spec: dict) -> dict:
+    threads = str(spec["threads"])  # the same thread budget for numpy's BLAS, OpenMP and torch
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads,
+           "MKL_NUM_THREADS": threads}
     proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
-                          capture_output=True, text=True, check=False)
+                          capture_output=True, text=True, check=False, env=env)
     if proc.returncode != 0:
         return {"error": f"rc={proc.returncode}: {proc.stderr[-1500:]}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -236,9 +256,10 @@ def _mem(res: dict) -> dict:
             "base_mb": res["base_rss_mb"]}
 
 
-def scenario(name: str, shapes, n: int, *, flower: bool = True, seed: int = 0,
-             rules: tuple[str, ...] = ("krum", "multi-krum", "trimmed-mean")) -> dict:
-    base = {"shapes": [list(s) for s in shapes], "n": n, "seed": seed}
+def scenario(name: str, shapes, n: int, *, threads: int, repeats: int, flower: bool = True,
+             seed: int = 0, rules: tuple[str, ...] = ("krum", "multi-krum", "trimmed-mean")) -> dict:
+    base = {"shapes": [list(s) for s in shapes], "n": n, "seed": seed, "threads": threads,
+            "repeats": repeats}
     ref = run_worker({**base, "kind": "reference"})
     res: dict = {"params": int(sum(np.prod(s) for s in shapes)), "n": n, "tensors": len(shapes)}
     for rule, m in (("krum", 1), ("multi-krum", n - F)):
@@ -249,7 +270,8 @@ def scenario(name: str, shapes, n: int, *, flower: bool = True, seed: int = 0,
             res[rule] = {"ours_error": ours["error"]}
             continue
         row = {"ours_s": ours["seconds"], "ours_select_s": ours["select_s"],
-               "ours_average_s": ours["average_s"], "ours_mem": _mem(ours),
+               "ours_average_s": ours["average_s"], "ours_first_s": ours["first_s"],
+               "ours_runs_s": ours["runs_s"], "ours_mem": _mem(ours),
                "ours_dist_rel_err": rel_err(ours["distances"], ref["distances"]),
                "ours_chosen": ours["chosen"]}
         for tag in ("flower-legacy", "flower-msg") if flower else ():
@@ -259,10 +281,13 @@ def scenario(name: str, shapes, n: int, *, flower: bool = True, seed: int = 0,
                 row[f"{key}_error"] = fl["error"][-400:]
                 continue
             row[f"{key}_s"] = fl["seconds"]
+            row[f"{key}_first_s"] = fl["first_s"]
+            row[f"{key}_runs_s"] = fl["runs_s"]
             row[f"{key}_mem"] = _mem(fl)
             row[f"{key}_dist_rel_err"] = rel_err(fl["distances"], ref["distances"])
             row[f"{key}_chosen"] = fl["chosen"]
-            row[f"speedup_vs_{key}"] = fl["seconds"] / ours["seconds"]
+            row[f"speedup_vs_{key}"] = fl["seconds"] / ours["seconds"]  # best run vs best run
+            row[f"first_call_speedup_vs_{key}"] = fl["first_s"] / ours["first_s"]
             row[f"peak_ratio_vs_{key}"] = ours["peak_rss_mb"] / fl["peak_rss_mb"]
             fl_extra = fl["peak_rss_mb"] - fl["base_rss_mb"]
             row[f"peak_minus_base_ratio_vs_{key}"] = (
@@ -280,43 +305,48 @@ def scenario(name: str, shapes, n: int, *, flower: bool = True, seed: int = 0,
     return {name: res}
 
 
+def _ram_gb() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker")
     ap.add_argument("--quick", action="store_true", help="tiny model n=10 and a 4M synthetic only")
     ap.add_argument("--no-big", action="store_true", help="skip the 100M-parameter cases")
+    ap.add_argument("--cases", help="comma-separated case names to run (default: all)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="threads for both sides: torch, OpenMP and numpy's BLAS (default: all cores)")
+    ap.add_argument("--repeats", type=int, default=3, help="calls per measurement (best and first reported)")
+    ap.add_argument("--big-repeats", type=int, default=2, help="calls per measurement at 100M parameters")
     ap.add_argument("--out", help="also write the JSON here")
-    ap.add_argument("--only-100m-multikrum", metavar="KEY",
-                    help="run only the 100M n=10 Multi-Krum case and merge it into --out under KEY")
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return
-    if args.only_100m_multikrum:
-        t0 = time.perf_counter()
-        res = scenario("synthetic100M_n10", [(10_000, 10_000)], 10, rules=("multi-krum",))
-        res["synthetic100M_n10"]["wall_s"] = time.perf_counter() - t0
-        report = json.loads(Path(args.out).read_text()) if args.out and Path(args.out).exists() else {}
-        report[args.only_100m_multikrum] = res["synthetic100M_n10"]
-        print(json.dumps(res, indent=1))
-        if args.out:
-            Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-        return
     tiny = tiny_shapes()
+    big = [(10_000, 10_000)]
     report: dict = {"f": F, "trim_beta": F_TRIM, "group_size": GROUP, "quick": args.quick,
+                    "threads": args.threads, "cpu_count": os.cpu_count(), "ram_gb": round(_ram_gb(), 1),
+                    "repeats": args.repeats, "big_repeats": args.big_repeats,
                     "targets": {"speedup": ">= 30", "peak_ratio": "<= 0.125", "dist_rel_err": "<= 1e-6"}}
     if args.quick:
         cases = [("tiny_n10", tiny, 10, True), ("synthetic4M_n10", [(2000, 2000)], 10, True)]
     else:
         cases = [("tiny_n10", tiny, 10, True), ("tiny_n30", tiny, 30, True)]
         if not args.no_big:
-            cases += [("synthetic100M_n10", [(10_000, 10_000)], 10, True),
-                      # Flower at n=30 x 100M needs 12 GB of dense fp32 inputs plus a 12 GB
-                      # flattened copy (both helpers np.concatenate/stack all clients): > 24 GB
-                      ("synthetic100M_n30_ours_only", [(10_000, 10_000)], 30, False)]
+            # Flower at n=30 x 100M holds 12 GB of dense fp32 inputs plus a 12 GB flattened copy
+            # (both helpers np.concatenate / stack all clients): only on a machine with the RAM
+            flower30 = _ram_gb() >= 48
+            cases += [("synthetic100M_n10", big, 10, True),
+                      ("synthetic100M_n30" if flower30 else "synthetic100M_n30_ours_only", big, 30, flower30)]
+    if args.cases:
+        keep = set(args.cases.split(","))
+        cases = [c for c in cases if c[0] in keep]
     t0 = time.perf_counter()
     for name, shapes, n, flower in cases:
-        report.update(scenario(name, shapes, n, flower=flower))
+        repeats = args.big_repeats if sum(int(np.prod(s)) for s in shapes) > 10_000_000 else args.repeats
+        report.update(scenario(name, shapes, n, flower=flower, threads=args.threads, repeats=repeats))
     report["wall_s"] = time.perf_counter() - t0
     text = json.dumps(report, indent=1)
     print(text)

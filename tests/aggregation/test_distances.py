@@ -73,7 +73,8 @@ def test_packed_refuses_mixed_layouts():
 
 
 # ---- whole-model packed distances (several tensors, mixed layouts, one pass) --------------------
-from zoo_gym.aggregation.distances import PackedModel, packed_model_sq_distances  # noqa: E402
+from zoo_gym.aggregation.distances import model_sq_distances, packed_model_sq_distances  # noqa: E402
+from zoo_gym.aggregation.packed_model import PackedModel  # noqa: E402
 
 
 def _decoded_reference(models) -> torch.Tensor:
@@ -117,8 +118,10 @@ def test_word_layouts_chunked_equal_reference(group):
                make_packed(torch.randn(1, 129, generator=g), group_size=group)] for _ in range(4)]
     pm = PackedModel.build(models)
     assert pm.words.shape[0] == 4 and pm.counts.sum() == 3 * 70_001 + 129
-    got = torch.from_numpy(pm.sq_distances())
+    got = torch.from_numpy(model_sq_distances(pm))
     assert torch.allclose(got, _decoded_reference(models), rtol=1e-12, atol=0)
+    threaded = torch.from_numpy(model_sq_distances(pm, threads=3))  # chunks shared by 3 threads
+    assert torch.allclose(threaded, got, rtol=1e-13, atol=0)
 
 
 def test_identical_contributors_are_exactly_zero_and_scaled_copies_exact():

@@ -133,3 +133,43 @@ def test_errors_name_the_argument():
                            scales=p.scales)
     with pytest.raises(InvalidDeltaError, match=r"`packed\[0\].signs` must be uint8"):
         packed_mean([wrong])
+
+
+# ---- whole-model mean over a PackedModel ------------------------------------------------------
+from zoo_gym.aggregation.packed_mean import model_mean  # noqa: E402
+from zoo_gym.aggregation.packed_model import PackedModel  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes=st.lists(st.tuples(st.integers(1, 5), st.integers(1, 300)), min_size=1, max_size=5),
+       groups=st.lists(st.sampled_from(["row", 8, 16, 64, 128]), min_size=5, max_size=5),
+       n=st.integers(1, 11), seed=st.integers(0, 2**32 - 1))
+def test_model_mean_every_tensor_matches_decoded_reference(shapes, groups, n, seed):
+    # several tensors of mixed layouts in one packed vector (word sizes, padding, uniform or not)
+    rng = np.random.default_rng(seed)
+    gsize = [c if groups[t] == "row" or groups[t] >= c else groups[t] for t, (r, c) in enumerate(shapes)]
+    models = [[make_packed(rng, rows=r, cols=c, group_size=gsize[t]) for t, (r, c) in enumerate(shapes)]
+              for _ in range(n)]
+    w = rng.uniform(0.0, 2.0, n)
+    w[rng.integers(0, n)] = 1.0  # never all zero
+    if n > 2:
+        w[0] = 0.0  # an unselected contributor must not count
+    outs = model_mean(PackedModel.build(models), weights=w.tolist())
+    assert len(outs) == len(shapes)
+    for t, out in enumerate(outs):
+        ref, mag = reference64([m[t] for m in models], w.tolist())
+        assert tuple(out.shape) == shapes[t] and out.dtype == torch.float32
+        np.testing.assert_array_less(np.abs(out.numpy() - ref), 3 * EPS32 * mag + 1e-30)
+
+
+def test_model_mean_threads_give_identical_bits():
+    # chunks are independent, so any thread count writes exactly the same floats
+    rng = np.random.default_rng(5)
+    models = [[make_packed(rng, rows=600, cols=1000, group_size=128),  # ~10 chunks
+               make_packed(rng, rows=1, cols=77, group_size=77)] for _ in range(10)]
+    pm = PackedModel.build(models)
+    one = model_mean(pm, threads=1)
+    three = model_mean(pm, threads=3)
+    assert all(torch.equal(a, b) for a, b in zip(one, three))
+    ref, mag = reference64([m[0] for m in models], None)
+    np.testing.assert_array_less(np.abs(one[0].numpy() - ref), 3 * EPS32 * mag)

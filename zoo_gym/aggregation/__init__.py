@@ -9,12 +9,15 @@ from .bulyan import bulyan, bulyan_select
 from .centered_clip import centered_clip
 from .clipping import clip_factors
 from .config import AGGREGATORS, SoupConfig
-from .distances import packed_pairwise_sq_distances, packed_sq_norms, pairwise_sq_distances
+from .distances import (model_sq_distances, packed_model_sq_distances, packed_pairwise_sq_distances,
+                        packed_sq_norms, pairwise_sq_distances)
 from .errors import (AggregationError, InvalidDeltaError, NotRobustConfigError,
                      PrivacyBudgetExceeded, SoupConfigError)
 from .geometric_median import geometric_median
 from .krum import krum, krum_scores, krum_select, multi_krum, multi_krum_select
 from .mean import mean
+from .packed_mean import model_mean, packed_mean
+from .packed_model import PackedModel
 from .median import median
 from .privacy import PrivacyAccountant, PrivacyReport
 from .result import AggregateResult, Diagnostics
@@ -24,9 +27,10 @@ from .trimmed_mean import trimmed_mean
 __all__ = [
     "AGGREGATORS", "AggregateResult", "AggregationError", "ContributorReport", "DeltaSoup",
     "DeltaSource", "Diagnostics", "InvalidDeltaError", "NotRobustConfigError",
-    "PrivacyAccountant", "PrivacyBudgetExceeded", "PrivacyReport", "SoupConfig",
+    "PackedModel", "PrivacyAccountant", "PrivacyBudgetExceeded", "PrivacyReport", "SoupConfig",
     "SoupConfigError", "SoupReport", "bulyan", "bulyan_select", "centered_clip", "clip_factors",
-    "geometric_median", "krum", "krum_scores", "krum_select", "mean", "median", "multi_krum",
-    "multi_krum_select", "packed_pairwise_sq_distances", "packed_sq_norms",
+    "geometric_median", "krum", "krum_scores", "krum_select", "mean", "median", "model_mean",
+    "model_sq_distances", "multi_krum", "multi_krum_select", "packed_mean",
+    "packed_model_sq_distances", "packed_pairwise_sq_distances", "packed_sq_norms",
     "pairwise_sq_distances", "trimmed_mean",
 ]

@@ -19,14 +19,16 @@ Rounding: each half is computed in float64 and rounded once to float32; the tabl
 float32 sum. So every output is within about 1.5 float32 ulps of the exact sum (the float32
 reference that decodes and adds one contributor at a time rounds n times).
 
-Work runs in row chunks of about 32k elements so codes, indices and tables stay in L2 cache;
-chunks are shared among ``torch.get_num_threads()`` threads (numpy releases the GIL in the
-ufuncs and ``take`` used here).
+Work runs over a `PackedModel` (all tensors of a model laid end to end, see packed_model.py): the
+half tables of every group first (a few whole-model calls), then chunks of about 64k elements,
+so codes, indices and tables stay in L2 cache and a model of many small tensors costs a few large
+numpy calls instead of several per tensor. The chunks are shared among
+``torch.get_num_threads()`` threads (numpy releases the GIL in the calls used here; numpy alone,
+so no OpenMP team or BLAS pool competes with those threads).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -37,15 +39,14 @@ from torch import Tensor
 from zoo_gym.codec.bitdelta import BitDeltaPacked
 
 from .errors import AggregationError, InvalidDeltaError
+from .packed_model import PackedModel
 
-__all__ = ["packed_mean"]
+__all__ = ["model_mean", "packed_mean"]
 
-_CHUNK_ELEMS = 1 << 16  # output elements per row chunk (256 KiB float32; table 2x, index 2x)
-_OUTER_CHUNKS = 8  # chunks per outer step (codes and half tables: 512 KiB of codes)
+_CHUNK_ELEMS = 1 << 16  # output elements per chunk (256 KiB float32; index 2x, table 2x)
+_CHUNK_GROUPS = 512  # group tables per chunk (512 KiB): small groups make short chunks
+_MIN_ELEMS_PER_THREAD = 1 << 20  # below this, one thread is faster than starting a pool
 _BLOCK = 8  # contributors per code byte
-
-# (16, 4) float64: row = 4-bit code, column k = +1 if bit k set else -1
-_NIBBLE_SIGNS = np.where((np.arange(16)[:, None] >> np.arange(4)[None, :]) & 1 == 1, 1.0, -1.0)
 
 # Hacker's Delight 7-3: transpose the 8x8 bit matrix held in a uint64 (bit 8*i + k <-> 8*k + i)
 _T_STEPS = (
@@ -66,8 +67,130 @@ def _transpose8(x: np.ndarray, t: np.ndarray) -> None:
         np.bitwise_xor(x, t, out=x)
 
 
-def _check(packed: Sequence[BitDeltaPacked], weights: Sequence[float] | None) -> np.ndarray:
-    """Validate the layout agreement and return float64 (n,) weights summing to 1."""
+def _normalised(weights: Sequence[float] | None, n: int) -> np.ndarray:
+    """float64 (n,) weights summing to 1 (uniform when None); refuses bad weights by name."""
+    if weights is None:
+        return np.full(n, 1.0 / n)
+    w = np.asarray([float(x) for x in weights], dtype=np.float64)
+    if w.shape != (n,):
+        raise AggregationError(f"`weights` has {w.shape[0]} entries for {n} packed deltas; give one per delta")
+    if not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+        raise AggregationError(f"`weights` must be finite, >= 0 and not all zero, got {w.tolist()}")
+    return w / w.sum()
+
+
+# (4,) signs of a contributor pair's 2-bit codes: bit 0 -> first contributor, bit 1 -> second
+_PAIR_SIGNS = (np.array([-1.0, 1.0, -1.0, 1.0]), np.array([-1.0, -1.0, 1.0, 1.0]))
+
+
+def _half_tables(scales: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """(G, 32) float32 [lo | hi] half tables of one block of k <= 8 contributors for every group:
+    lo[j] = sum_{i<4} w_i s_i (+1 if bit i of j else -1), hi likewise for contributors 4..7.
+    `scales` (k, G) float64, `w` (k,). Built from 2-bit pair tables by broadcast adds in float64
+    and rounded once; a few whole-model numpy calls (no BLAS, no per-chunk work)."""
+    k, c = scales.shape
+    coef = np.zeros((_BLOCK, c))  # (8, G) w_i * s_i, zero rows for missing contributors
+    np.multiply(scales, w[:, None], out=coef[:k])
+    out = np.empty((c, 32), dtype=np.float32)
+    for half in range(2):
+        q = [coef[4 * half + 2 * p][:, None] * _PAIR_SIGNS[0] + coef[4 * half + 2 * p + 1][:, None] * _PAIR_SIGNS[1]
+             for p in range(2)]  # 2 x (c, 4)
+        # index (b << 2) | a: pair 1 gives the high two bits
+        out[:, 16 * half:16 * half + 16] = (q[1][:, :, None] + q[0][:, None, :]).reshape(c, 16)
+    return out
+
+
+def _segments(model: PackedModel) -> list[tuple[int, int, int]]:
+    """Runs of consecutive groups with the same padded length: (first group, end group, bytes),
+    cut into chunks of about _CHUNK_ELEMS elements."""
+    wb = model.word_bytes
+    ends = np.append(model.starts, model.words.shape[1])
+    lengths = np.diff(ends) * wb  # (G,) padded bytes per group
+    cuts = np.flatnonzero(np.diff(lengths)) + 1
+    edges = np.concatenate([[0], cuts, [len(lengths)]]).tolist()
+    out = []
+    for a, b in zip(edges[:-1], edges[1:]):
+        nb = int(lengths[a])
+        step = max(1, min(_CHUNK_ELEMS // (nb * 8), _CHUNK_GROUPS))
+        out += [(g, min(g + step, b), nb) for g in range(a, b, step)]
+    return out
+
+
+def _run_chunks(chunks, *, model: PackedModel, blocks: list, out: np.ndarray) -> None:
+    """Fill out (flat float32, one value per sign bit) for the given chunks.
+
+    numpy only, on purpose: numpy's elementwise calls never start threads of their own, so the
+    worker threads of `model_mean` are the only parallelism (torch ops would open an OpenMP team
+    per worker thread, and BLAS its own pool; both stall badly when a core is busy)."""
+    u8 = model.words.view(np.uint8)  # (n, padded bytes)
+    wb = model.word_bytes
+    max_bytes = max((g1 - g0) * nb for g0, g1, nb in chunks)
+    max_groups = max(g1 - g0 for g0, g1, _ in chunks)
+    stacked = np.empty((max_bytes, _BLOCK), dtype=np.uint8)   # (bytes, 8) one byte per contributor
+    tmp64 = np.empty(max_bytes, dtype=np.uint64)
+    idx = np.empty(max_bytes * 8, dtype=np.intp)              # (elements,) table index
+    table = np.empty((max_groups, 16, 16), dtype=np.float32)  # (groups, hi, lo)
+    acc = np.empty(max_bytes * 8, dtype=np.float32) if len(blocks) > 1 else None
+    ofs_cache: dict[tuple[int, int], np.ndarray] = {}
+    for g0, g1, nb in chunks:
+        c, b0 = g1 - g0, int(model.starts[g0]) * wb
+        nbytes, el = c * nb, c * nb * 8
+        key = (c, nb)
+        if key not in ofs_cache:  # (el,) offset of each element's group table: group * 256
+            ofs_cache[key] = np.repeat(np.arange(c, dtype=np.intp) * 256, nb * 8)
+        dst = out[b0 * 8:b0 * 8 + el]
+        for k, (who, halves) in enumerate(blocks):
+            st = stacked[:nbytes]
+            if len(who) == _BLOCK:  # (bytes, 8): byte j of contributor who[i] at st[j, i]
+                np.stack([u8[i, b0:b0 + nbytes] for i in who], axis=1, out=st)
+            else:
+                st[:, len(who):] = 0
+                for j, i in enumerate(who):
+                    st[:, j] = u8[i, b0:b0 + nbytes]
+            _transpose8(st.reshape(-1).view(np.uint64), tmp64[:nbytes])
+            codes = st.reshape(-1)  # (el,) uint8, bit i = block contributor i
+            h = halves[g0:g1]  # (c, 32) = [lo | hi]
+            np.add(h[:, 16:, None], h[:, None, :16], out=table[:c])  # (c, 16, 16)
+            np.add(codes, ofs_cache[key], out=idx[:el])
+            target = dst if k == 0 else acc[:el]
+            np.take(table[:c].reshape(-1), idx[:el], out=target, mode="clip")
+            if k:
+                np.add(dst, target, out=dst)
+
+
+def model_mean(model: PackedModel, *, weights: Sequence[float] | None = None,
+               threads: int | None = None) -> list[Tensor]:
+    """Per-tensor float32 sum_i w_i * scale_i * sign_i over the contributors of `model`.
+
+    Weights are normalised (uniform when None); contributors of weight 0 cost nothing, so a
+    Multi-Krum average passes the model built for distances with zeros for the unselected.
+    Returns one tensor per packed tensor, shaped like it (views into one flat buffer where the
+    layout has no padding inside rows).
+    """
+    n = model.words.shape[0]
+    w = _normalised(weights, n)
+    rows = [i for i in range(n) if w[i] > 0]
+    flat = torch.empty(model.words.shape[1] * model.word_bytes * 8, dtype=torch.float32)
+    chunks = _segments(model)
+    if threads is None:
+        threads = min(torch.get_num_threads(), flat.numel() // _MIN_ELEMS_PER_THREAD)
+    threads = max(1, min(threads, len(chunks)))
+    blocks = [(rows[b:b + _BLOCK], _half_tables(model.scales[rows[b:b + _BLOCK]], w[rows[b:b + _BLOCK]]))
+              for b in range(0, len(rows), _BLOCK)]  # per block: who, (G, 32) half tables
+    kw = dict(model=model, blocks=blocks, out=flat.numpy())
+    if threads == 1:
+        _run_chunks(chunks, **kw)
+    else:
+        per = -(-len(chunks) // threads)
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            for f in [pool.submit(_run_chunks, chunks[a:a + per], **kw)
+                      for a in range(0, len(chunks), per)]:
+                f.result()
+    return model.split(flat)
+
+
+def _check(packed: Sequence[BitDeltaPacked]) -> None:
+    """Refuse an empty list and layouts that disagree, naming the first bad entry."""
     if len(packed) == 0:
         raise AggregationError("`packed` is empty: pass at least one BitDeltaPacked to average")
     p0 = packed[0]
@@ -82,81 +205,6 @@ def _check(packed: Sequence[BitDeltaPacked], weights: Sequence[float] | None) ->
             raise InvalidDeltaError(
                 f"`packed[{i}].signs` must be uint8 ({p.rows}, {nbytes}), got "
                 f"{p.signs.dtype} {tuple(p.signs.shape)}")
-        n_groups = -(-p.cols // p.group_size)
-        if p.scales.dtype != torch.float32 or tuple(p.scales.shape) != (p.rows, n_groups):
-            raise InvalidDeltaError(
-                f"`packed[{i}].scales` must be float32 ({p.rows}, {n_groups}), got "
-                f"{p.scales.dtype} {tuple(p.scales.shape)}")
-    n = len(packed)
-    if weights is None:
-        return np.full(n, 1.0 / n)
-    w = np.asarray([float(x) for x in weights], dtype=np.float64)
-    if w.shape != (n,):
-        raise AggregationError(f"`weights` has {w.shape[0]} entries for {n} packed deltas; give one per delta")
-    if not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
-        raise AggregationError(f"`weights` must be finite, >= 0 and not all zero, got {w.tolist()}")
-    return w / w.sum()
-
-
-def _blocks(packed, w):
-    """Per block of <= 8 contributors: (signs list, scales list, float64 (k, 32) half-table matrix).
-
-    The matrix maps the block's scales (k,) to its two 16-entry half tables [lo | hi]:
-    lo[j] = sum_{i<4} w_i s_i (+1 if bit i of j else -1), hi likewise for contributors 4..7.
-    """
-    out = []
-    for b0 in range(0, len(packed), _BLOCK):
-        blk = packed[b0:b0 + _BLOCK]
-        k = len(blk)
-        m = np.zeros((_BLOCK, 32))
-        m[:4, :16] = _NIBBLE_SIGNS.T
-        m[4:, 16:] = _NIBBLE_SIGNS.T
-        m *= np.pad(w[b0:b0 + k], (0, _BLOCK - k))[:, None]
-        out.append(([p.signs.numpy() for p in blk], [p.scales.numpy() for p in blk], m[:k]))
-    return out
-
-
-def _run_rows(r0: int, r1: int, *, blocks, out: np.ndarray, cols: int, group_size: int, step: int,
-              outer: int) -> None:
-    """Fill out[r0:r1] (float32) with the weighted sum: codes and half tables `outer` rows at a
-    time (few, large numpy calls), tables and gathers `step` rows at a time (in L2 cache)."""
-    nbytes = -(-cols // 8)
-    n_groups = -(-cols // group_size)
-    rmax = min(step, r1 - r0)
-    omax = min(outer, r1 - r0)
-    stacked = np.zeros((omax, nbytes, _BLOCK), dtype=np.uint8)  # (R, nbytes, 8)
-    tmp64 = np.empty((omax * nbytes,), dtype=np.uint64)
-    idx = np.empty((rmax, cols), dtype=np.intp)  # (r, cols) table index per element
-    table = np.empty((rmax, n_groups, 16, 16), dtype=np.float32)  # (r, G, hi, lo)
-    table_t = torch.from_numpy(table)  # torch broadcasts this add ~3x faster than numpy
-    acc = np.empty((rmax, cols), dtype=np.float32) if len(blocks) > 1 else None
-    # (r, cols) offset of each element's (row, group) table: (row * G + col // group_size) * 256
-    col_ofs = (np.arange(cols, dtype=np.intp) // group_size) * 256
-    ofs = (np.arange(rmax, dtype=np.intp)[:, None] * (n_groups * 256) + col_ofs[None, :])
-    for a0 in range(r0, r1, outer):
-        b0 = min(a0 + outer, r1)
-        big = b0 - a0
-        for k, (signs, scales, mat) in enumerate(blocks):
-            st = stacked[:big]  # (R, nbytes, 8)
-            if len(signs) < _BLOCK:
-                st[:, :, len(signs):] = 0
-            for i, s in enumerate(signs):
-                st[:, :, i] = s[a0:b0]
-            _transpose8(st.reshape(-1).view(np.uint64), tmp64[: big * nbytes])
-            codes = st.reshape(big, nbytes * 8)  # (R, nbytes*8) uint8, bit i = contributor i
-            coef = np.stack([sc[a0:b0] for sc in scales], axis=-1).astype(np.float64)  # (R, G, k)
-            halves = torch.from_numpy((coef @ mat).astype(np.float32))  # (R, G, 32) = [lo | hi]
-            for a in range(a0, b0, step):
-                b = min(a + step, b0)
-                r, o = b - a, a - a0
-                h = halves[o:o + r]
-                torch.add(h[:, :, 16:, None], h[:, :, None, :16], out=table_t[:r])  # (r, G, 16, 16)
-                np.add(codes[o:o + r, :cols], ofs[:r], out=idx[:r])
-                dst = out[a:b]  # (r, cols)
-                target = dst if k == 0 else acc[:r]
-                np.take(table[:r].reshape(-1), idx[:r], out=target, mode="clip")
-                if k:
-                    np.add(dst, target, out=dst)
 
 
 def packed_mean(packed: Sequence[BitDeltaPacked], *, weights: Sequence[float] | None = None) -> Tensor:
@@ -165,25 +213,10 @@ def packed_mean(packed: Sequence[BitDeltaPacked], *, weights: Sequence[float] | 
     Every delta must share rows, cols and group_size. Matches averaging the decoded deltas
     (`BitDeltaPacked.to_dense`) to within float32 rounding (see the module docstring).
     """
-    w = _check(packed, weights)
+    _check(packed)
+    w = _normalised(weights, len(packed))
     p0 = packed[0]
-    rows, cols = p0.rows, p0.cols
-    result = torch.empty((rows, cols), dtype=torch.float32)  # first touch here is ~3x cheaper than numpy's
-    out = result.numpy()  # (rows, cols), shares memory
-    if rows * cols == 0:
-        return result
-    blocks = _blocks(packed, w)
-    step = max(1, _CHUNK_ELEMS // cols)
-    outer = step * max(1, _OUTER_CHUNKS)
-    n_chunks = math.ceil(rows / step)
-    workers = max(1, min(torch.get_num_threads(), n_chunks))
-    per = math.ceil(n_chunks / workers) * step  # rows per worker, a whole number of chunks
-    spans = [(a, min(a + per, rows)) for a in range(0, rows, per)]
-    kw = dict(blocks=blocks, out=out, cols=cols, group_size=p0.group_size, step=step, outer=outer)
-    if len(spans) == 1:
-        _run_rows(0, rows, **kw)
-    else:
-        with ThreadPoolExecutor(max_workers=len(spans)) as pool:
-            for f in [pool.submit(_run_rows, a, b, **kw) for a, b in spans]:
-                f.result()
-    return result
+    if p0.rows * p0.cols == 0:
+        return torch.empty((p0.rows, p0.cols), dtype=torch.float32)
+    model = PackedModel.build([[p] for p in packed])
+    return model_mean(model, weights=w).pop(0).reshape(p0.rows, p0.cols)
