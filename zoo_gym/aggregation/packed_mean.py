@@ -19,9 +19,10 @@ Rounding: each half is computed in float64 and rounded once to float32; the tabl
 float32 sum. So every output is within about 1.5 float32 ulps of the exact sum (the float32
 reference that decodes and adds one contributor at a time rounds n times).
 
-Work runs over a `PackedModel` (all tensors of a model laid end to end, see packed_model.py): the
-half tables of every group first (a few whole-model calls), then chunks of about 64k elements,
-so codes, indices and tables stay in L2 cache and a model of many small tensors costs a few large
+Work runs over a `PackedModel` (all tensors of a model laid end to end, see packed_model.py) in
+chunks of about 128k elements: codes, half tables, the (hi, lo, group) table and indices stay in
+cache (the table is laid out with the group last, so building it is one add with a long inner
+loop; an element's entry is code * groups + group) and a model of many small tensors costs a few large
 numpy calls instead of several per tensor. The chunks are shared among
 ``torch.get_num_threads()`` threads (numpy releases the GIL in the calls used here; numpy alone,
 so no OpenMP team or BLAS pool competes with those threads).
@@ -43,8 +44,8 @@ from .packed_model import PackedModel
 
 __all__ = ["model_mean", "packed_mean"]
 
-_CHUNK_ELEMS = 1 << 16  # output elements per chunk (256 KiB float32; index 2x, table 2x)
-_CHUNK_GROUPS = 512  # group tables per chunk (512 KiB): small groups make short chunks
+_CHUNK_ELEMS = 1 << 17  # output elements per chunk (512 KiB float32; index 2x, table 2x)
+_CHUNK_GROUPS = 1024  # group tables per chunk (1 MiB): fewer, longer numpy calls hold the GIL less
 _MIN_ELEMS_PER_THREAD = 1 << 20  # below this, one thread is faster than starting a pool
 _BLOCK = 8  # contributors per code byte
 
@@ -79,25 +80,24 @@ def _normalised(weights: Sequence[float] | None, n: int) -> np.ndarray:
     return w / w.sum()
 
 
-# (4,) signs of a contributor pair's 2-bit codes: bit 0 -> first contributor, bit 1 -> second
-_PAIR_SIGNS = (np.array([-1.0, 1.0, -1.0, 1.0]), np.array([-1.0, -1.0, 1.0, 1.0]))
+# (4, 1) signs of a contributor pair's 2-bit codes: bit 0 -> first contributor, bit 1 -> second
+_PAIR_A = np.array([[-1.0], [1.0], [-1.0], [1.0]])
+_PAIR_B = np.array([[-1.0], [-1.0], [1.0], [1.0]])
 
 
-def _half_tables(scales: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """(G, 32) float32 [lo | hi] half tables of one block of k <= 8 contributors for every group:
-    lo[j] = sum_{i<4} w_i s_i (+1 if bit i of j else -1), hi likewise for contributors 4..7.
-    `scales` (k, G) float64, `w` (k,). Built from 2-bit pair tables by broadcast adds in float64
-    and rounded once; a few whole-model numpy calls (no BLAS, no per-chunk work)."""
-    k, c = scales.shape
-    coef = np.zeros((_BLOCK, c))  # (8, G) w_i * s_i, zero rows for missing contributors
-    np.multiply(scales, w[:, None], out=coef[:k])
-    out = np.empty((c, 32), dtype=np.float32)
+def _half_tables(coef: np.ndarray, pair: np.ndarray, out: np.ndarray) -> None:
+    """out (32, c) float32 = [lo | hi] half tables from coef (8, c) float64 (w_i * s_i, zero rows
+    for missing contributors): lo[j] = sum_{i<4} coef_i (+1 if bit i of j else -1), hi likewise
+    for contributors 4..7. Sums of 2-bit pair tables in float64, rounded once; every call loops
+    over the c groups (long inner loops), `pair` (2, 4, c) is scratch."""
     for half in range(2):
-        q = [coef[4 * half + 2 * p][:, None] * _PAIR_SIGNS[0] + coef[4 * half + 2 * p + 1][:, None] * _PAIR_SIGNS[1]
-             for p in range(2)]  # 2 x (c, 4)
-        # index (b << 2) | a: pair 1 gives the high two bits
-        out[:, 16 * half:16 * half + 16] = (q[1][:, :, None] + q[0][:, None, :]).reshape(c, 16)
-    return out
+        q = coef[4 * half:4 * half + 4]
+        for p in range(2):  # pair p: contributors 2p, 2p + 1 of this half -> (4, c)
+            np.multiply(_PAIR_A, q[2 * p], out=pair[p])
+            pair[p] += _PAIR_B * q[2 * p + 1]
+        # code (b << 2) | a: pair 1 gives the high two bits
+        np.add(pair[1][:, None, :], pair[0][None, :, :],
+               out=out[16 * half:16 * half + 16].reshape(4, 4, -1), casting="same_kind")
 
 
 def _segments(model: PackedModel) -> list[tuple[int, int, int]]:
@@ -129,17 +129,20 @@ def _run_chunks(chunks, *, model: PackedModel, blocks: list, out: np.ndarray) ->
     stacked = np.empty((max_bytes, _BLOCK), dtype=np.uint8)   # (bytes, 8) one byte per contributor
     tmp64 = np.empty(max_bytes, dtype=np.uint64)
     idx = np.empty(max_bytes * 8, dtype=np.intp)              # (elements,) table index
-    table = np.empty((max_groups, 16, 16), dtype=np.float32)  # (groups, hi, lo)
+    table = np.empty(256 * max_groups, dtype=np.float32)      # (hi, lo, groups) flat
     acc = np.empty(max_bytes * 8, dtype=np.float32) if len(blocks) > 1 else None
+    halves = np.empty((32, max_groups), dtype=np.float32)    # [lo | hi] per group of the chunk
+    coef = np.zeros((_BLOCK, max_groups))                     # (8, groups) w_i * s_i
+    pair = np.empty((2, 4, max_groups))                       # 2-bit pair tables
     ofs_cache: dict[tuple[int, int], np.ndarray] = {}
     for g0, g1, nb in chunks:
         c, b0 = g1 - g0, int(model.starts[g0]) * wb
         nbytes, el = c * nb, c * nb * 8
         key = (c, nb)
-        if key not in ofs_cache:  # (el,) offset of each element's group table: group * 256
-            ofs_cache[key] = np.repeat(np.arange(c, dtype=np.intp) * 256, nb * 8)
+        if key not in ofs_cache:  # (el,) each element's group within the chunk
+            ofs_cache[key] = np.repeat(np.arange(c, dtype=np.intp), nb * 8)
         dst = out[b0 * 8:b0 * 8 + el]
-        for k, (who, halves) in enumerate(blocks):
+        for k, (who, wk) in enumerate(blocks):
             st = stacked[:nbytes]
             if len(who) == _BLOCK:  # (bytes, 8): byte j of contributor who[i] at st[j, i]
                 np.stack([u8[i, b0:b0 + nbytes] for i in who], axis=1, out=st)
@@ -149,11 +152,18 @@ def _run_chunks(chunks, *, model: PackedModel, blocks: list, out: np.ndarray) ->
                     st[:, j] = u8[i, b0:b0 + nbytes]
             _transpose8(st.reshape(-1).view(np.uint64), tmp64[:nbytes])
             codes = st.reshape(-1)  # (el,) uint8, bit i = block contributor i
-            h = halves[g0:g1]  # (c, 32) = [lo | hi]
-            np.add(h[:, 16:, None], h[:, None, :16], out=table[:c])  # (c, 16, 16)
-            np.add(codes, ofs_cache[key], out=idx[:el])
+            cf = coef[:, :c]
+            np.multiply(model.scales[who, g0:g1], wk[:, None], out=cf[:len(who)])
+            cf[len(who):] = 0.0
+            _half_tables(cf, pair[:, :, :c], halves[:, :c])
+            h = halves[:, :c]  # (32, c) = [lo | hi]
+            tab = table[:256 * c].reshape(16, 16, c)  # (hi, lo, group): the long loop is over groups
+            np.add(h[16:, None, :], h[None, :16, :], out=tab)
+            ix = idx[:el]  # entry of element e: code_e * c + its group
+            np.multiply(codes, np.intp(c), out=ix)
+            np.add(ix, ofs_cache[key], out=ix)
             target = dst if k == 0 else acc[:el]
-            np.take(table[:c].reshape(-1), idx[:el], out=target, mode="clip")
+            np.take(table[:256 * c], ix, out=target, mode="clip")
             if k:
                 np.add(dst, target, out=dst)
 
@@ -175,8 +185,7 @@ def model_mean(model: PackedModel, *, weights: Sequence[float] | None = None,
     if threads is None:
         threads = min(torch.get_num_threads(), flat.numel() // _MIN_ELEMS_PER_THREAD)
     threads = max(1, min(threads, len(chunks)))
-    blocks = [(rows[b:b + _BLOCK], _half_tables(model.scales[rows[b:b + _BLOCK]], w[rows[b:b + _BLOCK]]))
-              for b in range(0, len(rows), _BLOCK)]  # per block: who, (G, 32) half tables
+    blocks = [(rows[b:b + _BLOCK], w[rows[b:b + _BLOCK]]) for b in range(0, len(rows), _BLOCK)]
     kw = dict(model=model, blocks=blocks, out=flat.numpy())
     if threads == 1:
         _run_chunks(chunks, **kw)
