@@ -23,6 +23,7 @@ Distance error: each side's (n, n) matrix against a float64 reference of the dec
 
     python benchmarks/aggregation.py [--quick] [--threads N] [--cases tiny_n10,...]
                                      [--out benchmarks/results/aggregation.json]
+    python benchmarks/aggregation.py --summarize benchmarks/results/aggregation.json  # targets met?
 """
 
 from __future__ import annotations
@@ -305,6 +306,27 @@ def scenario(name: str, shapes, n: int, *, threads: int, repeats: int, flower: b
     return {name: res}
 
 
+def summary(report: dict) -> dict:
+    """Per case and rule: each target against each Flower helper (best calls and first calls)."""
+    out = {}
+    for case, res in report.items():
+        if not isinstance(res, dict) or "n" not in res:
+            continue
+        for rule in ("krum", "multi-krum"):
+            row = res.get(rule, {})
+            for key in ("flower_legacy", "flower_msg"):
+                if f"speedup_vs_{key}" not in row:
+                    continue
+                out[f"{case}/{rule}/{key}"] = {
+                    "speedup": round(row[f"speedup_vs_{key}"], 2),
+                    "first_call_speedup": round(row[f"first_call_speedup_vs_{key}"], 2),
+                    "peak_ratio": round(row[f"peak_ratio_vs_{key}"], 4),
+                    "met": bool(row[f"speedup_vs_{key}"] >= 30 and row[f"peak_ratio_vs_{key}"] <= 0.125
+                                and row["ours_dist_rel_err"] <= 1e-6),
+                }
+    return out
+
+
 def _ram_gb() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
@@ -320,9 +342,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="calls per measurement (best and first reported)")
     ap.add_argument("--big-repeats", type=int, default=2, help="calls per measurement at 100M parameters")
     ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--summarize", metavar="JSON", help="print the targets summary of a saved run and exit")
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
+        return
+    if args.summarize:
+        print(json.dumps(summary(json.loads(Path(args.summarize).read_text())), indent=1))
         return
     tiny = tiny_shapes()
     big = [(10_000, 10_000)]
@@ -348,6 +374,7 @@ def main() -> None:
         repeats = args.big_repeats if sum(int(np.prod(s)) for s in shapes) > 10_000_000 else args.repeats
         report.update(scenario(name, shapes, n, flower=flower, threads=args.threads, repeats=repeats))
     report["wall_s"] = time.perf_counter() - t0
+    report["summary"] = summary(report)
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:
