@@ -25,7 +25,7 @@ import time
 import torch
 
 from .config import TrainConfig
-from .delta import adapter_delta, dense_delta_from_models, load_base_state
+from .delta import load_base_state, trained_delta
 from .evaluate import Evaluator, collate, load_model, load_tokenizer, tokenize_examples
 
 
@@ -128,10 +128,7 @@ def train_dp(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_
     model = dp_model._module
     model.eval()
     loss_after = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
-    if config.method == "sft":
-        delta = dense_delta_from_models(base_state, model, names)
-    else:
-        delta = adapter_delta(model, config, base_state, names, initial=initial)
+    delta = trained_delta(model, config, base_state, names, initial=initial)
     meta = {
         "method": config.method,
         "steps": steps,

@@ -18,7 +18,7 @@ import torch
 
 from .chat import prompt_messages
 from .config import TrainConfig
-from .delta import adapter_delta, capture_initial_factors, dense_delta_from_models, load_base_state
+from .delta import capture_initial_factors, load_base_state, trained_delta
 from .evaluate import Evaluator, load_model, load_tokenizer
 from .hardware import check_hardware
 
@@ -209,10 +209,7 @@ def train(
     model.eval()
     loss_after = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
 
-    if config.method == "sft":
-        delta = dense_delta_from_models(base_state, model, names)
-    else:
-        delta = adapter_delta(model, config, base_state, names, initial=initial)
+    delta = trained_delta(model, config, base_state, names, initial=initial)
 
     steps = int(trainer.state.global_step)
     meta = {
