@@ -100,13 +100,12 @@ def dense_delta(t, i, shape, seed, n) -> np.ndarray:
     return packed_delta(t, i, shape, seed, n).to_dense().numpy().reshape(shape)
 
 
-def decode_rows(p, r0: int, r1: int, *, weight: float = 1.0) -> np.ndarray:
-    """float32 (r1 - r0, cols): rows r0..r1 of weight * (a BitDeltaPacked), decoded by the codec
-    (the weight is folded into the float32 scales: no extra pass over the elements)."""
+def decode_rows(p, r0: int, r1: int) -> np.ndarray:
+    """float32 (r1 - r0, cols): rows r0..r1 of a BitDeltaPacked, decoded by the codec."""
     from zoo_gym.codec.bitdelta import unpack_bitdelta
     from zoo_gym.codec.layout import Groups
 
-    sc = p.scales.numpy() if weight == 1.0 else (p.scales.numpy() * np.float32(weight))
+    sc = p.scales.numpy()
     g = Groups(size=p.group_size, n_groups=sc.shape[1], scale_rows=sc.shape[0])
     s = sc if sc.shape[0] == 1 else sc[r0:r1]
     return unpack_bitdelta(p.signs.numpy()[r0:r1], s, cols=p.cols, groups=g)
