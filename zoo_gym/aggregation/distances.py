@@ -15,9 +15,9 @@ sum has no cancellation. No decoding to float32 happens.
 Speed: groups start on byte boundaries, so the sign bytes of every tensor of one contributor
 can be laid end to end into ONE word vector (each group zero-padded to whole words; a zero pad
 XORs to 0, so this is exact). All pairs are then done per cache-sized chunk of groups with one
-XOR + popcount per contributor row and a segment sum over groups (`PackedModel`, in
-packed_model.py), instead of Python work per tensor and per pair; the chunks are shared among
-threads (numpy releases the GIL in those calls).
+XOR + popcount (the CPU's POPCNT) per word pair in one compiled loop (`packed_kernels.py`) over
+that vector (`PackedModel`, in packed_model.py), instead of Python work per tensor and per pair;
+ranges of groups are shared among threads (the kernel releases the GIL).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from torch import Tensor
 
 from ._checks import check_deltas
 from .errors import InvalidDeltaError
+from .packed_kernels import sq_distances
 from .packed_model import PackedModel, check_models
 
 _CHUNK = 1 << 16  # columns per float64 chunk: (n, 65536) float64 = n * 512 KiB
-_CHUNK_WORDS = 1 << 14  # packed words per contributor per chunk: 16384 x 8 B = 128 KiB
 _MIN_WORDS_PER_THREAD = 1 << 16  # below this many words per contributor, one thread is faster
 
 
@@ -55,100 +55,37 @@ def pairwise_sq_distances(deltas: Tensor) -> Tensor:
 
 
 # ---- compressed domain --------------------------------------------------------------------------
-def _chunk_bounds(model: PackedModel) -> list[int]:
-    """Group indices cutting the model into chunks of about _CHUNK_WORDS words per contributor."""
-    n_words = model.words.shape[1]
-    n_groups = model.counts.shape[0]
-    gw = model.group_words
-    if gw:
-        step = max(1, _CHUNK_WORDS // gw)
-        return list(range(0, n_groups, step)) + [n_groups]
-    marks = np.searchsorted(model.starts, np.arange(0, n_words, _CHUNK_WORDS))  # cut at group starts
-    return sorted(set(marks.tolist()) | {0, n_groups})
-
-
-def _sign_term(model: PackedModel, bounds: Sequence[int]) -> np.ndarray:
-    """(n, n) upper triangle of sum over groups of 4 k_ij s_i s_j for the chunks in `bounds`."""
+def _sq_distances(model: PackedModel, g0: int, g1: int) -> np.ndarray:
+    """(n, n) upper triangle of the squared distances over groups g0..g1 (compiled kernel)."""
     n, n_words = model.words.shape
     out = np.zeros((n, n), dtype=np.float64)
-    gw = model.group_words
-    ends = np.append(model.starts, n_words)                          # (G + 1,)
-    b = np.asarray(bounds)
-    cw_max = int((ends[b[1:]] - ends[b[:-1]]).max())                 # widest chunk, words
-    gc_max = int(np.diff(b).max())                                   # most groups in a chunk
-    xor = np.empty((n - 1, cw_max), dtype=model.words.dtype)         # scratch (n-1, cw)
-    bits = np.empty((n - 1, cw_max), dtype=np.uint8)                 # popcount per word
-    k16 = np.empty((n - 1, gc_max), dtype=np.int16)                  # differing signs per group
-    f = np.empty((n - 1, gc_max), dtype=np.float64)                  # float64 scratch
-    for g0, g1 in zip(bounds[:-1], bounds[1:]):
-        w0, w1 = int(ends[g0]), int(ends[g1])
-        cw, gc = w1 - w0, g1 - g0
-        block = model.words[:, w0:w1]             # (n, cw)
-        s = model.scales[:, g0:g1]                # (n, gc)
-        local = None if gw else model.starts[g0:g1] - w0
-        for i in range(n - 1):
-            m = n - 1 - i
-            x = np.bitwise_xor(block[i], block[i + 1:], out=xor[:m, :cw])      # (m, cw)
-            pc = np.bitwise_count(x, out=bits[:m, :cw])                         # (m, cw)
-            if gw == 1:
-                k = pc                                                          # (m, gc)
-            elif 1 < gw <= 8:  # strided adds: a reduction over a short axis is slow in numpy
-                k = np.add(pc[:, 0::gw], pc[:, 1::gw], out=k16[:m, :gc], dtype=np.int16)
-                for j in range(2, gw):
-                    np.add(k, pc[:, j::gw], out=k)
-            elif gw:
-                k = pc.reshape(m, gc, gw).sum(axis=-1, dtype=np.int32)          # (m, gc)
-            else:
-                k = np.add.reduceat(pc, local, axis=1, dtype=np.int32)         # (m, gc)
-            y = np.multiply(k, s[i + 1:], out=f[:m, :gc])                        # (m, gc)
-            out[i, i + 1:] += 4.0 * np.einsum("mg,g->m", y, s[i])                # (m,) no BLAS
+    ends = np.append(model.starts, n_words)  # (G + 1,) int64
+    sq_distances(model.words, model.scales, model.counts, ends, model.group_words, g0, g1, out)
     return out
-
-
-def _scale_term(model: PackedModel) -> np.ndarray:
-    """(n, n) sum over groups of c (s_i - s_j)^2: a Gram matrix of the centred, sqrt(c)-weighted
-    scales (BLAS), chunk by chunk; pairs where that cancels badly are redone directly."""
-    n, n_groups = model.scales.shape
-    gram = np.zeros((n, n))
-    for g0 in range(0, n_groups, _CHUNK):
-        t = model.scales[:, g0:g0 + _CHUNK]                              # (n, gc)
-        t = (t - t.mean(axis=0)) * np.sqrt(model.counts[g0:g0 + _CHUNK])  # centred: exact maths
-        gram += t @ t.T
-    sq = np.diag(gram).copy()                                            # (n,)
-    size = sq[:, None] + sq[None, :]                                     # (n, n)
-    term = np.maximum(size - 2.0 * gram, 0.0)
-    for i, j in zip(*np.nonzero(np.triu(term < 1e-6 * size, k=1))):      # cancellation: redo
-        term[i, j] = term[j, i] = float(((model.scales[i] - model.scales[j]) ** 2) @ model.counts)
-    np.fill_diagonal(term, 0.0)
-    return term
 
 
 def model_sq_distances(model: PackedModel, *, threads: int | None = None) -> np.ndarray:
     """(n, n) float64 squared distances between the contributors of `model`, diagonal exactly 0.
 
-    The chunks are shared among `threads` (default `torch.get_num_threads()`, one for small
-    models); numpy releases the GIL inside the XOR / popcount / add calls, so threads run those
-    in parallel. No BLAS call runs inside the threads (its own pool would oversubscribe the
-    cores). The result does not depend on the thread count beyond float64 summation order.
+    The groups are shared among `threads` (default `torch.get_num_threads()`, one for small
+    models); the compiled kernel releases the GIL, so the threads run in parallel. No BLAS call
+    runs inside the threads (its own pool would oversubscribe the cores). The result does not
+    depend on the thread count beyond float64 summation order.
     """
     n, n_words = model.words.shape
     if n == 1:
         return np.zeros((1, 1))
-    bounds = _chunk_bounds(model)
-    n_chunks = len(bounds) - 1
+    n_groups = model.counts.shape[0]
     if threads is None:  # small models: thread start-up costs more than it saves
         threads = min(torch.get_num_threads(), n_words // _MIN_WORDS_PER_THREAD)
-    threads = max(1, min(threads, n_chunks))
+    threads = max(1, min(threads, n_groups))
     if threads == 1:
-        out = _sign_term(model, bounds)
+        out = _sq_distances(model, 0, n_groups)
     else:
-        per = -(-n_chunks // threads)
-        parts = [bounds[a:a + per + 1] for a in range(0, n_chunks, per)]
-        with ThreadPoolExecutor(max_workers=len(parts)) as pool:
-            out = sum(pool.map(lambda b: _sign_term(model, b), parts))
+        cuts = np.linspace(0, n_groups, threads + 1).astype(int).tolist()
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            out = sum(pool.map(lambda c: _sq_distances(model, *c), zip(cuts[:-1], cuts[1:])))
     out += out.T
-    out += _scale_term(model)
-    np.fill_diagonal(out, 0.0)
     return out
 
 

@@ -13,6 +13,7 @@ are done for all contributors at once (one stacked copy), so the cost is a memcp
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -75,11 +76,10 @@ def check_models(models: Sequence[Sequence[Any]]) -> int:
 
 
 # ---- layout -------------------------------------------------------------------------------------
-def _group_bytes(p: Any) -> tuple[int, int, int, int]:
+def _group_bytes_of(*, rows: int, cols: int, group_size: int, n_groups: int) -> tuple[int, int, int, int]:
     """(n_groups, bytes of a full group, full groups per row, bytes of the last group)."""
-    n_groups = int(p.scales.shape[1])
-    nbytes = -(-p.cols // 8)
-    gb = nbytes if n_groups == 1 else p.group_size // 8
+    nbytes = -(-cols // 8)
+    gb = nbytes if n_groups == 1 else group_size // 8
     last = nbytes - gb * (n_groups - 1)
     return n_groups, gb, n_groups - 1, last
 
@@ -110,6 +110,84 @@ class TensorSlot:
 
 
 @dataclass(frozen=True)
+class _Plan:
+    """Where everything goes for one list of tensor layouts (computed once per model shape)."""
+
+    word: int  # bytes per word
+    total: int  # padded bytes per contributor
+    n_groups: int
+    counts: np.ndarray  # (G,) float64, read-only
+    starts: np.ndarray  # (G,) int64 first word of each group, read-only
+    group_words: int
+    slots: tuple[TensorSlot, ...]
+    unpadded: bool  # no padding anywhere: a contributor's row is its sign bytes end to end
+
+
+@functools.lru_cache(maxsize=32)
+def _plan(layouts: tuple[tuple, ...]) -> _Plan:
+    """`layouts`: per tensor (rows, cols, group_size, scales shape, signs shape, dtype, shape).
+    A server aggregates the same model shape round after round, so this is cached."""
+    shapes = [_group_bytes_of(rows=lay[0], cols=lay[1], group_size=lay[2], n_groups=lay[3][1])
+              for lay in layouts]
+    rows = [lay[0] for lay in layouts]
+    lengths = {b for (g, gb, full, last) in shapes for b in ((gb, last) if full else (last,))}
+    raw = sum(r * (gb * full + last) for r, (g, gb, full, last) in zip(rows, shapes))
+    n_groups = sum(r * g for r, (g, *_rest) in zip(rows, shapes))
+    # widest word whose zero padding stays within _MAX_PAD; then uniform groups if cheap
+    word = 1
+    for w in (8, 4, 2):
+        padded = sum(r * (_round_up(gb, w) * full + _round_up(last, w))
+                     for r, (g, gb, full, last) in zip(rows, shapes))
+        if padded <= _MAX_PAD * raw:
+            word = w
+            break
+    widest = max(_round_up(b, word) for b in lengths)
+    uniform = n_groups * widest <= _MAX_PAD * raw or len({_round_up(b, word) for b in lengths}) == 1
+    # per tensor: padded bytes of a full group and of the last group
+    pads = [((widest, widest) if uniform else (_round_up(gb, word), _round_up(last, word)))
+            for (g, gb, full, last) in shapes]
+    total = sum(r * (pf * full + pl) for r, (g, gb, full, last), (pf, pl) in zip(rows, shapes, pads))
+    counts = np.empty(n_groups, dtype=np.float64)  # (G,)
+    starts = np.empty(n_groups, dtype=np.int64)    # (G,) in bytes, then words
+    slots = []
+    pos = gpos = 0
+    for lay, (g, gb, full, last), (pf, pl), r in zip(layouts, shapes, pads, rows):
+        cols, group_size = lay[1], lay[2]
+        row_bytes = pf * full + pl
+        slots.append(TensorSlot(shape=lay[6], rows=r, cols=cols, group_size=group_size,
+                                first_group=gpos, groups_per_row=g, first_byte=pos, full_groups=full,
+                                full_bytes=gb, padded_full=pf, padded_last=pl))
+        offs = np.concatenate([np.arange(full) * pf, [pf * full]])  # (g,) group offsets in a row
+        starts[gpos:gpos + r * g] = (pos + np.arange(r)[:, None] * row_bytes + offs).ravel()
+        per_row = np.full(g, group_size, dtype=np.float64)
+        per_row[-1] = cols - group_size * (g - 1)
+        counts[gpos:gpos + r * g] = np.tile(per_row, r)
+        pos += r * row_bytes
+        gpos += r * g
+    starts //= word
+    counts.flags.writeable = starts.flags.writeable = False  # shared by every build of this shape
+    return _Plan(word=word, total=total, n_groups=n_groups, counts=counts, starts=starts,
+                 group_words=widest // word if uniform else 0, slots=tuple(slots),
+                 unpadded=total == raw)
+
+
+def _copy_signs(buf: np.ndarray, s: TensorSlot, signs: list[np.ndarray]) -> None:
+    """Copy every contributor's (rows, bytes) sign array of one tensor into its padded slot."""
+    n = buf.shape[0]
+    gb, full = s.full_bytes, s.full_groups
+    pf, row_bytes = s.padded_full, s.row_bytes
+    last = -(-s.cols // 8) - gb * full
+    region = buf[:, s.first_byte:s.first_byte + s.rows * row_bytes].reshape(n, s.rows, row_bytes)
+    if full == 0 or pf == gb:  # a row is [its sign bytes][tail padding]: one stacked copy
+        np.stack(signs, out=region[:, :, :gb * full + last])
+    else:  # padding after every full group
+        for i, sg in enumerate(signs):
+            region[i, :, :pf * full].reshape(s.rows, full, pf)[..., :gb] = \
+                sg[:, :gb * full].reshape(s.rows, full, gb)
+            region[i, :, pf * full:pf * full + last] = sg[:, gb * full:]
+
+
+@dataclass(frozen=True)
 class PackedModel:
     """Several BitDelta tensors of n contributors laid end to end, group by group.
 
@@ -136,64 +214,27 @@ class PackedModel:
     def build(cls, models: Sequence[Sequence[Any]], *, scale: Tensor | None = None) -> PackedModel:
         """`models[i]`: contributor i's BitDeltaPacked tensors (same order and layouts for all);
         `scale`: optional (n,) multipliers folded into contributor i's scales (e.g. clip factors)."""
-        n_t = check_models(models)
+        check_models(models)
         n = len(models)
         mult = np.ones(n) if scale is None else torch.as_tensor(scale, dtype=torch.float64).numpy()
         if mult.shape != (n,):
             raise InvalidDeltaError(f"`scale` must have one entry per contributor ({n}), got "
                                     f"{tuple(mult.shape)}")
-        shapes = [_group_bytes(models[0][t]) for t in range(n_t)]
-        rows = [models[0][t].rows for t in range(n_t)]
-        lengths = {b for (g, gb, full, last) in shapes for b in ((gb, last) if full else (last,))}
-        raw = sum(r * (gb * full + last) for r, (g, gb, full, last) in zip(rows, shapes))
-        n_groups = sum(r * g for r, (g, *_rest) in zip(rows, shapes))
-        # widest word whose zero padding stays within _MAX_PAD; then uniform groups if cheap
-        word = 1
-        for w in (8, 4, 2):
-            padded = sum(r * (_round_up(gb, w) * full + _round_up(last, w))
-                         for r, (g, gb, full, last) in zip(rows, shapes))
-            if padded <= _MAX_PAD * raw:
-                word = w
-                break
-        widest = max(_round_up(b, word) for b in lengths)
-        uniform = n_groups * widest <= _MAX_PAD * raw or len({_round_up(b, word) for b in lengths}) == 1
-        # per tensor: padded bytes of a full group and of the last group
-        pads = [((widest, widest) if uniform else (_round_up(gb, word), _round_up(last, word)))
-                for (g, gb, full, last) in shapes]
-        total = sum(r * (pf * full + pl) for r, (g, gb, full, last), (pf, pl) in zip(rows, shapes, pads))
-        buf = np.zeros((n, total), dtype=np.uint8)           # (n, padded bytes)
-        scales = np.empty((n, n_groups), dtype=np.float64)  # (n, G)
-        counts = np.empty(n_groups, dtype=np.float64)        # (G,)
-        starts = np.empty(n_groups, dtype=np.int64)          # (G,) in bytes, then words
-        slots = []
-        pos = gpos = 0
-        for t, ((g, gb, full, last), (pf, pl), r) in enumerate(zip(shapes, pads, rows)):
-            p0 = models[0][t]
-            row_bytes = pf * full + pl
-            slots.append(TensorSlot(shape=tuple(p0.shape), rows=r, cols=p0.cols,
-                                    group_size=p0.group_size, first_group=gpos, groups_per_row=g,
-                                    first_byte=pos, full_groups=full, full_bytes=gb, padded_full=pf,
-                                    padded_last=pl))
-            region = buf[:, pos:pos + r * row_bytes].reshape(n, r, row_bytes)  # (n, r, row_bytes)
-            offs = np.concatenate([np.arange(full) * pf, [pf * full]])  # (g,) group offsets in a row
-            starts[gpos:gpos + r * g] = (pos + np.arange(r)[:, None] * row_bytes + offs).ravel()
-            counts[gpos:gpos + r * g] = np.tile(p0.group_counts().numpy(), r)
-            signs = [m[t].signs.numpy() for m in models]  # n x (r, nbytes)
-            if full == 0 or pf == gb:  # a row is [its sign bytes][tail padding]: one stacked copy
-                np.stack(signs, out=region[:, :, :gb * full + last])
-            else:  # padding after every full group
-                for i, sg in enumerate(signs):
-                    region[i, :, :pf * full].reshape(r, full, pf)[..., :gb] = \
-                        sg[:, :gb * full].reshape(r, full, gb)
-                    region[i, :, pf * full:pf * full + last] = sg[:, gb * full:]
-            sc = np.stack([m[t].scales.numpy() for m in models])  # (n, 1 | r, g) float32
-            np.multiply(sc, mult[:, None, None],  # -> float64, broadcast over rows if per tensor
-                        out=scales[:, gpos:gpos + r * g].reshape(n, r, g))
-            pos += r * row_bytes
-            gpos += r * g
-        return cls(words=buf.view(_WORD[word]), scales=scales, counts=counts,
-                   starts=starts // word, group_words=widest // word if uniform else 0,
-                   slots=tuple(slots))
+        plan = _plan(tuple(_layout(p) + (tuple(p.shape),) for p in models[0]))
+        buf = np.zeros((n, plan.total), dtype=np.uint8)           # (n, padded bytes)
+        scales = np.empty((n, plan.n_groups), dtype=np.float64)  # (n, G)
+        for i, m in enumerate(models):  # one contributor's scales, end to end, times its multiplier
+            row = torch.cat([p.scales.reshape(-1) if p.scales.shape[0] == p.rows
+                             else p.scales.expand(p.rows, -1).reshape(-1) for p in m])
+            np.multiply(row.numpy(), mult[i], out=scales[i])
+        if plan.unpadded:  # a contributor's sign bytes end to end ARE its row: one copy each
+            for i, m in enumerate(models):
+                torch.cat([p.signs.reshape(-1) for p in m], out=torch.from_numpy(buf[i]))
+        else:
+            for t, s in enumerate(plan.slots):
+                _copy_signs(buf, s, [m[t].signs.numpy() for m in models])
+        return cls(words=buf.view(_WORD[plan.word]), scales=scales, counts=plan.counts,
+                   starts=plan.starts, group_words=plan.group_words, slots=plan.slots)
 
     def split(self, flat: Tensor) -> list[Tensor]:
         """Per-tensor views of a per-element result laid out like the sign bits.

@@ -96,6 +96,9 @@ def serve(
         server, bound, rounds = build_server(state, cfg)
     except (ConfigError, StateError, ValueError, OSError) as exc:
         _fail(str(exc))
+    from zoo_gym.aggregation.packed_kernels import warm_up
+
+    warm_up()  # compile or load the BitDelta distance / mean kernels now, not in the first round
     server.start()
     rounds.start()
     if port_file:
