@@ -303,6 +303,7 @@ def scenario(name: str, shapes, n: int, *, threads: int, repeats: int, flower: b
                "ours_average_s": ours["average_s"], "ours_first_s": ours["first_s"],
                "ours_runs_s": ours["runs_s"], "ours_mem": _mem(ours),
                "ours_dist_rel_err": rel_err(ours["distances"], ref["distances"]),
+               "ours_warm_up_s": ours["warm_up_s"],
                "ours_chosen": ours["chosen"]}
         for tag in ("flower-legacy", "flower-msg") if flower else ():
             fl = run_worker({**base, "kind": tag, "m": m})
