@@ -72,6 +72,18 @@ class DeltaRows(Protocol):
     def stacked(self, name: str) -> Tensor: ...  # (n, numel) float32
 
 
+def _gradient_of(grad: Mapping[str, Tensor], name: str, numel: int) -> Tensor:
+    """The gradient of tensor `name`, refused by name when it is missing or of another size."""
+    g = grad.get(name)
+    if g is None:
+        raise ScoringInputError(f"the deltas have tensor {name!r} that the gradient lacks: "
+                                "compute the gradient on the round's base checkpoint")
+    if g.numel() != numel:
+        raise ScoringInputError(f"tensor {name!r} has {numel} values in the deltas, "
+                                f"{g.numel()} in the gradient")
+    return g
+
+
 def _row_sums(rows: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
     """``(rows @ g, |rows|^2 per row)`` in float64; rows ``(n, numel)``, g any shape of numel.
 
@@ -102,14 +114,8 @@ def streamed_slopes(grad: Mapping[str, Tensor], source: DeltaRows, *, scales: Se
     slopes: Tensor | None = None  # (n,) float64
     sq: Tensor | None = None      # (n,) float64
     for name in source.names():
-        g = grad.get(name)
         rows = source.stacked(name)                                       # (n, numel)
-        if g is None:
-            raise ScoringInputError(f"the deltas have tensor {name!r} that the gradient lacks: "
-                                    "compute the gradient on the round's base checkpoint")
-        if g.numel() != rows.shape[1]:
-            raise ScoringInputError(f"tensor {name!r} has {rows.shape[1]} values in the deltas, "
-                                    f"{g.numel()} in the gradient")
+        g = _gradient_of(grad, name, rows.shape[1])
         if len(scales) != rows.shape[0]:
             raise ScoringInputError(f"`scales` has {len(scales)} entries for {rows.shape[0]} deltas")
         s, q = _row_sums(rows, g)                                         # (n,), (n,)
@@ -200,13 +206,7 @@ class SlopeTap:
         rows = self._source.stacked(name)                                 # (n, numel)
         if name not in self._seen:
             t = time.perf_counter()
-            g = self._grad.get(name)
-            if g is None:
-                raise ScoringInputError(f"the deltas have tensor {name!r} that the gradient "
-                                        "lacks: compute the gradient on the round's base")
-            if g.numel() != rows.shape[1]:
-                raise ScoringInputError(f"tensor {name!r} has {rows.shape[1]} values in the "
-                                        f"deltas, {g.numel()} in the gradient")
+            g = _gradient_of(self._grad, name, rows.shape[1])
             s, q = _row_sums(rows, g)                                     # (n,), (n,)
             self._slopes = s if self._slopes is None else self._slopes + s
             self._sq = q if self._sq is None else self._sq + q
