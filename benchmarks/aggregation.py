@@ -16,13 +16,15 @@ the import footprint (torch, transformers: 250-340 MiB) dwarfs both sides' aggre
 Raw peaks are reported too (`raw_rss_peak_ratio` in the summary). Ours loads its compiled
 kernels (`packed_kernels.warm_up`, as gym-server does at start) after the imports and before
 the baseline; that load is `warm_up_s`, not timed in the calls.
-Timed: the whole Krum / Multi-Krum call. Ours = lay every contributor's tensors end to end
-(`PackedModel.build`), packed distances + selection (compiled XOR + popcount kernel), then
+Timed: the whole Krum / Multi-Krum call. Ours = check every layout and lay every contributor's
+tensors end to end (`PackedModel.build`: one compiled gather), packed distances + selection
+(compiled XOR + popcount kernel), then
 (Multi-Krum) the mean of the selected deltas straight from their bits (`model_mean`); Krum's result is the selected packed delta itself,
 as Flower's legacy Krum returns its selected input array. Each side is called `--repeats` times
 in its process (`--big-repeats` at 100M): the speedup compares best call with best call (warm,
 as a server aggregating round after round runs), `first_call_speedup_*` the first calls (cold:
-page faults of fresh buffers included). Both sides get the same thread budget (`--threads`, all
+page faults of fresh buffers included). On the tiny model a call takes 1-3 ms (ours) and the
+first few calls run with cold caches, so 10 calls are made there (`--repeats`) on both sides. Both sides get the same thread budget (`--threads`, all
 cores by default): torch's, OpenMP's and numpy's BLAS (Flower's norms and dot products use it).
 Distance error: each side's (n, n) matrix against a float64 reference of the decoded deltas.
 
@@ -371,7 +373,7 @@ def main() -> None:
     ap.add_argument("--cases", help="comma-separated case names to run (default: all)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="threads for both sides: torch, OpenMP and numpy's BLAS (default: all cores)")
-    ap.add_argument("--repeats", type=int, default=3, help="calls per measurement (best and first reported)")
+    ap.add_argument("--repeats", type=int, default=10, help="calls per measurement (best and first reported)")
     ap.add_argument("--big-repeats", type=int, default=2, help="calls per measurement at 100M parameters")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--summarize", metavar="JSON", help="print the targets summary of a saved run and exit")

@@ -3,6 +3,8 @@ and the compressed-domain computation equals decoding to float to float toleranc
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -145,3 +147,45 @@ def test_whole_model_refuses_ragged_and_mismatched():
         packed_model_sq_distances([[a, a], [a, b]])
     with pytest.raises(InvalidDeltaError, match="one entry per contributor"):
         packed_model_sq_distances([[a], [a]], scale=torch.ones(3))
+
+
+def _variants(p):
+    """The same delta as tensors `gather` cannot read in place: a strided signs view, float64
+    and float16-exact scales, a single scale row broadcast by the caller."""
+    strided = torch.zeros((p.rows, 2 * p.signs.shape[1]), dtype=torch.uint8)
+    strided[:, ::2] = p.signs
+    return [
+        dataclasses.replace(p, signs=strided[:, ::2]),                     # not contiguous
+        dataclasses.replace(p, scales=p.scales.double()),                  # float64 scales
+        dataclasses.replace(p, scales=p.scales.t().contiguous().t()),      # column-major scales
+    ]
+
+
+def test_build_reads_any_cpu_tensor_layout_like_the_checked_fast_path():
+    g = torch.Generator().manual_seed(11)
+    models = [[make_packed(torch.randn(4, 300, generator=g), group_size=64),
+               make_packed(torch.randn(1, 32, generator=g), group_size=None),  # padded group
+               make_packed(torch.randn(3, 20, generator=g), group_size=8)] for _ in range(4)]
+    assert all(p.checked_layout is not None for m in models for p in m)
+    clean = PackedModel.build(models)
+    for v in range(3):
+        odd = [list(m) for m in models]
+        odd[2] = [_variants(p)[v] for p in odd[2]]  # one contributor's tensors, all odd
+        assert any(p.checked_layout is None for p in odd[2])
+        got = PackedModel.build(odd)
+        assert np.array_equal(got.words, clean.words)
+        np.testing.assert_array_equal(got.scales, clean.scales)
+        assert torch.equal(packed_model_sq_distances(odd), packed_model_sq_distances(models))
+    # contributor 0 odd too: everyone takes the tensor-by-tensor path, same result
+    first_odd = [[_variants(p)[1] for p in m] for m in models]
+    np.testing.assert_array_equal(PackedModel.build(first_odd).scales, clean.scales)
+
+
+def test_build_names_the_contributor_and_tensor_whose_layout_differs():
+    a = make_packed(torch.randn(2, 16), group_size=8)
+    b = make_packed(torch.randn(2, 24), group_size=8)
+    with pytest.raises(InvalidDeltaError, match="contributor 2 tensor 1 has layout"):
+        PackedModel.build([[a, a], [a, a], [a, b]])
+    bad = dataclasses.replace(a, signs=a.signs.to(torch.int16))
+    with pytest.raises(InvalidDeltaError, match=r"`models\[1\]\[0\].signs` must be uint8"):
+        PackedModel.build([[a], [bad]])

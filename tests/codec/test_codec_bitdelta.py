@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -126,3 +127,19 @@ def test_read_bitdelta_refuses_other_codecs():
         read_bitdelta(payload, "x")
     with pytest.raises(CodecError, match="no tensor named 'y'"):
         read_bitdelta(payload, "y")
+
+
+def test_checked_layout_is_set_only_for_tensors_the_aggregation_can_read_in_place():
+    payload = encode({"w": torch.randn(6, 40)}, codec="bitdelta", group_size=16)
+    p = read_bitdelta(payload, "w")
+    assert p.checked_layout == ((6, 40), 6, 40, 16, 6, 3)
+    odd = {
+        "strided signs": dataclasses.replace(p, signs=torch.zeros(6, 10, dtype=torch.uint8)[:, ::2]),
+        "int16 signs": dataclasses.replace(p, signs=p.signs.to(torch.int16)),
+        "float64 scales": dataclasses.replace(p, scales=p.scales.double()),
+        "signs too short": dataclasses.replace(p, signs=p.signs[:, :4].contiguous()),
+        "groups not on bytes": dataclasses.replace(p, group_size=12),
+        "scale rows": dataclasses.replace(p, scales=p.scales[:2].contiguous()),
+    }
+    for what, q in odd.items():
+        assert q.checked_layout is None, what

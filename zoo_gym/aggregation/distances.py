@@ -23,7 +23,6 @@ ranges of groups are shared among threads (the kernel releases the GIL).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -32,11 +31,11 @@ from torch import Tensor
 
 from ._checks import check_deltas
 from .errors import InvalidDeltaError
-from .packed_kernels import sq_distances
+from .packed_kernels import in_group_ranges, sq_distances
 from .packed_model import PackedModel, check_models
 
 _CHUNK = 1 << 16  # columns per float64 chunk: (n, 65536) float64 = n * 512 KiB
-_MIN_WORDS_PER_THREAD = 1 << 16  # below this many words per contributor, one thread is faster
+_MIN_WORD_PAIRS_PER_THREAD = 1 << 20  # XOR + popcounts (about 1 ms) worth waking a thread
 
 
 def pairwise_sq_distances(deltas: Tensor) -> Tensor:
@@ -67,24 +66,20 @@ def _sq_distances(model: PackedModel, g0: int, g1: int) -> np.ndarray:
 def model_sq_distances(model: PackedModel, *, threads: int | None = None) -> np.ndarray:
     """(n, n) float64 squared distances between the contributors of `model`, diagonal exactly 0.
 
-    The groups are shared among `threads` (default `torch.get_num_threads()`, one for small
-    models); the compiled kernel releases the GIL, so the threads run in parallel. No BLAS call
-    runs inside the threads (its own pool would oversubscribe the cores). The result does not
-    depend on the thread count beyond float64 summation order.
+    The groups are shared among `threads` (default `torch.get_num_threads()`, fewer when there
+    is too little work per thread); the compiled kernel releases the GIL, so the threads run in
+    parallel. No BLAS call runs inside the threads (its own pool would oversubscribe the cores).
+    The result does not depend on the thread count beyond float64 summation order.
     """
     n, n_words = model.words.shape
     if n == 1:
         return np.zeros((1, 1))
-    n_groups = model.counts.shape[0]
-    if threads is None:  # small models: thread start-up costs more than it saves
-        threads = min(torch.get_num_threads(), n_words // _MIN_WORDS_PER_THREAD)
-    threads = max(1, min(threads, n_groups))
-    if threads == 1:
-        out = _sq_distances(model, 0, n_groups)
-    else:
-        cuts = np.linspace(0, n_groups, threads + 1).astype(int).tolist()
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            out = sum(pool.map(lambda c: _sq_distances(model, *c), zip(cuts[:-1], cuts[1:])))
+    if threads is None:  # small models: handing work to a thread costs more than it saves
+        threads = min(torch.get_num_threads(), n * (n - 1) // 2 * n_words // _MIN_WORD_PAIRS_PER_THREAD)
+    parts = in_group_ranges(lambda g0, g1: _sq_distances(model, g0, g1), model.counts.shape[0], threads)
+    out = parts[0]
+    for part in parts[1:]:
+        out += part
     out += out.T
     return out
 

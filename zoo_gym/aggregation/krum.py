@@ -14,6 +14,7 @@ reuses that one selection through `distances=`.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -33,23 +34,29 @@ def check_krum_config(*, n: int, f: int, rule: str = "Krum") -> None:
             f"lower --byzantine-f to at most {max((n - 3) // 2, 0)} or wait for more contributors")
 
 
-def _check_distances(distances: Tensor, *, n: int) -> Tensor:
-    dist = torch.as_tensor(distances, dtype=torch.float64)
+def _check_distances(distances: Tensor, *, n: int) -> np.ndarray:
+    """A float64 numpy copy of an (n, n) distance matrix (small: numpy's per-call cost is a
+    fraction of torch's, which matters on small models where selection is a large share)."""
+    dist = np.array(torch.as_tensor(distances, dtype=torch.float64).numpy(), dtype=np.float64)
     if dist.shape != (n, n):
         raise AggregationError(f"`distances` must be ({n}, {n}), got {tuple(dist.shape)}")
-    if not bool(torch.isfinite(dist).all()) or bool((dist < 0).any()):
+    if not np.isfinite(dist).all() or (dist < 0).any():
         raise AggregationError("`distances` must be finite and >= 0")
     return dist
 
 
-def krum_scores(distances: Tensor, *, f: int) -> Tensor:
-    """(n,) float64 Krum scores from an (n, n) squared-distance matrix."""
+def _scores(distances: Tensor, *, f: int) -> np.ndarray:
     n = distances.shape[0]
     check_krum_config(n=n, f=f)
-    dist = _check_distances(distances, n=n).clone()
-    dist.fill_diagonal_(float("inf"))  # exclude self exactly
-    nearest = n - f - 2
-    return dist.sort(dim=1).values[:, :nearest].sum(dim=1)
+    dist = _check_distances(distances, n=n)
+    np.fill_diagonal(dist, np.inf)  # exclude self exactly
+    dist.sort(axis=1)
+    return dist[:, :n - f - 2].sum(axis=1)
+
+
+def krum_scores(distances: Tensor, *, f: int) -> Tensor:
+    """(n,) float64 Krum scores from an (n, n) squared-distance matrix."""
+    return torch.from_numpy(_scores(distances, f=f))
 
 
 def multi_krum_select(distances: Tensor, *, f: int, m: int | None = None) -> Tensor:
@@ -58,8 +65,8 @@ def multi_krum_select(distances: Tensor, *, f: int, m: int | None = None) -> Ten
     m = n - f if m is None else m
     if not 1 <= m <= n:
         raise AggregationError(f"`m` (contributors to keep) must be in [1, {n}], got {m}")
-    scores = krum_scores(distances, f=f)
-    return torch.sort(scores, stable=True).indices[:m]
+    order = np.argsort(_scores(distances, f=f), kind="stable")[:m]
+    return torch.from_numpy(order.astype(np.int64))
 
 
 def krum_select(distances: Tensor, *, f: int) -> Tensor:

@@ -7,12 +7,14 @@ contributor can be laid end to end into ONE word vector, each group zero-padded 
 (`distances.py`) and the weighted mean (`packed_mean.py`) then run over that one vector in
 cache-sized chunks, instead of paying Python and numpy call overheads per tensor and per pair.
 
-Built once per aggregation from the decoded-free `BitDeltaPacked` views; per tensor the copies
-are done for all contributors at once (one stacked copy), so the cost is a memcpy of the signs.
+Built once per aggregation from the decoded-free `BitDeltaPacked` views by one compiled call
+(`packed_kernels.gather`, reading each tensor through its address), so the cost is a memcpy of
+the signs and scales plus one list comparison per contributor that checks every layout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .errors import InvalidDeltaError
+from .packed_kernels import TENSOR_FIELDS, gather
 
 _MAX_PAD = 1.25  # accept zero padding up to 25 % more sign bytes for a simpler word layout
 _WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -48,6 +51,18 @@ def _check_one(p: Any, *, where: str) -> None:
                                 "8 when a row has several groups (groups must start on a byte)")
 
 
+def _check_same(ref: Sequence[Any], m: Sequence[Any], i: int) -> None:
+    """Contributor i's tensors must have contributor 0's (checked) layouts exactly."""
+    for t, (p0, p) in enumerate(zip(ref, m)):
+        if _layout(p) != _layout(p0):
+            _check_one(p, where=f"models[{i}][{t}]")
+            raise InvalidDeltaError(
+                f"contributor {i} tensor {t} has layout rows={p.rows} cols={p.cols} "
+                f"group_size={p.group_size} scales={tuple(p.scales.shape)}, but contributor 0 "
+                f"has {_layout(p0)[:4]}; compressed-domain distances need identical layouts (decode "
+                "and use pairwise_sq_distances instead)")
+
+
 def check_models(models: Sequence[Sequence[Any]]) -> int:
     """Refuse empty input, ragged tensor lists and differing layouts; returns the tensor count."""
     if len(models) == 0:
@@ -59,20 +74,58 @@ def check_models(models: Sequence[Sequence[Any]]) -> int:
         if len(m) != n_t:
             raise InvalidDeltaError(f"contributor {i} has {len(m)} packed tensors, contributor 0 has "
                                     f"{n_t}; pass the same tensors in the same order for everyone")
-    for t in range(n_t):
-        p0 = models[0][t]
+    for t, p0 in enumerate(models[0]):
         _check_one(p0, where=f"models[0][{t}]")
-        ref = _layout(p0)  # everyone else must match it exactly, so one full check suffices
-        for i, m in enumerate(models):
-            p = m[t]
-            if _layout(p) != ref:
-                _check_one(p, where=f"models[{i}][{t}]")
-                raise InvalidDeltaError(
-                    f"contributor {i} tensor {t} has layout rows={p.rows} cols={p.cols} "
-                    f"group_size={p.group_size} scales={tuple(p.scales.shape)}, but contributor 0 "
-                    f"has {ref[:4]}; compressed-domain distances need identical layouts (decode "
-                    "and use pairwise_sq_distances instead)")
+    for i, m in enumerate(models[1:], start=1):
+        _check_same(models[0], m, i)
     return n_t
+
+
+def _layout_of(p: Any) -> tuple:
+    """(shape, rows, cols, group_size, scale rows, n_groups): `BitDeltaPacked.checked_layout`."""
+    return (tuple(p.shape), p.rows, p.cols, p.group_size, p.scales.shape[0], p.scales.shape[1])
+
+
+def _readable(m: Sequence[Any]) -> list[Any]:
+    """Contributor m's tensors as `gather` reads them (CPU, C-contiguous, float32 or float64
+    scales), copied only where needed."""
+    out = []
+    for p in m:
+        signs, sc = p.signs.cpu().contiguous(), p.scales.cpu()
+        sc = (sc if sc.dtype in (torch.float32, torch.float64) else sc.to(torch.float64)).contiguous()
+        out.append(p if signs is p.signs and sc is p.scales else dataclasses.replace(p, signs=signs, scales=sc))
+    return out
+
+
+def _prepare(models: Sequence[Sequence[Any]]) -> tuple[list[Sequence[Any]], tuple[tuple, ...], np.ndarray]:
+    """Check the layouts (as `check_models`); return every contributor's tensors in a form
+    `gather` can read, the per-tensor layouts, and (n, T) flags for float64 scales.
+
+    A `BitDeltaPacked` checks its own tensors when it is made (`checked_layout`); a contributor
+    whose checked layouts equal contributor 0's is checked by that one list comparison. Anyone
+    else is checked tensor by tensor, with an error naming the first mismatch, and copied where
+    `gather` could not read a tensor as it is.
+    """
+    if len(models) == 0 or len(models[0]) == 0 or any(len(m) != len(models[0]) for m in models):
+        check_models(models)  # raises, naming what is missing
+    ref: list | None = [getattr(p, "checked_layout", None) for p in models[0]]
+    if None in ref:
+        for t, p in enumerate(models[0]):
+            _check_one(p, where=f"models[0][{t}]")
+        ref = None
+    n_t = len(models[0])
+    out, f64 = [], np.zeros((len(models), n_t), dtype=np.bool_)
+    for i, m in enumerate(models):
+        if ref is not None and [getattr(p, "checked_layout", None) for p in m] == ref:
+            out.append(m)  # float32 scales: flags stay False
+            continue
+        if i > 0:
+            _check_same(models[0], m, i)
+        m = _readable(m)
+        out.append(m)
+        f64[i] = [p.scales.dtype == torch.float64 for p in m]
+    layouts = tuple(ref) if ref is not None else tuple(_layout_of(p) for p in models[0])
+    return out, layouts, f64
 
 
 # ---- layout -------------------------------------------------------------------------------------
@@ -120,13 +173,14 @@ class _Plan:
     starts: np.ndarray  # (G,) int64 first word of each group, read-only
     group_words: int
     slots: tuple[TensorSlot, ...]
-    unpadded: bool  # no padding anywhere: a contributor's row is its sign bytes end to end
+    table: np.ndarray  # (T, len(TENSOR_FIELDS)) int64: `packed_kernels.gather`'s per-tensor table
 
 
 @functools.lru_cache(maxsize=32)
-def _plan(layouts: tuple[tuple, ...]) -> _Plan:
-    """`layouts`: per tensor (rows, cols, group_size, scales shape, signs shape, dtype, shape).
-    A server aggregates the same model shape round after round, so this is cached."""
+def _plan(checked: tuple[tuple, ...]) -> _Plan:
+    """`checked`: per tensor its checked layout (shape, rows, cols, group_size, scale rows,
+    n_groups). A server aggregates the same model shape round after round, so this is cached."""
+    layouts = [(k[1], k[2], k[3], (k[4], k[5]), k[0]) for k in checked]  # rows, cols, group, scales, shape
     shapes = [_group_bytes_of(rows=lay[0], cols=lay[1], group_size=lay[2], n_groups=lay[3][1])
               for lay in layouts]
     rows = [lay[0] for lay in layouts]
@@ -154,7 +208,7 @@ def _plan(layouts: tuple[tuple, ...]) -> _Plan:
     for lay, (g, gb, full, last), (pf, pl), r in zip(layouts, shapes, pads, rows):
         cols, group_size = lay[1], lay[2]
         row_bytes = pf * full + pl
-        slots.append(TensorSlot(shape=lay[6], rows=r, cols=cols, group_size=group_size,
+        slots.append(TensorSlot(shape=tuple(lay[4]), rows=r, cols=cols, group_size=group_size,
                                 first_group=gpos, groups_per_row=g, first_byte=pos, full_groups=full,
                                 full_bytes=gb, padded_full=pf, padded_last=pl))
         offs = np.concatenate([np.arange(full) * pf, [pf * full]])  # (g,) group offsets in a row
@@ -165,26 +219,13 @@ def _plan(layouts: tuple[tuple, ...]) -> _Plan:
         pos += r * row_bytes
         gpos += r * g
     starts //= word
-    counts.flags.writeable = starts.flags.writeable = False  # shared by every build of this shape
+    table = np.array([[s.rows, -(-s.cols // 8), s.first_byte, s.full_groups, s.full_bytes, s.padded_full,
+                       s.padded_last, s.groups_per_row, lay[3][0], s.first_group]
+                      for s, lay in zip(slots, layouts)], dtype=np.int64).reshape(-1, len(TENSOR_FIELDS))
+    for a in (counts, starts, table):
+        a.flags.writeable = False  # shared by every build of this shape
     return _Plan(word=word, total=total, n_groups=n_groups, counts=counts, starts=starts,
-                 group_words=widest // word if uniform else 0, slots=tuple(slots),
-                 unpadded=total == raw)
-
-
-def _copy_signs(buf: np.ndarray, s: TensorSlot, signs: list[np.ndarray]) -> None:
-    """Copy every contributor's (rows, bytes) sign array of one tensor into its padded slot."""
-    n = buf.shape[0]
-    gb, full = s.full_bytes, s.full_groups
-    pf, row_bytes = s.padded_full, s.row_bytes
-    last = -(-s.cols // 8) - gb * full
-    region = buf[:, s.first_byte:s.first_byte + s.rows * row_bytes].reshape(n, s.rows, row_bytes)
-    if full == 0 or pf == gb:  # a row is [its sign bytes][tail padding]: one stacked copy
-        np.stack(signs, out=region[:, :, :gb * full + last])
-    else:  # padding after every full group
-        for i, sg in enumerate(signs):
-            region[i, :, :pf * full].reshape(s.rows, full, pf)[..., :gb] = \
-                sg[:, :gb * full].reshape(s.rows, full, gb)
-            region[i, :, pf * full:pf * full + last] = sg[:, gb * full:]
+                 group_words=widest // word if uniform else 0, slots=tuple(slots), table=table)
 
 
 @dataclass(frozen=True)
@@ -214,25 +255,20 @@ class PackedModel:
     def build(cls, models: Sequence[Sequence[Any]], *, scale: Tensor | None = None) -> PackedModel:
         """`models[i]`: contributor i's BitDeltaPacked tensors (same order and layouts for all);
         `scale`: optional (n,) multipliers folded into contributor i's scales (e.g. clip factors)."""
-        check_models(models)
+        tensors, layouts, scale_f64 = _prepare(models)
         n = len(models)
         mult = np.ones(n) if scale is None else torch.as_tensor(scale, dtype=torch.float64).numpy()
         if mult.shape != (n,):
             raise InvalidDeltaError(f"`scale` must have one entry per contributor ({n}), got "
                                     f"{tuple(mult.shape)}")
-        plan = _plan(tuple(_layout(p) + (tuple(p.shape),) for p in models[0]))
-        buf = np.zeros((n, plan.total), dtype=np.uint8)           # (n, padded bytes)
+        plan = _plan(layouts)
+        addrs = np.array([[(p.signs.data_ptr(), p.scales.data_ptr()) for p in m] for m in tensors],
+                         dtype=np.int64).reshape(n, -1, 2)  # (n, T, 2)
+        buf = np.empty((n, plan.total), dtype=np.uint8)           # (n, padded bytes)
         scales = np.empty((n, plan.n_groups), dtype=np.float64)  # (n, G)
-        for i, m in enumerate(models):  # one contributor's scales, end to end, times its multiplier
-            row = torch.cat([p.scales.reshape(-1) if p.scales.shape[0] == p.rows
-                             else p.scales.expand(p.rows, -1).reshape(-1) for p in m])
-            np.multiply(row.numpy(), mult[i], out=scales[i])
-        if plan.unpadded:  # a contributor's sign bytes end to end ARE its row: one copy each
-            for i, m in enumerate(models):
-                torch.cat([p.signs.reshape(-1) for p in m], out=torch.from_numpy(buf[i]))
-        else:
-            for t, s in enumerate(plan.slots):
-                _copy_signs(buf, s, [m[t].signs.numpy() for m in models])
+        # `_prepare` checked every shape, dtype, device and contiguity the addresses rely on
+        gather(addrs, scale_f64,
+               np.ascontiguousarray(mult, dtype=np.float64), plan.table, buf, scales)
         return cls(words=buf.view(_WORD[plan.word]), scales=scales, counts=plan.counts,
                    starts=plan.starts, group_words=plan.group_words, slots=plan.slots)
 
@@ -243,10 +279,11 @@ class PackedModel:
         tensor per slot, shaped like the original; a view where the layout allows (no padding
         inside rows), else a copy without the padding.
         """
+        f = flat.numpy()  # numpy views: a tenth of torch's per-call cost, and no copy
         out = []
         for s in self.slots:
             row_el = s.row_bytes * 8
-            region = flat[s.first_byte * 8:s.first_byte * 8 + s.rows * row_el].view(s.rows, row_el)
+            region = f[s.first_byte * 8:s.first_byte * 8 + s.rows * row_el].reshape(s.rows, row_el)
             if s.full_groups == 0 or s.padded_full == s.full_bytes:
                 t = region[:, :s.cols]  # (rows, cols): groups are contiguous within a row
             else:  # padding between full groups: drop it (copy)
@@ -254,6 +291,6 @@ class PackedModel:
                     s.rows, s.full_groups, s.padded_full * 8)[:, :, :s.group_size]
                 tail = s.cols - s.group_size * s.full_groups
                 start = s.padded_full * 8 * s.full_groups
-                t = torch.cat([full.reshape(s.rows, -1), region[:, start:start + tail]], dim=1)
-            out.append(t if t.shape == s.shape else t.reshape(s.shape))
+                t = np.concatenate([full.reshape(s.rows, -1), region[:, start:start + tail]], axis=1)
+            out.append(torch.from_numpy(t.reshape(s.shape)))
         return out

@@ -19,7 +19,7 @@ the float32 bit pattern directly (scale bits OR a sign-bit mask looked up per by
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -119,6 +119,22 @@ def unpack_bitdelta(signs: np.ndarray, scales: np.ndarray, *, cols: int, groups:
     return out
 
 
+def _checked_layout(p: "BitDeltaPacked") -> tuple | None:
+    sg, sc = p.signs, p.scales
+    if type(p.rows) is not int or type(p.cols) is not int:
+        return None
+    if not (isinstance(sg, Tensor) and isinstance(sc, Tensor) and sg.dtype == torch.uint8
+            and sc.dtype == torch.float32 and sg.is_cpu and sc.is_cpu and sg.is_contiguous()
+            and sc.is_contiguous() and sc.dim() == 2 and tuple(sg.shape) == (p.rows, -(-p.cols // 8))):
+        return None
+    scale_rows, n_groups = sc.shape
+    if scale_rows not in (1, p.rows) or (n_groups > 1 and not (
+            type(p.group_size) is int and p.group_size > 0 and p.group_size % 8 == 0
+            and n_groups == -(-p.cols // p.group_size))):
+        return None
+    return (tuple(p.shape), p.rows, p.cols, p.group_size, scale_rows, n_groups)
+
+
 @dataclass(frozen=True)
 class BitDeltaPacked:
     """The packed view of one bitdelta tensor, without decoding to floats (see module docstring)."""
@@ -129,6 +145,14 @@ class BitDeltaPacked:
     group_size: int  # effective group length along a row (== cols for per-row / per-tensor)
     signs: Tensor  # uint8 (rows, ceil(cols/8)), bit 1 = +scale, little bit order, rows zero-padded
     scales: Tensor  # float32 (rows, n_groups); a per-tensor scale is broadcast to (rows, 1)
+    # (shape, rows, cols, group_size, scale rows, n_groups) when signs and scales are CPU,
+    # C-contiguous, uint8 / float32 and shaped as above, else None. Checked once here, so the
+    # aggregation can lay out many tensors by reading this instead of re-checking each tensor
+    # (about 1 us of torch calls per tensor). The tensors must not be resized in place afterwards.
+    checked_layout: tuple | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "checked_layout", _checked_layout(self))
 
     def group_counts(self) -> Tensor:
         """int64 (n_groups,): real elements per group (the last group may be short)."""
