@@ -58,30 +58,39 @@ def _popcount(typingctx, x):
     return x(x), codegen
 
 
-@intrinsic
-def _axpy8x4(typingctx, acc, ai, table, t0, t1, t2, t3, c0, c1, c2, c3):
-    """acc[ai:ai+8] += (c0 table[t0:t0+8] + c1 table[t1:..]) + (c2 table[t2:..] + c3 table[t3:..])
-    with <8 x float> vector operations (acc and table float32 C-contiguous arrays, c float32)."""
+def _sum8x4_intrinsic(accumulate: bool):
+    """acc[ai:ai+8] (+)= (c0 table[t0:t0+8] + c1 table[t1:..]) + (c2 table[t2:..] + c3 table[t3:..])
+    with <8 x float> vector operations (acc and table float32 C-contiguous arrays, c float32);
+    `accumulate=False` stores the sum (the first four contributors of a group), True adds it."""
 
-    def codegen(context, builder, sig, args):
-        vt = ir.VectorType(ir.FloatType(), 8)
-        zeros = ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8)
-        data = context.make_array(sig.args[2])(context, builder, args[2]).data
+    def sum8x4(typingctx, acc, ai, table, t0, t1, t2, t3, c0, c1, c2, c3):
+        def codegen(context, builder, sig, args):
+            vt = ir.VectorType(ir.FloatType(), 8)
+            zeros = ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8)
+            data = context.make_array(sig.args[2])(context, builder, args[2]).data
 
-        def term(ti, c):
-            splat = builder.insert_element(ir.Constant(vt, ir.Undefined), c, ir.Constant(ir.IntType(32), 0))
-            splat = builder.shuffle_vector(splat, ir.Constant(vt, ir.Undefined), zeros)
-            row = builder.load(builder.bitcast(builder.gep(data, [ti]), vt.as_pointer()), align=4)
-            return builder.fmul(splat, row)
+            def term(ti, c):
+                splat = builder.insert_element(ir.Constant(vt, ir.Undefined), c, ir.Constant(ir.IntType(32), 0))
+                splat = builder.shuffle_vector(splat, ir.Constant(vt, ir.Undefined), zeros)
+                row = builder.load(builder.bitcast(builder.gep(data, [ti]), vt.as_pointer()), align=4)
+                return builder.fmul(splat, row)
 
-        total = builder.fadd(builder.fadd(term(args[3], args[7]), term(args[4], args[8])),
-                             builder.fadd(term(args[5], args[9]), term(args[6], args[10])))
-        acc_data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        pa = builder.bitcast(builder.gep(acc_data, [args[1]]), vt.as_pointer())
-        builder.store(builder.fadd(builder.load(pa, align=4), total), pa, align=4)
-        return context.get_dummy_value()
+            total = builder.fadd(builder.fadd(term(args[3], args[7]), term(args[4], args[8])),
+                                 builder.fadd(term(args[5], args[9]), term(args[6], args[10])))
+            acc_data = context.make_array(sig.args[0])(context, builder, args[0]).data
+            pa = builder.bitcast(builder.gep(acc_data, [args[1]]), vt.as_pointer())
+            if accumulate:
+                total = builder.fadd(builder.load(pa, align=4), total)
+            builder.store(total, pa, align=4)
+            return context.get_dummy_value()
 
-    return types.void(acc, ai, table, t0, t1, t2, t3, c0, c1, c2, c3), codegen
+        return types.void(acc, ai, table, t0, t1, t2, t3, c0, c1, c2, c3), codegen
+
+    return intrinsic(sum8x4)
+
+
+_set8x4 = _sum8x4_intrinsic(accumulate=False)
+_axpy8x4 = _sum8x4_intrinsic(accumulate=True)
 
 
 def _pointer_intrinsic(element):
@@ -218,23 +227,28 @@ def weighted_sum(signs, scales, rows, weights, ends, g0, g1, out):
     signs (n, B) uint8; scales (n, G) float64; rows int64 (m,), m a multiple of 4 (pad with
     weight 0); out float32 (8 B,). Each coefficient w s is rounded once to float32, then four
     contributors are summed pairwise and added to out: error <= (1.5 + m / 8) float32 eps times
-    sum_q |w_q s_q| per element.
+    sum_q |w_q s_q| per element. m >= 4 (the first four set `out`).
     """
     m = rows.shape[0]
     for g in range(g0, g1):
         b0 = ends[g]
         nb = ends[g + 1] - b0
-        out[8 * b0:8 * (b0 + nb)] = 0.0
         for q in range(0, m, 4):
             r0, r1, r2, r3 = rows[q], rows[q + 1], rows[q + 2], rows[q + 3]
             c0 = np.float32(weights[q] * scales[r0, g])
             c1 = np.float32(weights[q + 1] * scales[r1, g])
             c2 = np.float32(weights[q + 2] * scales[r2, g])
             c3 = np.float32(weights[q + 3] * scales[r3, g])
-            for b in range(b0, b0 + nb):
-                _axpy8x4(out, 8 * b, SIGN_TABLE,
-                         np.intp(signs[r0, b]) * 8, np.intp(signs[r1, b]) * 8,
-                         np.intp(signs[r2, b]) * 8, np.intp(signs[r3, b]) * 8, c0, c1, c2, c3)
+            if q == 0:  # the first four set the output (no zeroing pass, no read)
+                for b in range(b0, b0 + nb):
+                    _set8x4(out, 8 * b, SIGN_TABLE,
+                            np.intp(signs[r0, b]) * 8, np.intp(signs[r1, b]) * 8,
+                            np.intp(signs[r2, b]) * 8, np.intp(signs[r3, b]) * 8, c0, c1, c2, c3)
+            else:
+                for b in range(b0, b0 + nb):
+                    _axpy8x4(out, 8 * b, SIGN_TABLE,
+                             np.intp(signs[r0, b]) * 8, np.intp(signs[r1, b]) * 8,
+                             np.intp(signs[r2, b]) * 8, np.intp(signs[r3, b]) * 8, c0, c1, c2, c3)
 
 
 T = TypeVar("T")
