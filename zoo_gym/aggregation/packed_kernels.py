@@ -253,6 +253,7 @@ def weighted_sum(signs, scales, rows, weights, ends, g0, g1, out):
 
 T = TypeVar("T")
 _pool: ThreadPoolExecutor | None = None
+_pool_size = 0
 _pool_lock = threading.Lock()
 
 
@@ -270,14 +271,15 @@ def in_group_ranges(fn: Callable[[int, int], T], n_groups: int, threads: int) ->
     threads = max(1, min(threads, n_groups))
     if threads == 1:
         return [fn(0, n_groups)]
-    global _pool
+    global _pool, _pool_size
     with _pool_lock:
-        if _pool is None or _pool._max_workers < threads:
+        if _pool is None or _pool_size < threads:
             if _pool is not None:
                 _pool.shutdown(wait=False)
             else:
                 atexit.register(_shutdown_pool)
             _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zoo-gym-kernels")
+            _pool_size = threads
         pool = _pool
     cuts = np.linspace(0, n_groups, threads + 1).astype(int).tolist()
     futures = [pool.submit(fn, a, b) for a, b in zip(cuts[1:-1], cuts[2:])]
