@@ -116,3 +116,17 @@ def test_health_and_reflection_services_answer(federation):
     names = {s.name for r in responses for s in r.list_services_response.service}
     assert "zoo_gym.v1.Gym" in names and "grpc.health.v1.Health" in names
     channel.close()
+
+
+def test_concurrent_first_use_of_a_base_unpacks_it_once_for_everyone(federation):
+    # two submissions arriving together used to unpack the base into one temporary directory and
+    # break each other ("archive has no model.safetensors": an INTERNAL error for one contributor)
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+
+    sha = federation.round().base_sha256
+    shutil.rmtree(federation.state.work_dir / "checkpoints", ignore_errors=True)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        dirs = list(pool.map(lambda _: federation.state.checkpoint_dir(sha), range(8)))
+    assert len(set(dirs)) == 1 and (dirs[0] / "model.safetensors").is_file()
+    assert [p.name for p in dirs[0].parent.iterdir()] == [sha]  # no temporary directory left

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import tarfile
+import tempfile
 from pathlib import Path
 from typing import BinaryIO
 
@@ -49,9 +50,8 @@ def pack(model_dir: Path, out: BinaryIO) -> None:
 def unpack(archive: Path, dest: Path) -> Path:
     """Extract a checkpoint tar into `dest` (created; replaced atomically if it exists)."""
     dest = Path(dest)
-    tmp = dest.with_name(dest.name + ".unpacking")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=dest.name + ".unpacking-"))  # one per call
     try:
         with tarfile.open(archive, mode="r:") as tar:
             for member in tar:

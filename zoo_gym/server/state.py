@@ -62,6 +62,9 @@ def make_engine(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True)
 
 
+_UNPACK_LOCK = threading.Lock()
+
+
 @dataclass
 class ServerState:
     root: Path
@@ -91,10 +94,15 @@ class ServerState:
         return session.exec(select(Round).order_by(Round.id.desc()).limit(1)).first()
 
     def checkpoint_dir(self, sha256: str) -> Path:
-        """The unpacked Hugging Face directory of a stored checkpoint (cached under work/)."""
+        """The unpacked Hugging Face directory of a stored checkpoint (cached under work/).
+
+        Concurrent submissions for a base not unpacked yet used to unpack it side by side into
+        one temporary directory and break each other; one unpack at a time, the rest wait for it."""
         dest = self.work_dir / "checkpoints" / sha256
         if not (dest / archive.WEIGHTS).is_file():
-            archive.unpack(self.blobs.path(sha256), dest)
+            with _UNPACK_LOCK:
+                if not (dest / archive.WEIGHTS).is_file():
+                    archive.unpack(self.blobs.path(sha256), dest)
         return dest
 
 
