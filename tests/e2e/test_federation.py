@@ -85,14 +85,21 @@ def two_rounds(federation):
     a, b = _client(root, "A", port, 2, 0), _client(root, "B", port, 2, 1)
     c = _client(root, "C", port, 1, 2)
     procs = [a, b, c, federation["server"]]
-    _wait(lambda: any(r["id"] == 1 and r["state"] == "published" for r in _status(state_dir)["rounds"]),
-          timeout=900, what="round 1 to be published", procs=procs)
-    d = _client(root, "D", port, 1, 3)  # joins late: must enter round 2
-    outputs = {}
-    for name, p in zip("ABCD", (a, b, c, d)):
-        out, _ = p.communicate(timeout=900)
-        assert p.returncode == 0, (root / name / "client.log").read_text()[-3000:]
-        outputs[name] = json.loads(out)
+    clients = [a, b, c]
+    try:
+        _wait(lambda: any(r["id"] == 1 and r["state"] == "published" for r in _status(state_dir)["rounds"]),
+              timeout=900, what="round 1 to be published", procs=procs)
+        clients.append(_client(root, "D", port, 1, 3))  # joins late: must enter round 2
+        outputs = {}
+        for name, p in zip("ABCD", clients):
+            out, _ = p.communicate(timeout=900)
+            assert p.returncode == 0, (root / name / "client.log").read_text()[-3000:]
+            outputs[name] = json.loads(out)
+    finally:  # a failure must not leave clients retrying a server that is gone
+        for p in clients:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
     return {"status": _status(state_dir), "clients": outputs}
 
 

@@ -126,13 +126,11 @@ class BlobStore:
             if w.path.exists():
                 w.discard()
 
-
     @contextmanager
     def mapped(self, sha256: str) -> Iterator[mmap.mmap]:
         """The blob as a read-only memory map (decoding never copies the whole payload)."""
         with map_file(self.path(sha256)) as m:
             yield m
-
 
     def clean_tmp(self) -> int:
         """Remove leftovers of writes a crash interrupted (never visible as blobs). Returns how many."""
