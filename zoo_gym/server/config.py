@@ -36,6 +36,11 @@ class ServerConfig:
     max_chunk_bytes: int = 4 * MiB
     download_chunk_bytes: int = 1 * MiB
     max_workers: int = 16
+    upload_idle_timeout: float = field(default=60.0, metadata={
+        "help": "seconds an upload may send no bytes before it is refused and its temporary file removed"})
+    upload_min_bytes_per_s: int = field(default=64 * 1024, metadata={
+        "help": "slowest accepted upload: the whole stream must finish within "
+                "upload_idle_timeout + payload_size / this rate"})
     validation_file: str | None = field(default=None, metadata={"help": "held-out examples (alpaca/sharegpt)"})
     validation_examples: int = 128
     # DeltaSoup (zoo_gym.aggregation.SoupConfig) keys, validated there.
@@ -58,10 +63,18 @@ class ServerConfig:
             raise ConfigError("`download_chunk_bytes` must be in [1, 64 MiB]")
         if self.max_payload_bytes < 1:
             raise ConfigError("`max_payload_bytes` must be >= 1")
+        if not self.upload_idle_timeout > 0:
+            raise ConfigError("`upload_idle_timeout` must be > 0 seconds")
+        if self.upload_min_bytes_per_s < 1:
+            raise ConfigError("`upload_min_bytes_per_s` must be >= 1 byte per second")
 
     @property
     def effective_quorum(self) -> int:
         return self.quorum if self.quorum is not None else self.min_contributors
+
+    def upload_deadline_s(self, payload_size: int) -> float:
+        """Seconds a whole upload of `payload_size` bytes may take before it is refused."""
+        return self.upload_idle_timeout + payload_size / self.upload_min_bytes_per_s
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
