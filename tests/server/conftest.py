@@ -59,24 +59,47 @@ class Federation:
         with self.state.session() as s:
             return int(s.exec(select(func.count()).select_from(Submission)).one())
 
+    def stop(self) -> None:
+        self.channel.close()
+        self.server.stop(grace=None)
+        self.rounds.stop()
+        self.state.engine.dispose()
+
     def blob_count(self) -> int:
         return sum(1 for p in (self.state.blobs.root / "sha256").rglob("*") if p.is_file())
 
 
-@pytest.fixture
-def federation(tmp_path):
-    state = init_state(tmp_path / "state", base_model="tiny")
-    config = build_config({}, port=0, min_contributors=2, round_timeout=600, max_payload_bytes=4 << 20,
-                          max_chunk_bytes=1 << 20)
+def start_federation(state_dir, **overrides) -> Federation:
+    """A real in-process server on 127.0.0.1:0 over a new state directory; `overrides` are config flags."""
+    state = init_state(state_dir, base_model="tiny")
+    flags = dict(port=0, min_contributors=2, aggregator="mean", round_timeout=600, max_payload_bytes=4 << 20,
+                 max_chunk_bytes=1 << 20)
+    config = build_config({}, **{**flags, **overrides})
     server, port, rounds = build_server(state, config)
     server.start()
     rounds.start()
-    fed = Federation(state, config, server, port, rounds)
+    return Federation(state, config, server, port, rounds)
+
+
+@pytest.fixture
+def federation(tmp_path):
+    fed = start_federation(tmp_path / "state")
     yield fed
-    fed.channel.close()
-    server.stop(grace=None)
-    rounds.stop()
-    state.engine.dispose()
+    fed.stop()
+
+
+@pytest.fixture
+def federation_with(tmp_path):
+    """`federation_with(**flags)`: a federation with other settings (stopped after the test)."""
+    started: list[Federation] = []
+
+    def start(**overrides) -> Federation:
+        started.append(start_federation(tmp_path / f"state{len(started)}", **overrides))
+        return started[-1]
+
+    yield start
+    for fed in started:
+        fed.stop()
 
 
 @pytest.fixture

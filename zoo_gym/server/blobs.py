@@ -132,6 +132,13 @@ class BlobStore:
         with map_file(self.path(sha256)) as m:
             yield m
 
+    def remove(self, sha256: str) -> None:
+        """Delete a blob (callers make sure no row references it) and make the deletion durable."""
+        path = self.path(sha256)
+        path.unlink(missing_ok=True)
+        if path.parent.is_dir():
+            _fsync_dir(path.parent)
+
     def clean_tmp(self) -> int:
         """Remove leftovers of writes a crash interrupted (never visible as blobs). Returns how many."""
         n = 0

@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -234,9 +236,36 @@ def _check_payload(payload, h: SubmitHeader, base: dict[str, tuple[tuple[int, ..
     return codecs_used
 
 
+class UploadGate:
+    """At most one upload in flight per contributor: parallel streams from one key are refused at the
+    header, before a byte is stored, so no key can fill the disk or the worker pool with twins."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._busy: set[str] = set()
+
+    @contextmanager
+    def hold(self, contributor_id: str) -> Iterator[None]:
+        with self._lock:
+            if contributor_id in self._busy:
+                raise ResourceExhausted(f"another upload from contributor {contributor_id} is in progress; "
+                                        "one upload at a time per contributor: wait for its answer")
+            self._busy.add(contributor_id)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy.discard(contributor_id)
+
+
 def submit_delta(header: SubmitHeader, chunks: Iterable[bytes], *, state: ServerState,
-                 config: ServerConfig) -> Submission:
-    """Verify, receive, validate, store durably, then record. Raises GymError; stores nothing on error."""
+                 config: ServerConfig, gate: UploadGate) -> Submission:
+    """Verify, receive, validate, store durably, then record. Raises GymError; stores nothing on error.
+
+    The blob becomes visible in the store only under the write lock, after the round and the nonce
+    were checked again there, and in the same critical section as the row's commit: a refusal at any
+    stage leaves neither a blob nor a temporary file.
+    """
     rnd, _ = _check_header(header, state, config)
     try:
         meta = json.loads(header.metadata_json or "{}")
@@ -245,8 +274,10 @@ def submit_delta(header: SubmitHeader, chunks: Iterable[bytes], *, state: Server
     except ValueError as exc:
         raise InvalidArgument(f"metadata_json must be a JSON object: {exc}") from exc
     base = base_manifest(state, rnd.base_sha256)
-    with state.blobs.writer() as w:
+    with gate.hold(header.contributor_id), state.blobs.writer() as w:
         for chunk in chunks:
+            if not chunk:
+                raise InvalidArgument("an empty chunk carries nothing; send data or end the stream")
             if len(chunk) > config.max_chunk_bytes:
                 raise ResourceExhausted(f"a chunk of {len(chunk)} bytes exceeds the limit of "
                                         f"{config.max_chunk_bytes} bytes; send smaller chunks")
@@ -264,26 +295,32 @@ def submit_delta(header: SubmitHeader, chunks: Iterable[bytes], *, state: Server
             with map_file(w.path) as payload:
                 codecs_used = _check_payload(payload, header, base, config)
             synced.result()
-        try:
-            sha = w.commit(expect_sha256=header.payload_sha256)
-        except BlobError as exc:
-            raise InvalidArgument(str(exc)) from exc
-    sub = Submission(round_id=rnd.id, contributor_id=header.contributor_id, base_sha256=header.base_sha256,
-                     payload_sha256=sha, payload_size=header.payload_size, codecs=",".join(codecs_used),
-                     metadata_json=json.dumps(meta, sort_keys=True))
-    with state.write_lock, state.session() as s:
-        # Re-check under the lock: the round may have closed, or a twin request won the race.
-        _check_round(s, state.current_round(s), header)
-        if s.get(UsedNonce, (header.contributor_id, header.nonce.hex())) is not None:
-            raise AlreadyExists("this nonce was already used: a replayed submission is refused")
-        s.add(UsedNonce(contributor_id=header.contributor_id, nonce=header.nonce.hex(), method="SubmitDelta"))
-        s.add(sub)
-        try:
-            s.commit()
-        except IntegrityError as exc:
-            s.rollback()
-            raise AlreadyExists(f"contributor {header.contributor_id} already submitted to round {rnd.id}") from exc
-        s.refresh(sub)
+        sub = Submission(round_id=rnd.id, contributor_id=header.contributor_id, base_sha256=header.base_sha256,
+                         payload_sha256=header.payload_sha256, payload_size=header.payload_size,
+                         codecs=",".join(codecs_used), metadata_json=json.dumps(meta, sort_keys=True))
+        with state.write_lock, state.session() as s:
+            # Re-check under the lock: the round may have closed, or a twin request won the race.
+            _check_round(s, state.current_round(s), header)
+            if s.get(UsedNonce, (header.contributor_id, header.nonce.hex())) is not None:
+                raise AlreadyExists("this nonce was already used: a replayed submission is refused")
+            existed = state.blobs.exists(header.payload_sha256)  # the same bytes may back another row
+            try:
+                w.commit(expect_sha256=header.payload_sha256)
+            except BlobError as exc:
+                raise InvalidArgument(str(exc)) from exc
+            s.add(UsedNonce(contributor_id=header.contributor_id, nonce=header.nonce.hex(), method="SubmitDelta"))
+            s.add(sub)
+            try:
+                s.commit()
+            except BaseException as exc:
+                s.rollback()
+                if not existed:
+                    state.blobs.remove(header.payload_sha256)
+                if isinstance(exc, IntegrityError):
+                    raise AlreadyExists(f"contributor {header.contributor_id} already submitted to round "
+                                        f"{rnd.id}") from exc
+                raise
+            s.refresh(sub)
     return sub
 
 
