@@ -37,3 +37,7 @@ class ResourceExhausted(GymError):
 
 class NotFound(GymError):
     code = grpc.StatusCode.NOT_FOUND
+
+
+class DeadlineExceeded(GymError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED

@@ -22,6 +22,7 @@ from zoo_gym.server.errors import GymError, InvalidArgument
 from zoo_gym.server.models import RoundState
 from zoo_gym.server.rounds import RoundManager
 from zoo_gym.server.state import ServerState
+from zoo_gym.server.streams import BoundedStream
 
 log = logging.getLogger("zoo_gym.server")
 
@@ -72,6 +73,7 @@ class GymServicer(gym_pb2_grpc.GymServicer):
         self.state = state
         self.config = config
         self.rounds = rounds
+        self.uploads = handlers.UploadGate()
 
     @_guard
     def Register(self, request, context):
@@ -103,16 +105,22 @@ class GymServicer(gym_pb2_grpc.GymServicer):
 
     @_guard
     def SubmitDelta(self, request_iterator, context):
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("part") != "header":
-            raise InvalidArgument("the first SubmitRequest must carry the SubmitHeader")
-        h = first.header
-        header = handlers.SubmitHeader(
-            contributor_id=h.contributor_id, round_id=h.round_id, base_sha256=h.base_sha256,
-            payload_sha256=h.payload_sha256, payload_size=h.payload_size,
-            manifest=tuple((t.name, tuple(t.shape), t.dtype, t.codec) for t in h.manifest),
-            nonce=h.nonce, signature=h.signature, metadata_json=h.metadata_json)
-        sub = handlers.submit_delta(header, _chunks(request_iterator), state=self.state, config=self.config)
+        stream = BoundedStream(request_iterator, idle_timeout=self.config.upload_idle_timeout)
+        try:
+            first = next(stream, None)
+            if first is None or first.WhichOneof("part") != "header":
+                raise InvalidArgument("the first SubmitRequest must carry the SubmitHeader")
+            h = first.header
+            header = handlers.SubmitHeader(
+                contributor_id=h.contributor_id, round_id=h.round_id, base_sha256=h.base_sha256,
+                payload_sha256=h.payload_sha256, payload_size=h.payload_size,
+                manifest=tuple((t.name, tuple(t.shape), t.dtype, t.codec) for t in h.manifest),
+                nonce=h.nonce, signature=h.signature, metadata_json=h.metadata_json)
+            stream.set_deadline(self.config.upload_deadline_s(header.payload_size))
+            sub = handlers.submit_delta(header, _chunks(stream), state=self.state, config=self.config,
+                                        gate=self.uploads)
+        finally:
+            stream.close()
         self.rounds.notify()
         return gym_pb2.SubmitResponse(submission_id=sub.id, round_id=sub.round_id,
                                       payload_sha256=sub.payload_sha256,
