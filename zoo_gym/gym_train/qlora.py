@@ -58,7 +58,13 @@ def dequantized_reference(model_4bit):
 
 
 def lora_gradient_mismatch(base_dir) -> float:
-    """Max over LoRA parameters of ||g_4bit - g_ref|| / ||g_ref|| on a small batch of the built-in task."""
+    """Max over LoRA parameters of ||g_4bit - g_ref|| / ||g_ref|| on a small batch of the built-in task.
+
+    The gradients are taken the way train() takes them: in training mode, after a forward pass without
+    gradients (train() measures the held-out loss before training). On a CPU with AVX512-BF16,
+    bitsandbytes 0.50 repacks the 4-bit weights on such a pass for a bf16 inference kernel that has no
+    autograd, and from then on no gradient flows back through the base layers: a check made before that
+    pass would offer QLoRA and training would silently compute wrong gradients."""
     from peft import LoraConfig, get_peft_model
 
     from .evaluate import collate, load_tokenizer, tokenize_examples
@@ -69,11 +75,16 @@ def lora_gradient_mismatch(base_dir) -> float:
     ref = dequantized_reference(m4)
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, task_type="CAUSAL_LM")
     grads = []
+    ids, mask, labels = collate(tokenize_examples(tok, builtin_examples("default", n=8, seed=99)),
+                                pad_id=tok.pad_token_id)
     for m in (m4, ref):
         torch.manual_seed(0)  # identical random A and B in both
         pm = get_peft_model(m, copy.deepcopy(cfg))
-        ids, mask, labels = collate(tokenize_examples(tok, builtin_examples("default", n=8, seed=99)),
-                                    pad_id=tok.pad_token_id)
+        pm.eval()
+        with torch.no_grad():  # the evaluation train() makes before training
+            pm(input_ids=ids, attention_mask=mask)
+        pm.train()
+        torch.manual_seed(1)  # the same dropout masks in both, where the model has dropout
         pm.zero_grad()
         pm(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
         grads.append({k: p.grad.detach().float().clone() for k, p in pm.named_parameters()
