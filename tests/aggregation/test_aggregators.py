@@ -26,6 +26,25 @@ def test_mean_weighted_and_uniform():
     assert r.diagnostics.weight_used.tolist() == [0.75, 0.25]
 
 
+def test_means_are_the_float64_sum_divided_once_on_any_cpu():
+    # Contract: accumulate in float64, divide once, round once to float32. On these inputs the
+    # float64 sums are exact (randn float32 values, integer weights), so the result is the same
+    # bit for bit on every CPU, BLAS and thread count; a float32 matmul with weights 1/n is not.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 10_000, generator=g)
+    x64 = x.double()
+    assert torch.equal(mean(x).aggregate, (x64.sum(0) / 7).float())
+    w = torch.tensor([3.0, 1.0, 2.0, 5.0, 1.0, 1.0, 2.0])
+    assert torch.equal(mean(x, weights=w).aggregate,
+                       ((w.double()[:, None] * x64).sum(0) / 15).float())
+    kept = x64.sort(dim=0).values[1:6]  # beta=0.2 trims 1 from each end of 7
+    assert torch.equal(trimmed_mean(x, beta=0.2).aggregate, (kept.sum(0) / 5).float())
+    assert mean(X5).aggregate.tolist() == [22.0, 0.0]  # exactly, not approximately
+    huge = torch.tensor([[3e38], [3e38], [-1.0]])  # float32 partial sums would overflow to inf
+    assert mean(huge).aggregate.tolist() == [pytest.approx(2e38, rel=1e-7)]
+    assert median(huge[:2]).aggregate.tolist() == [pytest.approx(3e38, rel=1e-7)]
+
+
 def test_median_odd_even_and_trimmed_share():
     assert median(X5).aggregate.tolist() == [3.0, 20.0]
     r = median(X5[:4])

@@ -46,6 +46,42 @@ def check_weights(weights: Tensor | None, *, n: int) -> Tensor:
     return w / total
 
 
-def combine(coefficients: Tensor, deltas: Tensor) -> Tensor:
-    """`coefficients @ deltas` in the deltas' dtype: (n,) x (n, d) -> (d,)."""
-    return coefficients.to(deltas.dtype) @ deltas
+def weighted_sum(weights: Tensor, deltas: Tensor) -> Tensor:
+    """(d,) float64 sum_i w_i x_i of `deltas` (n, d), accumulated row by row in float64.
+
+    A fixed order of exact-width float64 additions (no BLAS call): the same result on every CPU,
+    BLAS and thread count. Rows of weight 0 are skipped. Extra memory: two (d,) float64 vectors.
+    """
+    w = torch.as_tensor(weights, dtype=torch.float64).flatten()  # (n,)
+    out = torch.zeros(deltas.shape[1], dtype=torch.float64)  # (d,)
+    for i in w.nonzero().flatten().tolist():
+        if float(w[i]) == 1.0:
+            out += deltas[i]  # promoted to float64 element by element
+        else:  # a separate rounded product, never fused into an FMA (which some CPUs lack)
+            out += deltas[i].to(torch.float64) * float(w[i])
+    return out
+
+
+def combine64(weights: Tensor, deltas: Tensor, *, total: float | None = None) -> Tensor:
+    """(d,) float64 sum_i w_i x_i / total (`total` defaults to sum_i w_i): one division.
+
+    Equal weights (every row with w_i > 0 weighs the same) are a plain float64 sum of those rows
+    divided by their count, so the uniform mean never goes through a rounded 1/n.
+    """
+    w = torch.as_tensor(weights, dtype=torch.float64).flatten()  # (n,)
+    used = w[w != 0]
+    if total is None and used.numel() > 0 and bool((used == used[0]).all()):
+        return weighted_sum((w != 0).to(torch.float64), deltas) / used.numel()
+    denom = float(w.sum()) if total is None else float(total)
+    return weighted_sum(w, deltas) / denom
+
+
+def combine(weights: Tensor, deltas: Tensor, *, total: float | None = None) -> Tensor:
+    """(d,) sum_i w_i x_i / total in the deltas' dtype: (n,) x (n, d) -> (d,).
+
+    Accumulated in float64 and divided once (`combine64`), then cast once to the deltas' dtype,
+    so a uniform mean of float32 deltas is the float64 sum / n rounded to float32: exact up to
+    float64's resolution on every CPU (a float32 matmul is off by float32 rounding that depends
+    on the BLAS and the instruction set).
+    """
+    return combine64(weights, deltas, total=total).to(deltas.dtype)

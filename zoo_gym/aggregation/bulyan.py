@@ -59,9 +59,12 @@ def bulyan(deltas: Tensor, *, f: int, distances: Tensor | None = None) -> Aggreg
     sel = deltas[chosen]  # (theta, d)
     values, order = sel.sort(dim=0, stable=True)
     lo, hi = (theta - 1) // 2, theta // 2
-    med = (values[lo] + values[hi]) / 2  # (d,)
+    med = (values[lo].double() + values[hi]) / 2  # (d,) float64: exact, cannot overflow
     closest = (sel - med).abs().topk(beta, dim=0, largest=False, sorted=False).indices  # (beta, d)
-    agg = sel.gather(0, closest).mean(dim=0)
+    acc = torch.zeros(d, dtype=torch.float64)  # (d,) float64 sum of the kept values
+    for row in sel.gather(0, closest):
+        acc += row
+    agg = (acc / beta).to(deltas.dtype)
     used_local = torch.bincount(closest.flatten(), minlength=theta).to(torch.float64)
     used = torch.zeros(n, dtype=torch.float64)
     used[chosen] = used_local

@@ -21,7 +21,8 @@ def median(deltas: Tensor) -> AggregateResult:
     n, d = deltas.shape
     values, order = deltas.sort(dim=0, stable=True)  # (n, d) each
     lo, hi = (n - 1) // 2, n // 2
-    agg = values[lo] if lo == hi else (values[lo] + values[hi]) / 2  # (d,)
+    # (d,); the two middle values are averaged in float64 (exact: no overflow near float32's max)
+    agg = values[lo] if lo == hi else ((values[lo].double() + values[hi]) / 2).to(deltas.dtype)
     used = torch.zeros(n, dtype=torch.float64)
     mids = (lo,) if lo == hi else (lo, hi)
     for row in mids:

@@ -6,6 +6,8 @@ beta = 0.2 trims nothing at all when n <= 4, silently becoming a plain mean. If 
 trim k from each end and keep one value (n < 2k + 1, i.e. n <= 2 for k = 1) we refuse with
 `NotRobustConfigError` instead of pretending to be robust. beta = 0 is the plain (weighted) mean.
 With weights, the kept values are averaged with the weights of the contributors who gave them.
+The kept values are summed in float64 (products too) and divided once, then cast to the deltas'
+dtype: the same result on every CPU, BLAS and thread count.
 """
 
 from __future__ import annotations
@@ -42,15 +44,23 @@ def trimmed_mean(deltas: Tensor, *, beta: float, weights: Tensor | None = None) 
     w = check_weights(weights, n=n)  # (n,) float64
     values, order = deltas.sort(dim=0, stable=True)  # (n, d)
     kept_v, kept_i = values[k:n - k], order[k:n - k]  # (n-2k, d)
+    acc = torch.zeros(d, dtype=torch.float64)  # (d,) float64 sum of the kept values
     if weights is None:
-        agg = kept_v.mean(dim=0)
+        for row in kept_v:
+            acc += row
+        agg = acc / (n - 2 * k)
     else:
-        kw = w.to(deltas.dtype)[kept_i]  # (n-2k, d) weights of who gave each kept value
-        denom = kw.sum(dim=0)
+        raw = torch.as_tensor(weights, dtype=torch.float64).flatten()  # (n,) the caller's weights
+        denom = torch.zeros(d, dtype=torch.float64)  # (d,) weight of the kept values
+        for row, who in zip(kept_v, kept_i):
+            kw = raw[who]  # (d,) weight of whoever gave each kept value
+            acc += kw * row  # float64 product, then float64 sum: never an FMA
+            denom += kw
         if bool((denom <= 0).any()):
             raise AggregationError("every kept value of some coordinate has weight 0; give the "
                                    "contributors positive weights or use beta=0")
-        agg = (kw * kept_v).sum(dim=0) / denom
+        agg = acc / denom
+    agg = agg.to(deltas.dtype)
     kept = torch.bincount(kept_i.flatten(), minlength=n).to(torch.float64)  # (n,)
     return AggregateResult(
         aggregate=agg,
