@@ -72,6 +72,19 @@ class Round(SQLModel, table=True):
     needs: int = 0
 
 
+class RoundInputs(SQLModel, table=True):
+    """What a round's outcome depends on besides its submissions, copied when the round closes.
+
+    Reputations move when a round settles and the clip norm when one publishes; a redo after a crash
+    reads them from here, so it merges, scores and pays exactly what the first run would have.
+    """
+
+    round_id: int = Field(primary_key=True)
+    reputations_json: str = "{}"  # contributor id -> reputation before this round
+    dp_clip: float | None = None  # clip norm the previous published round chose (None: the configured one)
+    population: int = 1  # registered contributors at close (DP sampling rate q = m / population)
+
+
 class Submission(SQLModel, table=True):
     __table_args__ = (UniqueConstraint("round_id", "contributor_id", name="one_submission_per_round"),)
 

@@ -25,8 +25,10 @@ from zoo_gym.aggregation import (DeltaSoup, NotRobustConfigError, PrivacyAccount
 from zoo_gym.proto import archive
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.evaluation import evaluator_for
-from zoo_gym.server.models import Checkpoint, Contributor, Round, RoundState, Submission
-from zoo_gym.server.settlement import scoring_tap, settle_rewards
+from zoo_gym.server.faults import crash_point
+from zoo_gym.server.models import Checkpoint, Contributor, Round, RoundInputs, RoundState, Submission
+from zoo_gym.server.settlement import (aggregation_weights, current_reputations, plan_rewards, record_settlement,
+                                      scoring_tap)
 from zoo_gym.server.state import ServerState
 
 log = logging.getLogger("zoo_gym.server")
@@ -100,17 +102,57 @@ def _jsonable(obj):
     return obj
 
 
+def record_round_inputs(state: ServerState, config: ServerConfig, round_id: int, contributors: list[str],
+                        session) -> RoundInputs:
+    """Copy what the round's outcome depends on (reputations, clip norm, population) into its row.
+
+    Called in the transaction that closes the round; the caller commits."""
+    population = int(session.exec(select(func.count()).select_from(Contributor)).one())
+    reps = current_reputations(state, config, contributors, session=session)
+    inputs = RoundInputs(round_id=round_id, reputations_json=json.dumps(reps, sort_keys=True),
+                         dp_clip=_last_dp_clip(session, round_id), population=max(population, 1))
+    session.add(inputs)
+    return inputs
+
+
+def _round_inputs(state: ServerState, config: ServerConfig, rnd: Round, contributors: list[str]) -> RoundInputs:
+    with state.write_lock, state.session() as s:
+        inputs = s.get(RoundInputs, rnd.id)
+        if inputs is None:  # closed by a version that did not record them: record them now, once
+            inputs = record_round_inputs(state, config, rnd.id, contributors, s)
+            s.commit()
+        return inputs
+
+
+def _reopen(state: ServerState, round_id: int, needs: int, message: str) -> None:
+    with state.write_lock, state.session() as s:
+        r = s.get(Round, round_id)
+        r.state, r.needs, r.message = RoundState.OPEN, needs, message
+        s.add(r)
+        inputs = s.get(RoundInputs, round_id)
+        if inputs is not None:  # recorded again when the round next closes
+            s.delete(inputs)
+        s.commit()
+
+
 def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: list[Submission]) -> str:
-    """Aggregate `subs` onto the round's base, publish, open the next round. Returns a one-line outcome."""
+    """Aggregate `subs` onto the round's base, publish, open the next round. Returns a one-line outcome.
+
+    A pure function of what is stored: the submissions, the inputs recorded at close and the rounds
+    published before. Nothing is written until the checkpoint blob (content-addressed, so a redo writes
+    the same one) and then one transaction: ledger entries, reputations, checkpoint row, round report,
+    next round. A crash anywhere before that commit is redone from the start with the same result.
+    """
     soup_config = SoupConfig.from_mapping(config.soup)
     base_dir = state.checkpoint_dir(rnd.base_sha256)
     base = load_file(str(base_dir / archive.WEIGHTS))
     contributors = [s.contributor_id for s in subs]
+    inputs = _round_inputs(state, config, rnd, contributors)
+    reputations = json.loads(inputs.reputations_json)
     with state.session() as s:
         history = [(r.dp_noise_multiplier, r.dp_sample_rate, 1) for r in s.exec(
-            select(Round).where(Round.dp_noise_multiplier.is_not(None), Round.state == RoundState.PUBLISHED)
-            .order_by(Round.id))]
-        population = int(s.exec(select(func.count()).select_from(Contributor)).one())
+            select(Round).where(Round.dp_noise_multiplier.is_not(None), Round.state == RoundState.PUBLISHED,
+                                Round.id < rnd.id).order_by(Round.id))]
     accountant = PrivacyAccountant(history)
     new_weights = {k: v.clone() for k, v in base.items()}
 
@@ -123,24 +165,13 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
             payloads.append(stack.enter_context(state.blobs.mapped(sub.payload_sha256)))
         evaluator = evaluator_for(state, config, rnd.base_sha256)
         source = scoring_tap(config, StoredDeltas(payloads, contributors, base), evaluator)
-        weights = None
-        try:
-            from zoo_gym.server.settlement import aggregation_weights
-
-            weights = aggregation_weights(state, config, contributors)
-        except ImportError:
-            pass
+        weights = aggregation_weights(config, contributors, reputations)
         gen = torch.Generator().manual_seed(int.from_bytes(bytes.fromhex(rnd.base_sha256[:16]), "big"))
         try:
-            report = DeltaSoup(soup_config, dp_clip=_last_dp_clip(state)).run(source, sink, weights=weights, generator=gen,
-                                                accountant=accountant, population=max(population, 1))
+            report = DeltaSoup(soup_config, dp_clip=inputs.dp_clip).run(
+                source, sink, weights=weights, generator=gen, accountant=accountant, population=inputs.population)
         except NotRobustConfigError as exc:
-            with state.write_lock, state.session() as s:
-                r = s.get(Round, rnd.id)
-                r.state, r.needs = RoundState.OPEN, len(subs) + 1
-                r.message = f"waiting for more submissions: {exc}"
-                s.add(r)
-                s.commit()
+            _reopen(state, rnd.id, len(subs) + 1, f"waiting for more submissions: {exc}")
             return f"REOPENED ({exc})"
         except PrivacyBudgetExceeded as exc:
             with state.write_lock, state.session() as s:
@@ -150,7 +181,9 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
                 s.add(r)
                 s.commit()
             return f"HALTED ({exc})"
-        rewards_summary = settle_rewards(state, config, rnd, source, report, evaluator)
+        crash_point("aggregated")
+        plan, rewards_summary = plan_rewards(state, config, rnd, source, report, evaluator, reputations=reputations)
+        crash_point("settled")
 
     report_json = json.dumps(_jsonable({"soup": report, "rewards": rewards_summary}), sort_keys=True)
     privacy = getattr(report, "privacy", None)
@@ -175,7 +208,9 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
             archive.pack(out, w)
             sha = w.commit()
         size = state.blobs.size(sha)
+    crash_point("blob-written")
     with state.write_lock, state.session() as s:
+        record_settlement(state, config, plan, s)
         parent = s.get(Checkpoint, rnd.base_sha256)
         if parent is not None and parent.heldout_loss is None and evaluator is not None:
             parent.heldout_loss = evaluator.loss(None)  # genesis: measured once, on the same set
@@ -197,6 +232,7 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
         if s.get(Round, rnd.id + 1) is None:
             s.add(Round(id=rnd.id + 1, state=RoundState.OPEN, base_sha256=sha, aggregator=soup_config.aggregator))
         s.commit()
+    crash_point("committed")
     loss = f", held-out loss {heldout:.4f}" if heldout is not None else ""
     return f"published {sha[:12]} from {len(contributors)} submissions{loss}"
 
@@ -205,10 +241,10 @@ def _accepted(report, n: int) -> list[bool]:
     return [bool(c.accepted) for c in report.contributors]
 
 
-def _last_dp_clip(state: ServerState) -> float | None:
-    """The adaptive clip norm the previous published round chose (None: use the configured one)."""
-    with state.session() as s:
-        last = s.exec(select(Round).where(Round.state == RoundState.PUBLISHED).order_by(Round.id.desc())).first()
+def _last_dp_clip(session, round_id: int) -> float | None:
+    """The adaptive clip norm the last round published before `round_id` chose (None: the configured one)."""
+    last = session.exec(select(Round).where(Round.state == RoundState.PUBLISHED, Round.id < round_id)
+                        .order_by(Round.id.desc())).first()
     if last is None:
         return None
     return json.loads(last.report_json).get("soup", {}).get("next_dp_clip")

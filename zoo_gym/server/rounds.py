@@ -1,9 +1,11 @@
 """The round state machine: OPEN -> AGGREGATING -> PUBLISHED (next round OPEN), or HALTED.
 
 A round closes when `quorum` submissions are in, or when its deadline has passed with at least
-`min_contributors`. Closing commits AGGREGATING first; publishing commits the checkpoint row, the round's
-report and the next OPEN round in one transaction, so a crash anywhere in between is recovered by simply
-aggregating again on restart (blobs are content-addressed, so nothing is duplicated).
+`min_contributors`. Closing commits AGGREGATING together with the round's inputs (reputations, clip norm,
+population: RoundInputs); publishing commits the ledger entries, reputations, checkpoint row, the round's
+report and the next OPEN round in one transaction, so a crash anywhere in between is recovered by
+aggregating again on restart from the same stored inputs, with the same result (blobs are
+content-addressed, so nothing is duplicated).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from sqlmodel import select
 from zoo_gym.server import handlers
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.models import Round, RoundState, Submission
-from zoo_gym.server.publish import publish_round
+from zoo_gym.server.publish import publish_round, record_round_inputs
 from zoo_gym.server.state import ServerState
 
 log = logging.getLogger("zoo_gym.server")
@@ -84,6 +86,9 @@ class RoundManager:
                 rnd.state = RoundState.AGGREGATING
                 rnd.closed_at = datetime.now(timezone.utc)
                 s.add(rnd)
+                contributors = list(s.exec(select(Submission.contributor_id).where(Submission.round_id == rnd.id)
+                                           .order_by(Submission.id)))
+                record_round_inputs(self.state, self.config, rnd.id, contributors, s)  # same transaction
                 s.commit()
             log.info("round %d closed with %d submissions; aggregating", rnd.id, n)
         with self.state.session() as s:

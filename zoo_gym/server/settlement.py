@@ -21,6 +21,7 @@ aggregators (re-running Krum on every subset would be both costly and ill-define
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -33,13 +34,12 @@ from zoo_gym.rewards import (
     Ledger,
     ReputationBook,
     ReputationConfig,
-    RoundAlreadySettledError,
     ScoringConfig,
     SettlementConfig,
     aggregation_weights as _rep_weights,
     score_round,
-    settle_round,
 )
+from zoo_gym.rewards.settle import SettlementPlan, plan_settlement
 from zoo_gym.server.config import ConfigError, ServerConfig
 from zoo_gym.server.state import ServerState
 
@@ -87,14 +87,24 @@ def validate_rewards_settings(config: ServerConfig) -> None:
         raise ConfigError(str(exc)) from exc
 
 
-def aggregation_weights(state: ServerState, config: ServerConfig, contributors: list[str]) -> torch.Tensor | None:
-    """Reputation weights for the aggregator (never self-reported sample counts); None when disabled."""
+def current_reputations(state: ServerState, config: ServerConfig, contributors: list[str], *,
+                        session=None) -> dict[str, float]:
+    """Each contributor's reputation now (a new identity's initial value if never settled)."""
+    _, _, _, settle = _settings(config)
+    return ReputationBook(_factory(state), settle.reputation).values(contributors, session=session)
+
+
+def aggregation_weights(config: ServerConfig, contributors: list[str],
+                        reputations: Mapping[str, float]) -> torch.Tensor | None:
+    """Reputation weights for the aggregator (never self-reported sample counts); None when disabled.
+
+    `reputations` are the values recorded when the round closed, so a redo weights exactly as the first run.
+    """
     _, weighting, _, settle = _settings(config)
     if not weighting:
         return None
     rep = settle.reputation
-    values = ReputationBook(_factory(state), rep).values(contributors)
-    return _rep_weights(contributors, values, floor=rep.floor, cap=rep.cap, initial=rep.initial,
+    return _rep_weights(contributors, reputations, floor=rep.floor, cap=rep.cap, initial=rep.initial,
                         dtype=torch.float32)
 
 
@@ -105,13 +115,16 @@ def scoring_tap(config: ServerConfig, source, evaluator):
     return SlopeTap(source, evaluator.gradient().grad, keep_bytes=_TAP_KEEP_BYTES)
 
 
-def settle_rewards(state: ServerState, config: ServerConfig, rnd, source, report, evaluator) -> dict:
-    """Score every submission of the round and write its ledger entries. Returns a JSON-able summary.
+def plan_rewards(state: ServerState, config: ServerConfig, rnd, source, report, evaluator, *,
+                 reputations: Mapping[str, float]) -> tuple[SettlementPlan | None, dict]:
+    """Score every submission of the round and plan its payouts; writes nothing.
 
-    `source` is the DeltaSource the aggregation read (a SlopeTap in first-order mode).
+    `source` is the DeltaSource the aggregation read (a SlopeTap in first-order mode); `reputations` are
+    those recorded when the round closed. Returns the plan (None without a validation set) and a
+    JSON-able summary for the round's report. `record_settlement` writes the plan with the publish.
     """
     if evaluator is None:
-        return {"skipped": "no validation set"}
+        return None, {"skipped": "no validation set"}
     pool, _, scoring, settle = _settings(config)
     contribs = report.contributors
     ids = list(source.contributors)
@@ -141,15 +154,27 @@ def settle_rewards(state: ServerState, config: ServerConfig, rnd, source, report
         scores, base_loss = _exact_scores(ids, source, scales, used, weights, diagnostics, scoring, evaluator,
                                           solo_delta)
         method = "exact"
+    plan = plan_settlement(round_id=rnd.id, scores=scores, reputations=reputations, pool=pool, config=settle)
+    return plan, {"method": method, "scoring_base_loss": base_loss, "pool": pool,
+                  "payouts": [asdict(p) for p in plan.payouts], "scores": [asdict(s) for s in scores]}
+
+
+def record_settlement(state: ServerState, config: ServerConfig, plan: SettlementPlan | None, session) -> None:
+    """Append the plan's ledger entries and new reputations inside the caller's transaction.
+
+    The caller commits them together with the published checkpoint, so a round is paid exactly when it is
+    published. A round the ledger already holds (settled by an older version just before a crash) is not
+    paid twice.
+    """
+    if plan is None:
+        return
+    _, _, _, settle = _settings(config)
     ledger = Ledger(_factory(state), state.key)
-    book = ReputationBook(_factory(state), settle.reputation)
-    try:
-        settlement = settle_round(round_id=rnd.id, scores=scores, pool=pool, ledger=ledger, book=book, config=settle)
-    except RoundAlreadySettledError:
-        return {"settled": "earlier (recovered after a restart)"}
-    return {"method": method, "scoring_base_loss": base_loss, "pool": pool,
-            "payouts": [asdict(p) for p in settlement.plan.payouts],
-            "scores": [asdict(s) for s in scores]}
+    if ledger.has_round(plan.round_id, session=session):
+        return
+    ledger.append(plan.entries(), session=session)
+    ReputationBook(_factory(state), settle.reputation).record(plan.reputations(), round_id=plan.round_id,
+                                                              session=session)
 
 
 def _exact_scores(ids, source, scales, used, weights, diagnostics, scoring, evaluator, solo_delta):
@@ -199,5 +224,5 @@ def verify_ledger(state: ServerState) -> dict[str, Any]:
     return asdict(report)
 
 
-__all__ = ["aggregation_weights", "balance_of", "ledger_entries", "scoring_tap", "settle_rewards",
-           "validate_rewards_settings", "verify_ledger"]
+__all__ = ["aggregation_weights", "balance_of", "current_reputations", "ledger_entries", "plan_rewards",
+           "record_settlement", "scoring_tap", "validate_rewards_settings", "verify_ledger"]
