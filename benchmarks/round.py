@@ -98,15 +98,14 @@ def round_overhead(n: int, root: Path) -> dict:
     cfg = build_config({}, aggregator="mean")
     import zoo_gym.server.publish as pub
 
-    saved_eval, saved_settle = pub.evaluator_for, pub.settle_rewards
-    pub.evaluator_for = lambda *a, **k: None
-    pub.settle_rewards = lambda *a, **k: {}
+    saved_eval = pub.evaluator_for
+    pub.evaluator_for = lambda *a, **k: None  # no evaluator: no scoring and no settlement either
     try:
         t0 = time.perf_counter()
         publish_round(state, cfg, rnd, subs)
         publish_only = time.perf_counter() - t0
     finally:
-        pub.evaluator_for, pub.settle_rewards = saved_eval, saved_settle
+        pub.evaluator_for = saved_eval
     state.engine.dispose()
     # The whole round as served: + held-out evaluation and rewards scoring.
     state2 = init_state(root / "state2", base_model="tiny")
