@@ -151,12 +151,45 @@ def _chunks(request_iterator) -> Iterator[bytes]:
 
 
 def build_server(state: ServerState, config: ServerConfig) -> tuple[grpc.Server, int, RoundManager]:
-    """Create (not start) the gRPC server on config.host:config.port; returns (server, bound port, rounds)."""
+    """Create (not start) the gRPC server on config.host:config.port; returns (server, bound port, rounds).
+
+    Raises OSError naming the port when another process listens on it. grpcio's Python server sets
+    SO_REUSEPORT by default, and then a second server on the port starts as well and the kernel splits
+    the clients between two federations; it is turned off, and the port is tried with a plain socket
+    first so that the refusal is one line (grpc's own bind failure also logs its C-core error)."""
+    import errno
+    import socket
+
+    def bind_error(host: str, port: int) -> OSError | None:
+        """Why binding host:port as gRPC does (SO_REUSEADDR, no SO_REUSEPORT) fails; None if it would not."""
+        try:
+            addrs = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except socket.gaierror as exc:
+            return OSError(f"cannot bind {host}:{port}: {exc.strerror}")
+        failures = []
+        for family, kind, proto, _, addr in addrs:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    probe.bind(addr)
+                except OSError as exc:
+                    if exc.errno == errno.EADDRINUSE:
+                        return OSError(f"port {port} is already in use on {host} (another gym-server or program "
+                                       "listens there); stop it or choose another --port")
+                    failures.append(exc)
+        if failures and len(failures) == len(addrs):  # gRPC binds what it can of several addresses
+            return OSError(f"cannot bind {host}:{port}: {failures[0].strerror} (not an address of this machine?)")
+        return None
+
+    if config.port != 0 and (refused := bind_error(config.host, config.port)):
+        raise refused
     rounds = RoundManager(state, config)
     options = [
         # Large data travels in chunks; a message is at most one chunk plus a small header.
         ("grpc.max_receive_message_length", config.max_chunk_bytes + (1 << 20)),
         ("grpc.max_send_message_length", config.download_chunk_bytes + (1 << 20)),
+        # One server per port: without this a second server binds the same port and takes half the clients.
+        ("grpc.so_reuseport", 0),
     ]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers), options=options)
     gym_pb2_grpc.add_GymServicer_to_server(GymServicer(state, config, rounds), server)
@@ -166,7 +199,11 @@ def build_server(state: ServerState, config: ServerConfig) -> tuple[grpc.Server,
     health_servicer.set("zoo_gym.v1.Gym", health_pb2.HealthCheckResponse.SERVING)
     names = (gym_pb2.DESCRIPTOR.services_by_name["Gym"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    if port == 0:
-        raise OSError(f"cannot bind {config.host}:{config.port} (in use, or not an address of this machine)")
+    try:
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
+    except RuntimeError:  # grpcio >= 1.5x raises where older ones returned 0
+        port = 0
+    if port == 0:  # taken between the check and here, or an address the check could not judge
+        raise bind_error(config.host, config.port) or OSError(
+            f"cannot bind {config.host}:{config.port} (in use, or not an address of this machine)")
     return server, port, rounds
