@@ -1,5 +1,6 @@
-"""Distances: accurate on small deltas (Flower's float32 Gram formula is not), diagonal exactly 0,
-and the compressed-domain computation equals decoding to float to float tolerance."""
+"""Distances: accurate on small deltas (Flower's float32 Gram formula is not) and next to huge
+outliers (any Gram formula is not), diagonal exactly 0, and the compressed-domain computation
+equals decoding to float to float tolerance, huge scales included."""
 
 from __future__ import annotations
 
@@ -43,6 +44,36 @@ def test_small_deltas_on_large_weights_are_accurate_where_float32_gram_is_not():
     flower = norms[:, None] + norms[None, :] - 2 * w @ w.T            # Flower's formula, float32
     rel = np.abs(flower - ref.numpy())[off.numpy()] / ref.numpy()[off.numpy()]
     assert rel.max() > 0.01                                            # several percent off
+
+
+def test_outliers_leave_the_honest_distances_exact():
+    # one row at 1e12, one at -1e30: every pair, honest ones included, equals the direct float64
+    # reference; the old centred Gram formula lost the honest pairs entirely (off by ~90x at 1e12)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 5000, generator=g)
+    x[4] *= 1e12
+    x[5] = -1e30 * torch.rand(5000, generator=g)
+    ref = _reference(x)
+    got = pairwise_sq_distances(x)
+    off = ~torch.eye(6, dtype=torch.bool)
+    assert float(((got - ref).abs() / ref)[off].max()) < 1e-12
+    assert torch.equal(got, got.T) and got.diagonal().tolist() == [0.0] * 6
+
+
+def test_packed_distances_exact_with_huge_scales():
+    # c (sx - sy)^2 + 4 k sx sy has no cancellation: exact next to scales of 1e30 and 1e33
+    g = torch.Generator().manual_seed(9)
+    models = [[make_packed(torch.randn(4, 96, generator=g) * s, group_size=32)]
+              for s in (1.0, 1.5, 1e30, -1e33)]
+    ref = _decoded_reference(models)
+    got = packed_model_sq_distances(models)
+    off = ~torch.eye(4, dtype=torch.bool)
+    assert float(((got - ref).abs() / ref)[off].max()) < 1e-12
+    scale = torch.tensor([1.0, 0.5, 1e-31, 1.0], dtype=torch.float64)  # clip factors folded in
+    dense = torch.stack([m[0].to_dense().reshape(-1) for m in models]).double() * scale[:, None]
+    got = packed_model_sq_distances(models, scale=scale)
+    ref = _reference(dense)
+    assert float(((got - ref).abs() / ref)[off].max()) < 1e-12
 
 
 def test_duplicates_have_zero_diagonal_and_zero_pair():

@@ -2,45 +2,69 @@
 Aggregation for Federated Learning", IEEE TSP; arXiv:1912.13445).
 
 Minimise sum_i w_i ||v - x_i|| by v <- sum_i b_i x_i / sum_i b_i, b_i = w_i / max(nu, ||v - x_i||).
-Start at the weighted mean; stop when the objective improves by less than eps (relative) or
-after max_iter iterations. The iterate stays a convex combination of the inputs, so the whole
-iteration runs on the (n, n) distance matrix (see `span.py`): `geometric_median_coefficients`
-is the step the streaming pipeline uses with whole-model distances.
+
+Start: the coordinate-wise (lower) median of the inputs, not the mean. From the mean, an outlier
+at 1e30 keeps a coefficient that shrinks only by a factor of about n_honest per iteration (some
+40 iterations before the iterate is back among honest points); from the median, whose coordinates
+lie within the honest values when outliers are fewer than half, the first step already gives an
+outlier at distance M a coefficient of about (honest distance) / M.
+
+Stop: when the iterate moves by at most `eps` x the (lower) median of the distances ||x_i - v||,
+or after `max_iter` Weiszfeld steps. Not on the objective sum_i w_i ||v - x_i||: an outlier's
+distance dominates it, so its relative change says nothing about where v sits among the honest
+points (with an outlier at 1e30 it stops after the first step, 1e22 away from them).
+
+Exactness: every iteration's distances to the current iterate are summed from float64
+differences (`distances.combination_sq_distances`), never derived from the pairwise distance
+matrix ((D a)_i - a^T D a / 2 cancels: with an outlier at 1e30, D holds 1e60 and the honest
+points' unit distances are below its resolution).
+
+Streaming: `weiszfeld` takes the distance computation as a callable, so `DeltaSoup` runs the same
+iteration with one pass over the model's tensors per step (see soup.py for the cost).
 `score` is each contributor's distance to the median; `weight_used` its final coefficient.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-from ._checks import check_deltas, check_weights, combine
-from .distances import pairwise_sq_distances
+from ._checks import check_deltas, check_weights, combine64
+from .distances import combination_sq_distances, sq_distances_to
 from .errors import AggregationError
 from .result import AggregateResult, make_diagnostics
-from .span import sq_dist_to_combination
+
+# (coefficients or None for the median start, previous coefficients or None) ->
+# ((n,) squared distances of the inputs to that iterate, squared distance from the previous one)
+DistancesTo = Callable[[Tensor | None, Tensor | None], tuple[Tensor, float]]
 
 
-def geometric_median_coefficients(distances: Tensor, *, weights: Tensor | None = None,
-                                  eps: float = 1e-8, max_iter: int = 100,
-                                  nu: float = 1e-6) -> Tensor:
-    """Coefficients a (n,) float64, sum 1, with sum_j a_j x_j the smoothed geometric median."""
+def weiszfeld(distances_to: DistancesTo, *, n: int, weights: Tensor | None = None,
+              eps: float = 1e-8, max_iter: int = 100, nu: float = 1e-6) -> Tensor:
+    """Coefficients a (n,) float64, sum 1, of the smoothed geometric median sum_j a_j x_j.
+
+    Calls `distances_to` at most `max_iter` times (one pass over the data each when streaming).
+    """
     if eps < 0 or nu <= 0 or max_iter < 1:
         raise AggregationError(f"need eps >= 0, nu > 0, max_iter >= 1; got eps={eps}, nu={nu}, "
                                f"max_iter={max_iter}")
-    dist = torch.as_tensor(distances, dtype=torch.float64)
-    n = dist.shape[0]
-    w = check_weights(weights, n=n)  # (n,)
-    a = w.clone()
-    objective = float((w * sq_dist_to_combination(dist, a).sqrt()).sum())
-    for _ in range(max_iter):
-        r = sq_dist_to_combination(dist, a).sqrt()  # (n,) distances to the current iterate
-        b = w / r.clamp(min=nu)
-        a = b / b.sum()
-        new_objective = float((w * sq_dist_to_combination(dist, a).sqrt()).sum())
-        if abs(objective - new_objective) <= eps * max(new_objective, 1e-300):
+    w = check_weights(weights, n=n)  # (n,) float64
+
+    def step(sq: Tensor) -> Tensor:
+        b = w / sq.sqrt().clamp(min=nu)
+        return b / b.sum()
+
+    sq, _ = distances_to(None, None)  # start: coordinate-wise median
+    a, previous = step(sq), None
+    for _ in range(max_iter - 1):
+        sq, move = distances_to(a, previous)
+        typical = float(sq.sort().values[(n - 1) // 2])  # lower median squared distance
+        if not math.isnan(move) and move <= eps * eps * typical:
             break
-        objective = new_objective
+        a, previous = step(sq), a
     return a
 
 
@@ -49,10 +73,11 @@ def geometric_median(deltas: Tensor, *, weights: Tensor | None = None, eps: floa
     """Smoothed geometric median of `deltas` (n, d) -> (d,)."""
     deltas = check_deltas(deltas)
     n = deltas.shape[0]
-    dist = pairwise_sq_distances(deltas)
-    a = geometric_median_coefficients(dist, weights=weights, eps=eps, max_iter=max_iter, nu=nu)
+    a = weiszfeld(lambda c, p: combination_sq_distances(deltas, c, previous=p), n=n,
+                  weights=weights, eps=eps, max_iter=max_iter, nu=nu)
+    v = combine64(a, deltas)  # (d,) float64
     return AggregateResult(
-        aggregate=combine(a, deltas),
-        diagnostics=make_diagnostics(n=n, score=sq_dist_to_combination(dist, a).sqrt(),
+        aggregate=v.to(deltas.dtype),
+        diagnostics=make_diagnostics(n=n, score=sq_distances_to(deltas, v).sqrt(),
                                      selected=a > 0, weight_used=a),
     )

@@ -4,12 +4,24 @@ Streaming: the server's `DeltaSource` hands out one tensor for all n contributor
 memory grows with one tensor x n, never the whole model x n.
   pass 1: per contributor finiteness and whole-delta L2 norm -> refuse invalid contributions
           with a reason; clip factors; the privacy budget check (before any output);
-  pass 2 (rules that need whole-model geometry: krum, multi-krum, bulyan, geometric-median,
-          centered-clip): pairwise squared distances of the CLIPPED deltas summed over tensors,
-          straight from the BitDelta bits when `packed()` is available (consecutive packed
-          tensors batched up to 16 MiB of sign bytes per contributor); the selection or
-          combination coefficients are fixed once from them;
-  pass 3: per tensor: clip, aggregate with that selection, add noise, `sink(name, flat_tensor)`.
+  pass 2 (selection rules: krum, multi-krum, bulyan): exact pairwise squared distances of the
+          CLIPPED deltas summed over tensors, straight from the BitDelta bits when `packed()` is
+          available (consecutive packed tensors batched up to 16 MiB of sign bytes per
+          contributor); the selection is fixed once from them;
+  iteration passes (geometric-median, centered-clip): each iteration's distances from every
+          accepted contributor to the current combination v = sum_j a_j x_j are summed over the
+          tensors, per tensor v formed in float64 from that tensor alone (exact, see
+          distances.py; the pairwise matrix alone cannot give them exactly once an outlier is
+          huge). One pass over the model per iteration: centered clipping takes cc_iters - 1
+          passes (default 2; its first distances, to the zero delta, are the pass-1 norms);
+          the geometric median at most gm_max_iter (default 32, fewer once the iterate moves by
+          less than gm_eps x the median distance; from its coordinate-wise median start, a
+          handful on honest rounds even with outliers at 1e30). The server's source caches
+          decoded rows for small models, so a pass there costs arithmetic only; on a model
+          larger than that cache every pass decodes the payloads again;
+  pass 3: per tensor: clip, aggregate with that selection or those coefficients (float64
+          accumulation), add noise, `sink(name, flat_tensor)`; for the iterated rules it also
+          sums each contributor's distance to the (pre-noise) aggregate, its reported score.
 DP semantics and what the guarantee covers: see `privacy.py`.
 """
 
@@ -22,25 +34,26 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from ._checks import combine
+from ._checks import combine64
 from .bulyan import bulyan, check_bulyan_config
-from .centered_clip import centered_clip_coefficients
+from .centered_clip import centered_clip_iterate
 from .clipping import adaptive_clip_update, clip_factors, update_noise_multiplier
 from .config import SoupConfig
-from .distances import packed_model_sq_distances, pairwise_sq_distances
+from .distances import (combination_sq_distances, packed_model_sq_distances, pairwise_sq_distances,
+                        sq_distances_to)
 from .errors import InvalidDeltaError, NotRobustConfigError, PrivacyBudgetExceeded
-from .geometric_median import geometric_median_coefficients
+from .geometric_median import weiszfeld
 from .krum import check_krum_config, krum_scores, multi_krum_select
 from .median import median
 from .privacy import PrivacyAccountant, PrivacyReport, gaussian_noise, rdp_epsilon, secure_generator
-from .span import sq_dist_to_combination
 from .trimmed_mean import trim_count, trimmed_mean
 from .weights import cap_weights
 
 # sign bytes per contributor batched into one compressed-domain distance pass: bounds memory at
 # about n x 16 MiB while removing per-tensor Python work on models with many small tensors
 _PACKED_BATCH_BYTES = 16 << 20
-_NEEDS_DISTANCES = ("krum", "multi-krum", "bulyan", "geometric-median", "centered-clip")
+_NEEDS_DISTANCES = ("krum", "multi-krum", "bulyan")
+_ITERATED = ("geometric-median", "centered-clip")
 
 
 class DeltaSource(Protocol):
@@ -157,6 +170,21 @@ class DeltaSoup:
             dist += packed_model_sq_distances(batch, scale=factors)
         return dist
 
+    # ---- iteration passes --------------------------------------------------------------
+    def _distances_to(self, source: DeltaSource, names: Sequence[str], acc: Tensor, factors: Tensor,
+                      coefficients: Tensor | None, previous: Tensor | None = None
+                      ) -> tuple[Tensor, float]:
+        """One pass: ((k,) squared distances of the clipped deltas to sum_j a_j x_j, squared
+        distance of that iterate from the previous one), summed over the tensors."""
+        sq = torch.zeros(acc.numel(), dtype=torch.float64)
+        move = 0.0
+        for name in names:
+            x = source.stacked(name)[acc] * factors.to(torch.float32)[:, None]  # (k, numel)
+            s, m = combination_sq_distances(x, coefficients, previous=previous)
+            sq += s
+            move += m
+        return sq, move
+
     def run(self, source: DeltaSource, sink: Callable[[str, Tensor], None], *,
             weights: Tensor | None = None, generator: torch.Generator | None = None,
             accountant: PrivacyAccountant | None = None,
@@ -211,12 +239,16 @@ class DeltaSoup:
         # whole-model geometry, decided once
         score = torch.full((k,), float("nan"), dtype=torch.float64)
         coeff: Tensor | None = None  # (k,) for linear rules
+        total: float | None = None  # what coeff is divided by (None: its sum)
         dist: Tensor | None = None
         selected = torch.ones(k, dtype=torch.bool)
         if cfg.aggregator in _NEEDS_DISTANCES:
             dist = self._distances(source, names, acc, factors)
         if cfg.aggregator == "mean":
-            coeff = torch.full((k,), 1.0 / m_exp, dtype=torch.float64) if dp else w
+            if dp:  # fixed denominator: the sum over the m_exp expected contributors (privacy.py)
+                coeff, total = torch.ones(k, dtype=torch.float64), float(m_exp)
+            else:
+                coeff = w
         elif cfg.aggregator in ("krum", "multi-krum"):
             m = 1 if cfg.aggregator == "krum" else cfg.multi_krum_m
             score = krum_scores(dist, f=cfg.byzantine_f)
@@ -225,16 +257,16 @@ class DeltaSoup:
             coeff[chosen] = w[chosen] / w[chosen].sum()
             selected = coeff > 0
         elif cfg.aggregator == "geometric-median":
-            coeff = geometric_median_coefficients(dist, weights=w, eps=cfg.gm_eps,
-                                                  max_iter=cfg.gm_max_iter, nu=cfg.gm_nu)
-            score = sq_dist_to_combination(dist, coeff).sqrt()
+            coeff = weiszfeld(lambda a, p: self._distances_to(source, names, acc, factors, a, p),
+                              n=k, weights=w, eps=cfg.gm_eps, max_iter=cfg.gm_max_iter, nu=cfg.gm_nu)
         elif cfg.aggregator == "centered-clip":
-            aug = torch.zeros((k + 1, k + 1), dtype=torch.float64)
-            aug[1:, 1:] = dist
-            aug[0, 1:] = aug[1:, 0] = (norms[acc] * factors) ** 2  # center: zero delta
-            a, cut = centered_clip_coefficients(aug, tau=cfg.cc_tau, iters=cfg.cc_iters, weights=w)
+            a, _ = centered_clip_iterate(
+                lambda c: self._distances_to(source, names, acc, factors, c[1:])[0],
+                norms[acc] * factors,  # distances to the center, the zero delta: the norms
+                tau=cfg.cc_tau, iters=cfg.cc_iters, weights=w)
             coeff = a[1:]  # the center's coefficient multiplies the zero vector
-            score = sq_dist_to_combination(aug, a)[1:].sqrt()
+            total = float(a.sum())
+        score_sq = torch.zeros(k, dtype=torch.float64)  # iterated rules: distance to the aggregate
 
         # pass 3: aggregate, noise, publish
         z_std = z_update * clip / m_exp if dp else 0.0
@@ -246,7 +278,10 @@ class DeltaSoup:
         for name in names:
             x = source.stacked(name)[acc] * factors.to(torch.float32)[:, None]  # (k, numel)
             if coeff is not None:
-                agg = combine(coeff, x)
+                v = combine64(coeff, x, total=total)  # (numel,) float64
+                if cfg.aggregator in _ITERATED:
+                    score_sq += sq_distances_to(x, v)
+                agg = v.to(x.dtype)
             else:
                 if cfg.aggregator == "median":
                     res = median(x)
@@ -264,7 +299,9 @@ class DeltaSoup:
                                            secure=cfg.dp_secure_noise, dtype=agg.dtype)
             sink(name, agg.to(torch.float32))
 
-        weight_used = coeff if coeff is not None else used
+        if cfg.aggregator in _ITERATED:
+            score = score_sq.sqrt()
+        weight_used = used if coeff is None else coeff if total is None else coeff / total
         if coeff is not None:
             trimmed = (~selected).to(torch.float64)
         next_clip = clip
