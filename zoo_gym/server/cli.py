@@ -10,10 +10,13 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
 import typer
+from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import select
 
 from zoo_gym.server.config import ConfigError, build_config, read_config_file
@@ -32,6 +35,19 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+@contextmanager
+def _one_line_errors() -> Iterator[None]:
+    """What a person can fix (a missing or damaged state directory, a bad setting, a taken port, an
+    unusable database) ends the command with one line and exit 2 instead of a traceback."""
+    try:
+        yield
+    except (ConfigError, StateError, ValueError, OSError) as exc:
+        _fail(str(exc))
+    except SQLAlchemyError as exc:  # its text spans lines (statement, parameters, a link): keep the cause
+        cause = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+        _fail(f"database error: {cause[0] if cause else type(exc).__name__}")
+
+
 @app.command()
 def init(
     state_dir: Path = StateDir,
@@ -40,14 +56,12 @@ def init(
     db: Optional[str] = typer.Option(None, help="SQLAlchemy URL (default: SQLite in the state dir)."),
 ) -> None:
     """Create the state: database, blob store, genesis checkpoint (round 0), the server's Ed25519 key."""
-    try:
+    with _one_line_errors():
         state = init_state(state_dir, base_model=base_model, db_url=db)
-    except (StateError, OSError) as exc:
-        _fail(str(exc))
-    from zoo_gym.server.models import Round
+        from zoo_gym.server.models import Round
 
-    with state.session() as s:
-        rnd = s.get(Round, 1)
+        with state.session() as s:
+            rnd = s.get(Round, 1)
     typer.echo(f"initialised {state_dir}: genesis checkpoint {rnd.base_sha256[:12]} ({base_model}); round 1 open")
 
 
@@ -76,7 +90,7 @@ def serve(
     """Serve the federation's gRPC API (plus gRPC health and reflection); resumes an existing state."""
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
+    with _one_line_errors():
         file_values = read_config_file(config) if config else {}
         cfg = build_config(file_values, host=host, port=port, min_contributors=min_contributors, quorum=quorum,
                            round_timeout=round_timeout, aggregator=aggregator, byzantine_f=byzantine_f,
@@ -90,19 +104,19 @@ def serve(
 
         check_round_size(SoupConfig.from_mapping(cfg.soup), cfg.min_contributors)  # fail now, not at round end
         validate_rewards_settings(cfg)
-        state = open_state(state_dir, db_url=db)
+        # the directory's lock, held until this process ends: a second serve of it is refused
+        state = open_state(state_dir, db_url=db, exclusive=True)
         from zoo_gym.server.servicer import build_server
 
-        server, bound, rounds = build_server(state, cfg)
-    except (ConfigError, StateError, ValueError, OSError) as exc:
-        _fail(str(exc))
+        server, bound, rounds = build_server(state, cfg)  # refuses a port another process listens on
     from zoo_gym.aggregation.packed_kernels import warm_up
 
     warm_up()  # compile or load the BitDelta distance / mean kernels now, not in the first round
     server.start()
     rounds.start()
     if port_file:
-        port_file.write_text(f"{bound}\n")
+        with _one_line_errors():
+            port_file.write_text(f"{bound}\n")
     typer.echo(f"gym-server listening on {cfg.host}:{bound} (state {state_dir})", err=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -111,22 +125,23 @@ def serve(
     typer.echo("gym-server stopping", err=True)
     server.stop(grace=5).wait()
     rounds.stop()
+    state.lock.release()
 
 
 @app.command()
 def status(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--json", help="Machine-readable.")) -> None:
     """Current round, its submissions, and the published checkpoints."""
-    try:
-        state = open_state(state_dir)
-    except StateError as exc:
-        _fail(str(exc))
     from zoo_gym.server.models import Checkpoint, Round, Submission
 
-    with state.session() as s:
-        rnd = state.current_round(s)
-        subs = list(s.exec(select(Submission).where(Submission.round_id == rnd.id))) if rnd else []
-        ckpts = list(s.exec(select(Checkpoint).order_by(Checkpoint.round_id)))
-        rounds = list(s.exec(select(Round).order_by(Round.id)))
+    with _one_line_errors():
+        state = open_state(state_dir)
+        with state.session() as s:
+            rnd = state.current_round(s)
+            subs = list(s.exec(select(Submission).where(Submission.round_id == rnd.id))) if rnd else []
+            ckpts = list(s.exec(select(Checkpoint).order_by(Checkpoint.round_id)))
+            rounds = list(s.exec(select(Round).order_by(Round.id)))
+    if rnd is None:
+        _fail(f"the database of {state_dir} holds no rounds: it is not the one `gym-server init` made")
     doc = {
         "round": {"id": rnd.id, "state": rnd.state.value, "base_sha256": rnd.base_sha256, "message": rnd.message,
                   "submissions": [{"contributor": x.contributor_id, "payload_sha256": x.payload_sha256,
@@ -153,13 +168,11 @@ def status(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--js
 @ledger_app.command("verify")
 def ledger_verify(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--json")) -> None:
     """Check the whole hash chain and every signature; name the first bad entry (exit 1)."""
-    try:
+    with _one_line_errors():
         state = open_state(state_dir)
-    except StateError as exc:
-        _fail(str(exc))
-    from zoo_gym.server.settlement import verify_ledger
+        from zoo_gym.server.settlement import verify_ledger
 
-    report = verify_ledger(state)
+        report = verify_ledger(state)
     if as_json:
         typer.echo(json.dumps(report))
     elif report["ok"]:
@@ -174,10 +187,11 @@ def ledger_verify(state_dir: Path = StateDir, as_json: bool = typer.Option(False
 def ledger_show(state_dir: Path = StateDir, contributor: Optional[str] = typer.Option(None),
                 limit: int = typer.Option(50), as_json: bool = typer.Option(False, "--json")) -> None:
     """Print ledger entries (newest last)."""
-    state = open_state(state_dir)
-    from zoo_gym.server.settlement import ledger_entries
+    with _one_line_errors():
+        state = open_state(state_dir)
+        from zoo_gym.server.settlement import ledger_entries
 
-    entries = ledger_entries(state, contributor=contributor, since_seq=0, limit=None)[-limit:]
+        entries = ledger_entries(state, contributor=contributor, since_seq=0, limit=None)[-limit:]
     if as_json:
         typer.echo(json.dumps(entries, indent=2))
         return

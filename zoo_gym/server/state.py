@@ -1,16 +1,23 @@
 """The server's state directory: database, blob store, signing key, genesis checkpoint.
 
     <state-dir>/
-      state.json        database URL and base model, written once by `gym-server init`
+      state.json        base model, and the database URL when one was chosen (--db); written once by
+                        `gym-server init`
       server.db         SQLite (default; any SQLAlchemy URL through --db)
+      server.lock       held (flock) by the one `gym-server serve` of this directory; holds its PID
       server_key.pem    the server's Ed25519 key (signs the ledger)
       blobs/            content-addressed checkpoints and submissions (see blobs.py)
       work/             scratch space for aggregation
+
+Nothing in state.json names the directory itself, so a state directory can be copied or moved: the
+default database is always the `server.db` beside state.json.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
 import tempfile
 import threading
@@ -21,7 +28,8 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import event
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError
 from sqlmodel import Session, SQLModel, create_engine, select
 
 from zoo_gym.proto import signing
@@ -30,6 +38,8 @@ from zoo_gym.server.blobs import BlobStore
 from zoo_gym.server.models import Checkpoint, Round, RoundState
 
 STATE_FILE = "state.json"
+DB_FILE = "server.db"
+LOCK_FILE = "server.lock"
 
 
 class StateError(RuntimeError):
@@ -44,6 +54,76 @@ def _register_tables() -> None:
         import zoo_gym.rewards  # noqa: F401  (ledger and reputation tables)
     except ImportError:  # rewards not installed in a trimmed build: the server still serves rounds
         pass
+
+
+class StateLock:
+    """The exclusive lock of the one process serving a state directory: ``flock`` on
+    ``<state-dir>/server.lock``, which holds that process's PID. The kernel releases it when the process
+    ends, however it ends (kill -9 included); the file itself stays."""
+
+    def __init__(self, root: Path) -> None:
+        self._fd: int | None = None
+        self.path = Path(root) / LOCK_FILE
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StateError(f"{root} is already served by gym-server PID {holder} (it holds {self.path}); stop "
+                             "that server first, or serve another --state-dir") from None
+        except OSError:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+    __del__ = release  # a state dropped without release (a command that failed in-process) unlocks too
+
+
+def _default_db_url(root: Path) -> str:
+    return f"sqlite:///{(root / DB_FILE).resolve()}"
+
+
+def _sqlite_file(url: str) -> Path | None:
+    """The database file of a SQLite URL (None for other databases and in-memory SQLite)."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise StateError(f"database URL {url!r} is not a SQLAlchemy URL ({exc})") from None
+    if not parsed.get_backend_name() == "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    return Path(parsed.database)
+
+
+def _stored_db_url(root: Path, stored: str | None) -> str:
+    """The database of a state directory from what its state.json says.
+
+    None (or "default") is init's default, the server.db beside state.json. State directories made before
+    that stored the default as an absolute ``sqlite:///<dir>/server.db``; when such a directory was
+    copied or moved it must use its own server.db, not the one where it was made. init only ever creates
+    a server.db inside the directory for that default (a database chosen with --db lives at its URL), so
+    an absolute SQLite URL ending in server.db means this directory's own database whenever one is here."""
+    if stored in (None, "default"):
+        return _default_db_url(root)
+    path = _sqlite_file(stored)
+    if path is not None and path.name == DB_FILE and (root / DB_FILE).is_file():
+        return _default_db_url(root)
+    return stored
+
+
+def _engine(url: str) -> Engine:
+    """make_engine, with a URL SQLAlchemy cannot use (unknown dialect, driver not installed) as a StateError."""
+    try:
+        return make_engine(url)
+    except (ArgumentError, ImportError) as exc:
+        raise StateError(f"cannot use the database URL {url!r}: {exc}") from None
 
 
 def make_engine(url: str) -> Engine:
@@ -74,6 +154,8 @@ class ServerState:
     base_model: str
     # One writer at a time: SQLite serialises writers anyway; this keeps our read-check-write steps atomic.
     write_lock: threading.RLock
+    # Held while this process serves the directory (open_state(..., exclusive=True)); None for readers.
+    lock: StateLock | None = None
 
     @property
     def public_key(self) -> bytes:
@@ -145,11 +227,12 @@ def init_state(state_dir: Path, *, base_model: str = "tiny", db_url: str | None 
     root = Path(state_dir)
     if (root / STATE_FILE).exists():
         raise StateError(f"{root} is already initialised; `gym-server serve --state-dir {root}` resumes it")
-    root.mkdir(parents=True, exist_ok=True)
     src = _resolve_base_model(base_model)
-    url = db_url or f"sqlite:///{(root / 'server.db').resolve()}"
+    url = db_url or _default_db_url(root)
+    _sqlite_file(url)
+    engine = _engine(url)  # a URL that cannot work fails here, before anything is created (no connection yet)
+    root.mkdir(parents=True, exist_ok=True)
     key, _ = signing.load_or_create_key(root / "server_key.pem")
-    engine = make_engine(url)
     _register_tables()
     SQLModel.metadata.create_all(engine)
     state = ServerState(root, engine, BlobStore(root / "blobs"), key, base_model, threading.RLock())
@@ -168,22 +251,45 @@ def init_state(state_dir: Path, *, base_model: str = "tiny", db_url: str | None 
                          manifest_json=json.dumps({"round": 0, "base_model": base_model})))
         s.add(Round(id=1, state=RoundState.OPEN, base_sha256=sha))
         s.commit()
-    (root / STATE_FILE).write_text(json.dumps({"db_url": url, "base_model": base_model}, indent=2) + "\n")
+    # the default database is stored as null: derived from the directory on open, so the directory can move
+    meta = {"db_url": db_url, "base_model": base_model}
+    (root / STATE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return state
 
 
-def open_state(state_dir: Path, *, db_url: str | None = None) -> ServerState:
+def open_state(state_dir: Path, *, db_url: str | None = None, exclusive: bool = False) -> ServerState:
+    """Open an initialised state directory.
+
+    ``exclusive=True`` is for the one process that serves it: it takes the directory's lock (StateError
+    naming the holder's PID when another process serves it) before touching anything, and removes the
+    leftovers of uploads a crash interrupted. Without it (status, ledger) nothing is locked or removed, so
+    those commands work beside a running server."""
     root = Path(state_dir)
     meta_path = root / STATE_FILE
-    if not meta_path.exists():
+    if not meta_path.is_file():
         raise StateError(f"{root} is not a gym-server state directory; create it with `gym-server init`")
-    meta = json.loads(meta_path.read_text())
-    engine = make_engine(db_url or meta["db_url"])
-    _register_tables()
-    SQLModel.metadata.create_all(engine)  # adds tables of newer versions; never alters existing ones
+    try:
+        meta = json.loads(meta_path.read_text())
+        stored = meta.get("db_url")
+    except (ValueError, AttributeError) as exc:
+        raise StateError(f"{meta_path} is damaged ({exc}); it is not JSON written by `gym-server init`") from None
     if not (root / "server_key.pem").is_file():
         raise StateError(f"{root}/server_key.pem is missing; the ledger's signatures cannot be continued")
-    key, _ = signing.load_or_create_key(root / "server_key.pem")
-    blobs = BlobStore(root / "blobs")
-    blobs.clean_tmp()
-    return ServerState(root, engine, blobs, key, meta.get("base_model", "?"), threading.RLock())
+    lock = StateLock(root) if exclusive else None
+    try:
+        url = db_url or _stored_db_url(root, stored)
+        db_file = _sqlite_file(url)
+        if db_file is not None and not db_file.is_file():  # SQLite would create an empty one
+            raise StateError(f"the database {db_file} of {root} is missing; restore it from a backup")
+        engine = _engine(url)
+        _register_tables()
+        SQLModel.metadata.create_all(engine)  # adds tables of newer versions; never alters existing ones
+        key, _ = signing.load_or_create_key(root / "server_key.pem")
+        blobs = BlobStore(root / "blobs")
+        if exclusive:
+            blobs.clean_tmp()  # only the serving process may: a reader would delete a live server's uploads
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return ServerState(root, engine, blobs, key, meta.get("base_model", "?"), threading.RLock(), lock)
