@@ -131,6 +131,7 @@ def _split(x: torch.Tensor) -> list[dict[str, torch.Tensor]]:
 def _soup(x: torch.Tensor, **config) -> tuple[torch.Tensor, object]:
     out: dict[str, torch.Tensor] = {}
     ids = [f"c{i}" for i in range(x.shape[0])]
+    config.setdefault("max_norm_ratio", None)  # the rules themselves must cope with the outliers
     report = DeltaSoup(SoupConfig(**config)).run(DictDeltaSource(ids, _split(x)), out.__setitem__)
     return torch.cat([out["a"], out["b"]]).double(), report
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 from helpers import make_packed
 
-from zoo_gym.aggregation import (DeltaSoup, PrivacyAccountant, PrivacyBudgetExceeded, SoupConfig,
-                                 SoupConfigError, multi_krum, trimmed_mean)
+from zoo_gym.aggregation import (DeltaSoup, NotRobustConfigError, PrivacyAccountant,
+                                 PrivacyBudgetExceeded, SoupConfig, SoupConfigError, multi_krum,
+                                 trimmed_mean)
 from zoo_gym.aggregation.sources import DictDeltaSource
 
 
@@ -36,7 +37,8 @@ def test_streamed_multi_krum_equals_whole_model_multi_krum_and_refuses_bad_ones(
     deltas[2] = {k: -20 * v for k, v in deltas[2].items()}          # attacker
     deltas[3] = {k: torch.zeros_like(v) for k, v in deltas[3].items()}  # free rider
     deltas[4] = dict(deltas[4], b=torch.full((16,), float("nan")))  # broken
-    out, report = _run(SoupConfig(aggregator="multi-krum", byzantine_f=1), deltas)
+    # max_norm_ratio=None: the 20x attacker must be left out by Multi-Krum itself here
+    out, report = _run(SoupConfig(aggregator="multi-krum", byzantine_f=1, max_norm_ratio=None), deltas)
     rows = {r.contributor: r for r in report.contributors}
     assert rows["c3"].reason.startswith("zero delta") and not rows["c3"].accepted
     assert "non-finite" in rows["c4"].reason and "'b'" in rows["c4"].reason
@@ -72,7 +74,7 @@ def test_packed_inputs_select_the_same_as_decoded():
 
 def test_dp_mean_fixed_denominator_noise_and_accounting():
     deltas = [{"w": torch.full((50_000,), 0.01 * (i + 1))} for i in range(4)]
-    cfg = SoupConfig(dp_noise_multiplier=1.0, dp_clip=1.0, dp_expected_contributors=8)
+    cfg = SoupConfig(aggregator="mean", dp_noise_multiplier=1.0, dp_clip=1.0, dp_expected_contributors=8)
     acct = PrivacyAccountant()
     out, report = _run(cfg, deltas, generator=torch.Generator().manual_seed(0),
                        accountant=acct, population=80)
@@ -84,6 +86,52 @@ def test_dp_mean_fixed_denominator_noise_and_accounting():
     assert report.privacy.q == 0.1 and report.privacy.covers_aggregator
     assert acct.history == [(1.0, 0.1, 1)]
     assert report.privacy.epsilon_total == acct.epsilon(delta=1e-5)
+
+
+def test_default_is_robust_to_one_huge_delta_and_refuses_it_by_norm():
+    # issue 12 item 5: every weight changed by 1e30, next to two honest deltas, default config
+    assert SoupConfig().aggregator == "trimmed-mean" and SoupConfig().max_norm_ratio == 10.0
+    deltas = _round(n=3, seed=2)
+    honest = _flat(deltas[:2]).double().mean(0)
+    deltas[2] = {k: v + 1e30 for k, v in deltas[2].items()}
+    out, report = _run(SoupConfig(), deltas)
+    rows = {r.contributor: r for r in report.contributors}
+    assert not rows["c2"].accepted and rows["c0"].accepted and rows["c1"].accepted
+    assert "max_norm_ratio 10 x the round's median delta norm" in rows["c2"].reason
+    assert f"{rows['c2'].norm:.4g}" in rows["c2"].reason
+    got = torch.cat([out["a"], out["b"]]).double()
+    assert torch.allclose(got, honest, atol=1e-6)  # refused: the mean of the two honest ones
+    assert "validation left 2 of 3 submissions" in report.note
+    # without the norm bound the trimmed mean (the median at n = 3) still ignores it
+    out, report = _run(SoupConfig(max_norm_ratio=None), deltas)
+    got = torch.cat([out["a"], out["b"]])
+    lo = torch.minimum(_flat(deltas[:1]), _flat(deltas[1:2]))[0]
+    hi = torch.maximum(_flat(deltas[:1]), _flat(deltas[1:2]))[0]
+    assert report.n_accepted == 3 and bool(((got >= lo) & (got <= hi)).all())
+    with pytest.raises(NotRobustConfigError, match="at least 3 contributors"):
+        _run(SoupConfig(), deltas[:2])  # the default needs n >= 3; mean must be asked for
+
+
+def test_norm_ratio_uses_the_lower_median_and_can_be_disabled():
+    a = {"w": torch.full((10,), 1.0)}
+    b = {"w": torch.full((10,), 10.5)}  # 10.5 x the other: above 10 x the lower median of two
+    _, report = _run(SoupConfig(aggregator="mean"), [a, b])
+    assert [r.accepted for r in report.contributors] == [True, False]
+    assert "median delta norm 3.162" in report.contributors[1].reason
+    _, report = _run(SoupConfig(aggregator="mean", max_norm_ratio=None), [a, b])
+    assert [r.accepted for r in report.contributors] == [True, True]
+    _, report = _run(SoupConfig(aggregator="mean", max_norm_ratio=20.0), [a, b])
+    assert [r.accepted for r in report.contributors] == [True, True]
+    broken = {"w": torch.full((10,), float("nan"))}  # non-finite and zero deltas are not counted
+    zero = {"w": torch.zeros(10)}
+    _, report = _run(SoupConfig(aggregator="mean"), [a, b, broken, zero, zero])
+    assert [r.accepted for r in report.contributors] == [True, False, False, False, False]
+    # under DP the clip bounds every delta; a refusal depending on others' norms is not applied
+    _, report = _run(SoupConfig(aggregator="mean", dp_noise_multiplier=1.0, dp_clip=1.0), [a, b],
+                     generator=torch.Generator().manual_seed(0))
+    assert [r.accepted for r in report.contributors] == [True, True]
+    with pytest.raises(SoupConfigError, match="`max_norm_ratio`"):
+        SoupConfig(max_norm_ratio=0.5)
 
 
 def test_budget_exceeded_before_any_output():

@@ -1,6 +1,20 @@
 """`SoupConfig`: the DeltaSoup pipeline's settings (server CLI flags and config-file keys).
 
 CLI flag `--byzantine-f` <-> config key `byzantine-f` or `byzantine_f` <-> field `byzantine_f`.
+
+Defaults survive one huge delta. One finite delta with every weight changed by 1e30, next to two
+honest ones, used to be averaged in (held-out loss = ln(vocab), a uniform predictor). Now:
+* `aggregator="trimmed-mean"` with `trim_beta=0.1` trims max(1, floor(0.1 n)) values from each
+  end of every coordinate: at n = 3 the coordinate-wise median, so it needs n >= 3 submissions
+  (if validation then refuses one, the other two are averaged; see soup.py). `"mean"` stays an
+  explicit choice (it is what DP's guarantee covers, and the only rule usable at n <= 2).
+* `max_norm_ratio=10`: refuse a delta whose whole-delta L2 norm exceeds 10 x the lower median
+  norm of the round's finite, non-zero deltas. Relative to the round, so no unit or model size to
+  tune; 10 because honest fine-tunes of one base and recipe differ in norm by small factors
+  (learning rate, steps, data), while an attack that must move a robust mean far, or a broken
+  client, is off by orders of magnitude. The lower median (statistics.median_low) is the smaller
+  of two deltas, so with 2 contributors the larger is refused above 10x the smaller. Ignored
+  under DP, where the clip already bounds every delta (see `DeltaSoup._validate`).
 """
 
 from __future__ import annotations
@@ -22,7 +36,7 @@ AGGREGATORS = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan",
 class SoupConfig:
     """Settings of validate -> clip -> robust aggregate -> noise. Every check names its field."""
 
-    aggregator: str = dataclasses.field(default="mean", metadata={"help": "one of " + ", ".join(AGGREGATORS)})
+    aggregator: str = dataclasses.field(default="trimmed-mean", metadata={"help": "one of " + ", ".join(AGGREGATORS) + " (default trimmed-mean: robust, needs >= 3 contributors; mean is not robust)"})
     byzantine_f: int = dataclasses.field(default=0, metadata={"help": "Byzantine contributors tolerated (krum, multi-krum, bulyan)"})
     multi_krum_m: int | None = dataclasses.field(default=None, metadata={"help": "contributors Multi-Krum averages (default n - f)"})
     trim_beta: float = dataclasses.field(default=0.1, metadata={"help": "share trimmed from each end per coordinate, [0, 0.5)"})
@@ -34,6 +48,7 @@ class SoupConfig:
     gm_max_iter: int = dataclasses.field(default=32, metadata={"help": "geometric median: Weiszfeld steps at most (one pass over the model each)"})
     gm_nu: float = dataclasses.field(default=1e-6, metadata={"help": "geometric median: smoothing (distance floor)"})
     max_delta_norm: float | None = dataclasses.field(default=None, metadata={"help": "validation: refuse deltas with larger whole-delta L2 norm"})
+    max_norm_ratio: float | None = dataclasses.field(default=10.0, metadata={"help": "validation: refuse a delta whose whole-delta L2 norm exceeds this x the (lower) median norm of the round's finite, non-zero deltas; None disables (ignored under DP)"})
     max_weight_share: float | None = dataclasses.field(default=None, metadata={"help": "cap on any one contributor's weight share (without DP)"})
     min_contributors: int = dataclasses.field(default=1, metadata={"help": "refuse the round with fewer accepted contributions"})
     dp_noise_multiplier: float = dataclasses.field(default=0.0, metadata={"help": "z: noise std on the sum is z * dp_clip; 0 = no DP"})
@@ -66,6 +81,10 @@ class SoupConfig:
             value = getattr(self, name)
             if value is not None and not (value > 0 and math.isfinite(value)):
                 raise SoupConfigError(f"`{name}` must be > 0 (or unset), got {value}")
+        if self.max_norm_ratio is not None and not (self.max_norm_ratio >= 1
+                                                     and math.isfinite(self.max_norm_ratio)):
+            raise SoupConfigError(f"`max_norm_ratio` must be >= 1 (or unset), got "
+                                  f"{self.max_norm_ratio}: below 1 it would refuse the median delta")
         if self.max_weight_share is not None and not 0 < self.max_weight_share <= 1:
             raise SoupConfigError(f"`max_weight_share` must be in (0, 1], got {self.max_weight_share}")
         if self.min_contributors < 1:

@@ -3,7 +3,8 @@
 Streaming: the server's `DeltaSource` hands out one tensor for all n contributors at a time, so
 memory grows with one tensor x n, never the whole model x n.
   pass 1: per contributor finiteness and whole-delta L2 norm -> refuse invalid contributions
-          with a reason; clip factors; the privacy budget check (before any output);
+          with a reason (non-finite, zero, above max_delta_norm, above max_norm_ratio x the
+          round's lower median norm); clip factors; the privacy budget check (before any output);
   pass 2 (selection rules: krum, multi-krum, bulyan): exact pairwise squared distances of the
           CLIPPED deltas summed over tensors, straight from the BitDelta bits when `packed()` is
           available (consecutive packed tensors batched up to 16 MiB of sign bytes per
@@ -22,11 +23,16 @@ memory grows with one tensor x n, never the whole model x n.
   pass 3: per tensor: clip, aggregate with that selection or those coefficients (float64
           accumulation), add noise, `sink(name, flat_tensor)`; for the iterated rules it also
           sums each contributor's distance to the (pre-noise) aggregate, its reported score.
+The trimmed mean's n >= 2k + 1 is checked on the round's submissions; when validation leaves only
+one or two of them, those are averaged untrimmed (two values' coordinate-wise median) and
+`SoupReport.note` says so: refusing a huge delta must not stop the honest rest from publishing.
 DP semantics and what the guarantee covers: see `privacy.py`.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -93,6 +99,7 @@ class SoupReport:
     noise_std: float                 # per-coordinate std added to the published aggregate
     privacy: PrivacyReport | None
     next_dp_clip: float | None       # clip norm for the next round (adaptive clipping)
+    note: str = ""                   # how the rule was adapted to this round, if it was
 
 
 class DeltaSoup:
@@ -129,9 +136,20 @@ class DeltaSoup:
             elif self.config.max_delta_norm is not None and norms[i] > self.config.max_delta_norm:
                 reasons[i] = (f"delta L2 norm {float(norms[i]):.4g} exceeds max_delta_norm "
                               f"{self.config.max_delta_norm:.4g}")
+        ratio = self.config.max_norm_ratio
+        usable = [float(v) for v in norms if math.isfinite(v) and v > 0]
+        if ratio is not None and usable and not self.config.dp_enabled:
+            # Not under DP: there the clip bounds every delta, and a refusal that depends on the
+            # other contributors' norms would change the one-user sensitivity the noise assumes.
+            ref = statistics.median_low(usable)
+            for i in range(n):
+                if reasons[i] is None and norms[i] > ratio * ref:
+                    reasons[i] = (f"delta L2 norm {float(norms[i]):.4g} exceeds max_norm_ratio "
+                                  f"{ratio:g} x the round's median delta norm {ref:.4g} "
+                                  f"(= {ratio * ref:.4g})")
         return norms, reasons, numels
 
-    def _check_rule(self, n_acc: int) -> None:
+    def _check_rule(self, n_acc: int, n: int) -> None:
         cfg = self.config
         if n_acc < cfg.min_contributors:
             raise NotRobustConfigError(f"only {n_acc} contribution(s) accepted, min_contributors is "
@@ -144,7 +162,10 @@ class DeltaSoup:
         elif cfg.aggregator == "bulyan":
             check_bulyan_config(n=n_acc, f=cfg.byzantine_f)
         elif cfg.aggregator == "trimmed-mean":
-            trim_count(n=n_acc, beta=cfg.trim_beta)
+            # Checked on the submissions: a round of n >= 3 whose validation refused all but one or
+            # two (huge, broken, zero deltas) averages what is left (pass 3), which for two
+            # values is their coordinate-wise median; fewer than 3 submissions are refused.
+            trim_count(n=n, beta=cfg.trim_beta)
 
     # ---- pass 2 -------------------------------------------------------------------------
     def _distances(self, source: DeltaSource, names: Sequence[str], acc: Tensor,
@@ -197,7 +218,7 @@ class DeltaSoup:
         norms, reasons, numels = self._validate(source, names, n)
         acc = torch.tensor([i for i in range(n) if reasons[i] is None], dtype=torch.int64)
         k = acc.numel()
-        self._check_rule(k)
+        self._check_rule(k, n)
         d_total = sum(numels.values())
 
         # clip factors over the whole delta
@@ -286,7 +307,8 @@ class DeltaSoup:
                 if cfg.aggregator == "median":
                     res = median(x)
                 elif cfg.aggregator == "trimmed-mean":
-                    res = trimmed_mean(x, beta=cfg.trim_beta, weights=None if dp else w)
+                    res = trimmed_mean(x, beta=cfg.trim_beta if k >= 3 else 0.0,
+                                       weights=None if dp else w)
                 else:
                     res = bulyan(x, f=cfg.byzantine_f, distances=dist)
                 agg = res.aggregate
@@ -315,6 +337,10 @@ class DeltaSoup:
         if dp and accountant is not None:
             accountant.step(noise_multiplier=cfg.dp_noise_multiplier, sample_rate=privacy.q)
 
+        note = ""
+        if cfg.aggregator == "trimmed-mean" and k < 3 and cfg.trim_beta > 0:
+            note = (f"trimmed-mean: validation left {k} of {n} submissions; averaged untrimmed "
+                    f"(for two, their coordinate-wise median)")
         rows = []
         pos = {int(i): j for j, i in enumerate(acc.tolist())}
         for i, cid in enumerate(ids):
@@ -327,4 +353,4 @@ class DeltaSoup:
                                               float(score[j]), bool(selected[j]),
                                               float(trimmed[j]), float(weight_used[j])))
         return SoupReport(aggregator=cfg.aggregator, contributors=tuple(rows), n_accepted=k,
-                          noise_std=z_std, privacy=privacy, next_dp_clip=next_clip)
+                          noise_std=z_std, privacy=privacy, next_dp_clip=next_clip, note=note)
