@@ -28,6 +28,16 @@ First order ignores curvature and cannot tell a tiny aligned step from noise, so
    32-example sets is ~0.8x the gain and its sign flips in ~20 % of them (benchmarks/rewards.py,
    "noise"), so "e_i > 0" alone would zero honest contributors by chance. Passing keeps the
    first-order gain, so verified and unverified contributors are measured on the same scale.
+   A promise g_i > 1 (a negative loss: outside the linear regime) must show e_i > 0 instead;
+   otherwise a huge delta's huge promise would buy a huge slack.
+
+Someone else's delta cannot zero an honest contributor (issue 12 item 5: a delta 1e30 away
+"promised" a gain of 3e29, so every honest marginal in the mean game came out near -1.5e29):
+* the game's inputs are the gains clamped to [-1, 1] (a cross-entropy cannot fall below 0, and a
+  doubled loss is counted as the worst), so one player moves another's phi by a bounded amount;
+* players whose first-order gain is not evidence -- gated as random, refuted by the exact check,
+  or with a non-finite slope -- are left out of the game, and after a refutation the game is
+  solved again (same permutations) without them.
 
 Guarantees kept: a zero delta has slope 0 -> g = 0 -> score 0; a sign-flip of an honest step
 has slope > 0 -> score 0; a random delta fails the gate; pools are split by the same
@@ -102,13 +112,6 @@ def score_round_first_order(
     players = [i for i in range(n) if accepted[i]]
     gains = [-float(s) / base_loss if math.isfinite(s) else -math.inf for s in slopes]
 
-    gen = generator if generator is not None else torch.Generator().manual_seed(config.seed)
-    phi_list, used, exact = linear_shapley([gains[i] if math.isfinite(gains[i]) else 0.0
-                                            for i in players],
-                                           [max(float(weights[i]), 0.0) for i in players],
-                                           permutations=first_order.permutations, generator=gen)
-    phi = dict(zip(players, phi_list))
-
     zero: dict[int, str] = {}
     floor = first_order.min_cosine_z / math.sqrt(numel)
     for i in players:
@@ -120,11 +123,27 @@ def score_round_first_order(
                        f"validation descent direction {cos:.3g} < {floor:.3g} "
                        f"(= {first_order.min_cosine_z:g} / sqrt({numel}))")
 
+    gen = generator if generator is not None else torch.Generator().manual_seed(config.seed)
+    start = gen.get_state()
+
+    def solve() -> tuple[dict[int, float], int, bool]:
+        """phi of the linear game over the players whose first-order gain is trusted."""
+        gen.set_state(start)  # a re-solve draws the same permutations
+        game = [i for i in players if i not in zero and math.isfinite(gains[i])]
+        values, used, exact = linear_shapley([min(1.0, max(-1.0, gains[i])) for i in game],
+                                             [max(float(weights[i]), 0.0) for i in game],
+                                             permutations=first_order.permutations, generator=gen)
+        phi = dict.fromkeys(players, 0.0)
+        phi.update(zip(game, values))
+        return phi, used, exact
+
+    phi, used, exact = solve()
     method = "first_order_shapley" if not exact else "first_order_shapley_exact"
     estimate = MarginalEstimate(values=phi, method=method, evaluations=0, permutations=used)
     scores = combine_scores(contributors, gains, estimate, diagnostics, config, zero_reasons=zero)
 
     verified: list[int] = []
+    refuted: list[int] = []
     if exact_solo_loss is not None and first_order.verify_top_k > 0:
         ranked = sorted((i for i in players if scores[i].score > 0),
                         key=lambda i: (-scores[i].score, contributors[i]))
@@ -132,12 +151,22 @@ def score_round_first_order(
             loss = float(exact_solo_loss(i))
             verified.append(i)
             exact_gain = (base_loss - loss) / base_loss if math.isfinite(loss) else -math.inf
-            if exact_gain < -first_order.verify_slack * gains[i]:
+            # A promise above 1 (a loss below 0) is outside the linear regime: then the exact
+            # loss must actually fall. A slack growing with the promise would let a delta 1e30
+            # away that "promises" a gain of 3e29 pass with any finite loss.
+            if gains[i] <= 1.0:
+                allowed = -first_order.verify_slack * gains[i]
+                failed, bar = exact_gain < allowed, f"allowed down to {allowed:.3g}"
+            else:
+                failed, bar = exact_gain <= 0.0, "a promise above 1 must show a real gain"
+            if failed:
+                refuted.append(i)
                 zero[i] = (f"exact check failed: base + delta has loss {loss:.6g} against base "
                            f"{base_loss:.6g} on the scoring set (gain {exact_gain:.3g}), "
-                           f"first order promised gain {gains[i]:.3g}; allowed down to "
-                           f"{-first_order.verify_slack * gains[i]:.3g}")
-        if any(i in zero for i in verified):
+                           f"first order promised gain {gains[i]:.3g}; {bar}")
+        if refuted:  # a refuted promise is no evidence: the others' marginals without it
+            phi, used, exact = solve()
+            estimate = MarginalEstimate(values=phi, method=method, evaluations=0, permutations=used)
             scores = combine_scores(contributors, gains, estimate, diagnostics, config,
                                     zero_reasons=zero)
     note = (f"{used} {'(all)' if exact else 'sampled'} permutations of the linear game; "

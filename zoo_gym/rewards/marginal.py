@@ -5,10 +5,13 @@ The cooperative game. Players are the round's validated submissions; the value o
 
     V(S) = (L0 - L(S)) / L0        V(empty) = 0          (dimensionless, 0.01 = 1 % lower loss)
 
-where ``L(S)`` is the server's ``subset_loss(S)`` (the aggregator re-run on ``S`` alone) and ``L0``
-the base checkpoint's loss. Every call of ``subset_loss`` is a forward pass over the validation
-set, so both estimators count distinct evaluations (results are cached by coalition) and never
-exceed ``max_evaluations``.
+clamped to [-1, 1]: a cross-entropy cannot fall below 0, and a coalition whose aggregate more
+than doubles the loss -- or breaks it (non-finite loss, e.g. a huge delta averaged in) -- counts
+as -1, so one player can move another's marginal by a bounded amount and scoring never fails
+because of someone else's delta. ``L(S)`` is the server's ``subset_loss(S)`` (the aggregator
+re-run on ``S`` alone) and ``L0`` the base checkpoint's loss. Every call of ``subset_loss`` is a
+forward pass over the validation set, so both estimators count distinct evaluations (results
+are cached by coalition) and never exceed ``max_evaluations``.
 
 * Leave-one-out: ``m_i = V(N) - V(N \\ {i})``; exactly ``n + 1`` evaluations. Cheap and exact, but
   near zero for everybody when contributions are redundant (n honest clients with similar data):
@@ -71,11 +74,8 @@ class CachedValue:
             raise _BudgetExhausted
         loss = float(self._subset_loss(subset))
         self.evaluations += 1
-        if not math.isfinite(loss):
-            raise ScoringInputError(f"`subset_loss` returned {loss!r} for the coalition "
-                                    f"{sorted(subset)}; the aggregate of validated deltas must "
-                                    "give a finite loss: check the aggregator and the clip norm")
-        value = (self._base_loss - loss) / self._base_loss
+        value = (self._base_loss - loss) / self._base_loss if math.isfinite(loss) else -1.0
+        value = min(1.0, max(-1.0, value))  # see the module docstring
         self._cache[subset] = value
         return value
 

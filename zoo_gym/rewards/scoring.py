@@ -19,7 +19,8 @@ validation set; all gains are relative, so 0.01 means "1 % lower loss"):
     c_i       = min(1, median_j(k_j) / k_i) ** krum_exponent             consensus factor from
                 the aggregator's score k (Krum score: lower = closer to the others); 1 when the
                 aggregator gives no score (nan), when k_i <= median, or when the median is 0.
-    score_i   = value_i * p_i * c_i  >= 0,  and score_i = 0 for a submission refused by validation.
+    score_i   = value_i * p_i * c_i  >= 0,  and score_i = 0 for a submission refused by validation
+                (and, defensively, for a non-finite product: scores are always finite).
 
 Why nobody gets paid for nothing:
 * zero delta (free-rider): L_i = L0, so g_i = 0 and score 0 whatever phi_i says (with a plain
@@ -176,6 +177,8 @@ def combine_scores(contributors: Sequence[str], gains: Sequence[float],
         score = value_i * part * consensus[i]
         if i in zero_reasons:
             score, reason = 0.0, zero_reasons[i]
+        elif not math.isfinite(score):  # never pay an unmeasurable amount
+            score, reason = 0.0, f"score not finite (solo gain {g:.3g}, marginal {phi:.3g})"
         elif g <= 0:
             reason = f"held-out loss did not improve (solo gain {g:.3g})"
         elif phi <= 0:
