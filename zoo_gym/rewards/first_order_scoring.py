@@ -33,8 +33,9 @@ First order ignores curvature and cannot tell a tiny aligned step from noise, so
 
 Someone else's delta cannot zero an honest contributor (issue 12 item 5: a delta 1e30 away
 "promised" a gain of 3e29, so every honest marginal in the mean game came out near -1.5e29):
-* the game's inputs are the gains clamped to [-1, 1] (a cross-entropy cannot fall below 0, and a
-  doubled loss is counted as the worst), so one player moves another's phi by a bounded amount;
+* a gain above 1 predicts a negative loss: it enters the score as 1 (the most a cross-entropy
+  can fall), and the game's inputs are the gains clamped to [-1, 1] (a doubled loss counted as
+  the worst), so one player moves another's phi by a bounded amount;
 * players whose first-order gain is not evidence -- gated as random, refuted by the exact check,
   or with a non-finite slope -- are left out of the game, and after a refutation the game is
   solved again (same permutations) without them.
@@ -140,7 +141,9 @@ def score_round_first_order(
     phi, used, exact = solve()
     method = "first_order_shapley" if not exact else "first_order_shapley_exact"
     estimate = MarginalEstimate(values=phi, method=method, evaluations=0, permutations=used)
-    scores = combine_scores(contributors, gains, estimate, diagnostics, config, zero_reasons=zero)
+    # A first-order gain above 1 predicts a negative loss: scored as 1, the most a loss can fall.
+    capped = [min(g, 1.0) for g in gains]
+    scores = combine_scores(contributors, capped, estimate, diagnostics, config, zero_reasons=zero)
 
     verified: list[int] = []
     refuted: list[int] = []
@@ -167,7 +170,7 @@ def score_round_first_order(
         if refuted:  # a refuted promise is no evidence: the others' marginals without it
             phi, used, exact = solve()
             estimate = MarginalEstimate(values=phi, method=method, evaluations=0, permutations=used)
-            scores = combine_scores(contributors, gains, estimate, diagnostics, config,
+            scores = combine_scores(contributors, capped, estimate, diagnostics, config,
                                     zero_reasons=zero)
     note = (f"{used} {'(all)' if exact else 'sampled'} permutations of the linear game; "
             f"{len(verified)} exact solo checks; {len(zero)} zeroed by the checks")
