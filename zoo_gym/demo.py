@@ -62,7 +62,8 @@ def main(
     clients: int = typer.Option(3, min=1, help="Contributor processes."),
     rounds: int = typer.Option(2, min=1, help="Federated rounds."),
     method: str = typer.Option("lora", help="lora, sft or grpo."),
-    aggregator: str = typer.Option("mean", help="DeltaSoup aggregator (mean, multi-krum, trimmed-mean, ...)."),
+    aggregator: Optional[str] = typer.Option(None, help="DeltaSoup aggregator (trimmed-mean, multi-krum, mean, "
+                                                        "...) [default: the server's, trimmed-mean]."),
     workdir: Optional[Path] = typer.Option(None, help="Keep state here (default: a temporary directory)."),
     max_steps: Optional[int] = typer.Option(None, help="Training steps per client per round."),
 ) -> None:
@@ -78,7 +79,8 @@ def main(
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     server = subprocess.Popen(
         _server_cmd("serve", "--state-dir", str(state_dir), "--port", "0", "--port-file", str(port_file),
-                    "--min-contributors", str(clients), "--round-timeout", "600", "--aggregator", aggregator),
+                    "--min-contributors", str(clients), "--round-timeout", "600",
+                    *(("--aggregator", aggregator) if aggregator else ())),
         stderr=open(logs / "server.log", "w"), env=env)
     procs = []
     try:

@@ -95,7 +95,8 @@ def test_multi_krum_drops_far_attackers_and_the_result_is_the_honest_mean(one_ro
     for attack in ("sign_flip", "scaling", "gaussian", "free_rider_zero"):
         cell = res["multi-krum"][attack]
         assert cell["byzantine_weight_per_round"] == [0.0], attack
-        assert cell["final_loss"] == honest_mean["final_loss"], attack
+        # the same four honest deltas, averaged with coefficients that may differ in the last bit
+        assert cell["final_loss"] == pytest.approx(honest_mean["final_loss"], rel=1e-6), attack
         clean = res["multi-krum"]["none"]["final_loss"]
         assert cell["within_tolerance"] is (cell["final_loss"] <= 1.05 * clean)
 

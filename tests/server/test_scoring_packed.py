@@ -25,11 +25,11 @@ def test_scoring_set_is_packed_and_equals_the_padded_evaluator(server_eval):
     ev = server_eval
     assert isinstance(ev.scoring, PackedScoringSet) and ev.scoring.batch.examples == 32
     padded = Evaluator(None, ev.scoring_set, model=ev.base.model, tokenizer=ev.base.tokenizer)
-    assert ev.scoring.loss(None) == pytest.approx(padded.loss(None), rel=1e-6)
+    assert ev.scoring.loss(None) == pytest.approx(padded.loss(None), rel=1e-5)  # float32 sums in another order: ~1e-7 here, CPU-dependent
     g = ev.gradient()
     assert ev.gradient() is g  # once per base
     ref = base_gradient(padded.model, padded._batches)  # noqa: SLF001 (its padded batches)
-    assert g.base_loss == pytest.approx(ref.base_loss, rel=1e-6)
+    assert g.base_loss == pytest.approx(ref.base_loss, rel=1e-5)  # float32 sums in another order: ~1e-7 here, CPU-dependent
     num = sum(float((g.grad[k] - v).norm() ** 2) for k, v in ref.grad.items()) ** 0.5
     assert num <= 1e-4 * ref.norm
 

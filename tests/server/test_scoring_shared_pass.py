@@ -48,13 +48,13 @@ def test_published_base_is_scored_with_the_evaluator_that_measured_it(tmp_path):
     sha = _commit(state, out)
     nxt = evaluator_for(state, config, sha)
     # Assert: the same held-out loss; the next round reuses the evaluator and its gradient
-    assert loss == pytest.approx(want, rel=1e-6)
+    assert loss == pytest.approx(want, rel=1e-5)  # float32 sums in another order: ~1e-7 here, CPU-dependent
     assert loss != pytest.approx(ev.loss(None), rel=1e-4)  # it measured the new weights
     assert nxt._gradient is not None  # noqa: SLF001 (computed in the held-out pass)
     fresh = ServerEvaluator(state.checkpoint_dir(sha), list(ev.examples))
     ref = fresh.gradient()
     g = nxt.gradient()
-    assert g.base_loss == pytest.approx(ref.base_loss, rel=1e-6)
+    assert g.base_loss == pytest.approx(ref.base_loss, rel=1e-5)  # float32 sums in another order: ~1e-7 here, CPU-dependent
     for k, v in ref.grad.items():
         assert float((g.grad[k] - v).norm()) <= 1e-4 * float(v.norm()) + 1e-9, k
     assert evaluator_for(state, config, sha) is nxt  # cached for the round

@@ -23,7 +23,8 @@ from zoo_gym.server.config import ConfigError, build_config, read_config_file
 from zoo_gym.server.state import StateError, init_state, open_state
 
 app = typer.Typer(help="Zoo Gym server: runs federated rounds, merges deltas, publishes checkpoints.",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  rich_markup_mode=None)  # help texts say "[default: ...]" literally
 ledger_app = typer.Typer(help="Inspect and verify the rewards ledger.", no_args_is_help=True)
 app.add_typer(ledger_app, name="ledger")
 
@@ -75,13 +76,19 @@ def serve(
     round_timeout: Optional[float] = typer.Option(None, help="Seconds before a round closes with >= min "
                                                              "submissions [default: 600]."),
     aggregator: Optional[str] = typer.Option(None, help="mean, median, trimmed-mean, krum, multi-krum, bulyan, "
-                                                        "geometric-median, centered-clip [default: mean]."),
+                                                        "geometric-median, centered-clip [default: trimmed-mean, robust; "
+                                                        "mean is an explicit choice]."),
     byzantine_f: Optional[int] = typer.Option(None, help="Byzantine contributors to tolerate (krum family)."),
     trim_beta: Optional[float] = typer.Option(None, help="Share trimmed from each side (trimmed-mean)."),
+    max_norm_ratio: Optional[float] = typer.Option(None, help="Refuse a delta whose L2 norm exceeds this many "
+                                                              "times the round's median norm [default: 10; "
+                                                              "not applied under DP]."),
     dp_noise_multiplier: Optional[float] = typer.Option(None, help="Gaussian noise std / clip norm (0 = off)."),
     dp_clip: Optional[float] = typer.Option(None, help="L2 clip norm C of each whole delta (DP)."),
     dp_target_epsilon: Optional[float] = typer.Option(None, help="Stop publishing before exceeding this epsilon."),
     reward_pool: Optional[int] = typer.Option(None, help="Integer reward units split each round."),
+    upload_idle_timeout: Optional[float] = typer.Option(None, help="Seconds an upload may send nothing before "
+                                                                   "it is dropped [default: 60]."),
     config: Optional[Path] = typer.Option(None, "--config", help="TOML or YAML settings; flags win over it."),
     db: Optional[str] = typer.Option(None, help="SQLAlchemy URL overriding the one chosen at init."),
     port_file: Optional[Path] = typer.Option(None, help="Write the bound port here once serving (for scripts)."),
@@ -95,7 +102,8 @@ def serve(
         cfg = build_config(file_values, host=host, port=port, min_contributors=min_contributors, quorum=quorum,
                            round_timeout=round_timeout, aggregator=aggregator, byzantine_f=byzantine_f,
                            trim_beta=trim_beta, dp_noise_multiplier=dp_noise_multiplier, dp_clip=dp_clip,
-                           dp_target_epsilon=dp_target_epsilon, reward_pool=reward_pool)
+                           dp_target_epsilon=dp_target_epsilon, reward_pool=reward_pool,
+                           max_norm_ratio=max_norm_ratio, upload_idle_timeout=upload_idle_timeout)
         from zoo_gym.aggregation import SoupConfig
 
         from zoo_gym.server.settlement import validate_rewards_settings
@@ -106,6 +114,11 @@ def serve(
         validate_rewards_settings(cfg)
         # the directory's lock, held until this process ends: a second serve of it is refused
         state = open_state(state_dir, db_url=db, exclusive=True)
+        from zoo_gym.server.sweep import sweep_storage
+
+        swept = sweep_storage(state)  # what a crash left behind, before any upload can be in flight
+        if swept.blobs or swept.scratch:
+            logging.getLogger("zoo_gym.server").info("%s", swept)
         from zoo_gym.server.servicer import build_server
 
         server, bound, rounds = build_server(state, cfg)  # refuses a port another process listens on
