@@ -1,7 +1,24 @@
-"""The chat format shared by pretraining, fine-tuning, evaluation and GRPO (ChatML, Qwen style).
+"""The chat format shared by pretraining, fine-tuning, evaluation and GRPO.
 
-The template puts the newline *before* each ``<|im_start|>`` rather than after ``<|im_end|>``, so a
-completion is exactly ``content<|im_end|>``: the loss and the generated answer stop at the end token.
+Training (TRL renders conversational rows with the tokenizer's chat template), evaluation and GRPO
+all read one template: the one in the checkpoint's tokenizer files. The published checkpoint carries
+it, so every contributor and the server render the same text.
+
+* The built-in tiny model ships ``CHAT_TEMPLATE`` (ChatML, Qwen style). It puts the newline *before*
+  each ``<|im_start|>`` rather than after ``<|im_end|>``, so a completion is exactly
+  ``content<|im_end|>``: the loss and the generated answer stop at the end token.
+* A base without a chat template (most base models) gets ``PLAIN_TEMPLATE`` at ``gym-server init``
+  (or the operator's ``--chat-template FILE``), stored in the genesis checkpoint's tokenizer files::
+
+      <system text>\\n\\n### Instruction:\\n<user text>\\n\\n### Response:\\n<answer><eos>
+
+  Turns are separated by a blank line placed *before* each turn, so a completion is exactly
+  ``answer`` followed by the tokenizer's eos token. ``load_tokenizer`` applies the same fallback to
+  any tokenizer that has no template, so a directory made outside ``init`` behaves identically.
+
+A completion is the text the full conversation adds to the prompt rendered with the generation
+prompt (``render_pair``); a template for which the prompt is not a prefix of the conversation is
+refused by ``check_template``.
 """
 
 from __future__ import annotations
@@ -15,6 +32,20 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '\\n<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+PLAIN_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if not loop.first %}{{ '\\n\\n' }}{% endif %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}"
+    "{% elif message['role'] == 'user' %}{{ '### Instruction:\\n' + message['content'] }}"
+    "{% else %}{{ '### Response:\\n' + message['content'] + eos_token }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ ('\\n\\n' if messages else '') + '### Response:\\n' }}{% endif %}"
+)
+
+
+class ChatTemplateError(ValueError):
+    """A tokenizer's chat template (or its special tokens) cannot render prompt/completion pairs."""
 
 
 def user_text(ex: dict) -> str:
@@ -35,7 +66,7 @@ def prompt_messages(ex: dict) -> list[dict]:
 
 
 def render_prompt(ex: dict) -> str:
-    """Prompt text ending with the assistant header (what generation starts from)."""
+    """The built-in ChatML prompt ending with the assistant header (the tiny model's format)."""
     parts = []
     for m in prompt_messages(ex):
         parts.append(f"{IM_START}{m['role']}\n{m['content']}{IM_END}")
@@ -43,4 +74,59 @@ def render_prompt(ex: dict) -> str:
 
 
 def render_completion(ex: dict) -> str:
+    """The built-in ChatML completion (the tiny model's format)."""
     return f"{ex['output']}{IM_END}"
+
+
+def ensure_chat_template(tokenizer):
+    """Give a tokenizer without a chat template ``PLAIN_TEMPLATE``, and one without a pad token its eos
+    token as pad. Returns the tokenizer (changed in place)."""
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = PLAIN_TEMPLATE
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _render(tokenizer, messages: list[dict], *, add_generation_prompt: bool) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # noqa: BLE001 - jinja errors of all kinds: say which template failed
+        raise ChatTemplateError(f"the chat template cannot render a conversation: {type(exc).__name__}: {exc}") from None
+
+
+def render_prompt_with(tokenizer, ex: dict) -> str:
+    """The prompt of ``ex`` in ``tokenizer``'s chat template, ending where the answer starts."""
+    return _render(tokenizer, prompt_messages(ex), add_generation_prompt=True)
+
+
+def render_pair(tokenizer, ex: dict) -> tuple[str, str]:
+    """(prompt, completion) text of ``ex`` in ``tokenizer``'s chat template.
+
+    The completion is what the conversation with the answer adds to the prompt (the same split TRL
+    trains on); where a template renders the last turn differently, the split is at the longest
+    common prefix."""
+    msgs = prompt_messages(ex)
+    prompt = _render(tokenizer, msgs, add_generation_prompt=True)
+    full = _render(tokenizer, msgs + [{"role": "assistant", "content": ex["output"]}], add_generation_prompt=False)
+    if full.startswith(prompt):
+        return prompt, full[len(prompt):]
+    k = 0
+    for a, b in zip(prompt, full):
+        if a != b:
+            break
+        k += 1
+    return prompt[:k], full[k:]
+
+
+def check_template(tokenizer) -> None:
+    """Raise ChatTemplateError (one sentence) unless the template renders a prompt/completion pair
+    whose completion holds the answer and ends the turn."""
+    if tokenizer.eos_token is None:
+        raise ChatTemplateError("the tokenizer has no eos token: a completion could never end; set eos_token "
+                                "in its tokenizer_config.json")
+    ex = {"instruction": "Add the numbers.", "input": "2+3", "output": "5"}
+    prompt, completion = render_pair(tokenizer, ex)
+    if "Add the numbers." not in prompt or "5" not in completion:
+        raise ChatTemplateError("the chat template does not render the user turn into the prompt and the "
+                                f"answer into the completion (prompt {prompt!r}, completion {completion!r})")

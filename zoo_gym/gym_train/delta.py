@@ -6,6 +6,11 @@ parameter. LoRA: ``LoraFactors(A (r, in), B (out, r) with the scaling folded in)
 weight's name, or the merged dense delta. PiSSA moves the principal part of W into the initial
 adapter, so its delta is ``s*B A - s*B0 A0``: factors of rank 2r ``[B, -B0] @ [A; A0]``. DoRA's
 magnitude vector makes the change not low-rank: its delta is always the merged dense one.
+
+GPT-2-style ``Conv1D`` layers store their weight as (in, out), the transpose of a Linear's. PEFT's LoRA
+on them runs with ``fan_in_fan_out`` and adds ``(B @ A).T``; the factors are sent as
+``LoraFactors(A=B.T, B=A.T)``, whose product ``A.T @ B.T == (B @ A).T`` is already in the base's layout,
+so the codec and the server never need to know the layer kind.
 """
 
 from __future__ import annotations
@@ -46,8 +51,9 @@ def dense_delta_from_models(base_state: dict[str, torch.Tensor], fine_model, nam
     out = {}
     for k in names:
         t = fine.get(k)
-        if t is None and k == "lm_head.weight":
-            t = fine.get("model.embed_tokens.weight")
+        if t is None and k == "lm_head.weight":  # tied output embedding, listed under the input's name
+            emb = fine_model.get_input_embeddings() if hasattr(fine_model, "get_input_embeddings") else None
+            t = emb.weight if emb is not None else fine.get("model.embed_tokens.weight")
         if t is None:
             raise KeyError(f"the trained model has no parameter {k!r} of the base checkpoint")
         out[k] = (t.detach().float().cpu() - base_state[k].float().cpu()).contiguous()
@@ -76,8 +82,18 @@ def lora_factors(peft_model, *, adapter: str = "default", initial: dict | None =
             A0, B0s = initial[key]
             A = torch.cat([A, A0], dim=0)  # (2r, in)
             B = torch.cat([B, -B0s], dim=1)  # (out, 2r)
+        if _fan_in_fan_out(module):  # Conv1D: the base stores (in, out); (B @ A).T == A.T @ B.T
+            A, B = B.T, A.T  # (r, out), (in, r)
         out[key] = LoraFactors(A=A.contiguous(), B=B.contiguous())
     return out
+
+
+def _fan_in_fan_out(module) -> bool:
+    """True for a LoRA layer over a weight stored (in, out) (GPT-2's Conv1D)."""
+    if getattr(module, "fan_in_fan_out", False):
+        return True
+    base = module.get_base_layer() if hasattr(module, "get_base_layer") else None
+    return type(base).__name__ == "Conv1D"
 
 
 def capture_initial_factors(peft_model, *, adapter: str = "default") -> dict:

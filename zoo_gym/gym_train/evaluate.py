@@ -2,8 +2,9 @@
 
 Used by the server (validation loss of a published checkpoint), by rewards scoring (base + one
 contributor's delta) and by the client (loss before/after a round). The loss is the mean
-next-token cross-entropy over completion tokens only (``output<|im_end|>``), token-weighted over the
-whole example set, so it does not depend on the batch size.
+next-token cross-entropy over completion tokens only (the answer and the end of its turn, split from the
+prompt by the checkpoint's own chat template: ``chat.render_pair``), token-weighted over the whole
+example set, so it does not depend on the batch size.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .chat import render_completion, render_prompt
+from .chat import ensure_chat_template, render_pair
 
 
 def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype = torch.float32, attn_implementation=None):
@@ -26,17 +27,21 @@ def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype = torch.floa
 
 
 def load_tokenizer(model_dir: str | pathlib.Path):
+    """The checkpoint's tokenizer; one without a chat template gets chat.PLAIN_TEMPLATE, one without a
+    pad token its eos token (chat.ensure_chat_template)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    return ensure_chat_template(AutoTokenizer.from_pretrained(str(model_dir)))
 
 
 def tokenize_examples(tokenizer, examples: list[dict]) -> list[tuple[list[int], list[int]]]:
-    """Each example -> (prompt ids, completion ids) with the chat template of chat.py."""
+    """Each example -> (prompt ids, completion ids) in the tokenizer's chat template (chat.render_pair)."""
+    ensure_chat_template(tokenizer)
     out = []
     for ex in examples:
-        p = tokenizer(render_prompt(ex), add_special_tokens=False)["input_ids"]
-        c = tokenizer(render_completion(ex), add_special_tokens=False)["input_ids"]
+        prompt, completion = render_pair(tokenizer, ex)
+        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        c = tokenizer(completion, add_special_tokens=False)["input_ids"]
         out.append((p, c))
     return out
 

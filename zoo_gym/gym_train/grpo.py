@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from .chat import prompt_messages, render_prompt
+from .chat import prompt_messages, render_prompt_with
 from .config import TrainConfig
 from .delta import adapter_delta, load_base_state
 from .evaluate import Evaluator, load_tokenizer
@@ -62,7 +62,7 @@ def mean_reward(model, tokenizer, examples: list[dict], *, max_new_tokens: int, 
     try:
         for i in range(0, len(examples), batch_size):
             chunk = examples[i:i + batch_size]
-            enc = tokenizer([render_prompt(e) for e in chunk], return_tensors="pt", padding=True,
+            enc = tokenizer([render_prompt_with(tokenizer, e) for e in chunk], return_tensors="pt", padding=True,
                             add_special_tokens=False).to(device)
             with torch.inference_mode():
                 out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
