@@ -1,17 +1,24 @@
-"""User training data: alpaca or sharegpt records in JSON (an array) or JSONL (one record a line).
+"""User training data: the record formats Hugging Face users have, normalised to one form.
 
-Everything is normalised to the alpaca form the built-in tasks use:
+Record formats (detected per record):
+
+* alpaca: ``instruction`` / ``input`` / ``output`` (optional ``system``, ``history``);
+* sharegpt: ``conversations`` of ``{"from": human|gpt|system, "value": ...}`` turns;
+* OpenAI / TRL conversational: ``messages`` of ``{"role": user|assistant|system, "content": ...}``;
+* TRL prompt-completion: ``prompt`` / ``completion``, as strings or as message lists;
+* plain ``text`` (continued pretraining), only where the caller accepts it (``allow_text=True``).
+
+Instruction records are normalised to the alpaca form the built-in tasks use:
 ``{"instruction": str, "input": str, "output": str}`` plus optional ``"system": str`` and
-``"history": [[user, assistant], ...]`` (earlier turns, the LLaMA-Factory alpaca convention).
-A malformed record is refused with a :class:`DataError` naming the file, the line (JSONL) or record
-index (JSON) and the field.
+``"history": [[user, assistant], ...]`` (earlier turns, the LLaMA-Factory alpaca convention); a
+``text`` record becomes ``{"text": str}``. Where the records come from (JSON, JSONL, Parquet, CSV, a
+``save_to_disk`` directory, a cached Hub id) is ``sources.py``. A malformed record is refused with a
+:class:`DataError` naming the file, the line (JSONL), record index (JSON) or row (tables) and the field.
 """
 
 from __future__ import annotations
 
-import json
 import pathlib
-from collections.abc import Iterable
 
 _USER_ROLES = {"human", "user"}
 _ASSISTANT_ROLES = {"gpt", "assistant", "model"}
@@ -62,7 +69,11 @@ def _alpaca(rec: dict, *, file: str, where: str) -> dict:
 
 def _sharegpt(rec: dict, *, file: str, where: str) -> dict:
     key = "conversations" if "conversations" in rec else "messages"
-    turns = rec[key]
+    return _turns(rec[key], key=key, file=file, where=where)
+
+
+def _turns(turns: object, *, key: str, file: str, where: str) -> dict:
+    role_f, text_f = (".from", ".value") if key == "conversations" else (".role", ".content")
     if not isinstance(turns, list) or not turns:
         raise DataError(file, where, key, "must be a non-empty list of turns")
     system, pairs, pending = "", [], None
@@ -73,25 +84,25 @@ def _sharegpt(rec: dict, *, file: str, where: str) -> dict:
         role = t.get("from", t.get("role"))
         text = t.get("value", t.get("content"))
         if not isinstance(role, str):
-            raise DataError(file, where, f + ".from", "missing or not a string ('human', 'gpt' or 'system')")
+            raise DataError(file, where, f + role_f, "missing or not a string ('human', 'gpt' or 'system')")
         if not isinstance(text, str):
-            raise DataError(file, where, f + ".value", "missing or not a string")
+            raise DataError(file, where, f + text_f, "missing or not a string")
         role = role.lower()
         if role == "system":
             if i != 0:
-                raise DataError(file, where, f + ".from", "a 'system' turn may only come first")
+                raise DataError(file, where, f + role_f, "a 'system' turn may only come first")
             system = text
         elif role in _USER_ROLES:
             if pending is not None:
-                raise DataError(file, where, f + ".from", "two user turns in a row; turns must alternate")
+                raise DataError(file, where, f + role_f, "two user turns in a row; turns must alternate")
             pending = text
         elif role in _ASSISTANT_ROLES:
             if pending is None:
-                raise DataError(file, where, f + ".from", "an assistant turn must follow a user turn")
+                raise DataError(file, where, f + role_f, "an assistant turn must follow a user turn")
             pairs.append([pending, text])
             pending = None
         else:
-            raise DataError(file, where, f + ".from", f"unknown role {role!r} (use human, gpt or system)")
+            raise DataError(file, where, f + role_f, f"unknown role {role!r} (use human, gpt or system)")
     if pending is not None or not pairs:
         raise DataError(file, where, key, "must end with an assistant ('gpt') turn")
     user, answer = pairs[-1]
@@ -107,51 +118,63 @@ def _sharegpt(rec: dict, *, file: str, where: str) -> dict:
     return out
 
 
-def normalise_record(rec: object, *, file: str = "<memory>", where: str = "record 0") -> dict:
-    """One alpaca or sharegpt record -> the normalised alpaca dict (raises :class:`DataError`)."""
+def _prompt_completion(rec: dict, *, file: str, where: str) -> dict:
+    """TRL's prompt-completion form: two strings, or two message lists (conversational)."""
+    prompt, completion = rec.get("prompt"), rec.get("completion")
+    if isinstance(prompt, list) or isinstance(completion, list):
+        for key, v in (("prompt", prompt), ("completion", completion)):
+            if not isinstance(v, list) or not v:
+                raise DataError(file, where, key, "must be a non-empty list of messages (as the other one is)")
+        return _turns(prompt + completion, key="messages", file=file, where=where)
+    out = {"instruction": _need_str(rec, "prompt", file=file, where=where), "input": "",
+           "output": _need_str(rec, "completion", file=file, where=where)}
+    if not out["instruction"].strip():
+        raise DataError(file, where, "prompt", "is empty")
+    if not out["output"].strip():
+        raise DataError(file, where, "completion", "is empty (nothing to learn from)")
+    return out
+
+
+def _text(rec: dict, *, file: str, where: str, allow_text: bool) -> dict:
+    if not allow_text:
+        raise DataError(file, where, "text", "plain text (continued pretraining) cannot be used here: give "
+                        "instruction records (alpaca, sharegpt, messages or prompt/completion)")
+    text = _need_str(rec, "text", file=file, where=where)
+    if not text.strip():
+        raise DataError(file, where, "text", "is empty (nothing to learn from)")
+    return {"text": text}
+
+
+def normalise_record(rec: object, *, file: str = "<memory>", where: str = "record 0",
+                     allow_text: bool = False) -> dict:
+    """One record in any supported format -> the normalised dict (raises :class:`DataError`)."""
     if not isinstance(rec, dict):
         raise DataError(file, where, "<record>", f"must be a JSON object, got {type(rec).__name__}")
-    if "conversations" in rec or "messages" in rec:
-        return _sharegpt(rec, file=file, where=where)
-    if "instruction" in rec or "output" in rec:
+    present = {k for k, v in rec.items() if v is not None}  # table sources hold every column in every row
+    if present & {"conversations", "messages"}:
+        return _sharegpt({k: rec[k] for k in present}, file=file, where=where)
+    if "prompt" in present or ("completion" in present and "output" not in present):
+        return _prompt_completion(rec, file=file, where=where)
+    if present & {"instruction", "output"}:
         return _alpaca(rec, file=file, where=where)
+    if "text" in present:
+        return _text(rec, file=file, where=where, allow_text=allow_text)
     raise DataError(
         file, where, "instruction",
-        "missing: a record needs alpaca fields (instruction, input, output) or sharegpt 'conversations'",
+        "missing: a record needs alpaca fields (instruction, input, output), sharegpt 'conversations', "
+        "'messages', 'prompt'/'completion'" + (" or 'text'" if allow_text else ""),
     )
 
 
-def _records(path: pathlib.Path) -> Iterable[tuple[str, object]]:
-    text = path.read_text(encoding="utf-8")
-    if path.suffix.lower() == ".jsonl":
-        for n, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                yield f"line {n}", json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(str(path), f"line {n}", "<json>", f"not valid JSON ({e.msg} at column {e.colno})")
-        return
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DataError(str(path), f"line {e.lineno}", "<json>", f"not valid JSON ({e.msg} at column {e.colno})")
-    if isinstance(data, dict) and isinstance(data.get("data"), list):
-        data = data["data"]
-    if not isinstance(data, list):
-        raise DataError(str(path), "line 1", "<json>", "a .json file must hold an array of records (or use .jsonl)")
-    for i, rec in enumerate(data):
-        yield f"record {i}", rec
+def load_examples(path: str | pathlib.Path, *, allow_text: bool = False) -> list[dict]:
+    """Read and normalise every record of ``path`` (a .json/.jsonl/.parquet/.csv file, a ``save_to_disk``
+    directory or a dataset id in the local Hugging Face cache); alpaca dicts, plus ``{"text": ...}``
+    records when ``allow_text``. Raises :class:`DataError` naming the source, line or row, and field."""
+    from .sources import iter_records
 
-
-def load_examples(path: str | pathlib.Path) -> list[dict]:
-    """Read alpaca or sharegpt records from ``.json`` or ``.jsonl``; return normalised alpaca dicts."""
-    p = pathlib.Path(path)
-    if p.suffix.lower() not in (".json", ".jsonl"):
-        raise DataError(str(p), "line 1", "<file>", "unsupported file type; use .json or .jsonl")
-    if not p.is_file():
-        raise DataError(str(p), "line 1", "<file>", "no such file")
-    out = [normalise_record(rec, file=str(p), where=where) for where, rec in _records(p)]
+    name = str(path)
+    out = [normalise_record(rec, file=name, where=where, allow_text=allow_text)
+           for where, rec in iter_records(path)]
     if not out:
-        raise DataError(str(p), "line 1", "<file>", "holds no records")
+        raise DataError(name, "line 1", "<file>", "holds no records")
     return out
