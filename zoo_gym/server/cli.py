@@ -29,6 +29,9 @@ ledger_app = typer.Typer(help="Inspect and verify the rewards ledger.", no_args_
 app.add_typer(ledger_app, name="ledger")
 
 StateDir = typer.Option(..., "--state-dir", help="Directory holding the server's database, blobs and key.")
+VALIDATION_HELP = ("Held-out examples the server evaluates every checkpoint on: alpaca records "
+                   "(instruction / input / output) or sharegpt records (conversations), as .json or .jsonl "
+                   "(what zoo_gym.gym_train.formats.load_examples reads).")
 
 
 def _fail(message: str) -> None:
@@ -55,10 +58,21 @@ def init(
     base_model: str = typer.Option("tiny", help="'tiny' (built in), a local HF model directory, or a model "
                                                 "id already in the local Hugging Face cache."),
     db: Optional[str] = typer.Option(None, help="SQLAlchemy URL (default: SQLite in the state dir)."),
+    chat_template: Optional[Path] = typer.Option(
+        None, "--chat-template", help="Jinja chat-template file written into the genesis tokenizer, used by every "
+        "client's training and the server's evaluation [default: the base's own; a base without one gets the "
+        "plain format '### Instruction:\\n...\\n\\n### Response:\\n<answer><eos>']."),
+    validation_data: Optional[Path] = typer.Option(
+        None, "--validation-data", help=VALIDATION_HELP + " Copied into the state directory; `serve` uses it "
+        "unless given another [default: the built-in task's validation set]."),
 ) -> None:
-    """Create the state: database, blob store, genesis checkpoint (round 0), the server's Ed25519 key."""
+    """Create the state: database, blob store, genesis checkpoint (round 0), the server's Ed25519 key.
+
+    Refuses, in one line and creating nothing, a base that a client could not train with LoRA or the
+    server could not evaluate (it tries one training step on two examples and the server's evaluator)."""
     with _one_line_errors():
-        state = init_state(state_dir, base_model=base_model, db_url=db)
+        state = init_state(state_dir, base_model=base_model, db_url=db, chat_template=chat_template,
+                           validation_file=validation_data)
         from zoo_gym.server.models import Round
 
         with state.session() as s:
@@ -89,6 +103,9 @@ def serve(
     reward_pool: Optional[int] = typer.Option(None, help="Integer reward units split each round."),
     upload_idle_timeout: Optional[float] = typer.Option(None, help="Seconds an upload may send nothing before "
                                                                    "it is dropped [default: 60]."),
+    validation_data: Optional[Path] = typer.Option(
+        None, "--validation-data", help=VALIDATION_HELP + " [default: the file given to `init`, else the built-in "
+        "task's validation set]."),
     config: Optional[Path] = typer.Option(None, "--config", help="TOML or YAML settings; flags win over it."),
     db: Optional[str] = typer.Option(None, help="SQLAlchemy URL overriding the one chosen at init."),
     port_file: Optional[Path] = typer.Option(None, help="Write the bound port here once serving (for scripts)."),
@@ -103,7 +120,12 @@ def serve(
                            round_timeout=round_timeout, aggregator=aggregator, byzantine_f=byzantine_f,
                            trim_beta=trim_beta, dp_noise_multiplier=dp_noise_multiplier, dp_clip=dp_clip,
                            dp_target_epsilon=dp_target_epsilon, reward_pool=reward_pool,
-                           max_norm_ratio=max_norm_ratio, upload_idle_timeout=upload_idle_timeout)
+                           max_norm_ratio=max_norm_ratio, upload_idle_timeout=upload_idle_timeout,
+                           validation_file=str(validation_data) if validation_data is not None else None)
+        if cfg.validation_file is not None:
+            from zoo_gym.gym_train.formats import load_examples
+
+            load_examples(Path(cfg.validation_file))  # a DataError names file, line and field
         from zoo_gym.aggregation import SoupConfig
 
         from zoo_gym.server.settlement import validate_rewards_settings
@@ -114,6 +136,8 @@ def serve(
         validate_rewards_settings(cfg)
         # the directory's lock, held until this process ends: a second serve of it is refused
         state = open_state(state_dir, db_url=db, exclusive=True)
+        if cfg.validation_file is None and state.validation_file is not None:
+            cfg.validation_file = str(state.validation_file)  # chosen at init
         from zoo_gym.server.sweep import sweep_storage
 
         swept = sweep_storage(state)  # what a crash left behind, before any upload can be in flight
@@ -176,6 +200,23 @@ def status(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--js
     for c in doc["checkpoints"]:
         loss = f"{c['heldout_loss']:.4f}" if c["heldout_loss"] is not None else "-"
         typer.echo(f"  round {c['round']:>3}  {c['sha256'][:12]}  {c['bytes']:>10} bytes  held-out loss {loss}")
+
+
+@app.command()
+def export(
+    out: Path = typer.Argument(..., help="New (or empty) directory to write the Hugging Face model into."),
+    state_dir: Path = StateDir,
+    round_id: Optional[int] = typer.Option(None, "--round", help="Round whose published checkpoint to export "
+                                                                 "(0 = the base) [default: the latest]."),
+) -> None:
+    """Write a published checkpoint as a plain Hugging Face directory (loads with from_pretrained) with a
+    README.md model card: base model, lineage, contributors, privacy spent, held-out loss per round."""
+    with _one_line_errors():
+        state = open_state(state_dir)
+        from zoo_gym.server.export import export_checkpoint
+
+        ckpt = export_checkpoint(state, out, round_id=round_id)
+    typer.echo(f"exported round {ckpt.round_id} checkpoint {ckpt.sha256[:12]} to {out}")
 
 
 @ledger_app.command("verify")

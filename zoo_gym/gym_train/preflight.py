@@ -1,0 +1,72 @@
+"""Can a contributor train this base? One real LoRA step, checked before a federation starts on it.
+
+``check_trainable`` runs ``train()`` exactly as a client does (TRL's SFTTrainer, PEFT LoRA, the
+checkpoint's chat template) for one optimizer step on two examples, then checks that the delta names
+only weights of the base, in the base's shapes, and is finite. Any failure becomes one ``PreflightError``
+sentence naming the cause, so ``gym-server init`` refuses the base instead of every client failing later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pathlib
+import warnings
+
+import torch
+
+
+class PreflightError(RuntimeError):
+    """This base cannot be trained (or evaluated) the way the federation needs; the message says why."""
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def check_template(model_dir: str | pathlib.Path) -> None:
+    """PreflightError unless the checkpoint's tokenizer renders prompt/completion pairs."""
+    from .chat import ChatTemplateError, check_template as check
+    from .evaluate import load_tokenizer
+
+    try:
+        check(load_tokenizer(model_dir))
+    except ChatTemplateError as exc:
+        raise PreflightError(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - a tokenizer that does not load at all
+        raise PreflightError(f"its tokenizer does not load: {_first_line(exc)}") from None
+
+
+def check_trainable(model_dir: str | pathlib.Path, examples: list[dict]) -> None:
+    """One LoRA step of ``train()`` on the first two of ``examples``; PreflightError when it cannot run or
+    its delta does not fit the base."""
+    from .config import TrainConfig
+    from .delta import base_parameter_names
+    from .evaluate import dense_delta
+    from .train import train
+
+    model_dir = pathlib.Path(model_dir)
+    check_template(model_dir)
+    examples = list(examples)[:2]
+    if not examples:
+        raise PreflightError("no examples to try a training step on")
+    cfg = TrainConfig(method="lora", max_steps=1, batch_size=len(examples), warmup_steps=0)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")  # deprecations and PEFT's Conv1D notice are not the operator's
+            result = train(model_dir, examples, cfg, base_sha256="preflight", eval_examples=[])
+    except Exception as exc:  # noqa: BLE001 - whatever breaks a client's first step breaks it here
+        raise PreflightError(f"one LoRA training step fails: {_first_line(exc)}") from None
+    shapes = base_parameter_names(model_dir)
+    if not result.delta:
+        raise PreflightError("LoRA found no layers to adapt (target_modules='all-linear' matched nothing)")
+    for name, value in result.delta.items():
+        d = dense_delta(value)
+        if name not in shapes:
+            raise PreflightError(f"a LoRA delta names {name!r}, which is not a tensor of the base checkpoint")
+        if tuple(d.shape) != tuple(shapes[name]):
+            raise PreflightError(f"the LoRA delta of {name!r} has shape {list(d.shape)}, the base has "
+                                 f"{list(shapes[name])}")
+        if not bool(torch.isfinite(d).all()):
+            raise PreflightError(f"one LoRA training step gives non-finite values in {name!r}")

@@ -1,0 +1,64 @@
+"""`gym-server export`: a published checkpoint as a plain Hugging Face directory with a model card.
+
+The checkpoint tar is unpacked from the blob store (zoo_gym.proto.archive, which refuses anything but
+flat plain files) and a README.md model card is written from the lineage of the chain genesis -> this
+checkpoint (Checkpoint rows: manifest, held-out loss, time). The directory loads with
+``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sqlmodel import select
+
+from zoo_gym.proto import archive
+from zoo_gym.server.model_card import round_summary, write_model_card
+from zoo_gym.server.models import Checkpoint
+from zoo_gym.server.state import ServerState, StateError
+
+
+def checkpoint_of_round(state: ServerState, round_id: int | None = None) -> Checkpoint:
+    """The checkpoint published by `round_id` (0 = genesis; None = the latest published)."""
+    with state.session() as s:
+        q = select(Checkpoint)
+        q = q.where(Checkpoint.round_id == round_id) if round_id is not None else q
+        row = s.exec(q.order_by(Checkpoint.round_id.desc())).first()
+    if row is None:
+        raise StateError(f"round {round_id} has published no checkpoint; `gym-server status` lists those that exist"
+                         if round_id is not None else "no checkpoint has been published")
+    return row
+
+
+def lineage(state: ServerState, ckpt: Checkpoint) -> list[Checkpoint]:
+    """The chain genesis -> `ckpt` by parent sha256 (genesis first)."""
+    chain, seen = [ckpt], {ckpt.sha256}
+    with state.session() as s:
+        while chain[-1].parent_sha256:
+            parent = s.get(Checkpoint, chain[-1].parent_sha256)
+            if parent is None or parent.sha256 in seen:
+                break
+            seen.add(parent.sha256)
+            chain.append(parent)
+    return chain[::-1]
+
+
+def card_rows(chain: list[Checkpoint]) -> list[dict]:
+    return [round_summary(json.loads(c.manifest_json or "{}"), sha256=c.sha256, heldout_loss=c.heldout_loss,
+                          created_at=c.created_at.isoformat() if c.created_at else None) for c in chain]
+
+
+def export_checkpoint(state: ServerState, out: Path, *, round_id: int | None = None) -> Checkpoint:
+    """Unpack the checkpoint of `round_id` (default: the latest) into `out` (absent or empty) with a
+    README.md model card; return its row."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise StateError(f"{out} exists and is not an empty directory; export into a new one")
+    ckpt = checkpoint_of_round(state, round_id)
+    blob = state.blobs.path(ckpt.sha256)
+    if not Path(blob).is_file():
+        raise StateError(f"the blob of checkpoint {ckpt.sha256[:12]} is missing from {state.blobs.root}")
+    archive.unpack(blob, out)
+    write_model_card(out, card_rows(lineage(state, ckpt)), base_model=state.base_model)
+    return ckpt
