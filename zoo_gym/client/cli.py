@@ -11,6 +11,8 @@ from typing import Optional
 import grpc
 import typer
 
+from zoo_gym.client.train_settings import with_train_options
+
 app = typer.Typer(help="Zoo Gym contributor: fine-tune the federation's model on your data and earn rewards.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
@@ -29,40 +31,60 @@ def _say(message: str) -> None:
 
 
 @app.command()
+@with_train_options
 def join(
     server: str = typer.Option(..., "--server", help="HOST:PORT of the gym-server."),
     data: str = typer.Option("builtin", help="'builtin' (your own shard of the built-in data, chosen from your "
-                                             "key) or an alpaca/sharegpt .json/.jsonl file."),
-    method: str = typer.Option("lora", help="lora, sft (full fine-tune) or grpo."),
+                                             "key); a .json, .jsonl, .parquet or .csv file; a datasets "
+                                             "save_to_disk directory; or a Hub dataset id already in your "
+                                             "Hugging Face cache (never downloaded). Records: alpaca "
+                                             "(instruction/input/output), sharegpt (conversations), messages "
+                                             "(role/content) or prompt/completion."),
+    method: Optional[str] = typer.Option(None, help="lora, sft (full fine-tune) or grpo \\[default: lora].",
+                                         rich_help_panel="Training"),
     rounds: int = typer.Option(1, min=1, help="Rounds to contribute to before exiting."),
     key: Optional[Path] = typer.Option(None, help="Ed25519 key (PEM); created if missing "
-                                                  "[default: ~/.zoo-gym/contributor.pem]."),
-    workdir: Optional[Path] = typer.Option(None, help="Cache for checkpoints and codec state [default: ~/.zoo-gym]."),
+                                                  "\\[default: ~/.zoo-gym/contributor.pem]."),
+    workdir: Optional[Path] = typer.Option(None, help="Cache for checkpoints and codec state \\[default: ~/.zoo-gym]."),
     codec: str = typer.Option("auto", help="auto (smallest exact-enough per tensor), bitdelta, int8, int4, "
                                            "fp16, bf16 or lora."),
     group_size: int = typer.Option(128, help="BitDelta/int scale group along each row (0 = one scale per row, "
                                              "-1 = one per tensor)."),
-    max_steps: Optional[int] = typer.Option(None, help="Training steps per round [default: the method's]."),
     shard: Optional[int] = typer.Option(None, help="Built-in data shard (default: picked from your key)."),
     n_shards: int = typer.Option(64, help="Number of built-in data shards."),
     name: str = typer.Option("", help="Display name shown to the operator."),
-    threads: Optional[int] = typer.Option(None, help="CPU threads for training [default: torch's]."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads for training \\[default: torch's]."),
     no_wait: bool = typer.Option(False, "--no-wait", help="Exit right after the last upload."),
     as_json: bool = typer.Option(False, "--json", help="Print the per-round summaries as JSON on stdout."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
+    train_flags: dict = None,
+    train_config_file: Optional[Path] = None,
 ) -> None:
-    """Join a federation: each round download the base, train, compress, sign and upload your delta."""
+    """Join a federation: each round download the base, train, compress, sign and upload your delta.
+
+    Every training setting is a flag below (TRL/PEFT names; LLaMA-Factory's lora_rank, cutoff_len, per_device_train_batch_size, lora_target also work) or a key of --config train.yaml|toml (flags win). The data and the settings are checked before contacting the server.
+    """
     from zoo_gym.client.connection import ServerUnreachable
     from zoo_gym.client.join import JoinError, JoinOptions
     from zoo_gym.client.join import join as run_join
     from zoo_gym.proto.signing import SignatureError
 
-    if method not in METHODS:
+    from zoo_gym.client.train_settings import resolve
+    from zoo_gym.gym_train.sources import FILE_SUFFIXES, looks_like_hub_id
+
+    if method is not None and method not in METHODS:
         _fail(f"--method must be one of {', '.join(METHODS)}")
     if codec not in CODECS:
         _fail(f"--codec must be one of {', '.join(CODECS)}")
-    if data != "builtin" and not Path(data).is_file():
-        _fail(f"--data {data}: no such file (use 'builtin' or an alpaca/sharegpt .json/.jsonl file)")
+    if data != "builtin" and not Path(data).exists() and not looks_like_hub_id(data):
+        _fail(f"--data {data}: no such file or directory (use 'builtin', a {'/'.join(FILE_SUFFIXES)} file, "
+              "a save_to_disk directory or a cached Hub dataset id)")
+    try:
+        method, train_overrides = resolve(train_flags or {}, train_config_file, method=method)
+    except ValueError as exc:
+        _fail(str(exc))
+    if method not in METHODS:
+        _fail(f"method must be one of {', '.join(METHODS)}, got {method!r} from --config")
     if threads:
         import torch
 
@@ -70,7 +92,7 @@ def join(
     home = workdir or DEFAULT_HOME
     opts = JoinOptions(server=server, workdir=home, key_path=key or DEFAULT_HOME / "contributor.pem", rounds=rounds,
                        data=data, method=method, codec=codec, group_size=(None if group_size == 0 else group_size),
-                       max_steps=max_steps, shard=shard, n_shards=n_shards, display_name=name,
+                       train_overrides=train_overrides, shard=shard, n_shards=n_shards, display_name=name,
                        wait_for_publish=not no_wait, progress=not quiet and sys.stderr.isatty())
     try:
         summaries = run_join(opts, say=_say)
@@ -87,7 +109,7 @@ def join(
 @app.command()
 def rewards(
     server: str = typer.Option(..., "--server", help="HOST:PORT of the gym-server."),
-    key: Optional[Path] = typer.Option(None, help="Your Ed25519 key [default: ~/.zoo-gym/contributor.pem]."),
+    key: Optional[Path] = typer.Option(None, help="Your Ed25519 key \\[default: ~/.zoo-gym/contributor.pem]."),
     contributor: Optional[str] = typer.Option(None, help="Contributor id to query (default: your key's)."),
     limit: int = typer.Option(20, help="Recent entries to show."),
     verify: bool = typer.Option(False, "--verify", help="Check every entry's hash and the server's signature."),

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -14,6 +15,9 @@ from zoo_gym.client.connection import ServerUnreachable, open_stub, with_retries
 from zoo_gym.client.download import fetch_checkpoint
 from zoo_gym.client.upload import build_header, register_request, request_stream
 from zoo_gym.proto import gym_pb2, signing
+
+if TYPE_CHECKING:
+    from zoo_gym.gym_train import TrainConfig
 
 DEFAULT_SHARDS = 64  # built-in data is split into this many disjoint shards; a key picks one
 
@@ -41,14 +45,43 @@ class JoinOptions:
     wait_for_publish: bool = True
     progress: bool = True
     max_wait: float = 900.0
-    train_overrides: dict = field(default_factory=dict)
+    train_overrides: dict = field(default_factory=dict)  # TrainConfig keywords (gym-client join's training flags)
 
 
-def _examples(opts: JoinOptions, contributor_id: str) -> tuple[list[dict], list[dict], str]:
+def _held_count(n: int) -> int:
+    return max(2, min(64, n // 10))
+
+
+def prepare(opts: JoinOptions) -> tuple[TrainConfig, list[dict] | None]:
+    """(the round's TrainConfig, the user's examples or None for built-in data), checked before anything
+    touches the network: a bad data file, setting or combination fails here (ValueError, or JoinError)."""
+    from zoo_gym import gym_train
+    from zoo_gym.client.train_settings import check_round
+
+    settings = {"method": opts.method, **({"max_steps": opts.max_steps} if opts.max_steps else {}),
+                **opts.train_overrides}
+    config = gym_train.TrainConfig(**settings)
+    examples = None
+    if opts.data == "builtin":
+        n = opts.n_examples
+    else:
+        examples = gym_train.load_examples(opts.data)
+        n = len(examples)
+        if n < 4:
+            raise JoinError(f"{opts.data} ({n} examples): at least 4 examples are needed "
+                            "(some are held out to measure the round)")
+    return check_round(config, n_train=n - _held_count(n)), examples
+
+
+def _examples(opts: JoinOptions, contributor_id: str, user_examples: list[dict] | None = None
+              ) -> tuple[list[dict], list[dict], str]:
     """(train, local held-out, description) for this contributor."""
     from zoo_gym import gym_train
 
-    if opts.data == "builtin":
+    if user_examples is not None:
+        examples = user_examples
+        desc = f"{opts.data} ({len(examples)} examples)"
+    elif opts.data == "builtin":
         shard = opts.shard if opts.shard is not None else int(contributor_id[:8], 16) % opts.n_shards
         task = "grpo" if opts.method == "grpo" else "default"
         examples = gym_train.builtin_examples(task, shard=shard, n_shards=opts.n_shards, n=opts.n_examples)
@@ -58,7 +91,7 @@ def _examples(opts: JoinOptions, contributor_id: str) -> tuple[list[dict], list[
         desc = f"{opts.data} ({len(examples)} examples)"
     if len(examples) < 4:
         raise JoinError(f"{desc}: at least 4 examples are needed (some are held out to measure the round)")
-    n_held = max(2, min(64, len(examples) // 10))
+    n_held = _held_count(len(examples))
     return examples[n_held:], examples[:n_held], desc
 
 
@@ -77,6 +110,7 @@ def join(opts: JoinOptions, *, say: Callable[[str], None] = print) -> list[dict]
     """Run `opts.rounds` rounds; return one summary dict per submitted round."""
     from zoo_gym import gym_train
 
+    config, user_examples = prepare(opts)
     key, created = signing.load_or_create_key(opts.key_path)
     if created:
         say(f"created a new contributor key at {opts.key_path}")
@@ -96,7 +130,7 @@ def join(opts: JoinOptions, *, say: Callable[[str], None] = print) -> list[dict]
         raise JoinError(str(exc)) from exc
     say(f"contributor {cid} {'registered' if reg.created else 'already registered'} at {opts.server}")
     opts.workdir.mkdir(parents=True, exist_ok=True)
-    train_ex, held_ex, desc = _examples(opts, cid)
+    train_ex, held_ex, desc = _examples(opts, cid, user_examples)
     say(f"training data: {desc}")
     feedback = None
     if opts.error_feedback and opts.codec not in ("fp16", "bf16", "fp32", "lora"):
@@ -107,8 +141,6 @@ def join(opts: JoinOptions, *, say: Callable[[str], None] = print) -> list[dict]
         model_dir = fetch_checkpoint(stub, info.base_sha256, info.base_size, opts.workdir, progress=opts.progress,
                                      retry=lambda fn: retry(fn, "download"))
         say(f"round {info.round_id}: training ({opts.method}) on base {info.base_sha256[:12]}")
-        config = gym_train.TrainConfig(method=opts.method, **({"max_steps": opts.max_steps} if opts.max_steps else {}),
-                                       **opts.train_overrides)
         result = gym_train.train(model_dir, train_ex, config, base_sha256=info.base_sha256,
                                  eval_examples=held_ex, progress=opts.progress)
         payload = _payload(result, opts, feedback)

@@ -6,9 +6,11 @@ short steps, well under a minute on two CPU cores.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 METHODS = ("lora", "sft", "grpo")
+DEVICES = ("auto", "cpu", "cuda", "mps")
 
 
 class TrainConfigError(ValueError):
@@ -17,38 +19,72 @@ class TrainConfigError(ValueError):
 
 @dataclass
 class TrainConfig:
-    method: str = field(default="lora", metadata={"help": "lora | sft (full fine-tune) | grpo (LoRA + GRPO)"})
-    max_steps: int = field(default=150, metadata={"help": "optimizer steps of the round"})
-    batch_size: int = field(default=16, metadata={"help": "examples per step (grpo: prompts x generations)"})
-    learning_rate: float = field(default=3e-3, metadata={"help": "peak learning rate (linear decay)"})
-    warmup_steps: int = field(default=5, metadata={"help": "linear warm-up steps"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
-    max_length: int = field(default=256, metadata={"help": "tokens per example (longer ones are cut)"})
+    method: str = field(default="lora", metadata={"help": "lora | sft (full fine-tune) | grpo (LoRA + GRPO)",
+                                                   "group": "Training"})
+    max_steps: int = field(default=150, metadata={"help": "optimizer steps of the round", "group": "Training"})
+    num_train_epochs: float | None = field(default=None, metadata={
+        "help": "passes over your training examples instead of max_steps (the client turns them into steps)",
+        "group": "Training", "aliases": ("epochs",)})
+    batch_size: int = field(default=16, metadata={
+        "help": "examples per device step (grpo: prompts x generations)", "group": "Training",
+        "aliases": ("per_device_train_batch_size",)})
+    gradient_accumulation_steps: int = field(default=1, metadata={
+        "help": "steps whose gradients are summed before one optimizer step", "group": "Training"})
+    learning_rate: float = field(default=3e-3, metadata={"help": "peak learning rate (linear decay)",
+                                                         "group": "Training", "aliases": ("lr",)})
+    warmup_steps: int = field(default=5, metadata={"help": "linear warm-up steps (fewer than the round's steps)",
+                                                   "group": "Training"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay", "group": "Training"})
+    max_length: int = field(default=256, metadata={"help": "tokens per example (longer ones are cut)",
+                                                   "group": "Training", "aliases": ("cutoff_len",)})
+    seed: int = field(default=0, metadata={"help": "seed of init, data order, dropout, sampling and DP noise",
+                                           "group": "Training"})
     # LoRA (PEFT), used by lora and grpo
-    lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
-    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha (scaling alpha/r, or alpha/sqrt(r))"})
-    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input"})
-    target_modules: str | list[str] = field(default="all-linear", metadata={"help": "PEFT target_modules"})
-    use_dora: bool = field(default=False, metadata={"help": "DoRA (PEFT use_dora)"})
-    use_rslora: bool = field(default=False, metadata={"help": "rank-stabilised LoRA (PEFT use_rslora)"})
-    init_lora_weights: bool | str = field(default=True, metadata={"help": "PEFT init_lora_weights (True, 'pissa', ...)"})
-    merged_delta: bool = field(default=False, metadata={"help": "lora/grpo: dense merged delta instead of factors"})
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank (PEFT r)", "group": "LoRA",
+                                             "aliases": ("lora_rank", "r")})
+    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha (scaling alpha/r, or alpha/sqrt(r))",
+                                                      "group": "LoRA"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input", "group": "LoRA"})
+    target_modules: str | list[str] = field(default="all-linear", metadata={
+        "help": "PEFT target_modules: all-linear or comma-separated module names", "group": "LoRA",
+        "aliases": ("lora_target",)})
+    use_dora: bool = field(default=False, metadata={"help": "DoRA (PEFT use_dora)", "group": "LoRA"})
+    use_rslora: bool = field(default=False, metadata={"help": "rank-stabilised LoRA (PEFT use_rslora)",
+                                                      "group": "LoRA"})
+    init_lora_weights: bool | str = field(default=True, metadata={
+        "help": "PEFT init_lora_weights: true, false, gaussian, pissa, pissa_niter_N, olora ...",
+        "group": "LoRA"})
+    merged_delta: bool = field(default=False, metadata={"help": "lora/grpo: dense merged delta instead of factors",
+                                                        "group": "LoRA"})
     # GRPO (TRL GRPOTrainer)
-    grpo_num_generations: int = field(default=8, metadata={"help": "completions per prompt"})
-    grpo_max_completion_length: int = field(default=6, metadata={"help": "tokens generated per completion"})
-    grpo_temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
-    grpo_beta: float = field(default=0.0, metadata={"help": "KL coefficient (0: no reference model)"})
-    grpo_importance_sampling_level: str = field(default="token", metadata={"help": "token | sequence (GSPO)"})
-    grpo_eval_prompts: int = field(default=64, metadata={"help": "prompts for reward_before/after"})
+    grpo_num_generations: int = field(default=8, metadata={"help": "completions per prompt", "group": "GRPO"})
+    grpo_max_completion_length: int = field(default=6, metadata={"help": "tokens generated per completion",
+                                                                 "group": "GRPO"})
+    grpo_temperature: float = field(default=1.0, metadata={"help": "sampling temperature", "group": "GRPO"})
+    grpo_beta: float = field(default=0.0, metadata={"help": "KL coefficient (0: no reference model)",
+                                                    "group": "GRPO"})
+    grpo_importance_sampling_level: str = field(default="token", metadata={"help": "token | sequence (GSPO)",
+                                                                           "group": "GRPO"})
+    grpo_eval_prompts: int = field(default=64, metadata={"help": "prompts for reward_before/after", "group": "GRPO"})
     # DP-SGD (Opacus), sft and lora
-    dp_noise_multiplier: float | None = field(default=None, metadata={"help": "Gaussian noise / max_grad_norm"})
-    dp_max_grad_norm: float = field(default=1.0, metadata={"help": "per-example gradient clip"})
-    dp_target_epsilon: float | None = field(default=None, metadata={"help": "noise chosen to spend this epsilon"})
-    dp_delta: float = field(default=1e-5, metadata={"help": "DP delta"})
+    dp_noise_multiplier: float | None = field(default=None, metadata={"help": "Gaussian noise / max_grad_norm",
+                                                                      "group": "Differential privacy"})
+    dp_max_grad_norm: float = field(default=1.0, metadata={"help": "per-example gradient clip",
+                                                           "group": "Differential privacy"})
+    dp_target_epsilon: float | None = field(default=None, metadata={"help": "noise chosen to spend this epsilon",
+                                                                    "group": "Differential privacy"})
+    dp_delta: float = field(default=1e-5, metadata={"help": "DP delta", "group": "Differential privacy"})
     # hardware
-    quantization: str | None = field(default=None, metadata={"help": "None | '4bit' (QLoRA, bitsandbytes NF4)"})
-    attn_implementation: str | None = field(default=None, metadata={"help": "None | sdpa | eager | flash_attention_2"})
-    seed: int = field(default=0, metadata={"help": "seed of init, data order, dropout, sampling and DP noise"})
+    device: str = field(default="auto", metadata={"help": "auto (a CUDA GPU when present) | cpu | cuda | mps",
+                                                  "group": "Hardware"})
+    bf16: bool = field(default=False, metadata={"help": "bfloat16 mixed precision", "group": "Hardware"})
+    fp16: bool = field(default=False, metadata={"help": "float16 mixed precision (CUDA only)", "group": "Hardware"})
+    gradient_checkpointing: bool = field(default=False, metadata={
+        "help": "recompute activations in the backward pass (less memory, slower)", "group": "Hardware"})
+    quantization: str | None = field(default=None, metadata={"help": "None | '4bit' (QLoRA, bitsandbytes NF4)",
+                                                             "group": "Hardware"})
+    attn_implementation: str | None = field(default=None, metadata={
+        "help": "None | sdpa | eager | flash_attention_2", "group": "Hardware"})
 
     @property
     def dp_enabled(self) -> bool:
@@ -60,10 +96,12 @@ class TrainConfig:
 
         if self.method not in METHODS:
             bad("method", f"must be one of {METHODS}")
-        for name in ("max_steps", "batch_size", "lora_r", "max_length", "grpo_max_completion_length",
-                     "grpo_eval_prompts"):
+        for name in ("max_steps", "batch_size", "gradient_accumulation_steps", "lora_r", "max_length",
+                     "grpo_max_completion_length", "grpo_eval_prompts"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 bad(name, "must be an integer >= 1")
+        if self.num_train_epochs is not None and not self.num_train_epochs > 0:
+            bad("num_train_epochs", "must be > 0")
         if self.warmup_steps < 0:
             bad("warmup_steps", "must be >= 0")
         if not self.learning_rate > 0:
@@ -105,5 +143,24 @@ class TrainConfig:
             bad("quantization", "'4bit' is QLoRA: use method 'lora' or 'grpo', a 4-bit base cannot be fully fine-tuned")
         if self.quantization == "4bit" and self.use_dora:
             bad("use_dora", "DoRA on a 4-bit base is not supported: its magnitude vector is not a low-rank delta")
+        if self.device not in DEVICES:
+            bad("device", f"must be one of {DEVICES}")
+        if self.bf16 and self.fp16:
+            bad("fp16", "cannot be combined with bf16 (choose one mixed precision)")
+        if self.dp_enabled:
+            for name in ("bf16", "fp16", "gradient_checkpointing"):
+                if getattr(self, name):
+                    bad(name, "is not offered with DP-SGD (Opacus trains in float32 without it)")
+            if self.gradient_accumulation_steps != 1:
+                bad("gradient_accumulation_steps", "must be 1 with DP-SGD (each step is one private batch)")
         if self.attn_implementation not in (None, "eager", "sdpa", "flash_attention_2"):
             bad("attn_implementation", "must be None, 'eager', 'sdpa' or 'flash_attention_2'")
+
+    def steps_for(self, n_examples: int) -> int:
+        """Optimizer steps of a round over ``n_examples`` training examples (as the HF Trainer counts them:
+        batches per epoch // gradient_accumulation_steps, times the epochs); ``max_steps`` without epochs."""
+        if self.num_train_epochs is None:
+            return self.max_steps
+        per_step = self.batch_size // self.grpo_num_generations if self.method == "grpo" else self.batch_size
+        batches = math.ceil(n_examples / max(1, per_step))
+        return max(1, math.ceil(self.num_train_epochs * max(1, batches // self.gradient_accumulation_steps)))
