@@ -75,7 +75,7 @@ def common_training_args(cfg: TrainConfig, output_dir: str, *, progress: bool) -
         output_dir=output_dir,
         max_steps=cfg.max_steps,
         per_device_train_batch_size=cfg.batch_size,
-        gradient_accumulation_steps=1,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         learning_rate=cfg.learning_rate,
         lr_scheduler_type="linear",
         warmup_steps=cfg.warmup_steps,
@@ -83,16 +83,16 @@ def common_training_args(cfg: TrainConfig, output_dir: str, *, progress: bool) -
         logging_steps=max(1, cfg.max_steps // 10),
         save_strategy="no",
         report_to="none",
-        use_cpu=not torch.cuda.is_available(),
-        bf16=False,
-        fp16=False,
+        use_cpu=cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()),
+        bf16=cfg.bf16,
+        fp16=cfg.fp16,
         seed=cfg.seed,
         data_seed=cfg.seed,
         disable_tqdm=not progress,
         log_level="info" if progress else "error",
         dataloader_num_workers=0,
         include_num_input_tokens_seen="non_padding",
-        gradient_checkpointing=False,  # TRL defaults it on; the tiny model needs no memory saving
+        gradient_checkpointing=cfg.gradient_checkpointing,  # TRL defaults it on; the tiny model needs no memory saving
     )
 
 
