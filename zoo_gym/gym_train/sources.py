@@ -32,7 +32,7 @@ _NESTED = ("conversations", "messages", "history", "prompt", "completion")
 
 
 def looks_like_hub_id(source: str) -> bool:
-    return bool(_HUB_ID.match(source)) and not pathlib.Path(source).suffix.lower() in FILE_SUFFIXES
+    return bool(_HUB_ID.match(source)) and pathlib.Path(source).suffix.lower() not in FILE_SUFFIXES
 
 
 def describe(source: str | pathlib.Path) -> str:
