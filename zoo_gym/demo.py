@@ -94,6 +94,8 @@ def main(
                     "--name", f"demo-{i}"]
             if max_steps:
                 args += ["--max-steps", str(max_steps)]
+                if max_steps <= 5:  # the default warm-up (5 steps) would leave no step at a learning rate > 0
+                    args += ["--warmup-steps", "0"]
             procs.append(subprocess.Popen(_client_cmd(*args), stdout=subprocess.PIPE,
                                           stderr=open(logs / f"client{i}.log", "w"), env=env, text=True))
         typer.echo("| round | contributors | accepted | parent loss | held-out loss | change | checkpoint   |")
