@@ -38,6 +38,23 @@ def check_template(model_dir: str | pathlib.Path) -> None:
         raise PreflightError(f"its tokenizer does not load: {_first_line(exc)}") from None
 
 
+def _check_vocabulary(model_dir: pathlib.Path, examples: list[dict]) -> None:
+    """PreflightError when the tokenizer gives ids past the model's embedding table."""
+    from transformers import AutoConfig
+
+    from .evaluate import load_tokenizer, tokenize_examples
+
+    try:
+        vocab = AutoConfig.from_pretrained(str(model_dir)).get_text_config().vocab_size
+    except Exception as exc:  # noqa: BLE001 - a config that does not load: say so
+        raise PreflightError(f"its config.json does not load: {_first_line(exc)}") from None
+    tok = load_tokenizer(model_dir)
+    top = max(max(p + c) for p, c in tokenize_examples(tok, examples))
+    if vocab is not None and top >= vocab:
+        raise PreflightError(f"its tokenizer gives token id {top} but the model has only {vocab} embeddings "
+                             "(vocab_size in config.json); use the tokenizer the model was trained with")
+
+
 def check_trainable(model_dir: str | pathlib.Path, examples: list[dict]) -> None:
     """One LoRA step of ``train()`` on the first two of ``examples``; PreflightError when it cannot run or
     its delta does not fit the base."""
@@ -51,6 +68,7 @@ def check_trainable(model_dir: str | pathlib.Path, examples: list[dict]) -> None
     examples = list(examples)[:2]
     if not examples:
         raise PreflightError("no examples to try a training step on")
+    _check_vocabulary(model_dir, examples)
     cfg = TrainConfig(method="lora", max_steps=1, batch_size=len(examples), warmup_steps=0)
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
