@@ -47,6 +47,71 @@ def pack(model_dir: Path, out: BinaryIO) -> None:
                 tar.addfile(info, f)
 
 
+class TarStream:
+    """`pack`'s bytes, written member by member to `out` without the files existing first.
+
+    A member is either a whole file (`add_file`) or announced with its size and then streamed
+    (`begin` ... `write` ... `end`), so the publisher can tee the new weights into the archive while
+    it writes them (zoo_gym/server/checkpoint_writer.py). Members must come in sorted name order and
+    `close` must be called: the output then equals `pack` of a directory holding the same files
+    (tests/server/test_checkpoint_writer.py checks it byte for byte)."""
+
+    def __init__(self, out: BinaryIO) -> None:
+        self._out = out
+        self._offset = 0
+        self._last: str | None = None
+        self._left: int | None = None  # bytes still owed by the open member
+
+    def _emit(self, data) -> None:
+        self._out.write(data)
+        self._offset += len(data)
+
+    def begin(self, name: str, size: int) -> None:
+        if self._left is not None:
+            raise CheckpointError(f"member {self._last!r} is still open")
+        if not _SAFE_NAME.match(name) or (self._last is not None and name <= self._last):
+            raise CheckpointError(f"archive members need simple names in sorted order: {name!r} after {self._last!r}")
+        info = tarfile.TarInfo(name)
+        info.size, info.mtime, info.mode = size, 0, 0o644
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        self._emit(info.tobuf(tarfile.USTAR_FORMAT, tarfile.ENCODING, "surrogateescape"))
+        self._last, self._left = name, size
+
+    def write(self, data) -> None:
+        n = len(memoryview(data).cast("B"))
+        if self._left is None or n > self._left:
+            raise CheckpointError(f"more bytes than announced for member {self._last!r}")
+        self._emit(data)
+        self._left -= n
+
+    def end(self) -> None:
+        if self._left != 0:
+            raise CheckpointError(f"member {self._last!r} is {self._left} bytes short")
+        self._left = None
+        pad = -self._offset % tarfile.BLOCKSIZE
+        if pad:
+            self._emit(tarfile.NUL * pad)
+
+    def add_file(self, name: str, path: Path) -> None:
+        path = Path(path)
+        if not path.is_file():
+            raise CheckpointError(f"{path}: checkpoints hold only plain files with simple names")
+        self.begin(name, path.stat().st_size)
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                self.write(chunk)
+        self.end()
+
+    def close(self) -> None:
+        if self._left is not None:
+            raise CheckpointError(f"member {self._last!r} is still open")
+        self._emit(tarfile.NUL * (2 * tarfile.BLOCKSIZE))
+        pad = -self._offset % tarfile.RECORDSIZE  # tarfile fills the last record with zero blocks
+        if pad:
+            self._emit(tarfile.NUL * pad)
+
+
 def unpack(archive: Path, dest: Path) -> Path:
     """Extract a checkpoint tar into `dest` (created; replaced atomically if it exists)."""
     dest = Path(dest)

@@ -38,19 +38,45 @@ class BaseGradient:
     @cached_property
     def norm(self) -> float:
         """``||g||_2`` over distinct parameters (tied aliases counted once; float64 accumulation)."""
-        return float(torch.sqrt(sum((g.double() ** 2).sum() for g in self._unique())))
+        total = torch.zeros((), dtype=torch.float64)
+        for g in self._unique():  # float64 a block at a time: no float64 copy of a whole embedding
+            flat = g.reshape(-1)
+            for i in range(0, flat.numel(), 1 << 20):
+                total += (flat[i:i + (1 << 20)].double() ** 2).sum()
+        return float(torch.sqrt(total))
 
     @cached_property
     def numel(self) -> int:
         """Number of distinct parameters ``d`` (tied aliases counted once)."""
         return sum(g.numel() for g in self._unique())
 
+    @property
+    def released(self) -> bool:
+        """Whether the gradient tensors were freed (`release`): only the summary numbers remain."""
+        return any(g.is_meta for g in self.grad.values())
+
+    def release(self) -> "BaseGradient":
+        """This gradient's loss, norm and size with the tensors freed.
+
+        The tensors in ``grad`` are replaced in place by meta tensors of the same shapes (holders of
+        the same dict, e.g. a ``SlopeTap``, still read the shapes); ``norm`` and ``numel`` are
+        computed first and carried over."""
+        norm, numel = self.norm, self.numel
+        metas: dict[int, Tensor] = {}
+        for k, g in list(self.grad.items()):
+            metas.setdefault(id(g), torch.empty(g.shape, dtype=g.dtype, device="meta"))
+            self.grad[k] = metas[id(g)]
+        out = BaseGradient(base_loss=self.base_loss, grad=self.grad, examples=self.examples, tokens=self.tokens)
+        out.__dict__["norm"], out.__dict__["numel"] = norm, numel  # cached_property values
+        return out
+
     def _unique(self) -> list[Tensor]:
         seen: set[int] = set()
         out = []
         for g in self.grad.values():
-            if g.data_ptr() not in seen:
-                seen.add(g.data_ptr())
+            key = id(g) if g.is_meta else g.data_ptr()
+            if key not in seen:
+                seen.add(key)
                 out.append(g)
         return out
 
@@ -99,13 +125,15 @@ def base_gradient(model: torch.nn.Module,
                                         "or there is no batch): nothing to take a gradient of")
             mean = total / tokens
             mean.backward()
-        clones: dict[int, Tensor] = {}  # one copy per distinct parameter, shared by its aliases
+        # The .grad tensors are taken over, not copied (a copy would be a second model-sized buffer at
+        # once); zero_grad below detaches them from the parameters. One per distinct parameter.
+        taken: dict[int, Tensor] = {}
         grad = {}
         for k, p in params.items():
-            if id(p) not in clones:
-                clones[id(p)] = (p.grad.detach().clone() if p.grad is not None
-                                 else torch.zeros_like(p, requires_grad=False))
-            grad[k] = clones[id(p)]
+            if id(p) not in taken:
+                taken[id(p)] = (p.grad.detach() if p.grad is not None
+                                else torch.zeros_like(p, requires_grad=False))
+            grad[k] = taken[id(p)]
     finally:
         model.zero_grad(set_to_none=True)
         model.train(was_training)

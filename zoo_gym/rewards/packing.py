@@ -163,9 +163,9 @@ def packed_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> tuple[Tensor,
 class PackedScoringSet:
     """Exact mean completion loss of ``model`` (+ an optional delta) on packed examples.
 
-    ``loss(delta, scale=c)`` adds ``c * delta`` to the weights in place, evaluates under
-    ``torch.inference_mode`` and restores the weights bit for bit from saved copies, like
-    ``gym_train.Evaluator.loss``; it equals that loss up to float rounding. ``gradient()`` is
+    ``loss(delta, scale=c)`` evaluates with ``c * delta`` added to the weights, one module at a
+    time (the weights themselves are never written), like ``gym_train.Evaluator.loss``; it equals
+    that loss up to float rounding. ``gradient()`` is
     ``base_gradient`` on the same packed batch.
     """
 
@@ -179,32 +179,73 @@ class PackedScoringSet:
         self._params = dict(model.named_parameters(remove_duplicate=False))
 
     def loss(self, delta: Mapping[str, Tensor] | None = None, *, scale: float = 1.0) -> float:
-        """Mean completion-token loss of base + ``scale * delta`` (weights restored after)."""
-        saved: dict[int, tuple[torch.nn.Parameter, Tensor]] = {}
+        """Mean completion-token loss of base + ``scale * delta`` (weights restored after).
+
+        The delta is applied module by module, not to the whole model at once: a forward pre-hook on
+        each module that owns a changed parameter swaps in ``p + scale * delta`` (the same float
+        operation as adding in place) and its forward hook swaps the original tensor back. Only one
+        changed weight exists beside the model at a time (at 0.6B, LoRA touches 1.8 GB of float32
+        weights that a saved copy would hold), the original weights are never written, and a
+        ``delta`` that computes its values on access (``delta[name]``) is read one tensor at a time.
+        """
+        delta = delta if delta is not None else {}
+        patches: dict[int, tuple[str, torch.nn.Parameter]] = {}
+        for name in delta.keys():
+            p = self._params.get(name)
+            if p is None:
+                raise ScoringInputError(f"delta names {name!r}, which is not a parameter "
+                                        "of the model: score against the round's base")
+            if id(p) in patches:
+                raise ScoringInputError(f"delta names the tied parameter {name!r} twice "
+                                        "(under two aliases): send it once")
+            patches[id(p)] = (name, p)
+        owners: dict[torch.nn.Module, list[tuple[str, torch.nn.Parameter]]] = {}
+        for module in self.model.modules():
+            for p in module._parameters.values():  # noqa: SLF001 - parameters the module itself owns
+                if p is not None and id(p) in patches:
+                    owners.setdefault(module, []).append(patches[id(p)])
+        applied: set[int] = set()
+        swapped: dict[int, tuple[torch.nn.Parameter, Tensor]] = {}
+
+        def changed(name: str, p: torch.nn.Parameter) -> Tensor:
+            d = delta[name]
+            if not isinstance(d, Tensor) or tuple(d.shape) != tuple(p.shape):
+                shape = tuple(d.shape) if isinstance(d, Tensor) else type(d).__name__
+                raise ScoringInputError(f"delta {name!r} has shape {shape}, the model's "
+                                        f"is {tuple(p.shape)}")
+            applied.add(id(p))
+            return torch.add(p.data, d.to(device=p.device, dtype=p.dtype), alpha=scale)
+
+        def swap_in(module, _args):
+            for name, p in owners[module]:
+                if id(p) not in swapped:  # a tied weight owned twice by one module: once
+                    new = changed(name, p)
+                    swapped[id(p)] = (p, p.data)
+                    p.data = new
+
+        def swap_out(module, _args, _out):
+            for _, p in owners[module]:
+                if id(p) in swapped:
+                    p.data = swapped.pop(id(p))[1]
+
+        handles = []
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.inference_mode():
-                for name, d in (delta or {}).items():
-                    p = self._params.get(name)
-                    if p is None:
-                        raise ScoringInputError(f"delta names {name!r}, which is not a parameter "
-                                                "of the model: score against the round's base")
-                    if not isinstance(d, Tensor) or tuple(d.shape) != tuple(p.shape):
-                        shape = tuple(d.shape) if isinstance(d, Tensor) else type(d).__name__
-                        raise ScoringInputError(f"delta {name!r} has shape {shape}, the model's "
-                                                f"is {tuple(p.shape)}")
-                    if id(p) in saved:
-                        raise ScoringInputError(f"delta names the tied parameter {name!r} twice "
-                                                "(under two aliases): send it once")
-                    saved[id(p)] = (p, p.detach().clone())
-                    p.add_(d.to(device=p.device, dtype=p.dtype), alpha=scale)
+            for module in owners:
+                handles.append(module.register_forward_pre_hook(swap_in))
+                handles.append(module.register_forward_hook(swap_out))
+            with torch.no_grad():
                 total, count = packed_loss_sum(self.model, self.batch)
-                return float(total) / count
+            for name, p in patches.values():  # a parameter no module used still gets its check
+                if id(p) not in applied:
+                    changed(name, p)
+            return float(total) / count
         finally:
-            with torch.inference_mode():
-                for p, orig in saved.values():
-                    p.copy_(orig)
+            for h in handles:
+                h.remove()
+            for p, orig in swapped.values():
+                p.data = orig
             self.model.train(was_training)
 
     def gradient(self):

@@ -51,6 +51,19 @@ class ServerEvaluator:
         else:
             self.scoring = Evaluator(None, self.scoring_set, model=model, tokenizer=tok)
         self._gradient = None
+        self.released = False
+
+    def release_gradient(self) -> None:
+        """Free the gradient's tensors once the round's slopes are taken; its loss, norm and size stay
+        (first-order scoring needs only those). Until `forget`, `gradient()` returns that summary."""
+        if self._gradient is not None:
+            self._gradient = self._gradient.release()
+            self.released = True
+
+    def release(self) -> None:
+        """Drop the model (and gradient): this evaluator is done; the server keeps one model in memory."""
+        self._gradient = self.base = self.scoring = None
+        self.released = True
 
     def gradient(self):
         """zoo_gym.rewards.BaseGradient of the base's loss on the scoring set (cached)."""
@@ -81,16 +94,18 @@ class ServerEvaluator:
             total, count = total + t, count + c
         return total / max(count, 1)
 
-    def loss_of_dir(self, model_dir: Path) -> float:
+    def loss_of_dir(self, model_dir: Path, *, checkpoint_sha256: str | None = None) -> float:
         """Held-out loss of a newly published checkpoint, measured by the evaluator of the round
         it starts: its scoring gradient is computed in the same pass (`heldout_loss`) and the
         evaluator is handed to `evaluator_for` when that round is scored (no second model load,
-        no second forward over the scoring set)."""
+        no second forward over the scoring set). It is recognised there by `checkpoint_sha256`
+        when given, else by the sha256 of its weights file. Call `release()` first to hold one
+        model at a time."""
+        _cache.clear()  # this base is superseded
+        _prepared.clear()  # one prepared base at a time
         nxt = ServerEvaluator(Path(model_dir), self.examples, scoring_examples=len(self.scoring_set))
         loss = nxt.heldout_loss()
-        _prepared.clear()  # one prepared base at a time
-        _prepared[_weights_digest(Path(model_dir))] = nxt
-        _cache.clear()  # this base is superseded: at most two models (this one, the caller's) live
+        _prepared[checkpoint_sha256 or _weights_digest(Path(model_dir))] = nxt
         return loss
 
 
@@ -129,13 +144,26 @@ _cache: dict[str, ServerEvaluator] = {}
 _prepared: dict[str, ServerEvaluator] = {}  # weights sha256 -> evaluator built when it was published
 
 
-def evaluator_for(state: ServerState, config: ServerConfig, base_sha256: str) -> ServerEvaluator:
+def forget(evaluator: ServerEvaluator) -> None:
+    """Drop `evaluator` from the caches (the next `evaluator_for` of its base builds a fresh one)."""
+    for cache in (_cache, _prepared):
+        for k in [k for k, v in cache.items() if v is evaluator]:
+            del cache[k]
+
+
+def evaluator_for(state: ServerState, config: ServerConfig, base_sha256: str) -> ServerEvaluator | None:
+    """The evaluator of a base checkpoint (None when `validation_examples` is 0: no held-out loss and no
+    scoring)."""
+    if config.validation_examples <= 0:
+        return None
     key = f"{state.root}:{base_sha256}"
     if key not in _cache:
         _cache.clear()  # one base at a time: a model in memory is enough
         examples = list(_validation_examples(config.validation_file, config.validation_examples))
         base_dir = state.checkpoint_dir(base_sha256)
-        ready = _prepared.pop(_weights_digest(base_dir), None) if _prepared else None
+        ready = _prepared.pop(base_sha256, None)
+        if ready is None and _prepared:
+            ready = _prepared.pop(_weights_digest(base_dir), None)
         _prepared.clear()
         if ready is not None and ready.examples == examples:
             _cache[key] = ready  # built at publish; its scoring gradient came with the held-out loss

@@ -1,30 +1,32 @@
 """AGGREGATING -> PUBLISHED: merge a round's stored deltas with DeltaSoup and publish the next base.
 
 Deltas are read tensor by tensor from memory-mapped payloads (server memory grows with one tensor times
-the number of contributors), the aggregate is added to the base weights, and the new Hugging Face
-directory, with a lineage manifest, goes into the blob store as the next checkpoint.
+the number of contributors), the aggregate is added to the base weights (their float32 master) as each
+tensor is aggregated, and the new Hugging Face directory, with a lineage manifest, streams into the blob
+store as the next checkpoint (checkpoint_writer.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import shutil
+import math
+import os
 import tempfile
 from contextlib import ExitStack
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from sqlmodel import func, select
 
 from zoo_gym import codec
 from zoo_gym.aggregation import (DeltaSoup, NotRobustConfigError, PrivacyAccountant, PrivacyBudgetExceeded,
                                  SoupConfig)
 from zoo_gym.proto import archive
+from zoo_gym.server.checkpoint_writer import CheckpointWriter, SafetensorsReader, master_path, needs_master
 from zoo_gym.server.config import ServerConfig
-from zoo_gym.server.evaluation import evaluator_for
+from zoo_gym.server.evaluation import evaluator_for, forget
 from zoo_gym.server.faults import crash_point
 from zoo_gym.server.models import Checkpoint, Contributor, Round, RoundInputs, RoundState, Submission
 from zoo_gym.server.settlement import (aggregation_weights, current_reputations, plan_rewards, record_settlement,
@@ -42,23 +44,23 @@ class StoredDeltas:
     than the budget still streams one tensor x n at a time.
     """
 
-    def __init__(self, payloads: list, contributors: list[str], base: dict[str, torch.Tensor], *,
+    def __init__(self, payloads: list, contributors: list[str], shapes: dict[str, tuple[int, ...]], *,
                  cache_bytes: int = 512 << 20) -> None:
         self.contributors = contributors
         self._cache: dict[str, torch.Tensor] = {}
         self._cache_left = cache_bytes
         self._payloads = payloads
-        self._base = base
+        self._shapes = shapes  # the base's tensors, in its file order
         self._manifests = [codec.read_manifest(p) for p in payloads]  # parsed once, passed to every decode
         self._entries = [{e.name: e for e in m.entries} for m in self._manifests]
         names = set().union(*(set(e) for e in self._entries)) if self._entries else set()
-        self._names = [n for n in base if n in names]  # base order: deterministic
+        self._names = [n for n in shapes if n in names]  # base order: deterministic
 
     def names(self) -> list[str]:
         return self._names
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._base[name].shape)
+        return tuple(self._shapes[name])
 
     def stacked(self, name: str) -> torch.Tensor:
         if name in self._cache:
@@ -68,7 +70,7 @@ class StoredDeltas:
             if name in entries:
                 rows.append(codec.decode_tensor(payload, name, manifest=manifest).reshape(-1).float())
             else:  # this contributor did not change the tensor (e.g. LoRA leaves norms alone)
-                rows.append(torch.zeros(self._base[name].numel()))
+                rows.append(torch.zeros(math.prod(self._shapes[name])))
         out = torch.stack(rows)  # (n, numel)
         if out.nbytes <= self._cache_left:
             self._cache[name] = out
@@ -79,8 +81,8 @@ class StoredDeltas:
         """Contributor i's delta for one tensor, in the base's shape (zeros when it did not send it)."""
         if name in self._entries[i]:
             return codec.decode_tensor(self._payloads[i], name, manifest=self._manifests[i]).reshape(
-                self._base[name].shape).float()
-        return torch.zeros(self._base[name].shape)
+                self._shapes[name]).float()
+        return torch.zeros(self._shapes[name])
 
     def packed(self, name: str):
         if not all(name in e and e[name].codec == "bitdelta" for e in self._entries):
@@ -138,14 +140,23 @@ def _reopen(state: ServerState, round_id: int, needs: int, message: str) -> None
 def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: list[Submission]) -> str:
     """Aggregate `subs` onto the round's base, publish, open the next round. Returns a one-line outcome.
 
-    A pure function of what is stored: the submissions, the inputs recorded at close and the rounds
-    published before. Nothing is written until the checkpoint blob (content-addressed, so a redo writes
-    the same one) and then one transaction: ledger entries, reputations, checkpoint row, round report,
-    next round. A crash anywhere before that commit is redone from the start with the same result.
+    A pure function of what is stored: the submissions, the inputs recorded at close, the rounds
+    published before and the base's float32 master. Nothing is written until the checkpoint blob
+    (content-addressed, so a redo writes the same one; the master blob likewise) and then one
+    transaction: ledger entries, reputations, checkpoint row, round report, next round. A crash
+    anywhere before that commit is redone from the start with the same result.
+
+    Memory: one tensor x contributors for the aggregation (the new weights stream to disk as they are
+    aggregated, zoo_gym/server/checkpoint_writer.py), plus, with scoring, the evaluator's model and
+    its gradient; the gradient is dropped once the slopes are taken and the model before the new
+    checkpoint is loaded for its held-out loss.
     """
     soup_config = SoupConfig.from_mapping(config.soup)
+    log.info("round %d phase=load", rnd.id)
     base_dir = state.checkpoint_dir(rnd.base_sha256)
-    base = load_file(str(base_dir / archive.WEIGHTS))
+    base_file = base_dir / archive.WEIGHTS
+    with SafetensorsReader(base_file) as r:
+        shapes = r.shapes()
     contributors = [s.contributor_id for s in subs]
     inputs = _round_inputs(state, config, rnd, contributors)
     reputations = json.loads(inputs.reputations_json)
@@ -153,23 +164,37 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
         history = [(r.dp_noise_multiplier, r.dp_sample_rate, 1) for r in s.exec(
             select(Round).where(Round.dp_noise_multiplier.is_not(None), Round.state == RoundState.PUBLISHED,
                                 Round.id < rnd.id).order_by(Round.id))]
+        parent = s.get(Checkpoint, rnd.base_sha256)
+        parent_measured = parent is None or parent.heldout_loss is not None
     accountant = PrivacyAccountant(history)
-    new_weights = {k: v.clone() for k, v in base.items()}
-
-    def sink(name: str, agg: torch.Tensor) -> None:  # agg: (numel,) float32
-        new_weights[name] = (base[name].float() + agg.reshape(base[name].shape)).to(base[name].dtype)
+    master_file = master_path(state, rnd.base_sha256)
+    keep_master = needs_master(base_file)
 
     with ExitStack() as stack:
         payloads = []
         for sub in subs:
             payloads.append(stack.enter_context(state.blobs.mapped(sub.payload_sha256)))
         evaluator = evaluator_for(state, config, rnd.base_sha256)
-        source = scoring_tap(config, StoredDeltas(payloads, contributors, base), evaluator)
+        stack.callback(_forget_if_released, evaluator)
+        log.info("round %d phase=scoring-gradient", rnd.id)
+        stored = StoredDeltas(payloads, contributors, shapes)
+        source = scoring_tap(config, stored, evaluator)
         weights = aggregation_weights(config, contributors, reputations)
         gen = torch.Generator().manual_seed(int.from_bytes(bytes.fromhex(rnd.base_sha256[:16]), "big"))
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=state.work_dir)))
+        out = tmp / "ckpt"
+        out.mkdir()
+        ckpt_blob = stack.enter_context(state.blobs.writer())
+        master_blob = stack.enter_context(state.blobs.writer()) if keep_master else None
+        master = stack.enter_context(SafetensorsReader(master_file)) if master_file is not None else None
+        writer = CheckpointWriter(base_dir, master=master, changed=stored.names(), out_dir=out,
+                                  ckpt_blob=ckpt_blob, master_blob=master_blob)
+        stack.callback(writer.close)
+        log.info("round %d phase=aggregation", rnd.id)
         try:
             report = DeltaSoup(soup_config, dp_clip=inputs.dp_clip).run(
-                source, sink, weights=weights, generator=gen, accountant=accountant, population=inputs.population)
+                source, writer.sink, weights=weights, generator=gen, accountant=accountant,
+                population=inputs.population)
         except NotRobustConfigError as exc:
             _reopen(state, rnd.id, len(subs) + 1, f"waiting for more submissions: {exc}")
             return f"REOPENED ({exc})"
@@ -182,38 +207,46 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
                 s.commit()
             return f"HALTED ({exc})"
         crash_point("aggregated")
+        log.info("round %d phase=scoring", rnd.id)
+        if evaluator is not None:
+            evaluator.release_gradient()  # the slopes are taken: keep its loss and norm, free the tensors
         plan, rewards_summary = plan_rewards(state, config, rnd, source, report, evaluator, reputations=reputations)
         crash_point("settled")
 
-    report_json = json.dumps(_jsonable({"soup": report, "rewards": rewards_summary}), sort_keys=True)
-    privacy = getattr(report, "privacy", None)
-    lineage = {
-        "round": rnd.id,
-        "parent_sha256": rnd.base_sha256,
-        "contributors": contributors,
-        "accepted": [c for c, ok in zip(contributors, _accepted(report, len(contributors))) if ok],
-        "aggregator": soup_config.aggregator,
-        "privacy": _jsonable(privacy),
-    }
-    with tempfile.TemporaryDirectory(dir=state.work_dir) as tmp:
-        out = Path(tmp) / "ckpt"
-        out.mkdir()
-        for p in sorted(base_dir.iterdir()):
-            if p.is_file() and p.name not in (archive.WEIGHTS, archive.LINEAGE):
-                shutil.copyfile(p, out / p.name)
-        save_file(new_weights, str(out / archive.WEIGHTS), metadata={"format": "pt"})
-        archive.write_lineage(out, lineage)
-        heldout = evaluator.loss_of_dir(out) if evaluator is not None else None
-        with state.blobs.writer() as w:
-            archive.pack(out, w)
-            sha = w.commit()
+        report_json = json.dumps(_jsonable({"soup": report, "rewards": rewards_summary}), sort_keys=True)
+        privacy = getattr(report, "privacy", None)
+        lineage = {
+            "round": rnd.id,
+            "parent_sha256": rnd.base_sha256,
+            "contributors": contributors,
+            "accepted": [c for c, ok in zip(contributors, _accepted(report, len(contributors))) if ok],
+            "aggregator": soup_config.aggregator,
+            "privacy": _jsonable(privacy),
+        }
+        log.info("round %d phase=write", rnd.id)
+        writer.finish_weights()
+        if master_blob is not None:
+            lineage["master_sha256"] = master_blob.commit()  # float32 weights the published ones round
+            lineage["master_dtype"] = "float32"
+        writer.finish(lineage)
+        log.info("round %d phase=pack", rnd.id)
+        sha = ckpt_blob.commit()
         size = state.blobs.size(sha)
+        cache = _keep_unpacked(state, out, sha)
+        heldout = parent_loss = None
+        if evaluator is not None:
+            log.info("round %d phase=evaluation", rnd.id)
+            if not parent_measured:
+                parent_loss = evaluator.loss(None)  # genesis: measured once, on the same set
+            evaluator.release()  # one model in memory: this base's goes before the new one loads
+            heldout = evaluator.loss_of_dir(cache, checkpoint_sha256=sha)
     crash_point("blob-written")
+    log.info("round %d phase=commit", rnd.id)
     with state.write_lock, state.session() as s:
         record_settlement(state, config, plan, s)
         parent = s.get(Checkpoint, rnd.base_sha256)
-        if parent is not None and parent.heldout_loss is None and evaluator is not None:
-            parent.heldout_loss = evaluator.loss(None)  # genesis: measured once, on the same set
+        if parent is not None and parent.heldout_loss is None and parent_loss is not None:
+            parent.heldout_loss = parent_loss
             s.add(parent)
         if s.get(Checkpoint, sha) is None:
             s.add(Checkpoint(sha256=sha, round_id=rnd.id, parent_sha256=rnd.base_sha256, size=size,
@@ -233,8 +266,29 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
             s.add(Round(id=rnd.id + 1, state=RoundState.OPEN, base_sha256=sha, aggregator=soup_config.aggregator))
         s.commit()
     crash_point("committed")
+    log.info("round %d phase=done", rnd.id)
     loss = f", held-out loss {heldout:.4f}" if heldout is not None else ""
     return f"published {sha[:12]} from {len(contributors)} submissions{loss}"
+
+
+def _keep_unpacked(state: ServerState, out: Path, sha: str) -> Path:
+    """Move the written directory into the unpacked-checkpoint cache (`state.checkpoint_dir(sha)` then finds
+    it instead of unpacking the blob again). Its files are the archive's bytes. Until the checkpoint row
+    commits, the start-up sweep removes it like any unreferenced cache entry."""
+    dest = state.work_dir / "checkpoints" / sha
+    if (dest / archive.WEIGHTS).is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(out, dest)
+    except OSError:  # another unpack got there first: that one is identical
+        return state.checkpoint_dir(sha)
+    return dest
+
+
+def _forget_if_released(evaluator) -> None:
+    if evaluator is not None and evaluator.released:
+        forget(evaluator)  # a retry of this round rebuilds it
 
 
 def _accepted(report, n: int) -> list[bool]:

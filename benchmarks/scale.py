@@ -1,0 +1,413 @@
+"""A round at a real size: server memory and time on a Qwen3-0.6B-shaped (or 1.7B-shaped) model.
+
+Builds a model with Qwen3-0.6B's exact dimensions (random weights, bf16, the tiny model's tokenizer),
+runs `gym-server init` and a real `gym-server serve` process, submits 2 LoRA-factor deltas over gRPC
+and samples the server's RSS every 50 ms. Phases come from the server's log lines
+(`round N phase=...`, zoo_gym/server/publish.py). Reported per phase: peak RSS / fp32 model bytes.
+Also: aggregation+publish time / (one read + write of the model), scoring time / (one forward +
+backward on the scoring set), both baselines measured in this run, and how much of the round's
+aggregate survives publishing into the bf16 base (item 5).
+
+The deltas are synthetic: rank-8 LoRA factors of every Linear weight, encoded with
+zoo_gym.codec (`auto`, as the client sends them), merged entries of RMS `--delta-rms` (a few LoRA
+steps' size). Client-side training memory is measured elsewhere (benchmarks/train.py).
+
+    python benchmarks/scale.py [--size 0.6b|1.7b|tiny] [--out FILE] [--server-pythonpath DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+SIZES = {
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "tiny": dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=48, vocab_size=151936),
+}
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_model(size: str, out: Path) -> int:
+    """A bf16 Qwen3 of `size`'s dimensions with random weights and the tiny tokenizer; returns #params."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from zoo_gym.gym_train import tiny_model_dir
+
+    cfg = Qwen3Config(**SIZES[size], tie_word_embeddings=True, max_position_embeddings=4096,
+                      torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(str(out))
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
+    tok.save_pretrained(str(out))
+    del model
+    return n
+
+
+def lora_deltas(model_dir: Path, *, n: int, rank: int, rms: float) -> list[dict]:
+    """n synthetic LoRA deltas {name: LoraFactors} of every Linear weight (merged RMS ~ `rms`)."""
+    from safetensors import safe_open
+
+    from zoo_gym.codec.lora import LoraFactors
+
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    names = [k for k in shapes if k.endswith(".weight") and k.split(".")[-2] in LINEAR]
+    out = []
+    for i in range(n):
+        g = torch.Generator().manual_seed(1000 + i)
+        d = {}
+        for k in names:
+            o, inp = shapes[k]
+            A = torch.randn(rank, inp, generator=g) / rank ** 0.5
+            B = torch.randn(o, rank, generator=g) * rms
+            d[k] = LoraFactors(A=A, B=B)
+        out.append(d)
+    return out
+
+
+class Sampler:
+    """Polls /proc/PID/status VmRSS every `period` s; remembers (time, bytes)."""
+
+    def __init__(self, pid: int, period: float = 0.05) -> None:
+        self.pid, self.period, self.samples = pid, period, []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with open(f"/proc/{self.pid}/status") as f:
+                    for line in f:
+                        if line.startswith("VmRSS:"):
+                            self.samples.append((time.monotonic(), int(line.split()[1]) * 1024))
+                            break
+            except (FileNotFoundError, ProcessLookupError):
+                return
+            time.sleep(self.period)
+
+    def hwm(self) -> int:
+        try:
+            with open(f"/proc/{self.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except FileNotFoundError:
+            pass
+        return 0
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join()
+
+    def peak(self, t0: float, t1: float) -> int:
+        vals = [b for t, b in self.samples if t0 <= t <= t1]
+        return max(vals) if vals else 0
+
+
+class LogReader:
+    """Reads the server's stderr; records (time, line); `wait_for(regex)`."""
+
+    def __init__(self, stream, echo: Path) -> None:
+        self.lines: list[tuple[float, str]] = []
+        self._cv = threading.Condition()
+        self._echo = open(echo, "w")
+        self._t = threading.Thread(target=self._run, args=(stream,), daemon=True)
+        self._t.start()
+
+    def _run(self, stream) -> None:
+        for raw in stream:
+            line = raw.decode(errors="replace").rstrip()
+            self._echo.write(line + "\n")
+            self._echo.flush()
+            with self._cv:
+                self.lines.append((time.monotonic(), line))
+                self._cv.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float) -> float:
+        rx = re.compile(pattern)
+        end = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                for t, line in self.lines:
+                    if rx.search(line):
+                        return t
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no server log line matching {pattern!r} in {timeout} s")
+                self._cv.wait(left)
+
+    def first(self, pattern: str) -> float | None:
+        rx = re.compile(pattern)
+        with self._cv:
+            return next((t for t, line in self.lines if rx.search(line)), None)
+
+
+def _server_env(pythonpath: str | None) -> dict:
+    env = dict(os.environ)
+    env.pop("ZOO_GYM_FAULT_AT", None)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-c", "from zoo_gym.server.cli import app; app()", *args]
+
+
+def run_init(state: Path, model_dir: Path, env: dict) -> dict:
+    t0 = time.monotonic()
+    p = subprocess.Popen(_cli("init", "--state-dir", str(state), "--base-model", str(model_dir)), env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    s = Sampler(p.pid)
+    out = p.communicate()[0].decode()
+    s.stop()
+    if p.returncode != 0:
+        raise RuntimeError(f"gym-server init failed: {out}")
+    return {"seconds": time.monotonic() - t0, "peak_rss": max((b for _, b in s.samples), default=0)}
+
+
+def submit(port: int, payloads: list[bytes]) -> None:
+    import grpc
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from zoo_gym.client.upload import build_header, register_request, request_stream
+    from zoo_gym.proto import gym_pb2, gym_pb2_grpc
+
+    opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=opts) as ch:
+        stub = gym_pb2_grpc.GymStub(ch)
+        info = stub.GetRound(gym_pb2.GetRoundRequest())
+        for i, payload in enumerate(payloads):
+            key = Ed25519PrivateKey.generate()
+            cid = stub.Register(register_request(key, f"bench{i}")).contributor_id
+            header = build_header(key=key, contributor_id=cid, round_id=info.round_id,
+                                  base_sha256=info.base_sha256, payload=payload, metadata={"bench": "scale"})
+            stub.SubmitDelta(request_stream(header, payload, chunk_bytes=1 << 20))
+
+
+PHASES = ("load", "scoring-gradient", "aggregation", "scoring", "write", "evaluation", "pack", "commit", "done")
+
+
+def serve_round(state: Path, payloads: list[bytes], env: dict, work: Path, *, scoring: bool,
+                timeout: float) -> dict:
+    port_file = work / "port"
+    port_file.unlink(missing_ok=True)
+    cfg = work / "bench.toml"
+    # scoring off: `validation-examples = 0` means no evaluator (no held-out loss, no scoring)
+    cfg.write_text("" if scoring else "validation-examples = 0\n")
+    args = ["serve", "--state-dir", str(state), "--port", "0", "--port-file", str(port_file),
+            "--min-contributors", "2", "--quorum", "2", "--round-timeout", "3600", "--aggregator", "mean", "--config", str(cfg)]
+    p = subprocess.Popen(_cli(*args), env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    sampler = Sampler(p.pid)
+    logs = LogReader(p.stderr, work / f"server-{'scoring' if scoring else 'noscoring'}.log")
+    try:
+        t_start = time.monotonic()
+        logs.wait_for(r"listening on", timeout)
+        t_ready = time.monotonic()
+        port = int(port_file.read_text())
+        time.sleep(1.0)
+        t_sub = time.monotonic()
+        submit(port, payloads)
+        t_closed = logs.wait_for(r"closed with \d+ submissions", timeout)
+        t_done = logs.wait_for(r"round 1: (published|REOPENED|HALTED)", timeout)
+        outcome = next(line for _, line in logs.lines if re.search(r"round 1: (published|REOPENED|HALTED)", line))
+        time.sleep(0.3)
+        hwm = sampler.hwm()
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        sampler.stop()
+    marks = {ph: logs.first(rf"round 1 phase={re.escape(ph)}$") for ph in PHASES}
+    seq = [(ph, t) for ph, t in marks.items() if t is not None]
+    seq.sort(key=lambda x: x[1])
+    phases = {"serve-start": (t_start, t_ready), "serve-idle": (t_ready, t_sub),
+              "submissions": (t_sub, seq[0][1] if seq else t_closed)}
+    for (ph, t0), nxt in zip(seq, seq[1:] + [(None, t_done)]):
+        phases[ph] = (t0, nxt[1])
+    return {"outcome": outcome.split(": ", 2)[-1], "phases": phases, "sampler": sampler, "hwm": hwm}
+
+
+def read_write_seconds(model_file: Path, work: Path) -> float:
+    """One read + write of the model file (safetensors load_file + save_file + fsync), best of 2."""
+    from safetensors.torch import load_file, save_file
+
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        w = load_file(str(model_file))
+        out = work / "rw.safetensors"
+        save_file(w, str(out), metadata={"format": "pt"})
+        with open(out, "rb+") as f:
+            os.fsync(f.fileno())
+        best = min(best, time.perf_counter() - t0)
+        del w
+        out.unlink()
+    return best
+
+
+def forward_backward_seconds(model_dir: Path, scoring_examples: int = 32) -> float:
+    """One forward + backward of the fp32 model on the server's scoring set (packed), best of 2."""
+    from zoo_gym import gym_train
+    from zoo_gym.gym_train.evaluate import load_model, load_tokenizer, tokenize_examples
+    from zoo_gym.rewards.packing import pack_shared_prefix, packed_loss_sum
+
+    tok = load_tokenizer(model_dir)
+    model = load_model(model_dir, attn_implementation="sdpa")
+    examples = gym_train.default_validation_examples(n=scoring_examples)
+    batch = pack_shared_prefix(tokenize_examples(tok, examples), pad_id=tok.pad_token_id or 0)
+    best = float("inf")
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        loss, k = packed_loss_sum(model, batch)
+        (loss / k).backward()
+        best = min(best, time.perf_counter() - t0)
+    del model
+    return best
+
+
+def bf16_kept(state: Path, deltas: list[dict]) -> dict:
+    """Share of the round's aggregate (the mean of the merged deltas) that the published bf16 checkpoint
+    holds, and with the server's float32 master (if there is one) what published + carried holds."""
+    from safetensors import safe_open
+    from sqlmodel import select
+
+    from zoo_gym.server.models import Round
+    from zoo_gym.server.state import open_state
+
+    st = open_state(state)
+    with st.session() as s:
+        r = s.get(Round, 1)
+        parent, child = r.base_sha256, r.published_sha256
+    pdir, cdir = st.checkpoint_dir(parent), st.checkpoint_dir(child)
+    dot = agg_sq = err_sq = pub_sq = 0.0
+    master_err_sq = 0.0
+    master = None
+    try:
+        from zoo_gym.server.checkpoint_writer import master_path
+
+        mp, cp = master_path(st, parent), master_path(st, child)
+        if mp is not None and cp is not None:
+            master = (safe_open(str(mp), framework="pt"), safe_open(str(cp), framework="pt"))
+    except ImportError:
+        pass
+    with safe_open(str(pdir / "model.safetensors"), framework="pt") as fp, \
+            safe_open(str(cdir / "model.safetensors"), framework="pt") as fc:
+        for name in deltas[0]:
+            agg = sum(d[name].merged().double() for d in deltas) / len(deltas)
+            pub = fc.get_tensor(name).double() - fp.get_tensor(name).double()
+            dot += float((pub * agg).sum())
+            agg_sq += float((agg * agg).sum())
+            pub_sq += float((pub * pub).sum())
+            err_sq += float(((pub - agg) ** 2).sum())
+            if master is not None:
+                carried = master[1].get_tensor(name).double() - master[0].get_tensor(name).double()
+                master_err_sq += float(((carried - agg) ** 2).sum())
+    out = {"aggregate_norm": agg_sq ** 0.5, "published_norm": pub_sq ** 0.5,
+           "published_projection_share": dot / agg_sq,
+           "published_relative_error": (err_sq / agg_sq) ** 0.5}
+    if master is not None:
+        out["master_relative_error"] = (master_err_sq / agg_sq) ** 0.5
+        out["master_kept_share"] = 1.0 - (master_err_sq / agg_sq) ** 0.5
+    st.engine.dispose()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="0.6b")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--delta-rms", type=float, default=2e-5)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--no-scoring-run", action="store_true", help="skip the second round (scoring off)")
+    ap.add_argument("--server-pythonpath", help="run the server from this copy of zoo_gym (before/after)")
+    ap.add_argument("--work", type=Path, help="keep files here (default: a temporary directory)")
+    args = ap.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="zoo-scale-"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = _server_env(args.server_pythonpath)
+    from zoo_gym import codec
+
+    res: dict = {"size": args.size, "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+                 "deltas": (f"synthetic: 2 contributors, rank-{args.rank} LoRA factors of every Linear weight "
+                            f"(merged RMS {args.delta_rms:g}), encoded with codec auto; no client training")}
+    t0 = time.perf_counter()
+    model_dir = work / "model"
+    n_params = build_model(args.size, model_dir)
+    fp32 = 4 * n_params
+    res.update(params=n_params, fp32_bytes=fp32, build_s=time.perf_counter() - t0)
+    deltas = lora_deltas(model_dir, n=2, rank=args.rank, rms=args.delta_rms)
+    payloads = [codec.encode(d, codec="auto") for d in deltas]
+    res["payload_bytes"] = [len(p) for p in payloads]
+
+    runs = {}
+    for scoring in ([True] if args.no_scoring_run else [True, False]):
+        state = work / f"state-{'scoring' if scoring else 'noscoring'}"
+        shutil.rmtree(state, ignore_errors=True)
+        init = run_init(state, model_dir, env)
+        r = serve_round(state, payloads, env, work, scoring=scoring, timeout=args.timeout)
+        s = r["sampler"]
+        phases = {ph: {"seconds": t1 - t0_, "peak_rss_over_fp32": s.peak(t0_, t1) / fp32}
+                  for ph, (t0_, t1) in r["phases"].items()}
+        phases["init"] = {"seconds": init["seconds"], "peak_rss_over_fp32": init["peak_rss"] / fp32}
+        runs["scoring_on" if scoring else "scoring_off"] = {
+            "outcome": r["outcome"], "vm_hwm_over_fp32": r["hwm"] / fp32, "vm_hwm_bytes": r["hwm"],
+            "phases": phases}
+        if scoring:
+            res["bf16_publish"] = bf16_kept(state, deltas)
+    res["runs"] = runs
+
+    rw = read_write_seconds(model_dir / "model.safetensors", work)
+    fb = forward_backward_seconds(model_dir)
+    res["baseline"] = {"read_write_model_s": rw, "forward_backward_scoring_set_s": fb}
+    for key, run in runs.items():
+        ph = run["phases"]
+        sec = lambda *names: sum(ph[n]["seconds"] for n in names if n in ph)  # noqa: E731
+        agg_pub = sec("load", "aggregation", "write", "pack", "commit")
+        run["aggregation_publish_s"] = agg_pub
+        run["aggregation_publish_over_read_write"] = agg_pub / rw
+        if key == "scoring_on":
+            run["scoring_s"] = sec("scoring-gradient", "scoring")
+            run["scoring_over_forward_backward"] = run["scoring_s"] / fb
+            run["evaluation_s"] = sec("evaluation")
+    res["targets"] = {"peak_rss_over_fp32_scoring_on": 2.5, "peak_rss_over_fp32_scoring_off": 1.0,
+                      "aggregation_publish_over_read_write": 2.0, "scoring_over_forward_backward": 1.3,
+                      "bf16_kept_share_min": 0.999}
+    text = json.dumps(res, indent=2, sort_keys=True)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,330 @@
+"""Stream the next checkpoint onto disk tensor by tensor: base in, aggregate added, archive and master out.
+
+Memory at publish grows with one tensor, never with the model (STYLE 17): the base is read one tensor
+at a time, each aggregated tensor is added as DeltaSoup's sink delivers it, and its bytes go straight
+to three places in one sequential pass:
+
+* the new `model.safetensors` in the work directory (kept as the unpacked cache of the new checkpoint,
+  and evaluated there);
+* the checkpoint archive in the blob store (a `zoo_gym.proto.archive.TarStream`: the very bytes
+  `archive.pack` would write, so the content address is the same as packing the directory);
+* the float32 master of the weights (item 5 below), its own blob.
+
+The safetensors file is hand-written because the `safetensors` library has no incremental writer
+(`save_file` wants every tensor in memory at once). The format is simple: an 8-byte little-endian
+header length, a JSON header (padded with spaces to a multiple of 8) giving each tensor's dtype, shape
+and byte range, then the tensors' bytes back to back. Shapes and dtypes are the base's; the data order
+is: the tensors the deltas touch, in the order the aggregation delivers them, then the untouched ones
+in the base's order, so every byte is written once, sequentially. The base is read with `os.pread`
+rather than `safe_open`'s memory map: touched pages of a map stay in the process's resident set until
+it is closed, which at 0.6B is another 1.2 GB counted against the server.
+
+Publishing into a bf16 base must not drop updates (issue 13 item 5). A round's aggregate is mostly far
+below bf16's resolution (8 bits of mantissa: a weight of 0.02 moves in steps of 1.2e-4, a few LoRA
+steps change it by ~1e-5), so `bf16(base + aggregate)` would silently keep little of what the round
+agreed on. The server therefore keeps a float32 master of every weight: round r adds its aggregate to
+the master of round r-1 (the base itself, exactly widened, at genesis) and publishes the master
+rounded to the base's dtype. What rounding drops in one round is still in the master, so over rounds
+published + carried = the sum of the aggregates (up to float32 rounding). The master is a plain
+float32 safetensors blob in the content-addressed store, named in the checkpoint's lineage
+(`master_sha256`); a base stored in float32 needs none (the published weights are the master).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from zoo_gym.proto import archive
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+_CHUNK = 16 << 20  # bytes copied at a time for tensors the round does not change
+
+
+class CheckpointFormatError(ValueError):
+    """A safetensors file is not what its header says."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str               # safetensors dtype name, e.g. "BF16"
+    shape: tuple[int, ...]
+    start: int               # absolute byte offset in the file
+    nbytes: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+class SafetensorsReader:
+    """Tensor by tensor reads of a safetensors file with `os.pread` (no whole-file map, no whole-model dict)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._fd = os.open(self.path, os.O_RDONLY)
+        try:
+            size = os.fstat(self._fd).st_size
+            (n,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+            if n > min(size - 8, 100 << 20):
+                raise CheckpointFormatError(f"{self.path}: header length {n} does not fit the file")
+            header = json.loads(os.pread(self._fd, n, 8))
+        except (struct.error, ValueError) as exc:
+            os.close(self._fd)
+            raise CheckpointFormatError(f"{self.path}: not a safetensors file ({exc})") from exc
+        self.metadata = header.pop("__metadata__", None) or {}
+        infos = {}
+        for name, h in header.items():
+            b, e = h["data_offsets"]
+            if h["dtype"] not in _DTYPES or not 0 <= b <= e <= size - 8 - n:
+                os.close(self._fd)
+                raise CheckpointFormatError(f"{self.path}: tensor {name!r} has dtype {h['dtype']!r} or range "
+                                            f"{b}..{e} this reader does not accept")
+            infos[name] = TensorInfo(h["dtype"], tuple(h["shape"]), 8 + n + b, e - b)
+        # file order: what `load_file` would hand out first
+        self.infos: dict[str, TensorInfo] = dict(sorted(infos.items(), key=lambda kv: kv[1].start))
+
+    def names(self) -> list[str]:
+        return list(self.infos)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {k: v.shape for k, v in self.infos.items()}
+
+    def read(self, name: str) -> torch.Tensor:
+        """One tensor, in its stored dtype and shape (a fresh buffer)."""
+        info = self.infos[name]
+        buf = bytearray(info.nbytes)
+        self._read_into(memoryview(buf), info.start)
+        if not info.nbytes:
+            return torch.empty(info.shape, dtype=info.torch_dtype)
+        return torch.frombuffer(buf, dtype=info.torch_dtype).reshape(info.shape)
+
+    def chunks(self, name: str) -> Iterable[bytes]:
+        """The tensor's raw bytes, `_CHUNK` at a time."""
+        info = self.infos[name]
+        for off in range(0, info.nbytes, _CHUNK):
+            yield os.pread(self._fd, min(_CHUNK, info.nbytes - off), info.start + off)
+
+    def _read_into(self, view: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(view):
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise CheckpointFormatError(f"{self.path}: short read")
+            done += got
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "SafetensorsReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(k for k, v in _DTYPES.items() if v == dtype)
+
+
+class SafetensorsLayout:
+    """The header of a safetensors file whose tensors will be written in `order`, and the checks."""
+
+    def __init__(self, order: Sequence[tuple[str, str, tuple[int, ...]]], *,
+                 metadata: Mapping[str, str] | None = None) -> None:
+        header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+        offset = 0
+        self.order = [name for name, _, _ in order]
+        self.sizes: dict[str, int] = {}
+        for name, dtype, shape in order:
+            n = _DTYPES[dtype].itemsize * _numel(shape)
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+            self.sizes[name] = n
+            offset += n
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # as the safetensors library pads it
+        self.header = struct.pack("<Q", len(text)) + text
+        self.total = len(self.header) + offset
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A contiguous tensor's bytes without a copy (bf16 included: viewed as uint8)."""
+    t = t.detach().contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+class _Sequential:
+    """Writes a layout's tensors in order to several outputs, checking names and sizes."""
+
+    def __init__(self, layout: SafetensorsLayout, outputs: Sequence[Callable[[memoryview], None]]) -> None:
+        self.layout, self._outputs, self._next = layout, outputs, 0
+        self._emit(memoryview(layout.header))
+
+    def _emit(self, data) -> None:
+        for out in self._outputs:
+            out(data)
+
+    def write(self, name: str, data: Iterable) -> None:
+        want = self.layout.order[self._next] if self._next < len(self.layout.order) else None
+        if name != want:
+            raise CheckpointFormatError(f"tensor {name!r} written where {want!r} was due")
+        n = 0
+        for piece in data:
+            self._emit(piece)
+            n += len(piece)
+        if n != self.layout.sizes[name]:
+            raise CheckpointFormatError(f"tensor {name!r}: {n} bytes written, {self.layout.sizes[name]} due")
+        self._next += 1
+
+    @property
+    def done(self) -> bool:
+        return self._next == len(self.layout.order)
+
+
+class CheckpointWriter:
+    """One publish: `sink(name, aggregate)` per changed tensor (DeltaSoup's order), then `finish(lineage)`.
+
+    `base_dir` is the unpacked base checkpoint; `master` a reader of its float32 master (None: the
+    base widened exactly). `changed` are the names the aggregation will deliver, in its order.
+    Outputs: `out_dir` (the new checkpoint directory), `ckpt_blob` (a BlobWriter receiving the
+    archive) and `master_blob` (a BlobWriter receiving the new float32 master; None when the base is
+    float32 throughout, then no master is kept).
+    """
+
+    def __init__(self, base_dir: Path, *, master: SafetensorsReader | None, changed: Sequence[str],
+                 out_dir: Path, ckpt_blob: BinaryIO, master_blob: BinaryIO | None) -> None:
+        self.base_dir, self.out_dir = Path(base_dir), Path(out_dir)
+        self.base = SafetensorsReader(self.base_dir / archive.WEIGHTS)
+        self.master = master
+        if master is not None and master.shapes() != self.base.shapes():
+            raise CheckpointFormatError("the float32 master's tensors do not match the base's")
+        changed_set = set(changed)
+        unknown = changed_set - set(self.base.infos)
+        if unknown:
+            raise CheckpointFormatError(f"the aggregate names {sorted(unknown)[0]!r}, which the base lacks")
+        order = list(changed) + [n for n in self.base.names() if n not in changed_set]
+        self._changed = changed_set
+        infos = self.base.infos
+        self.layout = SafetensorsLayout([(n, infos[n].dtype, infos[n].shape) for n in order],
+                                        metadata={"format": "pt"})
+        self._weights_file = open(self.out_dir / archive.WEIGHTS, "wb")
+        self._tar = archive.TarStream(ckpt_blob)
+        names = sorted({p.name for p in self.base_dir.iterdir() if p.is_file()} - {archive.LINEAGE}
+                       | {archive.WEIGHTS, archive.LINEAGE})
+        self._before = [n for n in names if n < archive.WEIGHTS]
+        self._after = [n for n in names if n > archive.WEIGHTS]
+        for name in self._before:
+            _copy(self.base_dir / name, self.out_dir / name)
+            self._tar.add_file(name, self.out_dir / name)
+        self._tar.begin(archive.WEIGHTS, self.layout.total)
+        self._pub = _Sequential(self.layout, [self._weights_file.write, self._tar.write])
+        self._master_out = None
+        if master_blob is not None:
+            m_layout = SafetensorsLayout([(n, "F32", infos[n].shape) for n in order], metadata={"format": "pt"})
+            self._master_out = _Sequential(m_layout, [master_blob.write])
+
+    def _master_tensor(self, name: str) -> torch.Tensor:
+        if self.master is not None:
+            return self.master.read(name)
+        return self.base.read(name).float()  # genesis: bf16 -> float32 is exact
+
+    def sink(self, name: str, agg: torch.Tensor) -> None:
+        """Add the aggregate (numel,) float32 to tensor `name` and write it everywhere."""
+        info = self.base.infos[name]
+        if info.torch_dtype.is_floating_point and self._master_out is not None:
+            new_master = self._master_tensor(name).add_(agg.reshape(info.shape))
+            published = new_master.to(info.torch_dtype)
+            self._master_out.write(name, [tensor_bytes(new_master)])
+        else:  # a float32 base: the published weights are the master
+            published = (self.base.read(name).float() + agg.reshape(info.shape)).to(info.torch_dtype)
+            if self._master_out is not None:
+                self._master_out.write(name, [tensor_bytes(published.float())])
+        self._pub.write(name, [tensor_bytes(published)])
+
+    def finish_weights(self) -> None:
+        """Copy the tensors the round did not change (bytes, a chunk at a time); the weights are complete."""
+        for name in self.layout.order[self._pub._next:]:  # noqa: SLF001
+            if name in self._changed:
+                raise CheckpointFormatError(f"the aggregation never delivered tensor {name!r}")
+            self._pub.write(name, self.base.chunks(name))
+            if self._master_out is not None:
+                self._master_out.write(name, self._master_chunks(name))
+        self._weights_file.close()
+        self._tar.end()
+        self.base.close()
+
+    def _master_chunks(self, name: str) -> Iterable:
+        if self.master is not None:
+            yield from self.master.chunks(name)
+            return
+        info = self.base.infos[name]
+        for raw in self.base.chunks(name):  # widened a chunk at a time (chunks are whole elements)
+            t = torch.frombuffer(bytearray(raw), dtype=info.torch_dtype) if raw else torch.empty(0)
+            yield tensor_bytes(t.float())
+
+    def finish(self, lineage: dict) -> None:
+        """Write the lineage and the files after the weights, and close the archive."""
+        archive.write_lineage(self.out_dir, lineage)
+        for name in self._after:
+            if name != archive.LINEAGE:
+                _copy(self.base_dir / name, self.out_dir / name)
+            self._tar.add_file(name, self.out_dir / name)
+        self._tar.close()
+
+    def close(self) -> None:
+        if not self._weights_file.closed:
+            self._weights_file.close()
+        self.base.close()
+
+
+def _copy(src: Path, dst: Path) -> None:
+    with open(src, "rb") as f, open(dst, "wb") as g:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            g.write(chunk)
+
+
+def needs_master(base_file: Path) -> bool:
+    """Whether a checkpoint stores floating weights below float32 (then a float32 master is kept)."""
+    with SafetensorsReader(base_file) as r:
+        return any(i.torch_dtype.is_floating_point and i.torch_dtype != torch.float32 and
+                   i.torch_dtype != torch.float64 for i in r.infos.values())
+
+
+def master_sha256(manifest_json: str | None) -> str | None:
+    """The float32 master blob a checkpoint row's lineage names (None: none kept)."""
+    try:
+        return json.loads(manifest_json or "{}").get("master_sha256")
+    except ValueError:
+        return None
+
+
+def master_path(state, checkpoint_sha256: str) -> Path | None:
+    """The stored float32 master of a checkpoint, if it has one and its blob is present."""
+    from zoo_gym.server.models import Checkpoint
+
+    with state.session() as s:
+        row = s.get(Checkpoint, checkpoint_sha256)
+        sha = master_sha256(row.manifest_json) if row is not None else None
+    if sha is None or not state.blobs.exists(sha):
+        return None
+    return state.blobs.path(sha)
