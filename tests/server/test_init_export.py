@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from zoo_gym.gym_train.families import make_random_base
 from zoo_gym.server.cli import app
-from zoo_gym.server.model_card import model_card, round_summary
+from zoo_gym.proto.model_card import model_card, round_summary
 from zoo_gym.server.state import init_state, open_state
 
 

@@ -107,6 +107,36 @@ def join(
 
 
 @app.command()
+def pull(
+    out: Path = typer.Argument(..., help="New or empty directory to write the Hugging Face model into."),
+    server: str = typer.Option(..., "--server", help="HOST:PORT of the gym-server."),
+    workdir: Optional[Path] = typer.Option(None, help="Download cache (resumable) \\[default: ~/.zoo-gym]."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+) -> None:
+    """Download the latest published checkpoint (resumable, sha256-verified) as a plain Hugging Face
+    directory with a model card; it loads with from_pretrained."""
+    from zoo_gym.client.connection import ServerUnreachable
+    from zoo_gym.client.download import DownloadError
+    from zoo_gym.client.pull import PullError
+    from zoo_gym.client.pull import pull as run_pull
+
+    try:
+        summary = run_pull(server, out, workdir=workdir or DEFAULT_HOME, progress=not quiet and sys.stderr.isatty(),
+                           say=_say)
+    except PullError as exc:
+        _fail(str(exc), 2)
+    except (ServerUnreachable, DownloadError) as exc:
+        _fail(str(exc), 1)
+    except grpc.RpcError as exc:
+        _fail(f"the server refused a request ({exc.code().name}): {exc.details()}", 1)
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2))
+    else:
+        _say(f"pulled round {summary['round']} ({summary['sha256'][:12]}) into {out}")
+
+
+@app.command()
 def rewards(
     server: str = typer.Option(..., "--server", help="HOST:PORT of the gym-server."),
     key: Optional[Path] = typer.Option(None, help="Your Ed25519 key \\[default: ~/.zoo-gym/contributor.pem]."),

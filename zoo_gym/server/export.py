@@ -14,7 +14,7 @@ from pathlib import Path
 from sqlmodel import select
 
 from zoo_gym.proto import archive
-from zoo_gym.server.model_card import round_summary, write_model_card
+from zoo_gym.proto.model_card import round_summary, write_model_card
 from zoo_gym.server.models import Checkpoint
 from zoo_gym.server.state import ServerState, StateError
 

@@ -1,6 +1,6 @@
 """The README.md model card of an exported or pulled checkpoint, computed from lineage manifests.
 
-Pure functions over JSON (no database, no torch), so the server's `gym-server export` and the client's
+Pure functions over JSON (no database, no torch; beside the archive format it describes), so the server's `gym-server export` and the client's
 `gym-client pull` write the same card:
 
 * ``round_summary(manifest, sha256=..., heldout_loss=...)`` turns one lineage manifest (a Checkpoint
@@ -22,8 +22,9 @@ import json
 import re
 from pathlib import Path
 
+from zoo_gym.proto.archive import LINEAGE
+
 CARD = "README.md"
-LINEAGE = "zoo_gym_checkpoint.json"  # zoo_gym.proto.archive.LINEAGE (not imported: keep this module light)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 

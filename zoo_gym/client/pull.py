@@ -1,0 +1,47 @@
+"""`gym-client pull`: the federation's latest published checkpoint as a plain Hugging Face directory.
+
+The download is the join loop's own (resumable, sha256-verified before it is unpacked, cached under the
+work directory); the result is copied to OUT with a model card (README.md) built from the checkpoint's
+lineage manifest, so `AutoModelForCausalLM.from_pretrained(OUT)` loads it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from zoo_gym.client.connection import open_stub, with_retries
+from zoo_gym.client.download import fetch_checkpoint
+from zoo_gym.proto import archive, gym_pb2
+from zoo_gym.proto.model_card import write_model_card_from_dir
+
+
+class PullError(RuntimeError):
+    """Nothing to pull, or OUT cannot be written; the message says what to do."""
+
+
+def pull(server: str, out: Path, *, workdir: Path, progress: bool = False,
+         say: Callable[[str], None] = print) -> dict:
+    """Download the latest published checkpoint into `out` (must be absent or empty). Returns a summary."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise PullError(f"{out} exists and is not an empty directory; choose a new OUT")
+    channel, stub = open_stub(server)
+    try:
+        info = with_retries(lambda: stub.GetRound(gym_pb2.GetRoundRequest(), timeout=30), what="GetRound",
+                            say=say)
+        if info.base_checkpoint_id < 1:
+            raise PullError(f"round {info.round_id} still trains on the genesis checkpoint: nothing has been "
+                            "published yet")
+        model_dir = fetch_checkpoint(stub, info.base_sha256, info.base_size, Path(workdir), progress=progress,
+                                     retry=lambda call: with_retries(call, what="download", say=say))
+    finally:
+        channel.close()
+    out.mkdir(parents=True, exist_ok=True)
+    for p in sorted(model_dir.iterdir()):
+        if p.is_file():
+            shutil.copyfile(p, out / p.name)
+    card = write_model_card_from_dir(out, sha256=info.base_sha256)
+    return {"round": info.base_checkpoint_id, "sha256": info.base_sha256, "out": str(out), "card": str(card),
+            "files": sorted(p.name for p in out.iterdir()), "lineage": archive.LINEAGE}
