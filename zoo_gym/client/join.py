@@ -65,8 +65,11 @@ def prepare(opts: JoinOptions) -> tuple[TrainConfig, list[dict] | None]:
     if opts.data == "builtin":
         n = opts.n_examples
     else:
-        examples = gym_train.load_examples(opts.data)
+        examples = gym_train.load_examples(opts.data, allow_text=True)
         n = len(examples)
+        if any("text" in ex for ex in examples) and (config.method == "grpo" or config.dp_enabled):
+            raise JoinError(f"{opts.data}: plain `text` records train only with --method lora or sft without "
+                            "DP-SGD (GRPO needs prompts with answers to reward)")
         if n < 4:
             raise JoinError(f"{opts.data} ({n} examples): at least 4 examples are needed "
                             "(some are held out to measure the round)")
@@ -87,7 +90,7 @@ def _examples(opts: JoinOptions, contributor_id: str, user_examples: list[dict] 
         examples = gym_train.builtin_examples(task, shard=shard, n_shards=opts.n_shards, n=opts.n_examples)
         desc = f"built-in {task} shard {shard}/{opts.n_shards}"
     else:
-        examples = gym_train.load_examples(Path(opts.data))
+        examples = gym_train.load_examples(Path(opts.data), allow_text=True)
         desc = f"{opts.data} ({len(examples)} examples)"
     if len(examples) < 4:
         raise JoinError(f"{desc}: at least 4 examples are needed (some are held out to measure the round)")

@@ -35,10 +35,15 @@ def load_tokenizer(model_dir: str | pathlib.Path):
 
 
 def tokenize_examples(tokenizer, examples: list[dict]) -> list[tuple[list[int], list[int]]]:
-    """Each example -> (prompt ids, completion ids) in the tokenizer's chat template (chat.render_pair)."""
+    """Each example -> (prompt ids, completion ids) in the tokenizer's chat template (chat.render_pair);
+    a plain `text` record (continued pretraining) is all completion: every token after the first is scored."""
     ensure_chat_template(tokenizer)
     out = []
     for ex in examples:
+        if "text" in ex:
+            ids = tokenizer(ex["text"], add_special_tokens=False)["input_ids"]
+            out.append((ids[:1], ids[1:]))
+            continue
         prompt, completion = render_pair(tokenizer, ex)
         p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         c = tokenizer(completion, add_special_tokens=False)["input_ids"]

@@ -105,10 +105,22 @@ def quiet_trainer(trainer, progress: bool) -> None:
         trainer.remove_callback(ProgressCallback)
 
 
+def is_plain_text(examples: list[dict]) -> bool:
+    """True for continued-pretraining data ({"text": ...} records); refuses a mix with instruction records."""
+    kinds = {"text" in ex for ex in examples}
+    if len(kinds) > 1:
+        raise ValueError("the examples mix plain `text` records with instruction records; use one kind per "
+                         "data file (text for continued pretraining, or instructions for fine-tuning)")
+    return kinds == {True}
+
+
 def sft_dataset(examples: list[dict]):
-    """Conversational prompt/completion rows for TRL (the loss is on the completion only)."""
+    """Rows for TRL: conversational prompt/completion (the loss is on the completion only), or plain
+    `text` rows for continued pretraining (the loss is on every token)."""
     from datasets import Dataset
 
+    if is_plain_text(examples):
+        return Dataset.from_list([{"text": ex["text"]} for ex in examples])
     rows = [
         {"prompt": prompt_messages(ex), "completion": [{"role": "assistant", "content": ex["output"]}]}
         for ex in examples
@@ -141,9 +153,11 @@ def load_training_model(base_dir, config: TrainConfig):
 def _run_sft(model, tokenizer, train_ex, cfg: TrainConfig, tmp: str, progress: bool):
     from trl import SFTConfig, SFTTrainer
 
+    text = is_plain_text(train_ex)
     args = SFTConfig(
         **common_training_args(cfg, tmp, progress=progress),
-        completion_only_loss=True,
+        completion_only_loss=not text,
+        dataset_text_field="text",
         max_length=cfg.max_length,
         packing=False,
     )
@@ -175,6 +189,9 @@ def train(
         raise ValueError("`base_sha256` must name the base checkpoint the delta is relative to")
     base_dir = pathlib.Path(base_dir)
     check_hardware(config, base_dir)
+    if is_plain_text(examples) and (config.dp_enabled or config.method == "grpo"):
+        raise ValueError("plain `text` records train only with --method lora or sft without DP-SGD: GRPO needs "
+                         "prompts with answers to reward, and DP-SGD here trains on instruction records")
     if config.dp_enabled:
         from .dp import train_dp
 
@@ -215,7 +232,7 @@ def train(
     meta = {
         "method": config.method,
         "steps": steps,
-        "examples_seen": steps * config.batch_size,
+        "examples_seen": steps * config.batch_size * config.gradient_accumulation_steps,
         "tokens_seen": int(trainer.state.num_input_tokens_seen),
         "train_seconds": round(seconds, 3),
         "loss_before": loss_before,
