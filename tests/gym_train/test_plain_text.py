@@ -45,3 +45,11 @@ def test_text_with_grpo_or_mixed_with_instructions_is_refused_before_training():
     mixed = _corpus(8) + [{"instruction": "Add 1 and 2.", "input": "", "output": "3"}]
     with pytest.raises(ValueError, match="mix"):
         train(tiny_model_dir(), mixed, TrainConfig(max_steps=2, warmup_steps=0), base_sha256="0" * 64)
+
+
+def test_epochs_become_steps_for_library_callers():
+    # 64 examples, 6 held out (a tenth), 58 to train in batches of 8: 8 batches per epoch, 2 epochs = 16 steps
+    config = TrainConfig(method="lora", num_train_epochs=2, batch_size=8, warmup_steps=0, seed=0)
+    with contextlib.redirect_stdout(io.StringIO()):
+        result = train(tiny_model_dir(), _corpus(64), config, base_sha256="0" * 64)
+    assert result.metadata["steps"] == 16

@@ -9,6 +9,7 @@ GSPO as its sequence-level importance sampling (Zheng et al., "Group Sequence Po
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import pathlib
 import tempfile
 import time
@@ -189,6 +190,9 @@ def train(
         raise ValueError("`base_sha256` must name the base checkpoint the delta is relative to")
     base_dir = pathlib.Path(base_dir)
     check_hardware(config, base_dir)
+    if config.num_train_epochs is not None:  # epochs -> the step count every training path understands
+        n_train = len(_split_heldout(examples, eval_examples)[0])
+        config = dataclasses.replace(config, max_steps=config.steps_for(n_train), num_train_epochs=None)
     if is_plain_text(examples) and (config.dp_enabled or config.method == "grpo"):
         raise ValueError("plain `text` records train only with --method lora or sft without DP-SGD: GRPO needs "
                          "prompts with answers to reward, and DP-SGD here trains on instruction records")
