@@ -23,8 +23,7 @@ from zoo_gym.server.config import ConfigError, build_config, read_config_file
 from zoo_gym.server.state import StateError, init_state, open_state
 
 app = typer.Typer(help="Zoo Gym server: runs federated rounds, merges deltas, publishes checkpoints.",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  rich_markup_mode=None)  # help texts say "[default: ...]" literally
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 ledger_app = typer.Typer(help="Inspect and verify the rewards ledger.", no_args_is_help=True)
 app.add_typer(ledger_app, name="ledger")
 
@@ -60,11 +59,11 @@ def init(
     db: Optional[str] = typer.Option(None, help="SQLAlchemy URL (default: SQLite in the state dir)."),
     chat_template: Optional[Path] = typer.Option(
         None, "--chat-template", help="Jinja chat-template file written into the genesis tokenizer, used by every "
-        "client's training and the server's evaluation [default: the base's own; a base without one gets the "
+        "client's training and the server's evaluation \\[default: the base's own; a base without one gets the "
         "plain format '### Instruction:\\n...\\n\\n### Response:\\n<answer><eos>']."),
     validation_data: Optional[Path] = typer.Option(
         None, "--validation-data", help=VALIDATION_HELP + " Copied into the state directory; `serve` uses it "
-        "unless given another [default: the built-in task's validation set]."),
+        "unless given another \\[default: the built-in task's validation set]."),
 ) -> None:
     """Create the state: database, blob store, genesis checkpoint (round 0), the server's Ed25519 key.
 
@@ -78,33 +77,37 @@ def init(
         with state.session() as s:
             rnd = s.get(Round, 1)
     typer.echo(f"initialised {state_dir}: genesis checkpoint {rnd.base_sha256[:12]} ({base_model}); round 1 open")
+    if base_model != "tiny" and validation_data is None:
+        typer.echo("warning: no --validation-data: held-out losses and rewards will be measured on the built-in "
+                   "arithmetic task, which is made for the built-in model and says little about this one; give "
+                   "your own held-out examples with `serve --validation-data FILE`", err=True)
 
 
 @app.command()
 def serve(
     state_dir: Path = StateDir,
-    host: Optional[str] = typer.Option(None, help="Address to bind [default: 127.0.0.1]."),
-    port: Optional[int] = typer.Option(None, help="Port to bind; 0 picks a free one [default: 50051]."),
-    min_contributors: Optional[int] = typer.Option(None, help="A round never closes with fewer [default: 3]."),
-    quorum: Optional[int] = typer.Option(None, help="Close a round as soon as this many are in [default: min]."),
+    host: Optional[str] = typer.Option(None, help="Address to bind \\[default: 127.0.0.1]."),
+    port: Optional[int] = typer.Option(None, help="Port to bind; 0 picks a free one \\[default: 50051]."),
+    min_contributors: Optional[int] = typer.Option(None, help="A round never closes with fewer \\[default: 3]."),
+    quorum: Optional[int] = typer.Option(None, help="Close a round as soon as this many are in \\[default: min]."),
     round_timeout: Optional[float] = typer.Option(None, help="Seconds before a round closes with >= min "
-                                                             "submissions [default: 600]."),
+                                                             "submissions \\[default: 600]."),
     aggregator: Optional[str] = typer.Option(None, help="mean, median, trimmed-mean, krum, multi-krum, bulyan, "
-                                                        "geometric-median, centered-clip [default: trimmed-mean, robust; "
+                                                        "geometric-median, centered-clip \\[default: trimmed-mean, robust; "
                                                         "mean is an explicit choice]."),
     byzantine_f: Optional[int] = typer.Option(None, help="Byzantine contributors to tolerate (krum family)."),
     trim_beta: Optional[float] = typer.Option(None, help="Share trimmed from each side (trimmed-mean)."),
     max_norm_ratio: Optional[float] = typer.Option(None, help="Refuse a delta whose L2 norm exceeds this many "
-                                                              "times the round's median norm [default: 10; "
+                                                              "times the round's median norm \\[default: 10; "
                                                               "not applied under DP]."),
     dp_noise_multiplier: Optional[float] = typer.Option(None, help="Gaussian noise std / clip norm (0 = off)."),
     dp_clip: Optional[float] = typer.Option(None, help="L2 clip norm C of each whole delta (DP)."),
     dp_target_epsilon: Optional[float] = typer.Option(None, help="Stop publishing before exceeding this epsilon."),
     reward_pool: Optional[int] = typer.Option(None, help="Integer reward units split each round."),
     upload_idle_timeout: Optional[float] = typer.Option(None, help="Seconds an upload may send nothing before "
-                                                                   "it is dropped [default: 60]."),
+                                                                   "it is dropped \\[default: 60]."),
     validation_data: Optional[Path] = typer.Option(
-        None, "--validation-data", help=VALIDATION_HELP + " [default: the file given to `init`, else the built-in "
+        None, "--validation-data", help=VALIDATION_HELP + " \\[default: the file given to `init`, else the built-in "
         "task's validation set]."),
     config: Optional[Path] = typer.Option(None, "--config", help="TOML or YAML settings; flags win over it."),
     db: Optional[str] = typer.Option(None, help="SQLAlchemy URL overriding the one chosen at init."),
@@ -207,7 +210,7 @@ def export(
     out: Path = typer.Argument(..., help="New (or empty) directory to write the Hugging Face model into."),
     state_dir: Path = StateDir,
     round_id: Optional[int] = typer.Option(None, "--round", help="Round whose published checkpoint to export "
-                                                                 "(0 = the base) [default: the latest]."),
+                                                                 "(0 = the base) \\[default: the latest]."),
 ) -> None:
     """Write a published checkpoint as a plain Hugging Face directory (loads with from_pretrained) with a
     README.md model card: base model, lineage, contributors, privacy spent, held-out loss per round."""
