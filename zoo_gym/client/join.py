@@ -14,6 +14,7 @@ from zoo_gym import codec
 from zoo_gym.client.connection import ServerUnreachable, open_stub, with_retries
 from zoo_gym.client.download import fetch_checkpoint
 from zoo_gym.client.upload import build_header, register_request, request_stream
+from zoo_gym.gym_train.memory import release_memory
 from zoo_gym.proto import gym_pb2, signing
 
 if TYPE_CHECKING:
@@ -147,8 +148,11 @@ def join(opts: JoinOptions, *, say: Callable[[str], None] = print) -> list[dict]
         result = gym_train.train(model_dir, train_ex, config, base_sha256=info.base_sha256,
                                  eval_examples=held_ex, progress=opts.progress)
         payload = _payload(result, opts, feedback)
+        metadata = result.metadata
+        del result  # the delta is in the payload now; the model and trainer went with train()'s frame
+        release_memory()  # hand the training peak back before the upload and the wait for the publish
         header = build_header(key=key, contributor_id=cid, round_id=info.round_id, base_sha256=info.base_sha256,
-                              payload=payload, metadata=result.metadata)
+                              payload=payload, metadata=metadata)
         chunk = min(info.limits.max_chunk_bytes or (1 << 20), 1 << 20)
         try:
             resp = retry(lambda: stub.SubmitDelta(request_stream(header, payload, chunk_bytes=chunk,
@@ -161,7 +165,7 @@ def join(opts: JoinOptions, *, say: Callable[[str], None] = print) -> list[dict]
             raise JoinError(f"submission refused ({exc.code().name}): {exc.details()}") from exc
         summary = {"round": info.round_id, "contributor": cid, "payload_bytes": len(payload),
                    "payload_sha256": resp.payload_sha256, "submissions_in_round": resp.submissions,
-                   "loss_before": result.metadata.get("loss_before"), "loss_after": result.metadata.get("loss_after"),
+                   "loss_before": metadata.get("loss_before"), "loss_after": metadata.get("loss_after"),
                    "codecs": sorted({e.codec for e in codec.read_manifest(payload).entries})}
         summaries.append(summary)
         say(f"round {info.round_id}: submitted {len(payload)} bytes; local held-out loss "
