@@ -313,7 +313,8 @@ def bf16_kept(state: Path, deltas: list[dict]) -> dict:
         from zoo_gym.server.checkpoint_writer import master_path
 
         mp, cp = master_path(st, parent), master_path(st, child)
-        if mp is not None and cp is not None:
+        if cp is not None:  # the genesis base has no master: its weights widened exactly are one
+            mp = mp if mp is not None else pdir / "model.safetensors"
             master = (safe_open(str(mp), framework="pt"), safe_open(str(cp), framework="pt"))
     except ImportError:
         pass
