@@ -74,21 +74,87 @@ def dense_delta(value) -> torch.Tensor:
     raise TypeError(f"a delta value must be a Tensor or LoraFactors, got {type(value).__name__}")
 
 
+# Rows of the output layer computed at once: (rows, vocab) float32 logits of about 64 MiB (110 rows
+# at Qwen3's 151936 tokens), never a (positions, vocab) tensor for a whole batch.
+_HEAD_CHUNK_ELEMENTS = 1 << 24
+
+
+def head_loss_sum(model, inputs: dict, *, at: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy of ``targets`` predicted at flat positions ``at``.
+
+    ``model(**inputs)`` runs the decoder body; a pre-hook on the output layer
+    (``get_output_embeddings()``, the lm_head) takes its input hidden states ``(B, T, H)`` and
+    hands it an empty slice, so no logits are built over the whole batch. The lm_head is then
+    applied only to the ``K`` hidden states at ``at`` (flat index ``b * T + t``), in chunks of
+    about ``_HEAD_CHUNK_ELEMENTS`` logits, each chunk's cross-entropy taken in float32 (Gemma-2
+    style ``final_logit_softcapping`` applied as the model does). With gradients on, each chunk is
+    recomputed in the backward (activation checkpointing), so only one chunk's logits live at a
+    time. Equal to the full-logits loss up to float rounding (the matmul sees fewer rows).
+    Differentiable when grad is enabled; ``at``, ``targets``: ``(K,)`` long on the model's device.
+    """
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head): not a causal LM")
+    grabbed: list[torch.Tensor] = []
+
+    def grab(_module, args):
+        grabbed.append(args[0])
+        return (args[0][..., :0, :],) + tuple(args[1:])  # (B, 0, H): logits of no position
+
+    handle = head.register_forward_pre_hook(grab)
+    try:
+        model(**inputs, use_cache=False)
+    finally:
+        handle.remove()
+    if len(grabbed) != 1:
+        raise ValueError(f"the output layer ran {len(grabbed)} times in one forward: expected once")
+    h = grabbed.pop()                                                    # (B, T, H)
+    hidden = h.reshape(-1, h.shape[-1])[at]                             # (K, H)
+    del h
+    cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+
+    def chunk_loss(hc: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:
+        logits = head(hc).float()                                       # (k, V)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return torch.nn.functional.cross_entropy(logits, tc, reduction="sum")
+
+    vocab = int(getattr(head, "out_features", None) or head.weight.shape[0])
+    step = max(1, _HEAD_CHUNK_ELEMENTS // max(vocab, 1))
+    grad = torch.is_grad_enabled() and hidden.requires_grad
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for i in range(0, hidden.shape[0], step):
+        hc, tc = hidden[i:i + step], targets[i:i + step]
+        if grad:
+            from torch.utils.checkpoint import checkpoint
+
+            total = total + checkpoint(chunk_loss, hc, tc, use_reentrant=False)
+        else:
+            total = total + chunk_loss(hc, tc)
+    return total
+
+
+def scored_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(at, targets)`` of right-padded labels ``(B, T)``: position ``t`` predicts label ``t + 1``
+    wherever that label is not -100; ``at`` is the flat index ``b * T + t``."""
+    B, T = labels.shape
+    shift = labels[:, 1:]                                                # (B, T-1)
+    b, t = torch.nonzero(shift != -100, as_tuple=True)                  # (K,), (K,)
+    return b * T + t, shift[b, t]
+
+
 def completion_loss_sum(model, batches, *, device=None) -> tuple[float, int]:
-    """Sum of completion-token cross-entropies and their count over pre-collated batches."""
+    """Sum of completion-token cross-entropies and their count over pre-collated batches
+    (``head_loss_sum``: the output layer only where a completion token is predicted)."""
     total, count = 0.0, 0
     for ids, mask, labels in batches:
         if device is not None:
             ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
-        logits = model(input_ids=ids, attention_mask=mask).logits  # (B, T, V)
-        shift_logits = logits[:, :-1].float()  # (B, T-1, V)
-        shift_labels = labels[:, 1:]  # (B, T-1)
-        loss = torch.nn.functional.cross_entropy(
-            shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1),
-            ignore_index=-100, reduction="sum",
-        )
-        total += float(loss)
-        count += int((shift_labels != -100).sum())
+        at, targets = scored_positions(labels)
+        if at.numel() == 0:
+            continue
+        total += float(head_loss_sum(model, {"input_ids": ids, "attention_mask": mask}, at=at, targets=targets))
+        count += int(at.numel())
     return total, count
 
 

@@ -217,20 +217,21 @@ class SlopeTap:
             self.seconds += time.perf_counter() - t
         return rows
 
-    def delta_of(self, i: int) -> dict[str, Tensor]:
-        """Contributor ``i``'s dense delta (unscaled), every tensor in the gradient's shape:
-        views of the kept rows, the rest from the source (``stacked_one`` when it has one)."""
-        out = {}
-        for name in self._source.names():
-            shape = self._grad[name].shape
-            rows = self._kept.get(name)
-            if rows is not None:
-                out[name] = rows[i].reshape(shape)
-            elif hasattr(self._source, "stacked_one"):
-                out[name] = self._source.stacked_one(i, name).reshape(shape)
-            else:
-                out[name] = self._source.stacked(name)[i].reshape(shape)
-        return out
+    def delta_of(self, i: int) -> "LazyDelta":
+        """Contributor ``i``'s dense delta (unscaled), every tensor in the gradient's shape, as a
+        mapping that builds a tensor when it is read (``delta[name]``): a view of the kept rows, or
+        from the source (``stacked_one`` when it has one). ``PackedScoringSet.loss`` reads one
+        tensor at a time, so the whole dense delta never exists at once."""
+        return LazyDelta(self, i)
+
+    def _tensor_of(self, i: int, name: str) -> Tensor:
+        shape = self._grad[name].shape
+        rows = self._kept.get(name)
+        if rows is not None:
+            return rows[i].reshape(shape)
+        if hasattr(self._source, "stacked_one"):
+            return self._source.stacked_one(i, name).reshape(shape)
+        return self._source.stacked(name)[i].reshape(shape)
 
     def result(self, *, scales: Sequence[float]) -> tuple[list[float], list[float]]:
         """``(slopes, norms)`` scaled by ``scales`` (clip factors); every tensor must be seen."""
@@ -245,3 +246,25 @@ class SlopeTap:
                                     f"{self._slopes.shape[0]} deltas")
         sc = torch.tensor([float(c) for c in scales], dtype=torch.float64)  # (n,)
         return (self._slopes * sc).tolist(), (self._sq.sqrt() * sc.abs()).tolist()
+
+
+class LazyDelta(Mapping[str, Tensor]):
+    """One contributor's dense delta (``SlopeTap.delta_of``), each tensor built when it is read.
+
+    Keys are the source's tensor names; nothing is cached, so a reader that drops each tensor after
+    use holds one tensor at a time."""
+
+    def __init__(self, tap: SlopeTap, i: int) -> None:
+        self._tap, self._i = tap, i
+        self._names = dict.fromkeys(tap.names())  # ordered, O(1) membership
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._tap._tensor_of(self._i, name)  # noqa: SLF001 - the tap's own reader
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)

@@ -8,7 +8,9 @@ once when it publishes a base (while contributors train) and reuse it when it sc
 ``BaseGradient`` is that cached value. FLTrust (Cao, Fang, Liu, Gong, NDSS 2021) calls the
 corresponding update the server's root update.
 
-Cost: one forward and one backward over the examples (about 3 forward passes); on the tiny model
+Cost: one forward and one backward over the examples (about 3 forward passes), a few packed rows
+at a time (memory: the gradient plus one part's activations; the output layer only at scored
+positions); on the tiny model
 with 32 examples, 1 CPU thread, about 0.1 s padded, about 0.07 s packed (``packing.py``: the shared
 chat prefix computed once per row, no padding).
 """
@@ -21,6 +23,8 @@ from functools import cached_property
 
 import torch
 from torch import Tensor
+
+from zoo_gym.gym_train.evaluate import head_loss_sum, scored_positions
 
 from .errors import ScoringInputError
 from .packing import PackedBatch, packed_loss_sum
@@ -81,50 +85,70 @@ class BaseGradient:
         return out
 
 
-def _loss_sum(model: torch.nn.Module, batch) -> tuple[Tensor, int, int]:
-    """(summed completion cross-entropy, completion tokens, examples) of one batch."""
+def _parts(batch, *, rows: int):
+    """``(part, completion tokens, examples)``: a packed batch split into groups of ``rows`` rows
+    (each part's backward holds the activations of its rows only); padded batches whole."""
     if isinstance(batch, PackedBatch):
-        loss, tokens = packed_loss_sum(model, batch)
-        return loss, tokens, batch.examples
+        R = int(batch.input_ids.shape[0])
+        for i, r0 in enumerate(range(0, R, rows)):
+            part = batch.rows(r0, r0 + rows)
+            yield part, part.tokens, batch.examples if i == 0 else 0
+        return
+    ids, _, labels = batch
+    yield batch, int((labels[:, 1:] != -100).sum()), int(ids.shape[0])
+
+
+def _loss_sum(model: torch.nn.Module, batch) -> Tensor:
+    """Summed completion cross-entropy of one batch (the lm_head only at scored positions)."""
+    if isinstance(batch, PackedBatch):
+        return packed_loss_sum(model, batch)[0]
     ids, mask, labels = batch
-    logits = model(input_ids=ids, attention_mask=mask).logits        # (B, T, V)
-    shift_labels = labels[:, 1:]                                      # (B, T-1)
-    loss = torch.nn.functional.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.shape[-1]),        # (B*(T-1), V)
-        shift_labels.reshape(-1), ignore_index=-100, reduction="sum")
-    return loss, int((shift_labels != -100).sum()), int(ids.shape[0])
+    device = next(model.parameters()).device
+    at, targets = scored_positions(labels.to(device))
+    return head_loss_sum(model, {"input_ids": ids.to(device), "attention_mask": mask.to(device)},
+                         at=at, targets=targets)
 
 
 def base_gradient(model: torch.nn.Module,
-                  batches: Iterable[tuple[Tensor, Tensor, Tensor] | PackedBatch]) -> BaseGradient:
-    """Mean completion loss of ``model`` over ``batches`` and its gradient, in one backward.
+                  batches: Iterable[tuple[Tensor, Tensor, Tensor] | PackedBatch], *,
+                  rows_per_backward: int = 1) -> BaseGradient:
+    """Mean completion loss of ``model`` over ``batches`` and its gradient.
 
     ``batches`` yields ``(input_ids, attention_mask, labels)``, each ``(B, T)``, labels ``-100``
     where no loss is taken (``gym_train.evaluate.collate`` makes them), or ``PackedBatch`` es
     (``packing.pack_shared_prefix``: the same loss on fewer positions). The model's parameters and
     their ``.grad`` are left as they were (``.grad`` is reset to None before and after).
+
+    Memory: the gradient (1x the parameters, in the ``.grad`` tensors, taken over without a copy)
+    plus one part's activations. The mean is ``sum_parts loss_part / tokens``, so each part
+    (``rows_per_backward`` packed rows, or one padded batch) runs its own forward and backward into
+    the accumulating ``.grad``: the same gradient as one backward over everything, up to the order
+    of float additions, with the activations of one part alive at a time instead of all.
     """
     # remove_duplicate=False: a tied weight (lm_head.weight = embed_tokens.weight) appears under
     # both names with the same gradient, so a delta naming either gets the right slope.
+    if rows_per_backward < 1:
+        raise ScoringInputError(f"`rows_per_backward` must be >= 1, got {rows_per_backward}")
     params = dict(model.named_parameters(remove_duplicate=False))
+    parts = [p for batch in batches for p in _parts(batch, rows=rows_per_backward)]
+    tokens = sum(k for _, k, _ in parts)
+    examples = sum(b for _, _, b in parts)
+    if tokens == 0:
+        raise ScoringInputError("`batches` hold no completion tokens (every label is -100 "
+                                "or there is no batch): nothing to take a gradient of")
     was_training = model.training
     model.eval()
     model.zero_grad(set_to_none=True)
-    total: Tensor | None = None
-    tokens = 0
-    examples = 0
+    total = 0.0  # summed cross-entropy, float64
     try:
         with torch.enable_grad():
-            for batch in batches:
-                loss, k, b = _loss_sum(model, batch)
-                total = loss if total is None else total + loss
-                tokens += k
-                examples += b
-            if total is None or tokens == 0:
-                raise ScoringInputError("`batches` hold no completion tokens (every label is -100 "
-                                        "or there is no batch): nothing to take a gradient of")
-            mean = total / tokens
-            mean.backward()
+            for part, k, _ in parts:
+                if k == 0:
+                    continue
+                loss = _loss_sum(model, part)
+                (loss / tokens).backward()
+                total += float(loss.detach())
+                del loss
         # The .grad tensors are taken over, not copied (a copy would be a second model-sized buffer at
         # once); zero_grad below detaches them from the parameters. One per distinct parameter.
         taken: dict[int, Tensor] = {}
@@ -137,8 +161,7 @@ def base_gradient(model: torch.nn.Module,
     finally:
         model.zero_grad(set_to_none=True)
         model.train(was_training)
-    return BaseGradient(base_loss=float(mean.detach()), grad=grad, examples=examples,
-                        tokens=tokens)
+    return BaseGradient(base_loss=total / tokens, grad=grad, examples=examples, tokens=tokens)
 
 
 def gradient_from_mapping(*, base_loss: float, grad: Mapping[str, Tensor], examples: int = 0,

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from zoo_gym.gym_train.evaluate import head_loss_sum
+
 from .errors import ScoringInputError
 
 _PACKABLE_ATTENTION = ("sdpa", "eager")
@@ -59,6 +61,17 @@ class PackedBatch:
     def tokens(self) -> int:
         """Completion tokens the loss runs over (K)."""
         return int(self.targets.numel())
+
+    def rows(self, start: int, stop: int) -> "PackedBatch":
+        """Rows ``start:stop`` as a batch of their own (rows never attend to each other, so the
+        loss sums of the parts add up to the whole's). ``examples`` is 0: the whole batch counts
+        its examples, a part does not know which of them it holds."""
+        R, T = self.input_ids.shape
+        start, stop = max(0, start), min(R, stop)
+        keep = (self.predict_at >= start * T) & (self.predict_at < stop * T)      # (K,) bool
+        return PackedBatch(input_ids=self.input_ids[start:stop], position_ids=self.position_ids[start:stop],
+                           allowed=self.allowed[start:stop], predict_at=self.predict_at[keep] - start * T,
+                           targets=self.targets[keep], examples=0, prefix=self.prefix)
 
 
 def _shared_prefix(seqs: Sequence[list[int]], first_scored: Sequence[int]) -> int:
@@ -141,7 +154,10 @@ def supports_packing(model: torch.nn.Module) -> bool:
 
 
 def packed_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> tuple[Tensor, int]:
-    """``(sum of completion-token cross-entropies, their count)``; differentiable when grad is on."""
+    """``(sum of completion-token cross-entropies, their count)``; differentiable when grad is on.
+
+    The decoder body runs on the packed rows; the output layer only at ``predict_at``, a chunk of
+    positions at a time (``gym_train.evaluate.head_loss_sum``): no ``(R, T, vocab)`` logits."""
     impl = getattr(model.config, "_attn_implementation", None)
     if impl not in _PACKABLE_ATTENTION:
         raise ScoringInputError(f"packed scoring needs attention 'sdpa' or 'eager' (a 4D mask); "
@@ -152,11 +168,10 @@ def packed_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> tuple[Tensor,
     if impl == "eager":  # eager adds the mask to the scores
         mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(
             ~mask, torch.finfo(dtype).min)
-    logits = model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device),
-                   attention_mask=mask, use_cache=False).logits                     # (R, T, V)
-    picked = logits.reshape(-1, logits.shape[-1])[batch.predict_at.to(device)]     # (K, V)
-    loss = torch.nn.functional.cross_entropy(picked.float(), batch.targets.to(device),
-                                             reduction="sum")
+    inputs = {"input_ids": batch.input_ids.to(device), "position_ids": batch.position_ids.to(device),
+              "attention_mask": mask}
+    # the lm_head runs only at the K positions that predict a completion token, in chunks
+    loss = head_loss_sum(model, inputs, at=batch.predict_at.to(device), targets=batch.targets.to(device))
     return loss, batch.tokens
 
 

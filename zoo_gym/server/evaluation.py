@@ -77,6 +77,16 @@ class ServerEvaluator:
         return self._gradient
 
     def loss(self, delta=None, *, scale: float = 1.0) -> float:
+        """Mean completion loss on all validation examples of the base (+ ``scale * delta``).
+
+        Without a delta it is `heldout_loss` (the same definition as every published checkpoint's):
+        taken from the scoring gradient's forward when that was computed, else measured packed
+        without gradients (no logits over the vocabulary at unscored positions)."""
+        if delta is None:
+            if self._gradient is not None:
+                return self.heldout_loss()
+            total, count = _loss_sum(self.base.model, self.base.tokenizer, self.examples)
+            return total / max(count, 1)
         return self.base.loss(delta, scale=scale)
 
     def heldout_loss(self) -> float:
