@@ -28,12 +28,26 @@ def test_sweep_removes_unreferenced_blobs_and_scratch_but_keeps_every_referenced
     (scratch / "ckpt" / "model.safetensors").write_bytes(b"partial")
     (state.work_dir / "checkpoints" / ("ab" * 32)).mkdir(parents=True)
 
+    # A float32 master kept beside a bf16 checkpoint is referenced by that checkpoint's manifest only.
+    import json
+
+    from zoo_gym.server.models import Checkpoint
+
+    with state.blobs.writer() as w:
+        w.write(b"float32 master")
+        master = w.commit()
+    with state.session() as s:
+        row = s.get(Checkpoint, base)
+        row.manifest_json = json.dumps({**json.loads(row.manifest_json), "master_sha256": master})
+        s.add(row)
+        s.commit()
+
     report = sweep_storage(open_state(state.root))
 
     assert report.blobs == 2 and report.blob_bytes == sum(len(c) for c in (b"orphaned checkpoint", b"refused payload"))
     assert report.scratch == 3
     assert not any(state.blobs.exists(sha) for sha in orphans)
-    assert state.blobs.exists(accepted) and state.blobs.exists(base)
+    assert state.blobs.exists(accepted) and state.blobs.exists(base) and state.blobs.exists(master)
     assert os.listdir(state.blobs.tmp_dir) == [] and not scratch.exists()
     assert sorted(os.listdir(state.work_dir / "checkpoints")) == [base]
     assert sweep_storage(state).blobs == 0  # idempotent

@@ -15,6 +15,7 @@ import os
 import tempfile
 from contextlib import ExitStack
 from dataclasses import asdict, is_dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -166,6 +167,7 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
                                 Round.id < rnd.id).order_by(Round.id))]
         parent = s.get(Checkpoint, rnd.base_sha256)
         parent_measured = parent is None or parent.heldout_loss is not None
+        ancestors = _ancestors(s, parent)
     accountant = PrivacyAccountant(history)
     master_file = master_path(state, rnd.base_sha256)
     keep_master = needs_master(base_file)
@@ -215,13 +217,23 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
 
         report_json = json.dumps(_jsonable({"soup": report, "rewards": rewards_summary}), sort_keys=True)
         privacy = getattr(report, "privacy", None)
+        parent_loss = None
+        if evaluator is not None and not parent_measured:
+            parent_loss = evaluator.loss(None)  # genesis: measured once, on the same set
+        accepted = _accepted(report, len(contributors))
         lineage = {
             "round": rnd.id,
+            "base_model": state.base_model,
             "parent_sha256": rnd.base_sha256,
             "contributors": contributors,
-            "accepted": [c for c, ok in zip(contributors, _accepted(report, len(contributors))) if ok],
+            "accepted": [c for c, ok in zip(contributors, accepted) if ok],
+            "submissions": [{"contributor": sub.contributor_id, "method": _method(sub), "accepted": ok}
+                            for sub, ok in zip(subs, accepted)],
             "aggregator": soup_config.aggregator,
             "privacy": _jsonable(privacy),
+            # earlier rounds, genesis first, so a pulled checkpoint's model card shows the whole lineage
+            "history": [*ancestors[:-1], {**ancestors[-1], "heldout_loss": parent_loss}] if parent_loss is not None
+            else ancestors,
         }
         log.info("round %d phase=write", rnd.id)
         writer.finish_weights()
@@ -233,11 +245,9 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
         sha = ckpt_blob.commit()
         size = state.blobs.size(sha)
         cache = _keep_unpacked(state, out, sha)
-        heldout = parent_loss = None
+        heldout = None
         if evaluator is not None:
             log.info("round %d phase=evaluation", rnd.id)
-            if not parent_measured:
-                parent_loss = evaluator.loss(None)  # genesis: measured once, on the same set
             evaluator.release()  # one model in memory: this base's goes before the new one loads
             heldout = evaluator.loss_of_dir(cache, checkpoint_sha256=sha)
     crash_point("blob-written")
@@ -249,8 +259,14 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
             parent.heldout_loss = parent_loss
             s.add(parent)
         if s.get(Checkpoint, sha) is None:
+            # The archive holds what defines the checkpoint, so the same inputs publish the same bytes;
+            # the row adds when things happened and the loss measured on the written weights (the rows
+            # themselves are the history).
+            row_manifest = {k: v for k, v in lineage.items() if k != "history"}
+            row_manifest.update(heldout_loss=heldout, opened_at=_iso(rnd.opened_at), closed_at=_iso(rnd.closed_at),
+                                received_at={sub.contributor_id: _iso(sub.received_at) for sub in subs})
             s.add(Checkpoint(sha256=sha, round_id=rnd.id, parent_sha256=rnd.base_sha256, size=size,
-                             heldout_loss=heldout, manifest_json=json.dumps(lineage, sort_keys=True)))
+                             heldout_loss=heldout, manifest_json=json.dumps(row_manifest, sort_keys=True)))
         r = s.get(Round, rnd.id)
         r.state = RoundState.PUBLISHED
         r.published_sha256 = sha
@@ -289,6 +305,37 @@ def _keep_unpacked(state: ServerState, out: Path, sha: str) -> Path:
 def _forget_if_released(evaluator) -> None:
     if evaluator is not None and evaluator.released:
         forget(evaluator)  # a retry of this round rebuilds it
+
+
+def _iso(when: datetime | None) -> str | None:
+    """UTC ISO 8601; a naive time (as SQLite returns it) is UTC. The same text on a redo as first time."""
+    if when is None:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return when.astimezone(timezone.utc).isoformat()
+
+
+def _method(sub: Submission) -> str | None:
+    """The training method the contributor reported (lora, sft, grpo), if any."""
+    try:
+        method = json.loads(sub.metadata_json or "{}").get("method")
+    except (ValueError, AttributeError):
+        return None
+    return method if isinstance(method, str) and len(method) <= 32 else None
+
+
+def _ancestors(session, parent: Checkpoint | None) -> list[dict]:
+    """The manifests (with sha256 and held-out loss) of `parent` and its ancestors, genesis first."""
+    chain = []
+    node = parent
+    while node is not None:
+        manifest = json.loads(node.manifest_json or "{}")
+        for when in ("opened_at", "closed_at", "received_at"):  # times stay in the rows, never in an archive
+            manifest.pop(when, None)
+        chain.append({**manifest, "sha256": node.sha256, "heldout_loss": node.heldout_loss})
+        node = session.get(Checkpoint, node.parent_sha256) if node.parent_sha256 else None
+    return chain[::-1]
 
 
 def _accepted(report, n: int) -> list[bool]:

@@ -1,5 +1,6 @@
-"""Start-up sweep of what a crash can leave behind: blobs no row references, the blob store's temporary
-files, and scratch directories under work/.
+"""Start-up sweep of what a crash can leave behind: blobs no row references (a checkpoint row references
+its archive and, through its manifest, its float32 master), the blob store's temporary files, and
+scratch directories under work/.
 
 Every blob a row references was committed under the write lock together with (or before) that row
 (handlers.submit_delta, publish.publish_round), so a blob without a row is garbage from an interrupted
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from sqlmodel import select
 
+from zoo_gym.server.checkpoint_writer import master_sha256
 from zoo_gym.server.models import Checkpoint, Submission
 from zoo_gym.server.state import ServerState
 
@@ -35,7 +37,8 @@ def sweep_storage(state: ServerState) -> SweepReport:
     """Remove what no row references; never touches a referenced blob or an unpacked published checkpoint."""
     with state.write_lock, state.session() as s:
         checkpoints = set(s.exec(select(Checkpoint.sha256)))
-        referenced = set(s.exec(select(Submission.payload_sha256))) | checkpoints
+        masters = {master_sha256(m) for m in s.exec(select(Checkpoint.manifest_json))} - {None}
+        referenced = set(s.exec(select(Submission.payload_sha256))) | checkpoints | masters
         n_blobs = n_bytes = 0
         for path in sorted((state.blobs.root / "sha256").glob("*/*")):
             if path.is_file() and path.name not in referenced:
