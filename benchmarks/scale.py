@@ -10,9 +10,21 @@ aggregate survives publishing into the bf16 base (item 5).
 
 The deltas are synthetic: rank-8 LoRA factors of every Linear weight, encoded with
 zoo_gym.codec (`auto`, as the client sends them), merged entries of RMS `--delta-rms` (a few LoRA
-steps' size). Client-side training memory is measured elsewhere (benchmarks/train.py).
+steps' size).
+
+With `--client-steps N` a real `gym-client join` process (the CLI; --data builtin --method lora
+--batch-size 2 --max-length 64 --threads 2) trains one LoRA round of N steps on the same base against a
+real server (scoring off; the other contributor is one synthetic delta). Its RSS is sampled every 50 ms;
+phases come from its stderr lines ("round N: training", "round N: submitted", "round N published").
+Reported: peak RSS / fp32 model bytes while training, RSS while waiting for the publish, the payload /
+bf16 model bytes, and seconds per LoRA step (train_seconds / steps of the metadata it signs into its
+submission). The client's `release_memory()` call (after the payload is built) is observed in the same
+process (VmRSS right before and after it); `--client-no-release-run` adds a run with the call skipped.
+`--server-runs none` runs only the client part. Child processes are killed when MemAvailable drops under
+`--min-free-gb` (3).
 
     python benchmarks/scale.py [--size 0.6b|1.7b|tiny] [--out FILE] [--server-pythonpath DIR]
+        [--server-runs both|scoring-on|scoring-off|none] [--client-steps N [--client-no-release-run]]
 """
 
 from __future__ import annotations
@@ -90,6 +102,7 @@ class Sampler:
 
     def __init__(self, pid: int, period: float = 0.05) -> None:
         self.pid, self.period, self.samples = pid, period, []
+        self.last_hwm = 0  # VmHWM at the last sample: survives the process's exit
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
@@ -99,7 +112,9 @@ class Sampler:
             try:
                 with open(f"/proc/{self.pid}/status") as f:
                     for line in f:
-                        if line.startswith("VmRSS:"):
+                        if line.startswith("VmHWM:"):
+                            self.last_hwm = int(line.split()[1]) * 1024
+                        elif line.startswith("VmRSS:"):
                             self.samples.append((time.monotonic(), int(line.split()[1]) * 1024))
                             break
             except (FileNotFoundError, ProcessLookupError):
@@ -130,6 +145,7 @@ class LogReader:
 
     def __init__(self, stream, echo: Path) -> None:
         self.lines: list[tuple[float, str]] = []
+        self.closed = False
         self._cv = threading.Condition()
         self._echo = open(echo, "w")
         self._t = threading.Thread(target=self._run, args=(stream,), daemon=True)
@@ -143,6 +159,9 @@ class LogReader:
             with self._cv:
                 self.lines.append((time.monotonic(), line))
                 self._cv.notify_all()
+        with self._cv:
+            self.closed = True
+            self._cv.notify_all()
 
     def wait_for(self, pattern: str, timeout: float) -> float:
         rx = re.compile(pattern)
@@ -152,15 +171,60 @@ class LogReader:
                 for t, line in self.lines:
                     if rx.search(line):
                         return t
+                if self.closed:
+                    tail = "\n".join(line for _, line in self.lines[-15:])
+                    raise RuntimeError(f"the process exited before a log line matching {pattern!r}:\n{tail}")
                 left = end - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"no server log line matching {pattern!r} in {timeout} s")
+                    raise TimeoutError(f"no log line matching {pattern!r} in {timeout} s")
                 self._cv.wait(left)
 
     def first(self, pattern: str) -> float | None:
         rx = re.compile(pattern)
         with self._cv:
             return next((t for t, line in self.lines if rx.search(line)), None)
+
+
+class MemGuard:
+    """Kills the benchmark's child processes (and interrupts this one) when the machine's MemAvailable
+    drops under `min_free` bytes: a size too big for this machine stops instead of swapping or OOM-killing
+    other work. `tripped` holds the lowest MemAvailable seen once it fired."""
+
+    def __init__(self, min_free: int) -> None:
+        self.min_free, self.procs, self.tripped = min_free, [], None
+        self.lowest = None
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def watch(self, p: subprocess.Popen) -> subprocess.Popen:
+        self.procs.append(p)
+        return p
+
+    def _run(self) -> None:
+        import _thread
+
+        while True:
+            try:
+                with open("/proc/meminfo") as f:
+                    avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+            except (OSError, StopIteration):
+                return
+            self.lowest = avail if self.lowest is None else min(self.lowest, avail)
+            if self.min_free and avail < self.min_free and self.tripped is None:
+                self.tripped = avail
+                print(f"scale.py: MemAvailable {avail / 2**30:.2f} GiB < {self.min_free / 2**30:.2f} GiB; "
+                      "stopping", file=sys.stderr, flush=True)
+                for p in self.procs:
+                    if p.poll() is None:
+                        p.kill()
+                _thread.interrupt_main()
+            time.sleep(0.25)
+
+
+GUARD: MemGuard | None = None
+
+
+def _watch(p: subprocess.Popen) -> subprocess.Popen:
+    return GUARD.watch(p) if GUARD is not None else p
 
 
 def _server_env(pythonpath: str | None) -> dict:
@@ -171,14 +235,27 @@ def _server_env(pythonpath: str | None) -> dict:
     return env
 
 
+CHILD_CWD = "/"  # `python -c` puts the cwd first on sys.path: from / the --server-pythonpath copy wins
+
+
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-c", "from zoo_gym.server.cli import app; app()", *args]
 
 
+def _has_insecure(env: dict, *args: str) -> bool:
+    """Whether this copy of zoo_gym's CLI has --insecure (TLS by default): the benchmark runs plaintext."""
+    out = subprocess.run(args, env=dict(env, COLUMNS="200"), capture_output=True, text=True, cwd=CHILD_CWD).stdout
+    return "--insecure" in out
+
+
+def _serve_tls_args(env: dict) -> list[str]:
+    return ["--insecure"] if _has_insecure(env, *_cli("serve", "--help")) else []
+
+
 def run_init(state: Path, model_dir: Path, env: dict) -> dict:
     t0 = time.monotonic()
-    p = subprocess.Popen(_cli("init", "--state-dir", str(state), "--base-model", str(model_dir)), env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    p = _watch(subprocess.Popen(_cli("init", "--state-dir", str(state), "--base-model", str(model_dir)), env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=CHILD_CWD))
     s = Sampler(p.pid)
     out = p.communicate()[0].decode()
     s.stop()
@@ -218,8 +295,9 @@ def serve_round(state: Path, payloads: list[bytes], env: dict, work: Path, *, sc
     cfg.write_text("" if scoring else "validation-examples = 0\n")
     args = ["serve", "--state-dir", str(state), "--port", "0", "--port-file", str(port_file),
             "--min-contributors", "2", "--quorum", "2", "--round-timeout", "3600", "--aggregator", "mean", "--config", str(cfg)]
-    p = subprocess.Popen(_cli(*args), env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    args += _serve_tls_args(env)
+    p = _watch(subprocess.Popen(_cli(*args), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                cwd=CHILD_CWD))
     sampler = Sampler(p.pid)
     logs = LogReader(p.stderr, work / f"server-{'scoring' if scoring else 'noscoring'}.log")
     try:
@@ -251,6 +329,144 @@ def serve_round(state: Path, payloads: list[bytes], env: dict, work: Path, *, sc
     for (ph, t0), nxt in zip(seq, seq[1:] + [(None, t_done)]):
         phases[ph] = (t0, nxt[1])
     return {"outcome": outcome.split(": ", 2)[-1], "phases": phases, "sampler": sampler, "hwm": hwm}
+
+
+# The real `gym-client` CLI, with its one `release_memory()` call (after the payload is built, before the
+# upload) observed: the process prints its own VmRSS right before and right after the call, and with
+# ZOO_SCALE_RELEASE=0 skips the call (the before/after comparison in one process, and an A/B across runs).
+CLIENT_WRAPPER = """
+import os, sys
+import zoo_gym.client.join as j
+def _rss():
+    with open('/proc/self/status') as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith('VmRSS:'))
+_real = j.release_memory
+_on = os.environ.get('ZOO_SCALE_RELEASE', '1') != '0'
+def _observed():
+    before = _rss()
+    trimmed = _real() if _on else False
+    print(f'scale-bench release_memory: called={_on} trimmed={trimmed} rss_before={before} rss_after={_rss()}',
+          file=sys.stderr, flush=True)
+    return trimmed
+j.release_memory = _observed
+from zoo_gym.client.cli import app
+app(prog_name='gym-client')
+"""
+
+
+def client_round(model_dir: Path, env: dict, work: Path, *, steps: int, release: bool, other_payload: bytes,
+                 n_params: int, timeout: float, threads: int = 2) -> dict:
+    """One LoRA round of a real `gym-client join` process against a real `gym-server serve` (scoring off,
+    2 contributors: the client and one synthetic LoRA delta submitted before it starts). Samples the
+    client's RSS every 50 ms; phases come from its stderr lines."""
+    tag = "release" if release else "norelease"
+    state, cdir = work / f"state-client-{tag}", work / f"client-{tag}"
+    for d in (state, cdir):
+        shutil.rmtree(d, ignore_errors=True)
+    cdir.mkdir(parents=True)
+    init = run_init(state, model_dir, env)
+    port_file = work / "port"
+    port_file.unlink(missing_ok=True)
+    cfg = work / "bench-client.toml"
+    cfg.write_text("validation-examples = 0\n")
+    srv = _watch(subprocess.Popen(
+        _cli("serve", "--state-dir", str(state), "--port", "0", "--port-file", str(port_file),
+             "--min-contributors", "2", "--quorum", "2", "--round-timeout", "3600", "--aggregator", "mean",
+             "--config", str(cfg), *_serve_tls_args(env)), env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, cwd=CHILD_CWD))
+    slogs = LogReader(srv.stderr, work / f"server-client-{tag}.log")
+    cli = None
+    try:
+        slogs.wait_for(r"listening on", timeout)
+        port = int(port_file.read_text())
+        submit(port, [other_payload])
+        cenv = dict(env, ZOO_SCALE_RELEASE="1" if release else "0")
+        cmd = [sys.executable, "-c", CLIENT_WRAPPER, "join", "--server", f"127.0.0.1:{port}", "--data", "builtin",
+               "--method", "lora", "--max-steps", str(steps), "--warmup-steps", "0", "--batch-size", "2",
+               "--max-length", "64", "--rounds", "1", "--threads", str(threads), "--quiet", "--json",
+               "--workdir", str(cdir), "--key", str(cdir / "contributor.pem"), "--name", "scale-bench"]
+        if _has_insecure(cenv, sys.executable, "-m", "zoo_gym.client", "join", "--help"):  # a client that speaks TLS by default: this server is plaintext
+            cmd.append("--insecure")
+        t_start = time.monotonic()
+        cli = _watch(subprocess.Popen(cmd, env=cenv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=CHILD_CWD))
+        sampler = Sampler(cli.pid)
+        clogs = LogReader(cli.stderr, work / f"client-{tag}.log")
+        t_train = clogs.wait_for(r"round \d+: training", timeout)
+        t_rel = clogs.wait_for(r"scale-bench release_memory:", timeout)
+        t_sub = clogs.wait_for(r"round \d+: submitted", timeout)
+        t_pub = clogs.wait_for(r"round \d+ published", timeout)
+        out = cli.stdout.read().decode()
+        cli.wait(timeout=120)
+        t_end = time.monotonic()
+        sampler.stop()
+        hwm = sampler.last_hwm  # the process is gone: its VmHWM as last sampled
+        outcome = next((line.split(": ", 2)[-1] for _, line in slogs.lines
+                        if re.search(r"round 1: (published|REOPENED|HALTED)", line)), None)
+    finally:
+        for proc in (cli, srv):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+    if cli.returncode != 0:
+        raise RuntimeError(f"gym-client join exited {cli.returncode}")
+    summary = json.loads(out)[0]
+    rel = next(line for _, line in clogs.lines if "scale-bench release_memory:" in line)
+    rel_kv = dict(kv.split("=") for kv in rel.split(": ", 1)[1].split())
+    meta = _submission_metadata(state, summary["contributor"])
+    fp32, bf16 = 4 * n_params, 2 * n_params
+    phases = {"start-download": (t_start, t_train), "train-encode": (t_train, t_rel), "upload": (t_rel, t_sub),
+              "wait-for-publish": (t_sub, t_pub), "exit": (t_pub, t_end)}
+    per_phase = {}
+    for ph, (a, b) in phases.items():
+        vals = [v for t, v in sampler.samples if a <= t <= b]
+        per_phase[ph] = {"seconds": b - a, "peak_rss_bytes": max(vals, default=0),
+                         "median_rss_bytes": sorted(vals)[len(vals) // 2] if vals else 0,
+                         "peak_rss_over_fp32": max(vals, default=0) / fp32, "samples": len(vals)}
+    wait = per_phase["wait-for-publish"]
+    steps_done = int(meta.get("steps") or steps)
+    res = {
+        "release_memory_called": release,
+        "outcome": outcome,
+        "init": {"seconds": init["seconds"], "peak_rss_over_fp32": init["peak_rss"] / fp32},
+        "phases": per_phase,
+        "train_peak_rss_over_fp32": per_phase["train-encode"]["peak_rss_over_fp32"],
+        "train_peak_rss_bytes": per_phase["train-encode"]["peak_rss_bytes"],
+        "release_call": {"trimmed": rel_kv["trimmed"] == "True", "rss_before_bytes": int(rel_kv["rss_before"]),
+                         "rss_after_bytes": int(rel_kv["rss_after"])},
+        "wait_peak_rss_bytes": wait["peak_rss_bytes"], "wait_median_rss_bytes": wait["median_rss_bytes"],
+        "wait_seconds": wait["seconds"],
+        "payload_bytes": summary["payload_bytes"], "payload_codecs": summary["codecs"],
+        "upload_over_bf16": summary["payload_bytes"] / bf16,
+        "steps": steps_done, "train_seconds": meta.get("train_seconds"),
+        "seconds_per_step": (meta["train_seconds"] / steps_done) if meta.get("train_seconds") else None,
+        "seconds_per_step_source": ("train_seconds / steps from the submission's metadata (zoo_gym.gym_train.train: "
+                                    "the SFTTrainer's construction + train(), no model load, no evaluation)"),
+        "training_line_to_release_s": t_rel - t_train,
+        "loss_before": summary["loss_before"], "loss_after": summary["loss_after"],
+        "rss_timeline_s_bytes": [(round(t - t_start, 1), v) for i, (t, v) in enumerate(sampler.samples) if i % 20 == 0],
+        "vm_hwm_bytes": hwm, "vm_hwm_over_fp32": hwm / fp32,
+    }
+    return res
+
+
+def _submission_metadata(state: Path, contributor: str) -> dict:
+    """The training metadata the client signed into its submission (steps, train_seconds ...)."""
+    from sqlmodel import select
+
+    from zoo_gym.server.models import Submission
+    from zoo_gym.server.state import open_state
+
+    st = open_state(state)
+    try:
+        with st.session() as s:
+            sub = s.exec(select(Submission).where(Submission.contributor_id == contributor)).first()
+            return json.loads(sub.metadata_json) if sub is not None else {}
+    finally:
+        st.engine.dispose()
 
 
 def read_write_seconds(model_file: Path, work: Path) -> float:
@@ -348,10 +564,22 @@ def main() -> None:
     ap.add_argument("--delta-rms", type=float, default=2e-5)
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--no-scoring-run", action="store_true", help="skip the second round (scoring off)")
+    ap.add_argument("--server-runs", choices=("both", "scoring-on", "scoring-off", "none"), default="both",
+                    help="which synthetic-delta server rounds to run (none: only the client measurement)")
+    ap.add_argument("--client-steps", type=int, default=0,
+                    help="also run a real `gym-client join` LoRA round of this many steps (0: no client run)")
+    ap.add_argument("--client-no-release-run", action="store_true",
+                    help="and a second client round with its release_memory() call skipped (A/B)")
+    ap.add_argument("--min-free-gb", type=float, default=3.0,
+                    help="stop (kill the child processes) when MemAvailable drops under this")
     ap.add_argument("--server-pythonpath", help="run the server from this copy of zoo_gym (before/after)")
     ap.add_argument("--work", type=Path, help="keep files here (default: a temporary directory)")
     args = ap.parse_args()
-    work = args.work or Path(tempfile.mkdtemp(prefix="zoo-scale-"))
+    global GUARD
+    GUARD = MemGuard(int(args.min_free_gb * 2**30))
+    if args.no_scoring_run:
+        args.server_runs = "scoring-on"
+    work = (args.work or Path(tempfile.mkdtemp(prefix="zoo-scale-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
     env = _server_env(args.server_pythonpath)
     from zoo_gym import codec
@@ -369,7 +597,8 @@ def main() -> None:
     res["payload_bytes"] = [len(p) for p in payloads]
 
     runs = {}
-    for scoring in ([True] if args.no_scoring_run else [True, False]):
+    which = {"both": [True, False], "scoring-on": [True], "scoring-off": [False], "none": []}[args.server_runs]
+    for scoring in which:
         state = work / f"state-{'scoring' if scoring else 'noscoring'}"
         shutil.rmtree(state, ignore_errors=True)
         init = run_init(state, model_dir, env)
@@ -385,8 +614,21 @@ def main() -> None:
             res["bf16_publish"] = bf16_kept(state, deltas)
     res["runs"] = runs
 
-    rw = read_write_seconds(model_dir / "model.safetensors", work)
-    fb = forward_backward_seconds(model_dir)
+    if args.client_steps:
+        client = {}
+        for release in [True, False] if args.client_no_release_run else [True]:
+            client["release_on" if release else "release_off"] = client_round(
+                model_dir, env, work, steps=args.client_steps, release=release, other_payload=payloads[0],
+                n_params=n_params, timeout=args.timeout)
+        res["client"] = {
+            "setup": (f"real `gym-client join` (--data builtin --method lora --max-steps {args.client_steps} "
+                      "--warmup-steps 0 --batch-size 2 --max-length 64 --threads 2 --rounds 1) against a real "
+                      "`gym-server serve` (scoring off, --min-contributors 2: the client + one synthetic delta)"),
+            "bf16_bytes": 2 * n_params, "runs": client,
+            "targets": {"train_peak_rss_over_fp32": 3.0, "wait_rss_bytes": 0.5e9}}
+    rw = read_write_seconds(model_dir / "model.safetensors", work) if runs else None
+    # the fp32 forward+backward baseline only serves the scoring ratio (and is the biggest in-process step)
+    fb = forward_backward_seconds(model_dir) if "scoring_on" in runs else None
     res["baseline"] = {"read_write_model_s": rw, "forward_backward_scoring_set_s": fb}
     for key, run in runs.items():
         ph = run["phases"]
@@ -394,13 +636,14 @@ def main() -> None:
         agg_pub = sec("load", "aggregation", "write", "pack", "commit")
         run["aggregation_publish_s"] = agg_pub
         run["aggregation_publish_over_read_write"] = agg_pub / rw
-        if key == "scoring_on":
+        if key == "scoring_on" and fb:
             run["scoring_s"] = sec("scoring-gradient", "scoring")
             run["scoring_over_forward_backward"] = run["scoring_s"] / fb
             run["evaluation_s"] = sec("evaluation")
     res["targets"] = {"peak_rss_over_fp32_scoring_on": 2.5, "peak_rss_over_fp32_scoring_off": 1.0,
                       "aggregation_publish_over_read_write": 2.0, "scoring_over_forward_backward": 1.3,
                       "bf16_kept_share_min": 0.999}
+    res["lowest_mem_available_bytes"] = GUARD.lowest
     text = json.dumps(res, indent=2, sort_keys=True)
     print(text)
     if args.out:
