@@ -128,7 +128,7 @@ def transfer(mib: int, root: Path) -> dict:
     big = {"model.big.weight": torch.randn(side, side) * 0.02}
     save_file(big, str(model_dir / archive.WEIGHTS), metadata={"format": "pt"})
     state = init_state(root / "tstate", base_model=str(model_dir))
-    cfg = build_config({}, port=0, max_payload_bytes=4 * mib << 20, max_chunk_bytes=4 << 20,
+    cfg = build_config({}, port=0, insecure=True, max_payload_bytes=4 * mib << 20, max_chunk_bytes=4 << 20,
                        download_chunk_bytes=4 << 20)
     server, port, rounds = build_server(state, cfg)
     server.start()

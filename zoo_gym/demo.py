@@ -76,19 +76,25 @@ def main(
     subprocess.run(_server_cmd("init", "--state-dir", str(state_dir), "--base-model", "tiny"), check=True)
     port_file = root / "port"
     port_file.unlink(missing_ok=True)
+    from zoo_gym.proto.tls import make_certificates
+
+    tls = make_certificates(root / "tls", hosts=("127.0.0.1", "localhost"))  # a private CA, as an operator would
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     server = subprocess.Popen(
         _server_cmd("serve", "--state-dir", str(state_dir), "--port", "0", "--port-file", str(port_file),
                     "--min-contributors", str(clients), "--round-timeout", "600",
+                    "--ssl-certfile", str(tls.cert), "--ssl-keyfile", str(tls.key),
                     *(("--aggregator", aggregator) if aggregator else ())),
         stderr=open(logs / "server.log", "w"), env=env)
     procs = []
     try:
         port = _wait_port(port_file, server)
-        typer.echo(f"gym-server on 127.0.0.1:{port}; starting {clients} contributors for {rounds} rounds "
+        typer.echo(f"gym-server on 127.0.0.1:{port} over TLS (private CA {tls.ca}); starting {clients} "
+                   f"contributors for {rounds} rounds "
                    f"({method}); logs in {logs}")
         for i in range(clients):
-            args = ["join", "--server", f"127.0.0.1:{port}", "--rounds", str(rounds), "--method", method,
+            args = ["join", "--server", f"127.0.0.1:{port}", "--root-certificates", str(tls.ca),
+                    "--rounds", str(rounds), "--method", method,
                     "--shard", str(i), "--n-shards", str(max(clients, 8)), "--workdir", str(root / f"client{i}"),
                     "--key", str(root / f"client{i}" / "key.pem"), "--threads", "1", "--quiet", "--json",
                     "--name", f"demo-{i}"]

@@ -63,7 +63,8 @@ def _serve(state_dir: Path, log: Path, fault: str | None) -> tuple[subprocess.Po
     port_file = state_dir.parent / "port"
     port_file.unlink(missing_ok=True)
     env = {**ENV, FAULT_ENV: fault} if fault else ENV
-    proc = subprocess.Popen([sys.executable, "-m", "zoo_gym.server", "serve", "--state-dir", str(state_dir),
+    proc = subprocess.Popen([sys.executable, "-m", "zoo_gym.server", "serve", "--insecure", "--state-dir",
+                             str(state_dir),
                              "--port", "0", "--port-file", str(port_file), "--min-contributors", "3"],
                             stderr=open(log, "a"), env=env)
 

@@ -3,7 +3,8 @@
 Scenario (one server, min 3 contributors per round):
   round 1: clients A, B, C          -> checkpoint 1, better than genesis on held-out loss
   round 2: clients A, B and D, a client that joined after round 1 was published -> checkpoint 2, better again
-Then, against the same running server: a stale-base submission is refused with FAILED_PRECONDITION and
+Everything runs over TLS with a private CA (zoo_gym.proto.tls). Then, against the same running server: a
+plaintext client is refused at once, a stale-base submission is refused with FAILED_PRECONDITION and
 not stored; an interrupted download resumes from its offset; the ledger verifies, and a contributor's
 balance from the RPC equals the sum of its signed entries.
 """
@@ -25,6 +26,7 @@ from zoo_gym import codec
 from zoo_gym.client.download import fetch_checkpoint
 from zoo_gym.client.upload import build_header, register_request, request_stream
 from zoo_gym.proto import archive, gym_pb2, gym_pb2_grpc
+from zoo_gym.proto.tls import channel_credentials, make_certificates
 
 STEPS = os.environ.get("ZOO_GYM_E2E_STEPS", "60")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -35,9 +37,11 @@ def _server(*args: str) -> list[str]:
 
 
 def _client(root: Path, name: str, port: int, rounds: int, shard: int) -> subprocess.Popen:
+    """A contributor over TLS: it trusts the federation's private CA (root/tls/ca.pem)."""
     work = root / name
     work.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "zoo_gym.client", "join", "--server", f"127.0.0.1:{port}", "--rounds", str(rounds),
+    cmd = [sys.executable, "-m", "zoo_gym.client", "join", "--server", f"127.0.0.1:{port}",
+           "--root-certificates", str(root / "tls" / "ca.pem"), "--rounds", str(rounds),
            "--shard", str(shard), "--n-shards", "8", "--workdir", str(work), "--key", str(work / "key.pem"),
            "--max-steps", STEPS, "--threads", "1", "--quiet", "--json", "--name", name]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(work / "client.log", "w"), env=ENV, text=True)
@@ -69,12 +73,14 @@ def federation(tmp_path_factory):
     subprocess.run(_server("init", "--state-dir", str(state_dir), "--base-model", "tiny"), check=True, env=ENV,
                    capture_output=True)
     port_file = root / "port"
+    tls = make_certificates(root / "tls", hosts=("127.0.0.1", "localhost"))
     server = subprocess.Popen(_server("serve", "--state-dir", str(state_dir), "--port", "0", "--port-file",
-                                      str(port_file), "--min-contributors", "3", "--round-timeout", "900"),
+                                      str(port_file), "--min-contributors", "3", "--round-timeout", "900",
+                                      "--ssl-certfile", str(tls.cert), "--ssl-keyfile", str(tls.key)),
                               stderr=open(root / "server.log", "w"), env=ENV)
     port = _wait(lambda: port_file.exists() and port_file.read_text().strip() and int(port_file.read_text()),
                  timeout=120, what="the server to listen", procs=[server])
-    yield {"root": root, "state_dir": state_dir, "port": port, "server": server}
+    yield {"root": root, "state_dir": state_dir, "port": port, "server": server, "ca": tls.ca}
     server.terminate()
     server.wait(timeout=30)
 
@@ -137,8 +143,12 @@ def test_late_joiner_enters_the_next_round(two_rounds):
     assert by_round[2] == {ids["A"], ids["B"], ids["D"]}
 
 
+def _channel(federation) -> grpc.Channel:
+    return grpc.secure_channel(f"127.0.0.1:{federation['port']}", channel_credentials(federation["ca"]))
+
+
 def test_stale_base_is_refused_and_not_stored(federation, two_rounds):
-    channel = grpc.insecure_channel(f"127.0.0.1:{federation['port']}")
+    channel = _channel(federation)
     stub = gym_pb2_grpc.GymStub(channel)
     key = Ed25519PrivateKey.generate()
     cid = stub.Register(register_request(key, "stale")).contributor_id
@@ -181,7 +191,7 @@ class _RecordingStub:
 
 
 def test_interrupted_download_resumes(federation, two_rounds, tmp_path):
-    channel = grpc.insecure_channel(f"127.0.0.1:{federation['port']}")
+    channel = _channel(federation)
     stub = _RecordingStub(gym_pb2_grpc.GymStub(channel))
     info = stub._stub.GetRound(gym_pb2.GetRoundRequest())
     # Interrupt a download after its first chunks, as a dropped connection would.
@@ -205,9 +215,12 @@ def test_ledger_verifies_and_balances_match(federation, two_rounds):
     out = subprocess.run(_server("ledger", "verify", "--state-dir", str(state_dir)), capture_output=True,
                          text=True, env=ENV)
     assert out.returncode == 0, out.stdout + out.stderr
-    res = subprocess.run([sys.executable, "-m", "zoo_gym.client", "rewards", "--server",
-                          f"127.0.0.1:{federation['port']}", "--key", str(root / "A" / "key.pem"), "--json",
-                          "--verify"], capture_output=True, text=True, env=ENV)
+    rewards = [sys.executable, "-m", "zoo_gym.client", "rewards", "--server", f"127.0.0.1:{federation['port']}",
+               "--key", str(root / "A" / "key.pem"), "--json", "--verify"]
+    plain = subprocess.run([*rewards, "--insecure"], capture_output=True, text=True, env=ENV, timeout=60)
+    assert plain.returncode == 1 and "serves TLS" in plain.stderr  # refused at once, in one line
+    res = subprocess.run([*rewards, "--root-certificates", str(federation["ca"])], capture_output=True, text=True,
+                         env=ENV)
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
     assert doc["verification"]["ok"] and doc["entries"] == 2

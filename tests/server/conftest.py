@@ -72,7 +72,7 @@ class Federation:
 def start_federation(state_dir, **overrides) -> Federation:
     """A real in-process server on 127.0.0.1:0 over a new state directory; `overrides` are config flags."""
     state = init_state(state_dir, base_model="tiny")
-    flags = dict(port=0, min_contributors=2, aggregator="mean", round_timeout=600, max_payload_bytes=4 << 20,
+    flags = dict(port=0, insecure=True, min_contributors=2, aggregator="mean", round_timeout=600, max_payload_bytes=4 << 20,
                  max_chunk_bytes=1 << 20)
     config = build_config({}, **{**flags, **overrides})
     server, port, rounds = build_server(state, config)

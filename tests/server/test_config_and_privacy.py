@@ -49,7 +49,7 @@ def test_privacy_budget_halts_publication_before_overspending(federation):
     # Reconfigure the running federation: DP with a budget smaller than one round costs.
     federation.rounds.stop()
     federation.server.stop(grace=None)
-    cfg = build_config({}, port=0, min_contributors=2, aggregator="mean", dp_noise_multiplier=0.5, dp_clip=0.01,
+    cfg = build_config({}, port=0, insecure=True, min_contributors=2, aggregator="mean", dp_noise_multiplier=0.5, dp_clip=0.01,
                        dp_target_epsilon=0.5, reward_pool=10)
     server, port, rounds = build_server(federation.state, cfg)
     server.start()
@@ -85,7 +85,7 @@ def test_dp_round_records_privacy_spent_in_round_and_manifest(federation):
 
     federation.rounds.stop()
     federation.server.stop(grace=None)
-    cfg = build_config({}, port=0, min_contributors=2, aggregator="mean", dp_noise_multiplier=1.0, dp_clip=0.05,
+    cfg = build_config({}, port=0, insecure=True, min_contributors=2, aggregator="mean", dp_noise_multiplier=1.0, dp_clip=0.05,
                        dp_target_epsilon=1000.0)
     server, port, rounds = build_server(federation.state, cfg)
     server.start()

@@ -48,7 +48,7 @@ def deltas() -> list[dict[str, torch.Tensor]]:
 @contextlib.contextmanager
 def _federation(tmp_path, **flags):
     state = init_state(tmp_path / "state", base_model="tiny")
-    config = build_config({}, port=0, round_timeout=600, validation_examples=64,
+    config = build_config({}, port=0, insecure=True, round_timeout=600, validation_examples=64,
                           max_payload_bytes=64 << 20, max_chunk_bytes=1 << 20, **flags)
     server, port, rounds = build_server(state, config)
     server.start()

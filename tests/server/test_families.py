@@ -78,7 +78,7 @@ def test_full_round_then_export(tmp_path, family, template, pad):
     state = init_state(tmp_path / "state", base_model=str(base))
     meta = json.loads((tmp_path / "state" / "state.json").read_text())
     assert meta["chat_template"] == ("base" if template else "plain")
-    config = build_config({}, port=0, min_contributors=2, aggregator="mean", round_timeout=600,
+    config = build_config({}, port=0, insecure=True, min_contributors=2, aggregator="mean", round_timeout=600,
                           validation_examples=16, max_payload_bytes=16 << 20, max_chunk_bytes=1 << 20)
     server, port, rounds = build_server(state, config)
     server.start()

@@ -59,7 +59,8 @@ def _second_serve(tmp_path: Path, *args: str) -> tuple[int, str]:
     "listening" or is still running after 120 s is killed and fails the test."""
     log = tmp_path / "second.log"
     with open(log, "w") as err:
-        proc = subprocess.Popen(_gym_server("serve", *args), stdout=subprocess.DEVNULL, stderr=err, env=ENV)
+        proc = subprocess.Popen(_gym_server("serve", "--insecure", *args), stdout=subprocess.DEVNULL, stderr=err,
+                                env=ENV)
     try:
         deadline = time.monotonic() + 120
         while proc.poll() is None:
@@ -80,7 +81,8 @@ def running(tmp_path_factory):
     state_dir = _init(root / "state")
     port_file = root / "port"
     log = open(root / "server.log", "w")
-    proc = subprocess.Popen(_gym_server("serve", "--state-dir", str(state_dir), "--host", "127.0.0.1", "--port", "0",
+    proc = subprocess.Popen(_gym_server("serve", "--insecure", "--state-dir", str(state_dir), "--host", "127.0.0.1",
+                                        "--port", "0",
                                         "--port-file", str(port_file)), stderr=log, env=ENV)
     try:
         deadline = time.monotonic() + 120

@@ -21,6 +21,23 @@ CODECS = ("auto", "bitdelta", "int8", "int4", "fp16", "bf16", "lora")
 METHODS = ("lora", "sft", "grpo")
 
 
+def _roots_option():
+    return typer.Option(None, "--root-certificates", help="PEM file of the CA the server's TLS certificate must "
+                        "chain to (the federation's ca.pem) \\[default: the system trust store].")
+
+
+def _insecure_option():
+    return typer.Option(False, "--insecure", help="Plaintext gRPC, only against a server started with "
+                        "--insecure on a network you trust.")
+
+
+def _check_roots(root_certificates: Optional[Path], insecure: bool) -> None:
+    if insecure and root_certificates is not None:
+        _fail("--insecure and --root-certificates contradict each other: plaintext has no certificates")
+    if root_certificates is not None and not root_certificates.is_file():
+        _fail(f"--root-certificates {root_certificates}: no such file")
+
+
 def _fail(message: str, code: int = 2) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
@@ -34,6 +51,8 @@ def _say(message: str) -> None:
 @with_train_options
 def join(
     server: str = typer.Option(..., "--server", help="HOST:PORT of the gym-server."),
+    root_certificates: Optional[Path] = _roots_option(),
+    insecure: bool = _insecure_option(),
     data: str = typer.Option("builtin", help="'builtin' (your own shard of the built-in data, chosen from your "
                                              "key); a .json, .jsonl, .parquet or .csv file; a datasets "
                                              "save_to_disk directory; or a Hub dataset id already in your "
@@ -72,6 +91,7 @@ def join(
     from zoo_gym.client.train_settings import resolve
     from zoo_gym.gym_train.sources import FILE_SUFFIXES, looks_like_hub_id
 
+    _check_roots(root_certificates, insecure)
     if method is not None and method not in METHODS:
         _fail(f"--method must be one of {', '.join(METHODS)}")
     if codec not in CODECS:
@@ -93,7 +113,8 @@ def join(
     opts = JoinOptions(server=server, workdir=home, key_path=key or DEFAULT_HOME / "contributor.pem", rounds=rounds,
                        data=data, method=method, codec=codec, group_size=(None if group_size == 0 else group_size),
                        train_overrides=train_overrides, shard=shard, n_shards=n_shards, display_name=name,
-                       wait_for_publish=not no_wait, progress=not quiet and sys.stderr.isatty())
+                       wait_for_publish=not no_wait, progress=not quiet and sys.stderr.isatty(),
+                       root_certificates=str(root_certificates) if root_certificates else None, insecure=insecure)
     try:
         summaries = run_join(opts, say=_say)
     except (JoinError, ServerUnreachable, SignatureError) as exc:
@@ -110,6 +131,8 @@ def join(
 def pull(
     out: Path = typer.Argument(..., help="New or empty directory to write the Hugging Face model into."),
     server: str = typer.Option(..., "--server", help="HOST:PORT of the gym-server."),
+    root_certificates: Optional[Path] = _roots_option(),
+    insecure: bool = _insecure_option(),
     workdir: Optional[Path] = typer.Option(None, help="Download cache (resumable) \\[default: ~/.zoo-gym]."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
@@ -121,9 +144,11 @@ def pull(
     from zoo_gym.client.pull import PullError
     from zoo_gym.client.pull import pull as run_pull
 
+    _check_roots(root_certificates, insecure)
     try:
         summary = run_pull(server, out, workdir=workdir or DEFAULT_HOME, progress=not quiet and sys.stderr.isatty(),
-                           say=_say)
+                           root_certificates=str(root_certificates) if root_certificates else None,
+                           insecure=insecure, say=_say)
     except PullError as exc:
         _fail(str(exc), 2)
     except (ServerUnreachable, DownloadError) as exc:
@@ -139,6 +164,8 @@ def pull(
 @app.command()
 def rewards(
     server: str = typer.Option(..., "--server", help="HOST:PORT of the gym-server."),
+    root_certificates: Optional[Path] = _roots_option(),
+    insecure: bool = _insecure_option(),
     key: Optional[Path] = typer.Option(None, help="Your Ed25519 key \\[default: ~/.zoo-gym/contributor.pem]."),
     contributor: Optional[str] = typer.Option(None, help="Contributor id to query (default: your key's)."),
     limit: int = typer.Option(20, help="Recent entries to show."),
@@ -146,12 +173,16 @@ def rewards(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Your balance, reputation and recent ledger entries (optionally verified)."""
+    from zoo_gym.client.connection import TransportMismatch
     from zoo_gym.client.rewards import RewardsError, fetch_rewards
 
+    _check_roots(root_certificates, insecure)
     try:
         doc = fetch_rewards(server, key_path=key or DEFAULT_HOME / "contributor.pem", contributor=contributor,
-                            limit=limit, verify=verify)
-    except RewardsError as exc:
+                            limit=limit, verify=verify,
+                            root_certificates=str(root_certificates) if root_certificates else None,
+                            insecure=insecure)
+    except (RewardsError, TransportMismatch) as exc:
         _fail(str(exc), 1)
     except grpc.RpcError as exc:
         _fail(f"the server refused ({exc.code().name}): {exc.details()}", 1)

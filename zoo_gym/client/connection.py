@@ -20,12 +20,41 @@ class ServerUnreachable(RuntimeError):
     """The server did not answer within the retry budget."""
 
 
-def open_stub(address: str) -> tuple[grpc.Channel, gym_pb2_grpc.GymStub]:
-    channel = grpc.insecure_channel(address, options=[
+class TransportMismatch(ServerUnreachable):
+    """Client and server disagree on TLS (plaintext against TLS, or an untrusted certificate): retrying
+    cannot help, so it is said at once."""
+
+
+def open_stub(address: str, *, root_certificates: str | None = None,
+              insecure: bool = False) -> tuple[grpc.Channel, gym_pb2_grpc.GymStub]:
+    """A channel to gym-server: TLS verified against `root_certificates` (PEM file; the system trust store
+    when None), or plaintext only when `insecure` is asked for explicitly."""
+    options = [
         ("grpc.max_receive_message_length", 80 * MiB),
         ("grpc.max_send_message_length", 80 * MiB),
-    ])
+    ]
+    if insecure:
+        channel = grpc.insecure_channel(address, options=options)
+    else:
+        from zoo_gym.proto.tls import channel_credentials
+
+        channel = grpc.secure_channel(address, channel_credentials(root_certificates), options=options)
     return channel, gym_pb2_grpc.GymStub(channel)
+
+
+def transport_mismatch(exc: grpc.RpcError) -> str | None:
+    """What to fix when a call failed because client and server disagree on TLS; None for other failures."""
+    details = exc.details() or ""
+    if "WRONG_VERSION_NUMBER" in details:
+        return ("the server does not speak TLS (it runs with --insecure): pass --insecure to connect in "
+                "plaintext, on a network you trust")
+    if "Tls handshake failed" in details or "Peer name" in details or "CERTIFICATE_VERIFY_FAILED" in details:
+        return ("the server's TLS certificate does not verify: pass --root-certificates with the federation's "
+                "CA certificate, and connect by a host name or address the certificate names")
+    if "Socket closed" in details:
+        return ("the server closed the connection during setup: it serves TLS, so drop --insecure (and pass "
+                "--root-certificates if its certificate comes from a private CA)")
+    return None
 
 
 def with_retries(call: Callable[[], T], *, what: str, say: Callable[[str], None], max_wait: float = 300.0,
@@ -39,6 +68,9 @@ def with_retries(call: Callable[[], T], *, what: str, say: Callable[[str], None]
         except grpc.RpcError as exc:
             if exc.code() not in RETRYABLE:
                 raise
+            problem = transport_mismatch(exc)
+            if problem:
+                raise TransportMismatch(f"{what}: cannot connect securely: {problem}") from exc
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ServerUnreachable(f"{what}: the server is unreachable ({exc.details()}); gave up after "

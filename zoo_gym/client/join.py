@@ -47,6 +47,8 @@ class JoinOptions:
     progress: bool = True
     max_wait: float = 900.0
     train_overrides: dict = field(default_factory=dict)  # TrainConfig keywords (gym-client join's training flags)
+    root_certificates: str | None = None  # PEM the server's certificate must chain to (None: system trust store)
+    insecure: bool = False  # plaintext: only when asked for explicitly
 
 
 def _held_count(n: int) -> int:
@@ -118,7 +120,7 @@ def join(opts: JoinOptions, *, say: Callable[[str], None] = print) -> list[dict]
     key, created = signing.load_or_create_key(opts.key_path)
     if created:
         say(f"created a new contributor key at {opts.key_path}")
-    channel, stub = open_stub(opts.server)
+    channel, stub = open_stub(opts.server, root_certificates=opts.root_certificates, insecure=opts.insecure)
     retry = lambda fn, what: with_retries(fn, what=what, say=say, max_wait=opts.max_wait)  # noqa: E731
     try:
         reg = retry(lambda: stub.Register(register_request(key, opts.display_name or "contributor"), timeout=30),

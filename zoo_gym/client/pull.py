@@ -21,13 +21,13 @@ class PullError(RuntimeError):
     """Nothing to pull, or OUT cannot be written; the message says what to do."""
 
 
-def pull(server: str, out: Path, *, workdir: Path, progress: bool = False,
-         say: Callable[[str], None] = print) -> dict:
+def pull(server: str, out: Path, *, workdir: Path, progress: bool = False, root_certificates: str | None = None,
+         insecure: bool = False, say: Callable[[str], None] = print) -> dict:
     """Download the latest published checkpoint into `out` (must be absent or empty). Returns a summary."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise PullError(f"{out} exists and is not an empty directory; choose a new OUT")
-    channel, stub = open_stub(server)
+    channel, stub = open_stub(server, root_certificates=root_certificates, insecure=insecure)
     try:
         info = with_retries(lambda: stub.GetRound(gym_pb2.GetRoundRequest(), timeout=30), what="GetRound",
                             say=say)

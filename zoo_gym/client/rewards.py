@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from zoo_gym.client.connection import open_stub
+import grpc
+
+from zoo_gym.client.connection import TransportMismatch, open_stub, transport_mismatch
 from zoo_gym.proto import gym_pb2, signing
 from zoo_gym.rewards import verify_entries
 
@@ -34,17 +36,23 @@ def pin_server_key(key_path: Path, server_key: bytes) -> None:
     path.write_text(server_key.hex() + "\n")
 
 
-def fetch_rewards(server: str, *, key_path: Path, contributor: str | None, limit: int, verify: bool) -> dict:
+def fetch_rewards(server: str, *, key_path: Path, contributor: str | None, limit: int, verify: bool,
+                  root_certificates: str | None = None, insecure: bool = False) -> dict:
     if contributor is None:
         if not Path(key_path).exists():
             raise RewardsError(f"no key at {key_path}: pass --contributor ID or --key PATH")
         key, _ = signing.load_or_create_key(key_path)
         contributor = signing.contributor_id(signing.public_bytes(key))
-    channel, stub = open_stub(server)
+    channel, stub = open_stub(server, root_certificates=root_certificates, insecure=insecure)
     try:
         info = stub.GetRound(gym_pb2.GetRoundRequest(), timeout=30)
         balance = stub.GetBalance(gym_pb2.BalanceRequest(contributor_id=contributor), timeout=30)
         entries = [e for e in stub.StreamLedger(gym_pb2.LedgerRequest(contributor_id=contributor), timeout=60)]
+    except grpc.RpcError as exc:
+        problem = transport_mismatch(exc)
+        if problem:
+            raise TransportMismatch(f"cannot connect securely: {problem}") from exc
+        raise
     finally:
         channel.close()
     rows = [{"seq": e.seq, "round_id": e.round_id, "contributor": e.contributor_id, "kind": e.kind,

@@ -109,6 +109,11 @@ def serve(
     validation_data: Optional[Path] = typer.Option(
         None, "--validation-data", help=VALIDATION_HELP + " \\[default: the file given to `init`, else the built-in "
         "task's validation set]."),
+    ssl_certfile: Optional[Path] = typer.Option(None, help="PEM certificate (chain) the server presents (TLS)."),
+    ssl_keyfile: Optional[Path] = typer.Option(None, help="PEM private key of --ssl-certfile."),
+    ssl_ca_certfile: Optional[Path] = typer.Option(None, help="PEM CA certificate sent with the chain."),
+    insecure: bool = typer.Option(False, "--insecure", help="Serve plaintext gRPC instead of TLS (only on a "
+                                                            "network you trust; clients need --insecure too)."),
     config: Optional[Path] = typer.Option(None, "--config", help="TOML or YAML settings; flags win over it."),
     db: Optional[str] = typer.Option(None, help="SQLAlchemy URL overriding the one chosen at init."),
     port_file: Optional[Path] = typer.Option(None, help="Write the bound port here once serving (for scripts)."),
@@ -124,6 +129,10 @@ def serve(
                            trim_beta=trim_beta, dp_noise_multiplier=dp_noise_multiplier, dp_clip=dp_clip,
                            dp_target_epsilon=dp_target_epsilon, reward_pool=reward_pool,
                            max_norm_ratio=max_norm_ratio, upload_idle_timeout=upload_idle_timeout,
+                           ssl_certfile=str(ssl_certfile) if ssl_certfile else None,
+                           ssl_keyfile=str(ssl_keyfile) if ssl_keyfile else None,
+                           ssl_ca_certfile=str(ssl_ca_certfile) if ssl_ca_certfile else None,
+                           insecure=insecure or None,
                            validation_file=str(validation_data) if validation_data is not None else None)
         if cfg.validation_file is not None:
             from zoo_gym.gym_train.formats import load_examples
@@ -166,6 +175,22 @@ def serve(
     server.stop(grace=5).wait()
     rounds.stop()
     state.lock.release()
+
+
+@app.command("tls-cert")
+def tls_cert(
+    out: Path = typer.Option(..., "--out", help="Directory to write ca.pem, server.pem and server.key into."),
+    host: list[str] = typer.Option(..., "--host", help="Host name or IP address clients connect to (repeat "
+                                                       "for several)."),
+    days: int = typer.Option(365, min=1, help="Validity in days."),
+) -> None:
+    """Make a private CA and a TLS certificate for the server signed by it. Serve with
+    --ssl-certfile server.pem --ssl-keyfile server.key; give contributors ca.pem (--root-certificates)."""
+    from zoo_gym.proto.tls import make_certificates
+
+    with _one_line_errors():
+        made = make_certificates(out, hosts=tuple(host), days=days)
+    typer.echo(f"wrote {made.ca} (give it to contributors), {made.cert} and {made.key} (keep it secret)")
 
 
 @app.command()

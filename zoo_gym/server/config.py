@@ -36,6 +36,10 @@ class ServerConfig:
     max_chunk_bytes: int = 4 * MiB
     download_chunk_bytes: int = 1 * MiB
     max_workers: int = 16
+    ssl_certfile: str | None = field(default=None, metadata={"help": "PEM certificate (chain) the server presents"})
+    ssl_keyfile: str | None = field(default=None, metadata={"help": "PEM private key of ssl_certfile"})
+    ssl_ca_certfile: str | None = field(default=None, metadata={"help": "PEM CA certificate sent with the chain"})
+    insecure: bool = field(default=False, metadata={"help": "plaintext gRPC (only on a network you trust)"})
     upload_idle_timeout: float = field(default=60.0, metadata={
         "help": "seconds an upload may send no bytes before it is refused and its temporary file removed"})
     upload_min_bytes_per_s: int = field(default=64 * 1024, metadata={
@@ -63,6 +67,8 @@ class ServerConfig:
             raise ConfigError("`download_chunk_bytes` must be in [1, 64 MiB]")
         if self.max_payload_bytes < 1:
             raise ConfigError("`max_payload_bytes` must be >= 1")
+        if self.insecure and (self.ssl_certfile or self.ssl_keyfile or self.ssl_ca_certfile):
+            raise ConfigError("`insecure` (plaintext) and TLS certificates contradict each other: give one or the other")
         if not self.upload_idle_timeout > 0:
             raise ConfigError("`upload_idle_timeout` must be > 0 seconds")
         if self.upload_min_bytes_per_s < 1:
@@ -71,6 +77,13 @@ class ServerConfig:
     @property
     def effective_quorum(self) -> int:
         return self.quorum if self.quorum is not None else self.min_contributors
+
+    def check_transport(self) -> None:
+        """TLS unless plaintext was asked for: a server given neither certificates nor `insecure` refuses."""
+        if not self.insecure and not (self.ssl_certfile and self.ssl_keyfile):
+            raise ConfigError("gym-server serves TLS by default: give --ssl-certfile and --ssl-keyfile (`gym-server "
+                              "tls-cert --out DIR --host NAME` makes a private CA and a certificate), or --insecure "
+                              "for plaintext on a network you trust")
 
     def upload_deadline_s(self, payload_size: int) -> float:
         """Seconds a whole upload of `payload_size` bytes may take before it is refused."""

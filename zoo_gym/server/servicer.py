@@ -181,6 +181,7 @@ def build_server(state: ServerState, config: ServerConfig) -> tuple[grpc.Server,
             return OSError(f"cannot bind {host}:{port}: {failures[0].strerror} (not an address of this machine?)")
         return None
 
+    config.check_transport()
     if config.port != 0 and (refused := bind_error(config.host, config.port)):
         raise refused
     rounds = RoundManager(state, config)
@@ -199,8 +200,16 @@ def build_server(state: ServerState, config: ServerConfig) -> tuple[grpc.Server,
     health_servicer.set("zoo_gym.v1.Gym", health_pb2.HealthCheckResponse.SERVING)
     names = (gym_pb2.DESCRIPTOR.services_by_name["Gym"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
+    address = f"{config.host}:{config.port}"
+    credentials = None
+    if not config.insecure:
+        from zoo_gym.proto.tls import server_credentials
+
+        credentials = server_credentials(certfile=config.ssl_certfile, keyfile=config.ssl_keyfile,
+                                         ca_certfile=config.ssl_ca_certfile)  # TLSError names a bad file
     try:
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        port = (server.add_insecure_port(address) if credentials is None
+                else server.add_secure_port(address, credentials))
     except RuntimeError:  # grpcio >= 1.5x raises where older ones returned 0
         port = 0
     if port == 0:  # taken between the check and here, or an address the check could not judge
