@@ -20,11 +20,7 @@ from typing import Any, Optional
 import typer
 
 from zoo_gym.gym_train.config import TrainConfig
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
+from zoo_gym.settings_file import SettingsFileError, read_settings_file
 
 
 class TrainSettingsError(ValueError):
@@ -108,31 +104,10 @@ def with_train_options(fn):
 
 def read_train_file(path: Path) -> dict[str, Any]:
     """A YAML (.yaml/.yml) or TOML (.toml) file as a flat dict; sections are only for readability."""
-    path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise TrainSettingsError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
-    try:
-        if path.suffix == ".toml":
-            raw = tomllib.loads(text)
-        elif path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            raw = yaml.safe_load(text) or {}
-        else:
-            raise TrainSettingsError(f"--config {path}: use a .yaml, .yml or .toml file")
-    except (tomllib.TOMLDecodeError, ValueError) as exc:
-        if isinstance(exc, TrainSettingsError):
-            raise
-        raise TrainSettingsError(f"--config {path}: not valid {path.suffix[1:].upper()} ({exc})") from None
-    except Exception as exc:  # yaml.YAMLError: keep its first line and where
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise TrainSettingsError(f"--config {path}: not valid YAML ({what}{where})") from None
-    if not isinstance(raw, dict):
-        raise TrainSettingsError(f"--config {path}: must hold key: value settings")
+        raw = read_settings_file(path)
+    except SettingsFileError as exc:
+        raise TrainSettingsError(f"--config {exc}") from None
     flat: dict[str, Any] = {}
     for key, value in raw.items():
         if isinstance(value, dict):

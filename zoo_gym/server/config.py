@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from zoo_gym.settings_file import SettingsFileError, read_settings_file
 
 MiB = 1 << 20
 
@@ -99,23 +97,10 @@ def _norm(key: str) -> str:
 
 def read_config_file(path: Path) -> dict[str, Any]:
     """Parse a TOML (.toml) or YAML (.yaml/.yml) file into a flat dict with normalised keys."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    text = path.read_text()
     try:
-        if path.suffix == ".toml":
-            raw = tomllib.loads(text)
-        elif path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            raw = yaml.safe_load(text) or {}
-        else:
-            raise ConfigError(f"{path}: use a .toml, .yaml or .yml file")
-    except (tomllib.TOMLDecodeError, ValueError) as exc:
-        raise ConfigError(f"{path}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a table of settings")
+        raw = read_settings_file(path)
+    except SettingsFileError as exc:
+        raise ConfigError(str(exc)) from None
     flat: dict[str, Any] = {}
     for key, value in raw.items():
         if isinstance(value, dict) and _norm(key) in ("server", "aggregation", "soup", "rewards", "privacy"):
