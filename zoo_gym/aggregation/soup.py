@@ -2,7 +2,9 @@
 
 Streaming: the server's `DeltaSource` hands out one tensor for all n contributors at a time, so
 memory grows with one tensor x n, never the whole model x n.
-  pass 1: per contributor finiteness and whole-delta L2 norm -> refuse invalid contributions
+  pass 1: per contributor finiteness and whole-delta L2 norm (from the source's `sq_norms` when it
+          has one, e.g. LoRA factors' r x r Gram matrices, so nothing is decoded; not under DP)
+          -> refuse invalid contributions
           with a reason (non-finite, zero, above max_delta_norm, above max_norm_ratio x the
           round's lower median norm); clip factors; the privacy budget check (before any output);
   pass 2 (selection rules: krum, multi-krum, bulyan): exact pairwise squared distances of the
@@ -73,6 +75,11 @@ class DeltaSource(Protocol):
 
     def packed(self, name: str) -> Sequence[Any] | None: ...  # n BitDeltaPacked, or None
 
+    # Optional (looked up with getattr): ((n,) float64 squared L2 norms of stacked(name)'s rows, numel)
+    # without decoding, e.g. from LoRA factors; None when it cannot vouch for them (finite rows, an
+    # accurate norm), then pass 1 decodes. Unused under DP, whose sensitivity is on the decoded rows.
+    # def sq_norms(self, name: str) -> tuple[Tensor, int] | None: ...
+
 
 @dataclass(frozen=True)
 class ContributorReport:
@@ -115,18 +122,32 @@ class DeltaSoup:
         sq = torch.zeros(n, dtype=torch.float64)
         reasons: list[str | None] = [None] * n
         numels: dict[str, int] = {}
+        fast = None if self.config.dp_enabled else getattr(source, "sq_norms", None)
         for name in names:
+            known = fast(name) if fast is not None else None
+            if known is not None:  # finite rows vouched for by the source, their norms without a decode
+                sq_name, numels[name] = known
+                if tuple(sq_name.shape) != (n,):
+                    raise InvalidDeltaError(f"DeltaSource.sq_norms({name!r}) must be shaped ({n},), "
+                                            f"got {tuple(sq_name.shape)}")
+                sq += sq_name.to(torch.float64)
+                continue
             x = source.stacked(name)  # (n, numel)
             if x.dim() != 2 or x.shape[0] != n:
                 raise InvalidDeltaError(f"DeltaSource.stacked({name!r}) must be shaped ({n}, numel), "
                                         f"got {tuple(x.shape)}")
             numels[name] = x.shape[1]
-            finite = torch.isfinite(x).all(dim=1)  # (n,)
-            for i in (~finite).nonzero().flatten().tolist():
-                if reasons[i] is None:
-                    reasons[i] = f"non-finite values (NaN or inf) in tensor {name!r}"
-            sq += torch.where(finite, torch.linalg.vector_norm(
-                torch.nan_to_num(x), dim=1, dtype=torch.float64) ** 2, torch.zeros_like(sq))
+            # (n,) float64: a float32 square cannot overflow float64, so the norm is non-finite
+            # exactly when the row is; only then is the row scanned for NaN/inf
+            sq_x = torch.linalg.vector_norm(x, dim=1, dtype=torch.float64) ** 2
+            finite = torch.isfinite(sq_x)
+            if not bool(finite.all()):
+                finite = torch.isfinite(x).all(dim=1)  # (n,)
+                for i in (~finite).nonzero().flatten().tolist():
+                    if reasons[i] is None:
+                        reasons[i] = f"non-finite values (NaN or inf) in tensor {name!r}"
+                sq_x = torch.linalg.vector_norm(torch.nan_to_num(x), dim=1, dtype=torch.float64) ** 2
+            sq += torch.where(finite, sq_x, torch.zeros_like(sq))
         norms = sq.sqrt()
         for i in range(n):
             if reasons[i] is not None:
@@ -167,9 +188,21 @@ class DeltaSoup:
             # values is their coordinate-wise median; fewer than 3 submissions are refused.
             trim_count(n=n, beta=cfg.trim_beta)
 
+    @staticmethod
+    def _rows(source: DeltaSource, name: str, acc: Tensor, factors: Tensor, n: int) -> Tensor:
+        """(k, numel) float32: the accepted contributors' clipped rows of tensor `name`. Without a
+        refusal or a clip this is the source's own tensor (no copy; nothing downstream mutates it):
+        `x[acc] * 1.0` would be the same numbers in two more copies."""
+        x = source.stacked(name)  # (n, numel)
+        if acc.numel() < n:
+            x = x[acc]
+        if bool((factors != 1).any()):
+            x = x * factors.to(torch.float32)[:, None]
+        return x
+
     # ---- pass 2 -------------------------------------------------------------------------
     def _distances(self, source: DeltaSource, names: Sequence[str], acc: Tensor,
-                   factors: Tensor) -> Tensor:
+                   factors: Tensor, n: int) -> Tensor:
         k = acc.numel()
         idx = acc.tolist()
         dist = torch.zeros((k, k), dtype=torch.float64)
@@ -185,22 +218,21 @@ class DeltaSoup:
                     dist += packed_model_sq_distances(batch, scale=factors)
                     batch, batch_bytes = [[] for _ in idx], 0
             else:
-                x = source.stacked(name)[acc] * factors.to(torch.float32)[:, None]
-                dist += pairwise_sq_distances(x)
+                dist += pairwise_sq_distances(self._rows(source, name, acc, factors, n))
         if batch_bytes:
             dist += packed_model_sq_distances(batch, scale=factors)
         return dist
 
     # ---- iteration passes --------------------------------------------------------------
     def _distances_to(self, source: DeltaSource, names: Sequence[str], acc: Tensor, factors: Tensor,
-                      coefficients: Tensor | None, previous: Tensor | None = None
+                      n: int, coefficients: Tensor | None, previous: Tensor | None = None
                       ) -> tuple[Tensor, float]:
         """One pass: ((k,) squared distances of the clipped deltas to sum_j a_j x_j, squared
         distance of that iterate from the previous one), summed over the tensors."""
         sq = torch.zeros(acc.numel(), dtype=torch.float64)
         move = 0.0
         for name in names:
-            x = source.stacked(name)[acc] * factors.to(torch.float32)[:, None]  # (k, numel)
+            x = self._rows(source, name, acc, factors, n)  # (k, numel)
             s, m = combination_sq_distances(x, coefficients, previous=previous)
             sq += s
             move += m
@@ -264,7 +296,7 @@ class DeltaSoup:
         dist: Tensor | None = None
         selected = torch.ones(k, dtype=torch.bool)
         if cfg.aggregator in _NEEDS_DISTANCES:
-            dist = self._distances(source, names, acc, factors)
+            dist = self._distances(source, names, acc, factors, n)
         if cfg.aggregator == "mean":
             if dp:  # fixed denominator: the sum over the m_exp expected contributors (privacy.py)
                 coeff, total = torch.ones(k, dtype=torch.float64), float(m_exp)
@@ -278,11 +310,11 @@ class DeltaSoup:
             coeff[chosen] = w[chosen] / w[chosen].sum()
             selected = coeff > 0
         elif cfg.aggregator == "geometric-median":
-            coeff = weiszfeld(lambda a, p: self._distances_to(source, names, acc, factors, a, p),
+            coeff = weiszfeld(lambda a, p: self._distances_to(source, names, acc, factors, n, a, p),
                               n=k, weights=w, eps=cfg.gm_eps, max_iter=cfg.gm_max_iter, nu=cfg.gm_nu)
         elif cfg.aggregator == "centered-clip":
             a, _ = centered_clip_iterate(
-                lambda c: self._distances_to(source, names, acc, factors, c[1:])[0],
+                lambda c: self._distances_to(source, names, acc, factors, n, c[1:])[0],
                 norms[acc] * factors,  # distances to the center, the zero delta: the norms
                 tau=cfg.cc_tau, iters=cfg.cc_iters, weights=w)
             coeff = a[1:]  # the center's coefficient multiplies the zero vector
@@ -297,7 +329,7 @@ class DeltaSoup:
         trimmed = torch.zeros(k, dtype=torch.float64)
         used = torch.zeros(k, dtype=torch.float64)
         for name in names:
-            x = source.stacked(name)[acc] * factors.to(torch.float32)[:, None]  # (k, numel)
+            x = self._rows(source, name, acc, factors, n)  # (k, numel)
             if coeff is not None:
                 v = combine64(coeff, x, total=total)  # (numel,) float64
                 if cfg.aggregator in _ITERATED:

@@ -8,6 +8,7 @@ LoRA's merged delta under a sign code has relative L2 error about 0.68 on the ti
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -56,3 +57,31 @@ class LoraFactors:
     def merged(self) -> Tensor:
         """(out, in) = B @ A, computed in float32."""
         return self.B.detach().cpu().float() @ self.A.detach().cpu().float()
+
+    def merged_sq_norm(self) -> float | None:
+        """||B @ A||_F^2 from the (r, r) Gram matrices, sum((B^T B) * (A A^T)) in float64, without
+        forming the (out, in) product; None when that is not safe, and then the caller decodes:
+
+        * the float32 product `merged()` could overflow (non-finite factors, or the Cauchy-Schwarz
+          bound max_i |B_i| max_j |A_:j| of every product element reaches 1e38; float32 ends at 3.4e38);
+        * cancellation: the Gram sum is an expansion (STYLE 18). Its float64 rounding error is at most
+          about (in + out + r) x 2^-53 x sum(|B^T B| * |A A^T|); refusing unless the result is above
+          1e-3 x that sum bounds the relative error by ~1e-9 (a crafted B @ A ~ 0 from huge factors
+          is decoded instead).
+
+        It is the norm of the exact product: `merged()` rounds each element to float32, so the two
+        differ by about r x 2^-24 relative (1e-7, a few ulps), far below any norm bound's meaning.
+        """
+        a = self.A.detach().cpu().double()  # (r, in)
+        b = self.B.detach().cpu().double()  # (out, r)
+        if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+            return None
+        bound = float(torch.linalg.vector_norm(b, dim=1).max()) * float(torch.linalg.vector_norm(a, dim=0).max())
+        if not bound < 1e38:
+            return None
+        gb, ga = b.T @ b, a @ a.T  # (r, r) each
+        sq = float((gb * ga).sum())
+        scale = float((gb.abs() * ga.abs()).sum())
+        if not (math.isfinite(sq) and sq > 1e-3 * scale):
+            return None if scale > 0 else 0.0
+        return sq

@@ -42,7 +42,8 @@ class StoredDeltas:
 
     DeltaSoup reads every tensor in more than one pass (validate, distances, aggregate). Decoded rows are
     kept in a cache bounded by `cache_bytes`, so small models are decoded once while a model larger
-    than the budget still streams one tensor x n at a time.
+    than the budget still streams one tensor x n at a time. LoRA-coded tensors are validated from their
+    factors (`sq_norms`), so a mean decodes each of them once.
     """
 
     def __init__(self, payloads: list, contributors: list[str], shapes: dict[str, tuple[int, ...]], *,
@@ -77,6 +78,26 @@ class StoredDeltas:
             self._cache[name] = out
             self._cache_left -= out.nbytes
         return out
+
+    def sq_norms(self, name: str) -> tuple[torch.Tensor, int] | None:
+        """((n,) float64 squared L2 norms of the rows `stacked(name)` returns, numel) from LoRA factors
+        alone (r x r Gram matrices, `LoraFactors.merged_sq_norm`): DeltaSoup's validation needs no decode.
+        None unless every contributor that sent the tensor sent float32 LoRA factors the norm is safe
+        from (then DeltaSoup decodes). A cached tensor is not decoded again either way."""
+        if name in self._cache:
+            return None
+        out = torch.zeros(len(self._payloads), dtype=torch.float64)  # (n,)
+        for i, (payload, entries, manifest) in enumerate(zip(self._payloads, self._entries, self._manifests)):
+            e = entries.get(name)
+            if e is None:
+                continue  # did not change the tensor: a zero row
+            if e.codec != "lora" or e.dtype != "float32":
+                return None
+            sq = codec.decode_factors(payload, name, manifest=manifest).merged_sq_norm()
+            if sq is None:
+                return None
+            out[i] = sq
+        return out, math.prod(self._shapes[name])
 
     def stacked_one(self, i: int, name: str) -> torch.Tensor:
         """Contributor i's delta for one tensor, in the base's shape (zeros when it did not send it)."""
