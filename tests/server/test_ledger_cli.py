@@ -42,7 +42,8 @@ def test_verify_passes_then_names_the_first_tampered_entry(federation, tmp_path)
     assert ok.exit_code == 0 and "ledger OK: 2 entries" in ok.output
 
     server = f"127.0.0.1:{federation.port}"
-    res = runner.invoke(client_app, ["rewards", "--server", server, "--key", str(keys[0][0]), "--json", "--verify"])
+    res = runner.invoke(client_app, ["rewards", "--server", server, "--insecure", "--key", str(keys[0][0]), "--json",
+                                     "--verify"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)
     assert doc["contributor_id"] == keys[0][1] and doc["verification"]["ok"]
@@ -55,7 +56,7 @@ def test_verify_passes_then_names_the_first_tampered_entry(federation, tmp_path)
     who = json.loads(runner.invoke(server_app, ["ledger", "show", "--state-dir", state_dir, "--json"]).output)
     victim = next(e["contributor_id"] for e in who if e["seq"] == 2)
     path = next(p for p, cid in keys if cid == victim)
-    res = runner.invoke(client_app, ["rewards", "--server", server, "--key", str(path), "--verify"])
+    res = runner.invoke(client_app, ["rewards", "--server", server, "--insecure", "--key", str(path), "--verify"])
     assert res.exit_code == 1 and "VERIFICATION FAILED at entry 2" in res.output
 
 

@@ -27,12 +27,14 @@ def test_pull_writes_a_loadable_model_with_a_card(federation, tmp_path):
 
     runner = CliRunner()
     address = f"127.0.0.1:{federation.port}"
-    early = runner.invoke(app, ["pull", str(tmp_path / "early"), "--server", address, "--workdir", str(tmp_path / "w")])
+    early = runner.invoke(app, ["pull", str(tmp_path / "early"), "--server", address, "--insecure",
+                                "--workdir", str(tmp_path / "w")])
     assert early.exit_code == 2 and "nothing has been published" in early.output
     sha = _publish_round_one(federation)
 
     out = tmp_path / "model"
-    res = runner.invoke(app, ["pull", str(out), "--server", address, "--workdir", str(tmp_path / "w"), "--json"])
+    res = runner.invoke(app, ["pull", str(out), "--server", address, "--insecure", "--workdir", str(tmp_path / "w"),
+                              "--json"])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)
     assert summary["sha256"] == sha and summary["round"] == 1
@@ -41,5 +43,5 @@ def test_pull_writes_a_loadable_model_with_a_card(federation, tmp_path):
     card = (out / "README.md").read_text()
     assert card.startswith("---\n") and "library_name: transformers" in card and sha[:12] in card
 
-    again = runner.invoke(app, ["pull", str(out), "--server", address, "--workdir", str(tmp_path / "w")])
+    again = runner.invoke(app, ["pull", str(out), "--server", address, "--insecure", "--workdir", str(tmp_path / "w")])
     assert again.exit_code == 2 and "not an empty directory" in again.output  # nothing overwritten
