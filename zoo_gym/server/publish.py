@@ -240,6 +240,7 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
         privacy = getattr(report, "privacy", None)
         parent_loss = None
         if evaluator is not None and not parent_measured:
+            log.info("round %d phase=parent-evaluation", rnd.id)
             parent_loss = evaluator.loss(None)  # genesis: measured once, on the same set
         accepted = _accepted(report, len(contributors))
         lineage = {
