@@ -43,6 +43,25 @@ def _wait(predicate, timeout: float = 60.0) -> None:
     raise AssertionError("condition not reached in time")
 
 
+def _paused_upload(federation, key, cid, *, seed: int, release: threading.Event):
+    """Start an upload that sends its header and 1 KiB, then waits for `release`; once the server holds its
+    temporary file, return (its future, the payload's sha256)."""
+    payload = codec.encode(federation.small_delta(seed=seed, names=6), codec="fp16")
+    info = federation.round()
+    header = build_header(key=key, contributor_id=cid, round_id=info.round_id, base_sha256=info.base_sha256,
+                          payload=payload, metadata={})
+
+    def paused():
+        yield gym_pb2.SubmitRequest(header=header)
+        yield gym_pb2.SubmitRequest(chunk=payload[:1024])
+        release.wait(timeout=60)
+        yield gym_pb2.SubmitRequest(chunk=payload[1024:])
+
+    future = federation.stub.SubmitDelta.future(paused())
+    _wait(lambda: _stored_files(federation)[1] == 1)  # the upload's temporary file exists
+    return future, codec.sha256_hex(payload)
+
+
 @pytest.mark.parametrize("trial", range(3))
 def test_concurrent_uploads_from_one_key_leave_only_the_accepted_blob(federation, trial):
     key, cid = federation.register()
@@ -71,20 +90,8 @@ def test_concurrent_uploads_from_one_key_leave_only_the_accepted_blob(federation
 
 def test_a_second_upload_while_one_is_in_flight_is_refused_before_any_byte_is_stored(federation):
     key, cid = federation.register()
-    payload = codec.encode(federation.small_delta(seed=1, names=6), codec="fp16")
-    info = federation.round()
-    header = build_header(key=key, contributor_id=cid, round_id=info.round_id, base_sha256=info.base_sha256,
-                          payload=payload, metadata={})
     release = threading.Event()
-
-    def slow_stream():
-        yield gym_pb2.SubmitRequest(header=header)
-        yield gym_pb2.SubmitRequest(chunk=payload[:1024])
-        release.wait(timeout=30)
-        yield gym_pb2.SubmitRequest(chunk=payload[1024:])
-
-    first = federation.stub.SubmitDelta.future(slow_stream())
-    _wait(lambda: _stored_files(federation)[1] == 1)  # the first upload's temporary file exists
+    first, _ = _paused_upload(federation, key, cid, seed=1, release=release)
     other = codec.encode(federation.small_delta(seed=2, names=6), codec="fp16")
     with pytest.raises(grpc.RpcError) as info:
         federation.submit(key, cid, other)
@@ -97,20 +104,8 @@ def test_a_second_upload_while_one_is_in_flight_is_refused_before_any_byte_is_st
 
 def test_an_upload_that_finishes_after_the_round_closed_keeps_no_blob(federation):
     late_key, late_cid = federation.register()
-    late = codec.encode(federation.small_delta(seed=3, names=6), codec="fp16")
-    info = federation.round()
-    header = build_header(key=late_key, contributor_id=late_cid, round_id=info.round_id,
-                          base_sha256=info.base_sha256, payload=late, metadata={})
     release = threading.Event()
-
-    def slow_stream():
-        yield gym_pb2.SubmitRequest(header=header)
-        yield gym_pb2.SubmitRequest(chunk=late[:1024])
-        release.wait(timeout=60)
-        yield gym_pb2.SubmitRequest(chunk=late[1024:])
-
-    pending = federation.stub.SubmitDelta.future(slow_stream())
-    _wait(lambda: _stored_files(federation)[1] == 1)
+    pending, late_sha = _paused_upload(federation, late_key, late_cid, seed=3, release=release)
     for seed in (4, 5):  # min_contributors = 2: these close the round while the late upload waits
         key, cid = federation.register()
         federation.submit(key, cid, codec.encode(federation.small_delta(seed=seed), codec="fp16"))
@@ -119,7 +114,7 @@ def test_an_upload_that_finishes_after_the_round_closed_keeps_no_blob(federation
     with pytest.raises(grpc.RpcError) as refused:
         pending.result(timeout=60)
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, refused.value.details()
-    assert not federation.state.blobs.exists(codec.sha256_hex(late))
+    assert not federation.state.blobs.exists(late_sha)
     assert _stored_files(federation)[1] == 0
     stored = {p.name for p in (federation.state.blobs.root / "sha256").rglob("*") if p.is_file()}
     assert stored <= _referenced(federation)
