@@ -73,6 +73,26 @@ def register(*, public_key: bytes, display_name: str, nonce: bytes, signature: b
     return cid, existing is None
 
 
+# ----------------------------------------------------------------------------------------------- queries
+
+SQL_INT_MAX = (1 << 63) - 1  # SQLite and PostgreSQL BIGINT: a larger wire integer cannot even be compared
+
+
+def check_contributor_id(contributor_id: str, *, field: str = "contributor_id", required: bool = True) -> None:
+    """A contributor id is the 32 lowercase hex characters Register returned."""
+    if not contributor_id and not required:
+        return
+    if not _ID.match(contributor_id or ""):
+        raise InvalidArgument(f"{field} must be the 32-hex id returned by Register, got {contributor_id[:40]!r}")
+
+
+def check_ledger_query(*, contributor_id: str, since_seq: int) -> None:
+    """Range checks of a LedgerRequest before any query (a seq past 2^63 - 1 was an INTERNAL error)."""
+    check_contributor_id(contributor_id, required=False)
+    if not 0 <= since_seq <= SQL_INT_MAX:
+        raise InvalidArgument(f"since_seq must be in [0, 2^63 - 1], got {since_seq}")
+
+
 # ----------------------------------------------------------------------------------------------- rounds
 
 @dataclass(frozen=True)

@@ -83,6 +83,7 @@ class GymServicer(gym_pb2_grpc.GymServicer):
 
     @_guard
     def GetRound(self, request, context):
+        handlers.check_contributor_id(request.contributor_id, required=False)
         v = handlers.round_view(state=self.state, contributor_id=request.contributor_id)
         cfg = self.config
         return gym_pb2.RoundInfo(
@@ -130,6 +131,7 @@ class GymServicer(gym_pb2_grpc.GymServicer):
     def GetBalance(self, request, context):
         from zoo_gym.server.settlement import balance_of
 
+        handlers.check_contributor_id(request.contributor_id)
         b = balance_of(self.state, request.contributor_id)
         return gym_pb2.Balance(contributor_id=request.contributor_id, balance=b["balance"],
                                reputation=b["reputation"], entries=b["entries"], last_seq=b["last_seq"])
@@ -138,6 +140,7 @@ class GymServicer(gym_pb2_grpc.GymServicer):
     def StreamLedger(self, request, context):
         from zoo_gym.server.settlement import ledger_entries
 
+        handlers.check_ledger_query(contributor_id=request.contributor_id, since_seq=request.since_seq)
         for e in ledger_entries(self.state, contributor=request.contributor_id or None,
                                 since_seq=request.since_seq, limit=request.limit or None):
             yield gym_pb2.LedgerEntry(**e)
