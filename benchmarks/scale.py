@@ -283,6 +283,18 @@ def submit(port: int, payloads: list[bytes]) -> None:
             stub.SubmitDelta(request_stream(header, payload, chunk_bytes=1 << 20))
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM (the server's clean shutdown), SIGKILL after 30 s; nothing if it already ended."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 PHASES = ("load", "scoring-gradient", "aggregation", "scoring", "parent-evaluation", "write", "evaluation", "pack",
           "commit", "done")
 
@@ -315,12 +327,7 @@ def serve_round(state: Path, payloads: list[bytes], env: dict, work: Path, *, sc
         time.sleep(0.3)
         hwm = sampler.hwm()
     finally:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        _stop(p)
         sampler.stop()
     marks = {ph: logs.first(rf"round 1 phase={re.escape(ph)}$") for ph in PHASES}
     seq = [(ph, t) for ph, t in marks.items() if t is not None]
@@ -405,13 +412,8 @@ def client_round(model_dir: Path, env: dict, work: Path, *, steps: int, release:
                         if re.search(r"round 1: (published|REOPENED|HALTED)", line)), None)
     finally:
         for proc in (cli, srv):
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            if proc is not None:
+                _stop(proc)
     if cli.returncode != 0:
         raise RuntimeError(f"gym-client join exited {cli.returncode}")
     summary = json.loads(out)[0]
