@@ -21,16 +21,18 @@ ROUND_STATE_PUBLISHED: RoundState
 ROUND_STATE_HALTED: RoundState
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("public_key", "display_name", "nonce", "signature")
+    __slots__ = ("public_key", "display_name", "nonce", "signature", "invite")
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    INVITE_FIELD_NUMBER: _ClassVar[int]
     public_key: bytes
     display_name: str
     nonce: bytes
     signature: bytes
-    def __init__(self, public_key: _Optional[bytes] = ..., display_name: _Optional[str] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    invite: str
+    def __init__(self, public_key: _Optional[bytes] = ..., display_name: _Optional[str] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., invite: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("contributor_id", "created", "server_public_key")
@@ -43,10 +45,16 @@ class RegisterResponse(_message.Message):
     def __init__(self, contributor_id: _Optional[str] = ..., created: _Optional[bool] = ..., server_public_key: _Optional[bytes] = ...) -> None: ...
 
 class GetRoundRequest(_message.Message):
-    __slots__ = ("contributor_id",)
+    __slots__ = ("contributor_id", "nonce", "signed_at_unix", "signature")
     CONTRIBUTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    SIGNED_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     contributor_id: str
-    def __init__(self, contributor_id: _Optional[str] = ...) -> None: ...
+    nonce: bytes
+    signed_at_unix: int
+    signature: bytes
+    def __init__(self, contributor_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., signed_at_unix: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("max_payload_bytes", "max_chunk_bytes", "download_chunk_bytes", "max_delta_norm")
@@ -61,7 +69,7 @@ class Limits(_message.Message):
     def __init__(self, max_payload_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., download_chunk_bytes: _Optional[int] = ..., max_delta_norm: _Optional[float] = ...) -> None: ...
 
 class RoundInfo(_message.Message):
-    __slots__ = ("round_id", "state", "base_checkpoint_id", "base_sha256", "base_size", "deadline_unix", "accepted_codecs", "limits", "submissions", "min_contributors", "you_submitted", "message", "aggregator", "dp_epsilon_spent", "dp_delta", "server_public_key")
+    __slots__ = ("round_id", "state", "base_checkpoint_id", "base_sha256", "base_size", "deadline_unix", "accepted_codecs", "limits", "submissions", "min_contributors", "you_submitted", "message", "aggregator", "dp_epsilon_spent", "dp_delta", "server_public_key", "signature")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     BASE_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +86,7 @@ class RoundInfo(_message.Message):
     DP_EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
     DP_DELTA_FIELD_NUMBER: _ClassVar[int]
     SERVER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     state: RoundState
     base_checkpoint_id: int
@@ -94,7 +103,8 @@ class RoundInfo(_message.Message):
     dp_epsilon_spent: float
     dp_delta: float
     server_public_key: bytes
-    def __init__(self, round_id: _Optional[int] = ..., state: _Optional[_Union[RoundState, str]] = ..., base_checkpoint_id: _Optional[int] = ..., base_sha256: _Optional[str] = ..., base_size: _Optional[int] = ..., deadline_unix: _Optional[float] = ..., accepted_codecs: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., submissions: _Optional[int] = ..., min_contributors: _Optional[int] = ..., you_submitted: _Optional[bool] = ..., message: _Optional[str] = ..., aggregator: _Optional[str] = ..., dp_epsilon_spent: _Optional[float] = ..., dp_delta: _Optional[float] = ..., server_public_key: _Optional[bytes] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, round_id: _Optional[int] = ..., state: _Optional[_Union[RoundState, str]] = ..., base_checkpoint_id: _Optional[int] = ..., base_sha256: _Optional[str] = ..., base_size: _Optional[int] = ..., deadline_unix: _Optional[float] = ..., accepted_codecs: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., submissions: _Optional[int] = ..., min_contributors: _Optional[int] = ..., you_submitted: _Optional[bool] = ..., message: _Optional[str] = ..., aggregator: _Optional[str] = ..., dp_epsilon_spent: _Optional[float] = ..., dp_delta: _Optional[float] = ..., server_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class DownloadRequest(_message.Message):
     __slots__ = ("checkpoint_sha256", "offset")
@@ -227,3 +237,19 @@ class LedgerEntry(_message.Message):
     entry_hash: str
     signature: str
     def __init__(self, seq: _Optional[int] = ..., round_id: _Optional[int] = ..., contributor_id: _Optional[str] = ..., kind: _Optional[str] = ..., amount: _Optional[int] = ..., score: _Optional[float] = ..., reputation_after: _Optional[float] = ..., reason: _Optional[str] = ..., prev_hash: _Optional[str] = ..., entry_hash: _Optional[str] = ..., signature: _Optional[str] = ...) -> None: ...
+
+class LedgerHeadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LedgerHead(_message.Message):
+    __slots__ = ("entries", "last_hash", "signed_at_unix", "signature")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    LAST_HASH_FIELD_NUMBER: _ClassVar[int]
+    SIGNED_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    entries: int
+    last_hash: str
+    signed_at_unix: int
+    signature: bytes
+    def __init__(self, entries: _Optional[int] = ..., last_hash: _Optional[str] = ..., signed_at_unix: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...

@@ -64,6 +64,11 @@ class GymStub:
                 request_serializer=zoo__gym_dot_proto_dot_gym__pb2.LedgerRequest.SerializeToString,
                 response_deserializer=zoo__gym_dot_proto_dot_gym__pb2.LedgerEntry.FromString,
                 _registered_method=True)
+        self.GetLedgerHead = channel.unary_unary(
+                '/zoo_gym.v1.Gym/GetLedgerHead',
+                request_serializer=zoo__gym_dot_proto_dot_gym__pb2.LedgerHeadRequest.SerializeToString,
+                response_deserializer=zoo__gym_dot_proto_dot_gym__pb2.LedgerHead.FromString,
+                _registered_method=True)
 
 
 class GymServicer:
@@ -114,6 +119,14 @@ class GymServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLedgerHead(self, request, context):
+        """The ledger's head (entry count and last hash), signed by the server: a client that remembers the
+        last head it verified detects a later answer with fewer entries or another chain.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GymServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +159,11 @@ def add_GymServicer_to_server(servicer, server):
                     servicer.StreamLedger,
                     request_deserializer=zoo__gym_dot_proto_dot_gym__pb2.LedgerRequest.FromString,
                     response_serializer=zoo__gym_dot_proto_dot_gym__pb2.LedgerEntry.SerializeToString,
+            ),
+            'GetLedgerHead': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLedgerHead,
+                    request_deserializer=zoo__gym_dot_proto_dot_gym__pb2.LedgerHeadRequest.FromString,
+                    response_serializer=zoo__gym_dot_proto_dot_gym__pb2.LedgerHead.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +328,33 @@ class Gym:
             '/zoo_gym.v1.Gym/StreamLedger',
             zoo__gym_dot_proto_dot_gym__pb2.LedgerRequest.SerializeToString,
             zoo__gym_dot_proto_dot_gym__pb2.LedgerEntry.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLedgerHead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zoo_gym.v1.Gym/GetLedgerHead',
+            zoo__gym_dot_proto_dot_gym__pb2.LedgerHeadRequest.SerializeToString,
+            zoo__gym_dot_proto_dot_gym__pb2.LedgerHead.FromString,
             options,
             channel_credentials,
             insecure,
