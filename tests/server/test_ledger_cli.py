@@ -45,7 +45,8 @@ def test_verify_passes_then_names_the_first_tampered_entry(federation, tmp_path)
     res = runner.invoke(client_app, ["rewards", "--server", server, "--insecure", "--key", str(keys[0][0]), "--json",
                                      "--verify"])
     assert res.exit_code == 0, res.output
-    doc = json.loads(res.output)
+    assert "trusting the server at" in res.stderr and "on first use" in res.stderr  # said on stderr, not in the JSON
+    doc = json.loads(res.stdout)
     assert doc["contributor_id"] == keys[0][1] and doc["verification"]["ok"]
     assert doc["balance"] == doc["sum_of_entries"] and doc["entries"] == 1
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,15 +17,18 @@ class DownloadError(RuntimeError):
 
 
 def fetch_checkpoint(stub, sha256: str, size: int, workdir: Path, *, progress: bool = True,
-                     retry: Callable | None = None) -> Path:
+                     retry: Callable | None = None, server_key: bytes | None = None) -> Path:
     """Return the unpacked model directory of checkpoint `sha256`, downloading what is missing.
 
     Bytes land in `<workdir>/downloads/<sha>.partial`; an interrupted download resumes from its size.
-    The archive is verified against `sha256` before it is unpacked to `<workdir>/checkpoints/<sha>/`.
+    The archive is verified against `sha256` before it is unpacked to `<workdir>/checkpoints/<sha>/`:
+    pass the sha256 of a RoundInfo whose server signature was verified. With `server_key` (the pinned
+    server key) the unpacked lineage manifest's server signature is checked too; a checkpoint that fails
+    is removed and DownloadError raised.
     """
     model_dir = workdir / "checkpoints" / sha256
     if (model_dir / archive.WEIGHTS).is_file():
-        return model_dir
+        return _checked_lineage(model_dir, server_key)
     downloads = workdir / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
     partial = downloads / f"{sha256}.partial"
@@ -65,4 +69,18 @@ def fetch_checkpoint(stub, sha256: str, size: int, workdir: Path, *, progress: b
                             "run again to download it afresh")
     archive.unpack(partial, model_dir)
     partial.unlink()
+    return _checked_lineage(model_dir, server_key)
+
+
+def _checked_lineage(model_dir: Path, server_key: bytes | None) -> Path:
+    if server_key is None:
+        return model_dir
+    from zoo_gym.client.known_servers import UntrustedServer
+    from zoo_gym.client.server_signatures import verify_lineage
+
+    try:
+        verify_lineage(model_dir, server_key=server_key)
+    except UntrustedServer as exc:
+        shutil.rmtree(model_dir, ignore_errors=True)
+        raise DownloadError(f"checkpoint {model_dir.name[:12]}: {exc}; it was discarded") from None
     return model_dir

@@ -12,7 +12,7 @@ import grpc
 
 from zoo_gym import codec
 from zoo_gym.client.connection import ServerUnreachable, open_stub, with_retries
-from zoo_gym.client.download import fetch_checkpoint
+from zoo_gym.client.download import DownloadError, fetch_checkpoint
 from zoo_gym.client.upload import build_header, register_request, request_stream
 from zoo_gym.gym_train.memory import release_memory
 from zoo_gym.proto import gym_pb2, signing
@@ -128,12 +128,14 @@ def join(opts: JoinOptions, *, say: Callable[[str], None] = print) -> list[dict]
     except grpc.RpcError as exc:
         raise JoinError(f"registration refused: {exc.details()}") from exc
     cid = reg.contributor_id
-    from zoo_gym.client.rewards import RewardsError, pin_server_key
+    from zoo_gym.client import known_servers
+    from zoo_gym.client.rewards import legacy_pin_path
 
-    try:
-        pin_server_key(opts.key_path, reg.server_public_key)
-    except RewardsError as exc:
-        raise JoinError(str(exc)) from exc
+    try:  # pinned per server address (trust on first use); every RoundInfo is checked against it
+        server_key = known_servers.for_key(opts.key_path).trust(opts.server, bytes(reg.server_public_key), say=say,
+                                                                legacy=legacy_pin_path(opts.key_path))
+    except known_servers.UntrustedServer as exc:
+        raise JoinError(str(exc)) from None
     say(f"contributor {cid} {'registered' if reg.created else 'already registered'} at {opts.server}")
     opts.workdir.mkdir(parents=True, exist_ok=True)
     train_ex, held_ex, desc = _examples(opts, cid, user_examples)
@@ -143,9 +145,12 @@ def join(opts: JoinOptions, *, say: Callable[[str], None] = print) -> list[dict]
         feedback = gym_train.ErrorFeedback(opts.workdir / f"error_feedback-{cid}.safetensors")
     summaries: list[dict] = []
     while len(summaries) < opts.rounds:
-        info = _wait_for_open_round(stub, cid, retry, say, opts)
-        model_dir = fetch_checkpoint(stub, info.base_sha256, info.base_size, opts.workdir, progress=opts.progress,
-                                     retry=lambda fn: retry(fn, "download"))
+        info = _wait_for_open_round(stub, cid, retry, say, opts, server_key=server_key)
+        try:  # the sha256 comes from the signed RoundInfo; the lineage's own signature is checked after unpacking
+            model_dir = fetch_checkpoint(stub, info.base_sha256, info.base_size, opts.workdir, progress=opts.progress,
+                                         retry=lambda fn: retry(fn, "download"), server_key=server_key)
+        except DownloadError as exc:
+            raise JoinError(f"round {info.round_id}: refusing the base checkpoint: {exc}") from None
         say(f"round {info.round_id}: training ({opts.method}) on base {info.base_sha256[:12]}")
         result = gym_train.train(model_dir, train_ex, config, base_sha256=info.base_sha256,
                                  eval_examples=held_ex, progress=opts.progress)
@@ -173,16 +178,29 @@ def join(opts: JoinOptions, *, say: Callable[[str], None] = print) -> list[dict]
         say(f"round {info.round_id}: submitted {len(payload)} bytes; local held-out loss "
             f"{summary['loss_before']:.4f} -> {summary['loss_after']:.4f}")
         if len(summaries) < opts.rounds or opts.wait_for_publish:
-            _wait_for_round_after(stub, info.round_id, retry, say, opts)
+            _wait_for_round_after(stub, info.round_id, retry, say, opts, server_key=server_key)
     channel.close()
     return summaries
 
 
-def _wait_for_open_round(stub, cid: str, retry, say, opts: JoinOptions):
+def _verified(info, server_key: bytes, opts: JoinOptions):
+    """`info` once the pinned server key's signature over it verifies; JoinError (one line) otherwise."""
+    from zoo_gym.client.known_servers import UntrustedServer
+    from zoo_gym.client.server_signatures import verify_round_info
+
+    try:
+        verify_round_info(info, server_key=server_key, address=opts.server)
+    except UntrustedServer as exc:
+        raise JoinError(str(exc)) from None
+    return info
+
+
+def _wait_for_open_round(stub, cid: str, retry, say, opts: JoinOptions, *, server_key: bytes):
     deadline = time.monotonic() + opts.max_wait
     announced = None
     while True:
         info = retry(lambda: stub.GetRound(gym_pb2.GetRoundRequest(contributor_id=cid), timeout=30), "get round")
+        _verified(info, server_key, opts)
         if info.state == gym_pb2.ROUND_STATE_HALTED:
             raise JoinError(f"the server halted: {info.message or 'no more rounds'}")
         if info.state == gym_pb2.ROUND_STATE_OPEN and not info.you_submitted:
@@ -196,10 +214,11 @@ def _wait_for_open_round(stub, cid: str, retry, say, opts: JoinOptions):
         time.sleep(1.0)
 
 
-def _wait_for_round_after(stub, round_id: int, retry, say, opts: JoinOptions) -> None:
+def _wait_for_round_after(stub, round_id: int, retry, say, opts: JoinOptions, *, server_key: bytes) -> None:
     deadline = time.monotonic() + opts.max_wait
     while True:
         info = retry(lambda: stub.GetRound(gym_pb2.GetRoundRequest(), timeout=30), "get round")
+        _verified(info, server_key, opts)
         if info.round_id > round_id or info.state == gym_pb2.ROUND_STATE_HALTED:
             if info.round_id > round_id:
                 say(f"round {round_id} published; round {info.round_id} is open")

@@ -1,7 +1,9 @@
 """`gym-client pull`: the federation's latest published checkpoint as a plain Hugging Face directory.
 
 The download is the join loop's own (resumable, sha256-verified before it is unpacked, cached under the
-work directory); the result is copied to OUT with a model card (README.md) built from the checkpoint's
+work directory), and checked the same way: the RoundInfo that names the checkpoint must carry the signature
+of the server key pinned for that address (`known_servers` in the work directory; trusted on first use),
+and the unpacked lineage manifest the same key's signature. The result is copied to OUT with a model card (README.md) built from the checkpoint's
 lineage manifest, so `AutoModelForCausalLM.from_pretrained(OUT)` loads it.
 """
 
@@ -12,7 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from zoo_gym.client.connection import open_stub, with_retries
-from zoo_gym.client.download import fetch_checkpoint
+from zoo_gym.client import known_servers
+from zoo_gym.client.download import DownloadError, fetch_checkpoint
+from zoo_gym.client.server_signatures import verify_round_info
 from zoo_gym.proto import archive, gym_pb2
 from zoo_gym.proto.model_card import write_model_card_from_dir
 
@@ -31,11 +35,18 @@ def pull(server: str, out: Path, *, workdir: Path, progress: bool = False, root_
     try:
         info = with_retries(lambda: stub.GetRound(gym_pb2.GetRoundRequest(), timeout=30), what="GetRound",
                             say=say)
+        known = known_servers.KnownServers(known_servers.default_path(Path(workdir)))
+        try:
+            server_key = known.trust(server, bytes(info.server_public_key), say=say)
+            verify_round_info(info, server_key=server_key, address=server)
+        except known_servers.UntrustedServer as exc:
+            raise DownloadError(str(exc)) from None
         if info.base_checkpoint_id < 1:
             raise PullError(f"round {info.round_id} still trains on the genesis checkpoint: nothing has been "
                             "published yet")
         model_dir = fetch_checkpoint(stub, info.base_sha256, info.base_size, Path(workdir), progress=progress,
-                                     retry=lambda call: with_retries(call, what="download", say=say))
+                                     retry=lambda call: with_retries(call, what="download", say=say),
+                                     server_key=server_key)
     finally:
         channel.close()
     out.mkdir(parents=True, exist_ok=True)

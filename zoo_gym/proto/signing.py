@@ -8,11 +8,28 @@ deltas) the base checkpoint, so that a signature taken from one request is worth
 
 Each field is validated first (no newlines, hex where hex is expected), so two different requests can
 never produce the same canonical bytes.
+
+The server signs with its own Ed25519 key, each kind of message under its own domain string (never the
+contributor one above), so a signature of one kind is worthless as another:
+
+    round_info_bytes  = b"zoo-gym/round-info/v1\n" + canonical JSON of RoundInfo's fields except
+                        you_submitted and signature (round_id, state, base_checkpoint_id, base_sha256,
+                        base_size, deadline_unix, accepted_codecs, limits, min_contributors, aggregator,
+                        dp_epsilon_spent, dp_delta, message, server_public_key; submissions too)
+    ledger_head_bytes = b"zoo-gym/ledger-head/v1\n" + canonical JSON of {entries, last_hash, signed_at_unix}
+    lineage_bytes     = b"zoo-gym/lineage/v1\n" + canonical JSON of a checkpoint's lineage manifest without
+                        its "server_signature"
+
+Canonical JSON: keys sorted, separators "," and ":", ASCII only; integers as JSON integers, floats as
+`float.hex()` strings (exact, and defined for inf and nan), bytes as lowercase hex, the codec list in
+its order (the lineage keeps its floats as JSON numbers: see lineage_bytes). A JSON object cannot be
+read two ways, so two different messages never share their bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from pathlib import Path
@@ -57,6 +74,58 @@ def canonical_bytes(
         raise SignatureError(f"nonce must be {NONCE_BYTES} bytes, got {len(nonce)}")
     fields = [method, contributor, str(round_id), payload_sha256, nonce.hex(), base_sha256]
     return DOMAIN + "\n".join(fields).encode()
+
+
+ROUND_INFO_DOMAIN = b"zoo-gym/round-info/v1\n"
+LEDGER_HEAD_DOMAIN = b"zoo-gym/ledger-head/v1\n"
+LINEAGE_DOMAIN = b"zoo-gym/lineage/v1\n"
+LINEAGE_SIGNATURE = "server_signature"  # the lineage manifest's key holding the server's signature (hex)
+
+
+def _canonical_json(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+def round_info_bytes(info) -> bytes:
+    """The exact bytes the server signs for a RoundInfo (any object with its fields; see the docstring).
+
+    you_submitted (it differs per asker) and signature are left out; everything else is covered."""
+    lim = info.limits
+    obj = {
+        "round_id": int(info.round_id), "state": int(info.state), "base_checkpoint_id": int(info.base_checkpoint_id),
+        "base_sha256": str(info.base_sha256), "base_size": int(info.base_size),
+        "deadline_unix": float(info.deadline_unix).hex(), "accepted_codecs": [str(c) for c in info.accepted_codecs],
+        "limits": {"max_payload_bytes": int(lim.max_payload_bytes), "max_chunk_bytes": int(lim.max_chunk_bytes),
+                   "download_chunk_bytes": int(lim.download_chunk_bytes),
+                   "max_delta_norm": float(lim.max_delta_norm).hex()},
+        "submissions": int(info.submissions), "min_contributors": int(info.min_contributors),
+        "message": str(info.message), "aggregator": str(info.aggregator),
+        "dp_epsilon_spent": float(info.dp_epsilon_spent).hex(), "dp_delta": float(info.dp_delta).hex(),
+        "server_public_key": bytes(info.server_public_key).hex(),
+    }
+    return ROUND_INFO_DOMAIN + _canonical_json(obj)
+
+
+def ledger_head_bytes(*, entries: int, last_hash: str, signed_at_unix: int) -> bytes:
+    """The exact bytes the server signs for its ledger head (entry count, last entry_hash, when)."""
+    if entries < 0 or signed_at_unix < 0:
+        raise SignatureError("a ledger head's entries and signed_at_unix must be >= 0")
+    if last_hash and not _HEX64.match(last_hash):
+        raise SignatureError("a ledger head's last_hash must be 64 lowercase hex characters or empty")
+    if bool(entries) != bool(last_hash):
+        raise SignatureError("a ledger head has a last_hash exactly when it has entries")
+    return LEDGER_HEAD_DOMAIN + _canonical_json(
+        {"entries": int(entries), "last_hash": last_hash, "signed_at_unix": int(signed_at_unix)})
+
+
+def lineage_bytes(lineage: dict) -> bytes:
+    """The exact bytes the server signs for a lineage manifest (the manifest without its signature).
+
+    Floats stay JSON numbers, which Python writes in their shortest exact form and reads back to the same
+    value (NaN and Infinity as Python's json spells them), so the manifest read back from its file gives
+    these bytes again."""
+    body = {k: v for k, v in lineage.items() if k != LINEAGE_SIGNATURE}
+    return LINEAGE_DOMAIN + json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
 def new_nonce() -> bytes:

@@ -32,6 +32,7 @@ from zoo_gym.server.faults import crash_point
 from zoo_gym.server.models import Checkpoint, Contributor, Round, RoundInputs, RoundState, Submission
 from zoo_gym.server.settlement import (aggregation_weights, current_reputations, plan_rewards, record_settlement,
                                       scoring_tap)
+from zoo_gym.server.signed_state import sign_lineage
 from zoo_gym.server.state import ServerState
 
 log = logging.getLogger("zoo_gym.server")
@@ -262,7 +263,7 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
         if master_blob is not None:
             lineage["master_sha256"] = master_blob.commit()  # float32 weights the published ones round
             lineage["master_dtype"] = "float32"
-        writer.finish(lineage)
+        writer.finish(sign_lineage(lineage, key=state.key))  # the archive's manifest carries the server's signature
         log.info("round %d phase=pack", rnd.id)
         sha = ckpt_blob.commit()
         size = state.blobs.size(sha)

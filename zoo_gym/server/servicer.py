@@ -17,10 +17,12 @@ from grpc_reflection.v1alpha import reflection
 from zoo_gym import codec
 from zoo_gym.proto import gym_pb2, gym_pb2_grpc
 from zoo_gym.server import handlers
+from zoo_gym.server.admission import Admission
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.errors import GymError, InvalidArgument
 from zoo_gym.server.models import RoundState
 from zoo_gym.server.rounds import RoundManager
+from zoo_gym.server.signed_state import ledger_head, sign_round_info
 from zoo_gym.server.state import ServerState
 from zoo_gym.server.streams import BoundedStream
 
@@ -74,11 +76,13 @@ class GymServicer(gym_pb2_grpc.GymServicer):
         self.config = config
         self.rounds = rounds
         self.uploads = handlers.UploadGate()
+        self.admission = Admission.from_config(config, server_public_key=state.public_key)
 
     @_guard
     def Register(self, request, context):
         cid, created = handlers.register(public_key=request.public_key, display_name=request.display_name,
-                                         nonce=request.nonce, signature=request.signature, state=self.state)
+                                         nonce=request.nonce, signature=request.signature, invite=request.invite,
+                                         peer=context.peer(), state=self.state, admission=self.admission)
         return gym_pb2.RegisterResponse(contributor_id=cid, created=created, server_public_key=self.state.public_key)
 
     @_guard
@@ -86,7 +90,7 @@ class GymServicer(gym_pb2_grpc.GymServicer):
         handlers.check_contributor_id(request.contributor_id, required=False)
         v = handlers.round_view(state=self.state, contributor_id=request.contributor_id)
         cfg = self.config
-        return gym_pb2.RoundInfo(
+        info = gym_pb2.RoundInfo(
             round_id=v.round.id, state=_STATES[v.round.state], base_checkpoint_id=v.round.id - 1,
             base_sha256=v.round.base_sha256, base_size=v.base_size, deadline_unix=v.round.deadline_unix,
             accepted_codecs=list(codec.CODECS), submissions=v.submissions, min_contributors=cfg.min_contributors,
@@ -96,6 +100,7 @@ class GymServicer(gym_pb2_grpc.GymServicer):
             limits=gym_pb2.Limits(max_payload_bytes=cfg.max_payload_bytes, max_chunk_bytes=cfg.max_chunk_bytes,
                                   download_chunk_bytes=cfg.download_chunk_bytes,
                                   max_delta_norm=float(cfg.soup.get("max_delta_norm") or 0.0)))
+        return sign_round_info(info, key=self.state.key)  # everything but you_submitted is signed
 
     @_guard_stream
     def DownloadCheckpoint(self, request, context):
@@ -144,6 +149,10 @@ class GymServicer(gym_pb2_grpc.GymServicer):
         for e in ledger_entries(self.state, contributor=request.contributor_id or None,
                                 since_seq=request.since_seq, limit=request.limit or None):
             yield gym_pb2.LedgerEntry(**e)
+
+    @_guard
+    def GetLedgerHead(self, request, context):
+        return ledger_head(self.state)
 
 
 def _chunks(request_iterator) -> Iterator[bytes]:
