@@ -39,10 +39,12 @@ def request_stream(header: gym_pb2.SubmitHeader, payload: bytes, *, chunk_bytes:
             bar.update(len(piece))
 
 
-def register_request(key: Ed25519PrivateKey, display_name: str) -> gym_pb2.RegisterRequest:
+def register_request(key: Ed25519PrivateKey, display_name: str, *, invite: str = "") -> gym_pb2.RegisterRequest:
+    """A signed RegisterRequest; the signature also covers `invite` (a `gym-server invite` token) when given."""
     public = signing.public_bytes(key)
     nonce = signing.new_nonce()
+    signed = display_name + "\n" + invite if invite else display_name
     message = signing.canonical_bytes(method="Register", contributor=signing.contributor_id(public), round_id=0,
-                                      payload_sha256=codec.sha256_hex(display_name.encode()), nonce=nonce)
+                                      payload_sha256=codec.sha256_hex(signed.encode()), nonce=nonce)
     return gym_pb2.RegisterRequest(public_key=public, display_name=display_name, nonce=nonce,
-                                   signature=signing.sign(key, message))
+                                   signature=signing.sign(key, message), invite=invite)

@@ -43,6 +43,13 @@ class ServerConfig:
     upload_min_bytes_per_s: int = field(default=64 * 1024, metadata={
         "help": "slowest accepted upload: the whole stream must finish within "
                 "upload_idle_timeout + payload_size / this rate"})
+    admission: str = field(default="open", metadata={
+        "help": "open: any new key may register (rate-limited); invite: a new key must spend a `gym-server invite`"})
+    register_rate_per_peer: float = field(default=10.0, metadata={
+        "help": "new contributors per minute one address (IPv6: one /64) may register, after its burst"})
+    register_burst_per_peer: int = field(default=20, metadata={"help": "new contributors one address may register at once"})
+    register_rate_global: float = field(default=120.0, metadata={"help": "new contributors per minute, all addresses"})
+    register_burst_global: int = field(default=200, metadata={"help": "new contributors at once, all addresses"})
     validation_file: str | None = field(default=None, metadata={"help": "held-out examples (alpaca/sharegpt)"})
     validation_examples: int = 128
     # DeltaSoup (zoo_gym.aggregation.SoupConfig) keys, validated there.
@@ -71,6 +78,14 @@ class ServerConfig:
             raise ConfigError("`upload_idle_timeout` must be > 0 seconds")
         if self.upload_min_bytes_per_s < 1:
             raise ConfigError("`upload_min_bytes_per_s` must be >= 1 byte per second")
+        if self.admission not in ("open", "invite"):
+            raise ConfigError(f"`admission` must be open or invite, got {self.admission!r}")
+        for name in ("register_rate_per_peer", "register_rate_global"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ConfigError(f"`{name}` must be > 0 new contributors per minute")
+        for name in ("register_burst_per_peer", "register_burst_global"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"`{name}` must be >= 1")
 
     @property
     def effective_quorum(self) -> int:

@@ -25,6 +25,7 @@ from sqlmodel import func, select
 
 from zoo_gym import codec
 from zoo_gym.proto import signing
+from zoo_gym.server.admission import Admission
 from zoo_gym.server.blobs import BlobError, map_file
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.errors import (
@@ -32,10 +33,19 @@ from zoo_gym.server.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     Unauthenticated,
 )
-from zoo_gym.server.models import Checkpoint, Contributor, Round, RoundState, Submission, UsedNonce
+from zoo_gym.server.models import (
+    Checkpoint,
+    Contributor,
+    Round,
+    RoundState,
+    SpentInvite,
+    Submission,
+    UsedNonce,
+)
 from zoo_gym.server.state import ServerState
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -45,32 +55,45 @@ FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 # ----------------------------------------------------------------------------------------------- register
 
-def register(*, public_key: bytes, display_name: str, nonce: bytes, signature: bytes,
-             state: ServerState) -> tuple[str, bool]:
-    """Register a key after checking its proof of possession. Returns (contributor_id, created)."""
+def register(*, public_key: bytes, display_name: str, nonce: bytes, signature: bytes, state: ServerState,
+             admission: Admission, peer: str = "", invite: str = "") -> tuple[str, bool]:
+    """Register a key after checking its proof of possession. Returns (contributor_id, created).
+
+    A key already registered gets its id back and nothing is written (no bucket token, no row). A new key
+    must pass `admission` (rate limits; in invite mode an unspent invitation, spent here with the row)."""
     if len(public_key) != 32:
         raise InvalidArgument(f"public_key must be a raw 32-byte Ed25519 key, got {len(public_key)} bytes")
     if len(display_name) > 64 or any(c in display_name for c in "\r\n\0"):
         raise InvalidArgument("display_name must be at most 64 characters on one line")
     cid = signing.contributor_id(public_key)
+    signed = display_name + "\n" + invite if invite else display_name
     try:
         message = signing.canonical_bytes(method="Register", contributor=cid, round_id=0,
-                                          payload_sha256=codec.sha256_hex(display_name.encode()), nonce=nonce)
+                                          payload_sha256=codec.sha256_hex(signed.encode()), nonce=nonce)
     except signing.SignatureError as exc:
         raise InvalidArgument(str(exc)) from exc
     try:
         signing.verify(public_key, signature, message)
     except signing.SignatureError as exc:
         raise Unauthenticated(f"proof of possession failed: {exc}") from exc
-    with state.write_lock, state.session() as s:
+    with state.session() as s:  # a known key: read only
         if s.get(UsedNonce, (cid, nonce.hex())) is not None:
             raise AlreadyExists("this nonce was already used: a replayed Register request is refused")
-        existing = s.get(Contributor, cid)
+        if s.get(Contributor, cid) is not None:
+            return cid, False
+    invite_id = admission.admit_new(peer=peer, invite=invite)
+    with state.write_lock, state.session() as s:
+        if s.get(Contributor, cid) is not None:  # registered meanwhile by a concurrent request
+            return cid, False
+        if invite_id is not None:
+            if s.get(SpentInvite, invite_id) is not None:
+                raise PermissionDenied("this invite was already used (each admits one key): ask the operator "
+                                       "for a new one")
+            s.add(SpentInvite(id=invite_id, contributor_id=cid))
         s.add(UsedNonce(contributor_id=cid, nonce=nonce.hex(), method="Register"))
-        if existing is None:
-            s.add(Contributor(id=cid, public_key=public_key.hex(), display_name=display_name))
+        s.add(Contributor(id=cid, public_key=public_key.hex(), display_name=display_name))
         s.commit()
-    return cid, existing is None
+    return cid, True
 
 
 # ----------------------------------------------------------------------------------------------- queries

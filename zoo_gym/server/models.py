@@ -40,6 +40,14 @@ class UsedNonce(SQLModel, table=True):
     used_at: datetime = Field(default_factory=utcnow)
 
 
+class SpentInvite(SQLModel, table=True):
+    """An invitation (`gym-server invite`) that admitted a key; each one admits one (zoo_gym/server/admission.py)."""
+
+    id: str = Field(primary_key=True, max_length=32)  # hex of the invitation's 16 random bytes
+    contributor_id: str = Field(max_length=32)
+    spent_at: datetime = Field(default_factory=utcnow)
+
+
 class Checkpoint(SQLModel, table=True):
     """A published base checkpoint: a deterministic tar of a Hugging Face directory in the blob store."""
 

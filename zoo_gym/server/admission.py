@@ -1,0 +1,172 @@
+"""Who may register: token buckets against Sybil bursts, and operator-signed single-use invitations.
+
+An identity is an Ed25519 key, free to make, so the server bounds how fast NEW identities appear:
+
+* One token bucket per peer address and one for the whole server (`register_rate_per_peer` /
+  `register_burst_per_peer`, `register_rate_global` / `register_burst_global`; rates per minute). A
+  bucket holds at most `burst` tokens and refills at `rate`; each new identity takes one token from
+  both. An empty bucket is RESOURCE_EXHAUSTED with the seconds until the next token. The peer is
+  `context.peer()` without its port; an IPv6 peer counts by its /64 prefix (one host is routinely given
+  a whole /64). Buckets live in memory: a restart refills them. At most `MAX_PEERS` peer buckets are
+  kept; the least recently used one is dropped past that (the global bucket still bounds the total).
+* A key that is already registered passes without touching either bucket, and writes nothing.
+* With `admission = "invite"` a new key must also spend an invitation the operator made with
+  `gym-server invite`: base64url (no padding) of 16 random bytes (the invitation's id) followed by the
+  server's Ed25519 signature over ``INVITE_DOMAIN + id``. Any holder of the server's key can make them
+  offline; the `SpentInvite` table records each spent id, in the transaction that registers the key,
+  so each one admits exactly one key.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import ipaddress
+import math
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from urllib.parse import unquote
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from zoo_gym.proto import signing
+from zoo_gym.server.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+
+ADMISSION_MODES = ("open", "invite")
+INVITE_DOMAIN = b"zoo-gym/invite/v1\n"  # never a prefix of another signed kind (see zoo_gym/proto/signing.py)
+INVITE_ID_BYTES = 16
+INVITE_CHARS = math.ceil((INVITE_ID_BYTES + 64) * 4 / 3)  # base64url of id + signature, unpadded: 107
+MAX_PEERS = 65536
+
+
+class TokenBucket:
+    """`burst` tokens at most, refilled at `per_minute` tokens a minute; times are monotonic seconds."""
+
+    def __init__(self, *, per_minute: float, burst: int, now: float) -> None:
+        self.rate = per_minute / 60.0  # tokens per second
+        self.burst = burst
+        self.tokens = float(burst)
+        self.stamp = now
+
+    def wait(self, now: float) -> float:
+        """Seconds until a token is available (0.0: one is)."""
+        self.tokens = min(float(self.burst), self.tokens + max(0.0, now - self.stamp) * self.rate)
+        self.stamp = now
+        return 0.0 if self.tokens >= 1.0 else (1.0 - self.tokens) / self.rate
+
+    def take(self) -> None:
+        self.tokens -= 1.0
+
+
+def peer_address(peer: str) -> str:
+    """The part of a gRPC peer string that identifies the host: "ipv4:1.2.3.4:5678" -> "1.2.3.4",
+    "ipv6:[2001:db8::1]:5678" -> "2001:db8::/64"; anything else (a unix socket) whole, without a port."""
+    kind, _, rest = unquote(peer or "").partition(":")
+    host = rest.rpartition(":")[0].strip("[]") if kind in ("ipv4", "ipv6") else rest
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return f"{kind}:{host}"
+    if ip.version == 6 and ip.ipv4_mapped is None:
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip.ipv4_mapped or ip) if ip.version == 6 else str(ip)
+
+
+class RegistrationLimiter:
+    """Token buckets for new identities: one per peer address, one global. Thread-safe."""
+
+    def __init__(self, *, per_peer_per_minute: float, per_peer_burst: int, global_per_minute: float,
+                 global_burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._per_peer = (per_peer_per_minute, per_peer_burst)
+        self._global = TokenBucket(per_minute=global_per_minute, burst=global_burst, now=clock())
+        self._peers: OrderedDict[str, TokenBucket] = OrderedDict()
+
+    def admit(self, peer: str) -> None:
+        """Take one token from `peer`'s bucket and the global one, or raise ResourceExhausted naming the wait."""
+        who = peer_address(peer)
+        with self._lock:
+            now = self._clock()
+            bucket = self._peers.pop(who, None)
+            if bucket is None:
+                rate, burst = self._per_peer
+                bucket = TokenBucket(per_minute=rate, burst=burst, now=now)
+            self._peers[who] = bucket  # most recently used last
+            while len(self._peers) > MAX_PEERS:
+                self._peers.popitem(last=False)
+            peer_wait, global_wait = bucket.wait(now), self._global.wait(now)
+            if peer_wait > 0 or global_wait > 0:
+                where = f"from {who}" if peer_wait >= global_wait else "on this server"
+                seconds = math.ceil(max(peer_wait, global_wait))
+                raise ResourceExhausted(f"too many new contributors registered {where} recently: try again in "
+                                        f"{seconds} s (an already registered key is never limited)")
+            bucket.take()
+            self._global.take()
+
+
+# ----------------------------------------------------------------------------------------------- invites
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def make_invites(key: Ed25519PrivateKey, *, count: int) -> list[str]:
+    """`count` fresh single-use invitations signed with the server's key."""
+    tokens = []
+    for _ in range(count):
+        invite_id = os.urandom(INVITE_ID_BYTES)
+        tokens.append(_b64(invite_id + signing.sign(key, INVITE_DOMAIN + invite_id)))
+    return tokens
+
+
+def invite_id(token: str, *, server_public_key: bytes) -> str:
+    """The hex id of a genuine invitation of this server; PermissionDenied for anything else."""
+    if len(token) > 4 * INVITE_CHARS:
+        raise InvalidArgument(f"invite is {len(token)} characters; a `gym-server invite` token has {INVITE_CHARS}")
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+    except (binascii.Error, ValueError):
+        raw = b""
+    ident, signature = raw[:INVITE_ID_BYTES], raw[INVITE_ID_BYTES:]
+    try:
+        if len(raw) != INVITE_ID_BYTES + 64:
+            raise signing.SignatureError("wrong length")
+        signing.verify(server_public_key, signature, INVITE_DOMAIN + ident)
+    except signing.SignatureError:
+        raise PermissionDenied("this invite is not one this server's operator signed (mistyped, or for another "
+                               "server?); ask the operator for an invite (`gym-server invite`)") from None
+    return ident.hex()
+
+
+class Admission:
+    """The server's admission policy: the configured mode, the registration buckets, the server key."""
+
+    def __init__(self, *, mode: str, limiter: RegistrationLimiter, server_public_key: bytes) -> None:
+        if mode not in ADMISSION_MODES:
+            raise ValueError(f"`admission` must be one of {', '.join(ADMISSION_MODES)}, got {mode!r}")
+        self.mode = mode
+        self.limiter = limiter
+        self.server_public_key = server_public_key
+
+    @classmethod
+    def from_config(cls, config, *, server_public_key: bytes) -> Admission:
+        limiter = RegistrationLimiter(per_peer_per_minute=config.register_rate_per_peer,
+                                      per_peer_burst=config.register_burst_per_peer,
+                                      global_per_minute=config.register_rate_global,
+                                      global_burst=config.register_burst_global)
+        return cls(mode=config.admission, limiter=limiter, server_public_key=server_public_key)
+
+    def admit_new(self, *, peer: str, invite: str) -> str | None:
+        """Check a NEW key may register: the buckets first, then (invite mode) the invitation's signature.
+        Returns the invitation id to spend with the registration (None in open mode)."""
+        self.limiter.admit(peer)
+        if self.mode == "open":
+            return None
+        if not invite:
+            raise PermissionDenied("this server admits new contributors by invitation only: ask the operator for "
+                                   "an invite (`gym-server invite`) and join with --invite TOKEN")
+        return invite_id(invite, server_public_key=self.server_public_key)
