@@ -155,10 +155,10 @@ def test_gym_server_invite_tokens_admit_gym_client_join(federation_with, tmp_pat
     assert len(tokens) == 2 and len(set(tokens)) == 2
 
     server = f"127.0.0.1:{fed.port}"
-    args = ["join", "--server", server, "--insecure", "--workdir", str(tmp_path / "w"), "--max-steps", "1",
-            "--no-wait", "--quiet", "--threads", "1"]
+    args = ["join", "--server", server, "--insecure", "--workdir", str(tmp_path / "w"), "--max-steps", "2",
+            "--warmup-steps", "0", "--no-wait", "--quiet", "--threads", "1"]
     refused = CliRunner().invoke(client_app, [*args, "--key", str(tmp_path / "mallory.pem")])
-    assert refused.exit_code == 1 and "ask the operator for an invite" in refused.output
+    assert refused.exit_code == 1 and "ask the operator for an invite" in refused.output, refused.output
 
     joined = CliRunner().invoke(client_app, [*args, "--key", str(tmp_path / "alice.pem"), "--invite", tokens[0]])
     assert joined.exit_code == 0, joined.output

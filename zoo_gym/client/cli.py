@@ -72,6 +72,8 @@ def join(
     shard: Optional[int] = typer.Option(None, help="Built-in data shard (default: picked from your key)."),
     n_shards: int = typer.Option(64, help="Number of built-in data shards."),
     name: str = typer.Option("", help="Display name shown to the operator."),
+    invite: str = typer.Option("", "--invite", help="Invitation token from the operator (`gym-server invite`), "
+                                                   "for a server that admits new contributors by invitation."),
     threads: Optional[int] = typer.Option(None, help="CPU threads for training \\[default: torch's]."),
     no_wait: bool = typer.Option(False, "--no-wait", help="Exit right after the last upload."),
     as_json: bool = typer.Option(False, "--json", help="Print the per-round summaries as JSON on stdout."),
@@ -114,7 +116,8 @@ def join(
                        data=data, method=method, codec=codec, group_size=(None if group_size == 0 else group_size),
                        train_overrides=train_overrides, shard=shard, n_shards=n_shards, display_name=name,
                        wait_for_publish=not no_wait, progress=not quiet and sys.stderr.isatty(),
-                       root_certificates=str(root_certificates) if root_certificates else None, insecure=insecure)
+                       root_certificates=str(root_certificates) if root_certificates else None, insecure=insecure,
+                       invite=invite.strip())
     try:
         summaries = run_join(opts, say=_say)
     except (JoinError, ServerUnreachable, SignatureError) as exc:

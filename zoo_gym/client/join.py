@@ -49,6 +49,7 @@ class JoinOptions:
     train_overrides: dict = field(default_factory=dict)  # TrainConfig keywords (gym-client join's training flags)
     root_certificates: str | None = None  # PEM the server's certificate must chain to (None: system trust store)
     insecure: bool = False  # plaintext: only when asked for explicitly
+    invite: str = ""  # `gym-server invite` token, for a server that admits new keys by invitation
 
 
 def _held_count(n: int) -> int:
@@ -123,7 +124,8 @@ def join(opts: JoinOptions, *, say: Callable[[str], None] = print) -> list[dict]
     channel, stub = open_stub(opts.server, root_certificates=opts.root_certificates, insecure=opts.insecure)
     retry = lambda fn, what: with_retries(fn, what=what, say=say, max_wait=opts.max_wait)  # noqa: E731
     try:
-        reg = retry(lambda: stub.Register(register_request(key, opts.display_name or "contributor"), timeout=30),
+        reg = retry(lambda: stub.Register(register_request(key, opts.display_name or "contributor",
+                                                         invite=opts.invite), timeout=30),
                     "register")
     except grpc.RpcError as exc:
         raise JoinError(f"registration refused: {exc.details()}") from exc

@@ -106,6 +106,12 @@ def serve(
     reward_pool: Optional[int] = typer.Option(None, help="Integer reward units split each round."),
     upload_idle_timeout: Optional[float] = typer.Option(None, help="Seconds an upload may send nothing before "
                                                                    "it is dropped \\[default: 60]."),
+    header_timeout: Optional[float] = typer.Option(None, help="Seconds an upload stream may take to send its signed "
+                                                              "header before it is dropped \\[default: 10]."),
+    max_uploads: Optional[int] = typer.Option(None, help="Uploads in progress at once; past it RESOURCE_EXHAUSTED "
+                                                         "(\"server busy\", the client retries) \\[default: 32]."),
+    max_pending_headers: Optional[int] = typer.Option(None, help="Upload streams at once that have not yet sent a "
+                                                                 "verified header \\[default: 8; 4 per address]."),
     validation_data: Optional[Path] = typer.Option(
         None, "--validation-data", help=VALIDATION_HELP + " \\[default: the file given to `init`, else the built-in "
         "task's validation set]."),
@@ -114,14 +120,30 @@ def serve(
     ssl_ca_certfile: Optional[Path] = typer.Option(None, help="PEM CA certificate sent with the chain."),
     insecure: bool = typer.Option(False, "--insecure", help="Serve plaintext gRPC instead of TLS (only on a "
                                                             "network you trust; clients need --insecure too)."),
+    admission: Optional[str] = typer.Option(None, "--admission", help="open: any new key may register "
+                                            "(rate-limited); invite: a new key must spend a token from `gym-server "
+                                            "invite` \\[default: open]."),
+    register_rate_per_peer: Optional[float] = typer.Option(None, help="New contributors per minute from one address "
+                                                                      "(IPv6: one /64), after the burst \\[default: 10]."),
+    register_burst_per_peer: Optional[int] = typer.Option(None, help="New contributors one address may register at "
+                                                                     "once \\[default: 20]."),
+    register_rate_global: Optional[float] = typer.Option(None, help="New contributors per minute from all addresses "
+                                                                    "\\[default: 120]."),
+    register_burst_global: Optional[int] = typer.Option(None, help="New contributors at once from all addresses "
+                                                                   "\\[default: 200]."),
     config: Optional[Path] = typer.Option(None, "--config", help="TOML or YAML settings; flags win over it."),
     db: Optional[str] = typer.Option(None, help="SQLAlchemy URL overriding the one chosen at init."),
     port_file: Optional[Path] = typer.Option(None, help="Write the bound port here once serving (for scripts)."),
     log_level: str = typer.Option("INFO", help="DEBUG, INFO, WARNING or ERROR."),
+    log_format: str = typer.Option("text", help="text, or json (one object a line, with the event's fields)."),
+    dashboard_port: int = typer.Option(0, help="Serve the read-only web dashboard, its JSON API and /metrics on "
+                                               "this port of the same host (over TLS when serving TLS); 0 = off."),
 ) -> None:
     """Serve the federation's gRPC API (plus gRPC health and reflection); resumes an existing state."""
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with _one_line_errors():
+        from zoo_gym.server.logging_setup import configure_logging
+
+        configure_logging(level=log_level, fmt=log_format)
     with _one_line_errors():
         file_values = read_config_file(config) if config else {}
         cfg = build_config(file_values, host=host, port=port, min_contributors=min_contributors, quorum=quorum,
@@ -129,10 +151,15 @@ def serve(
                            trim_beta=trim_beta, dp_noise_multiplier=dp_noise_multiplier, dp_clip=dp_clip,
                            dp_target_epsilon=dp_target_epsilon, reward_pool=reward_pool,
                            max_norm_ratio=max_norm_ratio, upload_idle_timeout=upload_idle_timeout,
+                           header_timeout=header_timeout, max_uploads=max_uploads,
+                           max_pending_headers=max_pending_headers,
                            ssl_certfile=str(ssl_certfile) if ssl_certfile else None,
                            ssl_keyfile=str(ssl_keyfile) if ssl_keyfile else None,
                            ssl_ca_certfile=str(ssl_ca_certfile) if ssl_ca_certfile else None,
-                           insecure=insecure or None,
+                           insecure=insecure or None, admission=admission,
+                           register_rate_per_peer=register_rate_per_peer,
+                           register_burst_per_peer=register_burst_per_peer,
+                           register_rate_global=register_rate_global, register_burst_global=register_burst_global,
                            validation_file=str(validation_data) if validation_data is not None else None)
         if cfg.validation_file is not None:
             from zoo_gym.gym_train.formats import load_examples
@@ -158,6 +185,14 @@ def serve(
         from zoo_gym.server.servicer import build_server
 
         server, bound, rounds = build_server(state, cfg)  # refuses a port another process listens on
+        dashboard = None
+        if dashboard_port:
+            from zoo_gym.dashboard import DashboardServer, create_app
+
+            dashboard = DashboardServer(create_app(state, registry=rounds.metrics.registry,
+                                                   dp_target_epsilon=cfg.soup.get("dp_target_epsilon")),
+                                        host=cfg.host, port=dashboard_port, ssl_certfile=cfg.ssl_certfile,
+                                        ssl_keyfile=cfg.ssl_keyfile)
     from zoo_gym.aggregation.packed_kernels import warm_up
 
     warm_up()  # compile or load the BitDelta distance / mean kernels now, not in the first round
@@ -167,11 +202,16 @@ def serve(
         with _one_line_errors():
             port_file.write_text(f"{bound}\n")
     typer.echo(f"gym-server listening on {cfg.host}:{bound} (state {state_dir})", err=True)
+    if dashboard is not None:
+        dashboard.start()
+        typer.echo(f"dashboard at {dashboard.url} (metrics at {dashboard.url}metrics)", err=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
     typer.echo("gym-server stopping", err=True)
+    if dashboard is not None:
+        dashboard.stop()
     server.stop(grace=5).wait()
     rounds.stop()
     state.lock.release()
@@ -191,6 +231,47 @@ def tls_cert(
     with _one_line_errors():
         made = make_certificates(out, hosts=tuple(host), days=days)
     typer.echo(f"wrote {made.ca} (give it to contributors), {made.cert} and {made.key} (keep it secret)")
+
+
+@app.command()
+def invite(
+    state_dir: Path = StateDir,
+    count: int = typer.Option(1, "--count", min=1, max=10000, help="How many invitations to make."),
+    as_json: bool = typer.Option(False, "--json", help='Print {"invites": [...]} instead of one token a line.'),
+) -> None:
+    """Print single-use invitations signed with the server's key, for a server run with --admission invite.
+    Each admits one new contributor key (`gym-client join --invite TOKEN`); keep them secret until handed out."""
+    from zoo_gym.server.admission import make_invites
+
+    with _one_line_errors():
+        tokens = make_invites(open_state(state_dir).key, count=count)
+    typer.echo(json.dumps({"invites": tokens}) if as_json else "\n".join(tokens))
+
+
+@app.command()
+def migrate(
+    state_dir: Path = StateDir,
+    dry_run: bool = typer.Option(False, "--dry-run", help="List the pending migrations; change nothing."),
+    db: Optional[str] = typer.Option(None, help="SQLAlchemy URL overriding the one chosen at init."),
+) -> None:
+    """Upgrade the database of a state directory made by an older zoo-gym (every other command refuses it until
+    then): copies a SQLite file to server.db.<old revision>.bak, then applies the pending schema migrations in one
+    transaction. Stop the server first; back up a PostgreSQL database with pg_dump."""
+    from zoo_gym.server.state import migrate_state
+
+    with _one_line_errors():
+        report = migrate_state(state_dir, db_url=db, dry_run=dry_run)
+    if not report.pending:
+        typer.echo(f"nothing to migrate: the database is at revision {report.head}, the newest")
+        return
+    typer.echo(f"the database is at revision {report.current}; {len(report.pending)} migration(s) "
+               f"{'pending' if dry_run else 'to apply'}:")
+    for step in report.pending:
+        typer.echo(f"  {step.revision}  {step.message}")
+    if report.backup is not None:
+        typer.echo(f"backed up the database to {report.backup}")
+    if report.applied:
+        typer.echo(f"migrated {state_dir} to revision {report.head}")
 
 
 @app.command()
