@@ -19,6 +19,7 @@ from sqlmodel import select
 
 from zoo_gym.server import handlers
 from zoo_gym.server.config import ServerConfig
+from zoo_gym.server.metrics import ServerMetrics
 from zoo_gym.server.models import Round, RoundState, Submission
 from zoo_gym.server.publish import publish_round, record_round_inputs
 from zoo_gym.server.state import ServerState
@@ -35,15 +36,19 @@ class RoundManager:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="round-manager", daemon=True)
+        self.metrics = ServerMetrics(state)  # this server's registry: RPCs (interceptor), phases, state gauges
+        self._phase_timer = self.metrics.phase_timer(self._thread)
 
     def start(self) -> None:
         self._ensure_deadline()
+        logging.getLogger("zoo_gym.server").addHandler(self._phase_timer)
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        logging.getLogger("zoo_gym.server").removeHandler(self._phase_timer)
 
     def notify(self) -> None:
         """Called after every accepted submission."""
@@ -58,6 +63,9 @@ class RoundManager:
                 rnd.deadline_unix = time.time() + self.config.round_timeout
                 s.add(rnd)
                 s.commit()
+                log.info("round %d open on base %s until %s", rnd.id, rnd.base_sha256[:12],
+                         time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(rnd.deadline_unix)),
+                         extra={"event": "round", "round": rnd.id, "state": "open"})
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -90,10 +98,15 @@ class RoundManager:
                                            .order_by(Submission.id)))
                 record_round_inputs(self.state, self.config, rnd.id, contributors, s)  # same transaction
                 s.commit()
-            log.info("round %d closed with %d submissions; aggregating", rnd.id, n)
+            log.info("round %d closed with %d submissions; aggregating", rnd.id, n,
+                     extra={"event": "round", "round": rnd.id, "state": "aggregating", "submissions": n})
         with self.state.session() as s:
             subs = list(s.exec(select(Submission).where(Submission.round_id == rnd.id).order_by(Submission.id)))
         started = time.perf_counter()
         outcome = publish_round(self.state, self.config, rnd, subs)
-        log.info("round %d: %s in %.2f s", rnd.id, outcome, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        if outcome.startswith("published"):
+            self.metrics.publish.observe(seconds)
+        log.info("round %d: %s in %.2f s", rnd.id, outcome, seconds,
+                 extra={"event": "round", "round": rnd.id, "state": outcome.split(" ")[0].lower(), "seconds": seconds})
         self._ensure_deadline()

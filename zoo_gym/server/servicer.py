@@ -204,7 +204,8 @@ def build_server(state: ServerState, config: ServerConfig) -> tuple[grpc.Server,
         # One server per port: without this a second server binds the same port and takes half the clients.
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers), options=options)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers), options=options,
+                         interceptors=[rounds.metrics.interceptor])  # metrics and the RPC log lines
     gym_pb2_grpc.add_GymServicer_to_server(GymServicer(state, config, rounds), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

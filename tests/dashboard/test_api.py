@@ -1,0 +1,113 @@
+"""The dashboard's JSON API and pages show the real round: verdicts with reasons, the loss, the leaderboard,
+the verified ledger, the lineage and a contributor's own page; nothing secret is on them."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlmodel import select
+
+from zoo_gym.dashboard import create_app
+from zoo_gym.rewards.ledger import LedgerEntry
+from zoo_gym.server.models import Checkpoint, Contributor, UsedNonce
+
+
+@pytest.fixture(scope="module")
+def web(one_round):
+    return TestClient(create_app(one_round["fed"].state, registry=one_round["fed"].rounds.metrics.registry,
+                                 dp_target_epsilon=8.0))
+
+
+def test_rounds_api_has_verdicts_and_reasons(one_round, web):
+    rounds = web.get("/api/rounds").json()
+    assert [r["id"] for r in rounds] == [2, 1]
+    r1 = rounds[1]
+    assert (r1["state"], r1["submissions"], r1["accepted"], r1["refused"]) == ("published", 3, 2, 1)
+    refused_cid = one_round["people"][2][1]
+    assert r1["refusals"][0]["contributor"] == refused_cid and "max_norm_ratio" in r1["refusals"][0]["reason"]
+    assert r1["aggregator"] == "mean" and r1["seconds_to_publish"] >= 0 and r1["deadline_unix"] > 0
+    assert rounds[0]["state"] == "open" and rounds[0]["accepted"] is None
+    assert web.get("/api/rounds", params={"before": 2}).json()[0]["id"] == 1
+    assert web.get("/api/rounds", params={"limit": 0}).status_code == 422
+
+
+def test_loss_leaderboard_ledger_lineage(one_round, web):
+    state = one_round["fed"].state
+    with state.session() as s:
+        ckpts = {c.round_id: c for c in s.exec(select(Checkpoint))}
+        entries = list(s.exec(select(LedgerEntry)))
+    assert web.get("/api/loss").json() == [{"round": r, "heldout_loss": ckpts[r].heldout_loss} for r in (0, 1)]
+    assert web.get("/api/privacy").json() == {"target": 8.0, "rounds": []}
+    board = web.get("/api/leaderboard").json()
+    assert sorted(b["contributor_id"] for b in board) == sorted(cid for _, cid in one_round["people"])
+    for b in board:
+        mine = [e for e in entries if e.contributor == b["contributor_id"]]
+        assert b["balance"] == sum(e.amount for e in mine) and b["rounds"] == 1 and b["display_name"] == "test"
+        assert b["reputation"] == pytest.approx(mine[-1].reputation_after)
+    ledger = web.get("/api/ledger").json()
+    assert ledger["verification"]["ok"] and ledger["verification"]["checked"] == len(entries) == 3
+    assert [e["seq"] for e in ledger["entries"]] == [3, 2, 1]
+    lineage = web.get("/api/checkpoints").json()
+    assert [(c["round"], c["parent_sha256"]) for c in lineage] == [(1, ckpts[0].sha256), (0, None)]
+    summary = web.get("/api/summary").json()
+    assert (summary["current_round"], summary["rounds_published"], summary["contributors"]) == (2, 1, 3)
+
+
+def test_ledger_tampering_shows_broken(one_round, tmp_path):
+    """The same verification as `gym-server ledger verify`: an edited amount is named, not hidden by a cache."""
+    state = one_round["fed"].state
+    web = TestClient(create_app(state))
+    assert web.get("/api/ledger").json()["verification"]["ok"]
+    with state.session() as s:
+        e = s.get(LedgerEntry, 2)
+        e.amount += 5
+        s.add(e)
+        s.commit()
+    try:
+        report = web.get("/api/ledger").json()["verification"]
+        assert not report["ok"] and report["first_bad_seq"] == 2
+        assert "BROKEN at entry 2" in web.get("/").text
+    finally:
+        with state.session() as s:
+            e = s.get(LedgerEntry, 2)
+            e.amount -= 5
+            s.add(e)
+            s.commit()
+    assert web.get("/api/ledger").json()["verification"]["ok"]
+
+
+def test_contributor_page_and_api(one_round, web):
+    cid = one_round["people"][2][1]
+    me = web.get(f"/api/contributors/{cid}").json()
+    assert me["submissions"][0]["round"] == 1 and me["submissions"][0]["accepted"] is False
+    assert "max_norm_ratio" in me["refusals"][0]["refusal"]
+    assert [e["kind"] for e in me["ledger"]] == ["refusal"]
+    page = web.get(f"/contributors/{cid}")
+    assert page.status_code == 200 and "refused" in page.text and "max_norm_ratio" in page.text
+    assert web.get("/api/contributors/" + "0" * 32).status_code == 404
+    assert web.get("/api/contributors/not-an-id").status_code == 404
+
+
+def test_pages_show_nothing_secret(one_round, web):
+    state = one_round["fed"].state
+    from cryptography.hazmat.primitives import serialization
+
+    private = state.key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                      serialization.NoEncryption()).hex()
+    with state.session() as s:
+        keys = [c.public_key for c in s.exec(select(Contributor))]
+        nonces = [n.nonce for n in s.exec(select(UsedNonce))]
+        signatures = [e.signature for e in s.exec(select(LedgerEntry))]
+    cid = one_round["people"][0][1]
+    texts = [web.get(p).text for p in ("/", f"/contributors/{cid}", "/api/rounds", "/api/ledger",
+                                       "/api/leaderboard", f"/api/contributors/{cid}", "/api/checkpoints")]
+    for secret in [private, *keys, *nonces, *signatures]:
+        assert all(secret not in t for t in texts)
+
+
+def test_page_shows_the_round_and_refreshes_while_open(one_round, web):
+    page = web.get("/").text
+    assert 'http-equiv="refresh"' in page  # round 2 is open
+    assert 'id="loss-chart"' in page and 'data-round="1"' in page
+    assert 'href="/static/style.css"' in page and "http://" not in page.split("<body>")[0]  # no CDN
+    assert web.get("/static/style.css").status_code == 200

@@ -1,0 +1,108 @@
+"""The read-only web dashboard: server-rendered pages, the JSON API they are drawn from, and /metrics.
+
+FastAPI with Jinja2 templates and inline SVG charts drawn in Python (charts.py): every asset is ours,
+nothing loads from a CDN, and the pages work without JavaScript. The page refreshes itself (a meta
+refresh) while a round is open or aggregating.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
+from fastapi.templating import Jinja2Templates
+
+from zoo_gym.dashboard import queries
+from zoo_gym.dashboard.charts import line_chart
+
+HERE = Path(__file__).parent
+_CID = re.compile(r"^[0-9a-f]{32}$")
+
+
+def create_app(state, *, registry=None, dp_target_epsilon: float | None = None, refresh_seconds: int = 5) -> FastAPI:
+    """The dashboard over `state` (a ServerState; only read); /metrics serves `registry` when given."""
+    app = FastAPI(title="Zoo Gym federation", docs_url="/api/docs", redoc_url=None, openapi_url="/api/openapi.json")
+    templates = Jinja2Templates(directory=HERE / "templates")
+    templates.env.filters["short"] = lambda s, n=12: (s or "")[:n]
+    templates.env.filters["when"] = lambda t: time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t)) if t else "-"
+    templates.env.filters["num"] = lambda x, fmt="{:.4f}": "-" if x is None else fmt.format(x)
+    app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
+    if registry is not None:
+        from prometheus_client import make_asgi_app
+
+        app.mount("/metrics", make_asgi_app(registry=registry))
+    check = queries.LedgerCheck(state)
+
+    def known(contributor_id: str) -> dict:
+        if not _CID.match(contributor_id):
+            raise HTTPException(404, "a contributor id is 32 lowercase hex characters")
+        found = queries.contributor(state, contributor_id)
+        if found is None:
+            raise HTTPException(404, f"no contributor {contributor_id} is registered")
+        return found
+
+    @app.get("/api/summary")
+    def api_summary() -> dict:
+        """Current round, its submissions, rounds published, epsilon spent and its target, last loss."""
+        return {**queries.summary(state), "dp_target_epsilon": dp_target_epsilon}
+
+    @app.get("/api/rounds")
+    def api_rounds(limit: int = Query(50, ge=1, le=1000), before: int | None = None) -> list[dict]:
+        """Rounds, newest first: state, deadline, submissions, accepted/refused with reasons, times."""
+        return queries.rounds(state, limit=limit, before=before)
+
+    @app.get("/api/loss")
+    def api_loss() -> list[dict]:
+        """Held-out loss of every published checkpoint, by round."""
+        return queries.loss_series(state)
+
+    @app.get("/api/privacy")
+    def api_privacy() -> dict:
+        """Epsilon spent after each DP round, and the target (--dp-target-epsilon)."""
+        return {"target": dp_target_epsilon, "rounds": queries.privacy_series(state)}
+
+    @app.get("/api/leaderboard")
+    def api_leaderboard(limit: int = Query(100, ge=1, le=10_000)) -> list[dict]:
+        """Contributors by balance: display name, balance, reputation, rounds contributed."""
+        return queries.leaderboard(state, limit=limit)
+
+    @app.get("/api/ledger")
+    def api_ledger(limit: int = Query(50, ge=1, le=10_000)) -> dict:
+        """The newest ledger entries and the verification of the whole chain (as `ledger verify`)."""
+        return {"verification": check.report(), "entries": queries.ledger(state, limit=limit)}
+
+    @app.get("/api/checkpoints")
+    def api_checkpoints(limit: int = Query(50, ge=1, le=10_000)) -> list[dict]:
+        """The lineage of published checkpoints, newest first."""
+        return queries.checkpoints(state, limit=limit)
+
+    @app.get("/api/contributors/{contributor_id}")
+    def api_contributor(contributor_id: str) -> dict:
+        """One contributor: submissions, scores, payments and refusals."""
+        return known(contributor_id)
+
+    @app.get("/", response_class=HTMLResponse)
+    def index(request: Request):
+        summary = {**queries.summary(state), "dp_target_epsilon": dp_target_epsilon}
+        loss = [(p["round"], p["heldout_loss"]) for p in queries.loss_series(state) if p["heldout_loss"] is not None]
+        eps = [(p["round"], p["epsilon_total"]) for p in queries.privacy_series(state)]
+        return templates.TemplateResponse(request, "index.html", {
+            "summary": summary, "rounds": queries.rounds(state, limit=50),
+            "loss_chart": line_chart(loss, chart_id="loss-chart", title="Held-out loss per round",
+                                     y_label="held-out loss"),
+            "privacy_chart": line_chart(eps, chart_id="privacy-chart", title="Privacy budget spent",
+                                        y_label="epsilon spent", limit=dp_target_epsilon,
+                                        limit_label=f"target {dp_target_epsilon}" if dp_target_epsilon else ""),
+            "leaderboard": queries.leaderboard(state, limit=50), "ledger": queries.ledger(state, limit=20),
+            "verification": check.report(), "checkpoints": queries.checkpoints(state, limit=20),
+            "refresh": refresh_seconds if summary["current_state"] in ("open", "aggregating") else None})
+
+    @app.get("/contributors/{contributor_id}", response_class=HTMLResponse)
+    def contributor_page(request: Request, contributor_id: str):
+        return templates.TemplateResponse(request, "contributor.html", {"c": known(contributor_id)})
+
+    return app

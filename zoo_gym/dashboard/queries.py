@@ -1,0 +1,207 @@
+"""Read-only queries behind the dashboard, its JSON API and the metrics collector.
+
+Everything returned is public: ids, names, counts, scores, hashes and times; never a key, a nonce, a
+signature secret or a submission's payload. Each function opens its own session and only reads.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import distinct
+from sqlmodel import func, select
+
+from zoo_gym.rewards.ledger import LedgerEntry
+from zoo_gym.rewards.reputation import Reputation
+from zoo_gym.server.models import Checkpoint, Contributor, Round, RoundState, Submission
+
+INITIAL_REPUTATION = 0.1  # zoo_gym.rewards.reputation.ReputationConfig.initial: a new identity's value
+
+
+def _iso(when: datetime | None) -> str | None:
+    if when is None:
+        return None
+    if when.tzinfo is None:  # SQLite hands back naive UTC
+        when = when.replace(tzinfo=timezone.utc)
+    return when.isoformat(timespec="seconds")
+
+
+def _seconds(start: datetime | None, end: datetime | None) -> float | None:
+    if start is None or end is None:
+        return None
+    start, end = (t.replace(tzinfo=None) if t.tzinfo else t for t in (start, end))
+    return round((end - start).total_seconds(), 3)
+
+
+def summary(state) -> dict[str, Any]:
+    """The headline numbers (also the metrics collector's): a few indexed queries."""
+    with state.session() as s:
+        current = state.current_round(s)
+        published = s.exec(select(func.count()).select_from(Round).where(Round.state == RoundState.PUBLISHED)).one()
+        subs = s.exec(select(func.count()).select_from(Submission).where(Submission.round_id == current.id)
+                      ).one() if current else 0
+        eps = s.exec(select(Round.dp_epsilon_total).where(Round.dp_epsilon_total.is_not(None))
+                     .order_by(Round.id.desc()).limit(1)).first()
+        loss = s.exec(select(Checkpoint.heldout_loss).where(Checkpoint.heldout_loss.is_not(None))
+                      .order_by(Checkpoint.round_id.desc()).limit(1)).first()
+        contributors = s.exec(select(func.count()).select_from(Contributor)).one()
+    return {"current_round": current.id if current else 0,
+            "current_state": current.state.value if current else None,
+            "current_deadline_unix": current.deadline_unix if current else None,
+            "current_message": current.message if current else "",
+            "current_submissions": int(subs), "rounds_published": int(published),
+            "epsilon_spent": eps, "last_heldout_loss": loss, "contributors": int(contributors)}
+
+
+def _outcomes(report_json: str) -> tuple[int, int, list[dict]]:
+    """(accepted, refused, [{contributor, reason}]) from a round's stored DeltaSoup report."""
+    soup = json.loads(report_json or "{}").get("soup") or {}
+    rows = soup.get("contributors") or []
+    refused = [{"contributor": c.get("contributor"), "reason": c.get("reason") or "refused"}
+               for c in rows if not c.get("accepted")]
+    return len(rows) - len(refused), len(refused), refused
+
+
+def rounds(state, *, limit: int = 50, before: int | None = None) -> list[dict]:
+    """The newest `limit` rounds (ids below `before` when given), newest first."""
+    with state.session() as s:
+        q = select(Round).order_by(Round.id.desc()).limit(limit)
+        if before is not None:
+            q = q.where(Round.id < before)
+        rows = list(s.exec(q))
+        ids = [r.id for r in rows]
+        counts = dict(s.exec(select(Submission.round_id, func.count()).where(Submission.round_id.in_(ids))
+                             .group_by(Submission.round_id)).all()) if ids else {}
+        published = {c.round_id: c for c in s.exec(select(Checkpoint).where(Checkpoint.round_id.in_(ids)))} \
+            if ids else {}
+    out = []
+    for r in rows:
+        accepted, refused, reasons = _outcomes(r.report_json)
+        ckpt = published.get(r.id)
+        out.append({
+            "id": r.id, "state": r.state.value, "opened_at": _iso(r.opened_at),
+            "deadline_unix": r.deadline_unix or None, "closed_at": _iso(r.closed_at),
+            "published_at": _iso(ckpt.created_at) if ckpt else None,
+            "submissions": int(counts.get(r.id, 0)), "accepted": accepted if r.state == RoundState.PUBLISHED else None,
+            "refused": refused if r.state == RoundState.PUBLISHED else None, "refusals": reasons,
+            "aggregator": r.aggregator, "seconds_open": _seconds(r.opened_at, r.closed_at),
+            "seconds_to_publish": _seconds(r.closed_at, ckpt.created_at) if ckpt else None,
+            "heldout_loss": ckpt.heldout_loss if ckpt else None, "published_sha256": r.published_sha256,
+            "dp_epsilon_round": r.dp_epsilon_round, "dp_epsilon_total": r.dp_epsilon_total, "message": r.message,
+        })
+    return out
+
+
+def loss_series(state) -> list[dict]:
+    """Held-out loss of every published checkpoint, by round (0 = genesis)."""
+    with state.session() as s:
+        rows = s.exec(select(Checkpoint.round_id, Checkpoint.heldout_loss).order_by(Checkpoint.round_id)).all()
+    return [{"round": r, "heldout_loss": loss} for r, loss in rows]
+
+
+def privacy_series(state) -> list[dict]:
+    """Epsilon spent after each round that published under DP."""
+    with state.session() as s:
+        rows = s.exec(select(Round.id, Round.dp_epsilon_round, Round.dp_epsilon_total)
+                      .where(Round.dp_epsilon_total.is_not(None)).order_by(Round.id)).all()
+    return [{"round": r, "epsilon_round": e, "epsilon_total": t} for r, e, t in rows]
+
+
+def checkpoints(state, *, limit: int = 50) -> list[dict]:
+    """The lineage, newest first: each published checkpoint and the one it was trained from."""
+    with state.session() as s:
+        rows = list(s.exec(select(Checkpoint).order_by(Checkpoint.round_id.desc()).limit(limit)))
+    return [{"round": c.round_id, "sha256": c.sha256, "parent_sha256": c.parent_sha256, "bytes": c.size,
+             "heldout_loss": c.heldout_loss, "created_at": _iso(c.created_at)} for c in rows]
+
+
+def leaderboard(state, *, limit: int = 100) -> list[dict]:
+    """Contributors by balance: display name, balance, reputation, rounds contributed."""
+    with state.session() as s:
+        balances = dict(s.exec(select(LedgerEntry.contributor, func.sum(LedgerEntry.amount))
+                               .group_by(LedgerEntry.contributor)).all())
+        rounds_in = dict(s.exec(select(Submission.contributor_id, func.count(distinct(Submission.round_id)))
+                                .group_by(Submission.contributor_id)).all())
+        reps = dict(s.exec(select(Reputation.contributor, Reputation.value)).all())
+        people = s.exec(select(Contributor.id, Contributor.display_name, Contributor.registered_at)).all()
+    board = [{"contributor_id": cid, "display_name": name, "balance": int(balances.get(cid) or 0),
+              "reputation": float(reps.get(cid, INITIAL_REPUTATION)), "rounds": int(rounds_in.get(cid, 0)),
+              "registered_at": _iso(at)} for cid, name, at in people]
+    board.sort(key=lambda b: (-b["balance"], -b["reputation"], -b["rounds"], b["contributor_id"]))
+    return board[:limit]
+
+
+def _entry(e: LedgerEntry) -> dict:
+    return {"seq": e.seq, "round_id": e.round_id, "contributor_id": e.contributor, "kind": e.kind,
+            "amount": e.amount, "score": e.score, "reputation_after": e.reputation_after, "reason": e.reason,
+            "entry_hash": e.entry_hash}
+
+
+def ledger(state, *, limit: int = 50, contributor: str | None = None) -> list[dict]:
+    """The newest ledger entries, newest first."""
+    with state.session() as s:
+        q = select(LedgerEntry).order_by(LedgerEntry.seq.desc()).limit(limit)
+        if contributor is not None:
+            q = q.where(LedgerEntry.contributor == contributor)
+        return [_entry(e) for e in s.exec(q)]
+
+
+class LedgerCheck:
+    """`gym-server ledger verify` (the whole chain and every signature), run again only when the
+    ledger's size or head changes: a page load must not re-check 10 000 signatures every time."""
+
+    def __init__(self, state) -> None:
+        self.state = state
+        self._lock = threading.Lock()
+        self._key: tuple | None = None
+        self._report: dict | None = None
+
+    def report(self) -> dict:
+        from zoo_gym.server.settlement import verify_ledger
+
+        with self.state.session() as s:
+            key = tuple(s.exec(select(func.count(), func.max(LedgerEntry.seq), func.sum(LedgerEntry.amount))
+                               .select_from(LedgerEntry)).one())
+            head = s.exec(select(LedgerEntry.entry_hash).order_by(LedgerEntry.seq.desc()).limit(1)).first()
+        key = (*key, head)
+        with self._lock:
+            if key != self._key:
+                self._report, self._key = verify_ledger(self.state), key
+            return dict(self._report)
+
+
+def contributor(state, contributor_id: str) -> dict | None:
+    """One contributor's public record: submissions (with the round's verdict and score), ledger entries."""
+    with state.session() as s:
+        person = s.get(Contributor, contributor_id)
+        if person is None:
+            return None
+        subs = list(s.exec(select(Submission).where(Submission.contributor_id == contributor_id)
+                           .order_by(Submission.round_id.desc())))
+        reports = {r.id: r.report_json for r in s.exec(select(Round).where(Round.id.in_([x.round_id for x in subs])))}
+        rep = s.get(Reputation, contributor_id)
+    entries = ledger(state, limit=10_000, contributor=contributor_id)
+    rows = []
+    for sub in subs:
+        verdict = _verdict(reports.get(sub.round_id, "{}"), contributor_id)
+        rows.append({"round": sub.round_id, "bytes": sub.payload_size, "codecs": sub.codecs,
+                     "payload_sha256": sub.payload_sha256, "received_at": _iso(sub.received_at), **verdict})
+    return {"contributor_id": person.id, "display_name": person.display_name,
+            "registered_at": _iso(person.registered_at), "balance": sum(e["amount"] for e in entries),
+            "reputation": rep.value if rep else INITIAL_REPUTATION, "submissions": rows, "ledger": entries,
+            "refusals": [r for r in rows if r["accepted"] is False]}
+
+
+def _verdict(report_json: str, contributor_id: str) -> dict:
+    report = json.loads(report_json or "{}")
+    soup = next((c for c in (report.get("soup") or {}).get("contributors") or []
+                 if c.get("contributor") == contributor_id), None)
+    score = next((c for c in (report.get("rewards") or {}).get("scores") or []
+                  if c.get("contributor") == contributor_id), None)
+    return {"accepted": None if soup is None else bool(soup.get("accepted")),
+            "refusal": soup.get("reason") if soup else None,
+            "score": score.get("score") if score else None,
+            "score_reason": score.get("reason") if score else None}

@@ -1,0 +1,231 @@
+"""Prometheus metrics and the operator's RPC log lines, without touching a handler.
+
+One `ServerMetrics` per server, each with its own `CollectorRegistry` (tests run many servers in one
+process). Three sources feed it:
+
+- `RpcInterceptor`, a `grpc.ServerInterceptor`: RPCs by method and status code, message bytes received
+  and sent, submissions accepted and refused by status, and one INFO line per registration and per
+  submission (accepted, or refused with its status and the reason the peer was given);
+- `PhaseTimer`, a logging handler on the round manager's own thread: the seconds of each publish phase
+  that `publish.py` already logs (`round N phase=X`), so the aggregation phase is timed where it runs;
+- `StateCollector`, read at scrape time with a few cheap queries: rounds published, the current round
+  and its submissions, epsilon spent, the last held-out loss, registered contributors.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("zoo_gym.server")
+
+# seconds; a tiny model aggregates in well under a second, a 7B one in minutes
+_SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+_PHASE = re.compile(r"^round (\d+) phase=(\S+)$")
+
+
+class ServerMetrics:
+    """Every metric of one server, registered in its own registry (served at /metrics)."""
+
+    def __init__(self, state) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.rpcs = Counter("zoo_gym_rpcs", "gRPC calls by method and status code", ["method", "code"], registry=r)
+        self.received = Counter("zoo_gym_received_bytes", "Bytes of request messages received", registry=r)
+        self.sent = Counter("zoo_gym_sent_bytes", "Bytes of response messages sent", registry=r)
+        self.accepted = Counter("zoo_gym_submissions_accepted", "Submissions stored", registry=r)
+        self.refused = Counter("zoo_gym_submissions_refused", "Submissions refused, by gRPC status",
+                               ["code"], registry=r)
+        self.aggregation = Histogram("zoo_gym_aggregation_seconds", "Seconds of a round's aggregation phase",
+                                     buckets=_SECONDS, registry=r)
+        self.publish = Histogram("zoo_gym_publish_seconds", "Seconds from a round's close to its publication "
+                                 "(load, aggregation, scoring, write, evaluation, commit)", buckets=_SECONDS,
+                                 registry=r)
+        self.phases = Histogram("zoo_gym_round_phase_seconds", "Seconds of each publish phase", ["phase"],
+                                buckets=_SECONDS, registry=r)
+        r.register(StateCollector(state))
+        self.interceptor = RpcInterceptor(self)
+
+    def phase_timer(self, thread: threading.Thread) -> PhaseTimer:
+        return PhaseTimer(self, thread)
+
+
+class PhaseTimer(logging.Handler):
+    """Times the phases `publish_round` logs, from records emitted on one round manager's thread."""
+
+    def __init__(self, metrics: ServerMetrics, thread: threading.Thread) -> None:
+        super().__init__(level=logging.INFO)
+        self.metrics, self.thread = metrics, thread
+        self._current: tuple[str, float] | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if threading.current_thread() is not self.thread or record.name != "zoo_gym.server":
+            return
+        m = _PHASE.match(record.getMessage())
+        if m is None:
+            return
+        now, phase = time.perf_counter(), m.group(2)
+        if self._current is not None:
+            name, started = self._current
+            self.metrics.phases.labels(phase=name).observe(now - started)
+            if name == "aggregation":
+                self.metrics.aggregation.observe(now - started)
+        self._current = None if phase == "done" else (phase, now)
+
+
+class StateCollector(Collector):
+    """Gauges read from the database at scrape time (a handful of indexed queries)."""
+
+    def __init__(self, state) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator:
+        from zoo_gym.dashboard.queries import summary
+
+        s = summary(self.state)
+        yield CounterMetricFamily("zoo_gym_rounds_published", "Rounds published", value=s["rounds_published"])
+        yield GaugeMetricFamily("zoo_gym_current_round", "Id of the current round", value=s["current_round"])
+        yield GaugeMetricFamily("zoo_gym_current_round_submissions", "Submissions stored in the current round",
+                                value=s["current_submissions"])
+        yield GaugeMetricFamily("zoo_gym_dp_epsilon_spent", "Differential-privacy epsilon spent so far",
+                                value=s["epsilon_spent"] or 0.0)
+        yield GaugeMetricFamily("zoo_gym_last_heldout_loss", "Held-out loss of the latest measured checkpoint",
+                                value=float("nan") if s["last_heldout_loss"] is None else s["last_heldout_loss"])
+        yield GaugeMetricFamily("zoo_gym_registered_contributors", "Registered contributors",
+                                value=s["contributors"])
+
+
+# ------------------------------------------------------------------------------------------ interceptor
+
+class _Call:
+    """What one RPC carried, for its counters and its log line."""
+
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self.received = 0
+        self.first = None  # the first request message (a SubmitDelta header)
+
+    def requests(self, iterator):
+        for msg in iterator:
+            self.received += msg.ByteSize()
+            if self.first is None:
+                self.first = msg
+            yield msg
+
+
+class RpcInterceptor(grpc.ServerInterceptor):
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        kw = dict(request_deserializer=handler.request_deserializer,
+                  response_serializer=handler.response_serializer)
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary, method, False), **kw)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(self._unary(handler.stream_unary, method, True), **kw)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(self._stream(handler.unary_stream, method, False), **kw)
+        return grpc.stream_stream_rpc_method_handler(self._stream(handler.stream_stream, method, True), **kw)
+
+    def _unary(self, behavior: Callable, method: str, streaming_in: bool):
+        def wrapped(request, context):
+            call = _Call(method)
+            request = self._requests(call, request, streaming_in)
+            try:
+                response = behavior(request, context)
+            except BaseException:
+                self._finish(call, context, None, failed=True)
+                raise
+            self._finish(call, context, response, failed=False)
+            return response
+
+        return wrapped
+
+    def _stream(self, behavior: Callable, method: str, streaming_in: bool):
+        def wrapped(request, context):
+            call = _Call(method)
+            request = self._requests(call, request, streaming_in)
+            try:
+                for response in behavior(request, context):
+                    self.metrics.sent.inc(response.ByteSize())
+                    yield response
+            except BaseException:
+                self._finish(call, context, None, failed=True)
+                raise
+            self._finish(call, context, None, failed=False)
+
+        return wrapped
+
+    @staticmethod
+    def _requests(call: _Call, request, streaming_in: bool):
+        if streaming_in:
+            return call.requests(request)
+        call.received = request.ByteSize()
+        call.first = request
+        return request
+
+    def _finish(self, call: _Call, context, response, *, failed: bool) -> None:
+        try:
+            self._count(call, context, response, failed=failed)
+        except Exception:  # noqa: BLE001 - counting or logging must never change an RPC's outcome
+            log.exception("metrics of %s failed", call.method)
+
+    def _count(self, call: _Call, context, response, *, failed: bool) -> None:
+        m = self.metrics
+        code = context.code() or (grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK)
+        m.rpcs.labels(method=call.method, code=code.name).inc()
+        m.received.inc(call.received)
+        if response is not None:
+            m.sent.inc(response.ByteSize())
+        if call.method == "SubmitDelta":
+            self._log_submission(call, code, context.details(), response)
+        elif call.method == "Register":
+            self._log_registration(call, code, context.details(), response)
+
+    def _log_submission(self, call: _Call, code: grpc.StatusCode, details, response) -> None:
+        h = call.first.header if call.first is not None and call.first.WhichOneof("part") == "header" else None
+        who = h.contributor_id if h is not None else "?"
+        rnd = h.round_id if h is not None else 0
+        if code == grpc.StatusCode.OK:
+            self.metrics.accepted.inc()
+            log.info("submission accepted: contributor %s round %d, %d bytes (%d in the round)", who,
+                     response.round_id, h.payload_size, response.submissions,
+                     extra={"event": "submission", "outcome": "accepted", "contributor": who,
+                            "round": response.round_id, "bytes": h.payload_size})
+        else:
+            self.metrics.refused.labels(code=code.name).inc()
+            log.info("submission refused: contributor %s round %d: %s: %s", who, rnd, code.name, _text(details),
+                     extra={"event": "submission", "outcome": "refused", "contributor": who, "round": rnd,
+                            "code": code.name, "reason": _text(details)})
+
+    @staticmethod
+    def _log_registration(call: _Call, code: grpc.StatusCode, details, response) -> None:
+        name = call.first.display_name if call.first is not None else ""
+        if code == grpc.StatusCode.OK:
+            log.info("registration: contributor %s (%r) %s", response.contributor_id, name,
+                     "registered" if response.created else "already registered, key confirmed",
+                     extra={"event": "registration", "outcome": "accepted", "contributor": response.contributor_id,
+                            "new": response.created})
+        else:
+            log.info("registration refused (%r): %s: %s", name, code.name, _text(details),
+                     extra={"event": "registration", "outcome": "refused", "code": code.name,
+                            "reason": _text(details)})
+
+
+def _text(details) -> str:
+    if isinstance(details, bytes):
+        return details.decode("utf-8", "replace")
+    return details or ""
