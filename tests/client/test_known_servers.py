@@ -193,3 +193,79 @@ def test_a_rewritten_chain_is_flagged(servers, tmp_path):
     assert res.exit_code == 1
     v = json.loads(res.stdout)["verification"]
     assert v["ok"] is False and v["first_bad_seq"] == 3 and "rewritten" in v["reason"]
+
+
+def _publish_round(fed: Running) -> gym_pb2.RoundInfo:
+    """Two real signed submissions; returns the RoundInfo of round 2 (its base is checkpoint 1)."""
+    import time
+
+    import torch
+    from safetensors import safe_open
+
+    from zoo_gym import codec
+    from zoo_gym.client.upload import build_header, register_request, request_stream
+
+    channel = grpc.insecure_channel(fed.address)
+    stub = gym_pb2_grpc.GymStub(channel)
+    info = stub.GetRound(gym_pb2.GetRoundRequest())
+    with safe_open(str(fed.state.checkpoint_dir(info.base_sha256) / "model.safetensors"), framework="pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    names = [k for k, s in shapes.items() if len(s) == 2][:2]
+    for seed in range(2):
+        key = Ed25519PrivateKey.generate()
+        cid = stub.Register(register_request(key, "test")).contributor_id
+        g = torch.Generator().manual_seed(seed)
+        payload = codec.encode({k: torch.randn(shapes[k], generator=g) * 1e-3 for k in names}, codec="bitdelta")
+        header = build_header(key=key, contributor_id=cid, round_id=info.round_id, base_sha256=info.base_sha256,
+                              payload=payload, metadata={"test": True})
+        stub.SubmitDelta(request_stream(header, payload, chunk_bytes=1 << 16))
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        now = stub.GetRound(gym_pb2.GetRoundRequest())
+        if now.round_id == 2:
+            channel.close()
+            return now
+        time.sleep(0.2)
+    channel.close()
+    raise AssertionError("round 1 was not published within 180 s")
+
+
+def test_published_lineage_is_signed_and_an_edited_one_is_refused(servers, tmp_path):
+    from zoo_gym.client.download import DownloadError, fetch_checkpoint
+    from zoo_gym.proto import archive
+
+    fed = servers(tmp_path / "a")
+    info = _publish_round(fed)
+    pub = fed.state.public_key
+    channel = grpc.insecure_channel(fed.address)
+    stub = gym_pb2_grpc.GymStub(channel)
+    verify_round_info(info, server_key=pub, address=fed.address)
+    model_dir = fetch_checkpoint(stub, info.base_sha256, info.base_size, tmp_path / "work", progress=False,
+                                 server_key=pub)
+    lineage = json.loads((model_dir / archive.LINEAGE).read_text())
+    assert lineage["round"] == 1 and len(lineage[signing.LINEAGE_SIGNATURE]) == 128
+    other = signing.public_bytes(Ed25519PrivateKey.generate())
+    with pytest.raises(DownloadError, match="not signed by the pinned server key"):
+        fetch_checkpoint(stub, info.base_sha256, info.base_size, tmp_path / "work", progress=False, server_key=other)
+    assert not model_dir.exists()  # discarded, not kept for training
+    model_dir = fetch_checkpoint(stub, info.base_sha256, info.base_size, tmp_path / "work", progress=False,
+                                 server_key=pub)
+    (model_dir / archive.LINEAGE).write_text(json.dumps({**lineage, "aggregator": "krum"}))
+    with pytest.raises(DownloadError, match="not signed by the pinned server key"):
+        fetch_checkpoint(stub, info.base_sha256, info.base_size, tmp_path / "work", progress=False, server_key=pub)
+    channel.close()
+
+
+def test_an_old_per_key_pin_of_the_same_server_carries_over_quietly(tmp_path):
+    from zoo_gym.client.known_servers import KnownServers
+
+    server_key = signing.public_bytes(Ed25519PrivateKey.generate())
+    legacy = tmp_path / "key.pem.server.pub"
+    legacy.write_text(server_key.hex() + "\n")
+    said: list[str] = []
+    known = KnownServers(tmp_path / "known_servers")
+    assert known.trust("gym.example.org:50051", server_key, say=said.append, legacy=legacy) == server_key
+    assert len(said) == 1 and "carried over" in said[0] and "first use" not in said[0]
+    other = signing.public_bytes(Ed25519PrivateKey.generate())  # the old file knew one server: another is TOFU
+    known.trust("other.example.org:50051", other, say=said.append, legacy=legacy)
+    assert "first use" in said[-1] and known.get("other.example.org:50051").line == 3
