@@ -39,6 +39,6 @@ class PrivacyBudgetExceeded(RuntimeError):
         super().__init__(
             f"privacy budget exhausted: publishing this round would raise epsilon from "
             f"{epsilon_spent:.4f} to {epsilon_if_published:.4f} (delta={delta:g}), above "
-            f"--dp-target-epsilon={target:g}; the server stops publishing. Raise the target, "
-            f"the noise multiplier, or the registered population to continue."
+            f"--dp-target-epsilon={target:g}; the server stops publishing. Raise the target "
+            f"or the noise multiplier to continue."
         )

@@ -10,20 +10,29 @@ mechanism, Mironov, Talwar, Zhang 2019, arXiv:1908.10530, as implemented by Opac
 * The mean is sum_i clip(x_i) / m with a FIXED denominator m = `dp_expected_contributors` (not
   the number who showed up), and N(0, (z C)^2) per coordinate is added to the SUM, i.e.
   N(0, (z C / m)^2) to the published average.
-* One round = one step of the sampled Gaussian mechanism with sampling rate
-  q = m / population (registered contributors), noise multiplier z. Epsilon for a target delta
-  is recomputed from the history rows (z, q, steps) with Opacus's RDP analysis
-  (`compute_rdp` + `get_privacy_spent`, Opacus's default orders), exactly what
-  `opacus.accountants.RDPAccountant` returns for the same history.
+* One round = one step of the Gaussian mechanism with noise multiplier z, accounted with
+  sampling rate q = 1: NO amplification by subsampling. Contributors choose to submit; the
+  gym-server does not sample them at random, so the premise of amplification (each person takes
+  part independently with probability q, decided by randomness nobody can predict or steer) does
+  not hold, and q = m / registered contributors would let free registrations shrink epsilon
+  (z = 1, 10 rounds, delta = 1e-5: 19.05 whatever the number registered; the old q = 5 / 1005
+  said 0.85). Epsilon for a target delta is recomputed from the history rows (z, q, steps) with
+  Opacus's RDP analysis (`compute_rdp` + `get_privacy_spent`, Opacus's default orders), exactly
+  what `opacus.accountants.RDPAccountant` returns for the same history.
+* `DeltaSoup.run(population=N)` accounts q = m / N instead. That is valid only for a caller that
+  itself samples each of N people independently with probability q, with randomness they can
+  neither predict nor influence, from a population Sybils cannot inflate. The gym-server never
+  passes it. (The Flower adapter passes the nodes Flower sampled from: Flower draws a fixed-size
+  sample without replacement, for which this Poisson figure is an approximation.)
 
 What the guarantee covers: user-level (epsilon, delta)-DP of the sequence of PUBLISHED aggregates
 with respect to adding or removing one contributor's entire participation in a round, and across
 rounds for the same person as long as one person = one contributor id (Sybil identities are
-separate "users" to the accountant). It assumes: (1) each registered contributor takes part in a
-round independently with probability q (Poisson sampling). Contributors that choose themselves
-violate this; with population unknown we use q = 1 (no amplification, conservative). (2) The
-noise is drawn from a generator the adversary cannot predict (`dp_secure_noise`: a fresh
-generator seeded from os.urandom, plus Opacus's sum-of-4-Gaussians smoothing against
+separate "users" to the accountant: q = 1 means registering more of them lowers nobody's epsilon).
+It assumes: (1) nothing about who takes part: with q = 1 every published round is charged to
+every contributor as if they had submitted to it, so one who submits whenever they like is
+covered. (2) The noise is drawn from a generator the adversary cannot predict (`dp_secure_noise`:
+a fresh generator seeded from os.urandom, plus Opacus's sum-of-4-Gaussians smoothing against
 floating-point attacks; a caller-supplied seeded generator is for tests and gives no privacy).
 (3) Nothing other than the noised aggregate is released: per-contributor diagnostics (norms,
 scores, selection) in the SoupReport are NOT private and must stay on the server.
@@ -64,9 +73,8 @@ def _check_step(*, noise_multiplier: float, sample_rate: float) -> None:
         raise SoupConfigError(f"`dp_noise_multiplier` must be > 0 to account privacy, got "
                               f"{noise_multiplier}")
     if not 0 < sample_rate <= 1:
-        raise SoupConfigError(f"sample rate q = expected contributors / population must be in "
-                              f"(0, 1], got {sample_rate}; check `dp_expected_contributors` and "
-                              "the registered population")
+        raise SoupConfigError(f"sample rate q must be in (0, 1], got {sample_rate} (q = 1 unless the "
+                              "caller samples contributors at random: see this module's docstring)")
 
 
 def rdp_epsilon(history: Iterable[tuple[float, float, int]], *, delta: float) -> float:

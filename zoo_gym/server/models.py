@@ -90,7 +90,7 @@ class RoundInputs(SQLModel, table=True):
     round_id: int = Field(primary_key=True)
     reputations_json: str = "{}"  # contributor id -> reputation before this round
     dp_clip: float | None = None  # clip norm the previous published round chose (None: the configured one)
-    population: int = 1  # registered contributors at close (DP sampling rate q = m / population)
+    population: int = 1  # registered contributors at close; for the record only (DP is accounted with q = 1)
 
 
 class Submission(SQLModel, table=True):

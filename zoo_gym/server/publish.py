@@ -129,7 +129,8 @@ def _jsonable(obj):
 
 def record_round_inputs(state: ServerState, config: ServerConfig, round_id: int, contributors: list[str],
                         session) -> RoundInputs:
-    """Copy what the round's outcome depends on (reputations, clip norm, population) into its row.
+    """Copy what the round's outcome depends on (reputations, clip norm) into its row, with the population
+    (registered contributors, for the record: privacy is accounted with q = 1, not from it).
 
     Called in the transaction that closes the round; the caller commits."""
     population = int(session.exec(select(func.count()).select_from(Contributor)).one())
@@ -184,7 +185,10 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
     inputs = _round_inputs(state, config, rnd, contributors)
     reputations = json.loads(inputs.reputations_json)
     with state.session() as s:
-        history = [(r.dp_noise_multiplier, r.dp_sample_rate, 1) for r in s.exec(
+        # Every round is accounted with q = 1: contributors choose to submit and the server samples nobody,
+        # so amplification by subsampling does not apply (aggregation/privacy.py). Rounds that an older
+        # version recorded with q = m / registered contributors (which free registrations shrank) count at q = 1.
+        history = [(r.dp_noise_multiplier, 1.0, 1) for r in s.exec(
             select(Round).where(Round.dp_noise_multiplier.is_not(None), Round.state == RoundState.PUBLISHED,
                                 Round.id < rnd.id).order_by(Round.id))]
         parent = s.get(Checkpoint, rnd.base_sha256)
@@ -217,8 +221,7 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
         log.info("round %d phase=aggregation", rnd.id)
         try:
             report = DeltaSoup(soup_config, dp_clip=inputs.dp_clip).run(
-                source, writer.sink, weights=weights, generator=gen, accountant=accountant,
-                population=inputs.population)
+                source, writer.sink, weights=weights, generator=gen, accountant=accountant)  # q = 1, as above
         except NotRobustConfigError as exc:
             _reopen(state, rnd.id, len(subs) + 1, f"waiting for more submissions: {exc}")
             return f"REOPENED ({exc})"
