@@ -15,7 +15,9 @@ from zoo_gym.server.models import Checkpoint
 
 def _scrape(fed) -> dict[tuple[str, tuple], float]:
     client = TestClient(create_app(fed.state, registry=fed.rounds.metrics.registry))
-    text = client.get("/metrics").text
+    response = client.get("/metrics", follow_redirects=False)  # what Prometheus scrapes: no redirect
+    assert response.status_code == 200
+    text = response.text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from fastapi import FastAPI, HTTPException, Query, Request
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
@@ -32,9 +32,11 @@ def create_app(state, *, registry=None, dp_target_epsilon: float | None = None, 
     templates.env.filters["num"] = lambda x, fmt="{:.4f}": "-" if x is None else fmt.format(x)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
     if registry is not None:
-        from prometheus_client import make_asgi_app
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        app.mount("/metrics", make_asgi_app(registry=registry))
+        @app.get("/metrics", include_in_schema=False)
+        def metrics() -> Response:  # a route, not a mount: a mount answers /metrics with a redirect
+            return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
     check = queries.LedgerCheck(state)
 
     def known(contributor_id: str) -> dict:
