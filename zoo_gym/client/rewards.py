@@ -53,10 +53,13 @@ def fetch_rewards(server: str, *, key_path: Path, contributor: str | None, limit
         key, _ = signing.load_or_create_key(key_path)
         contributor = signing.contributor_id(signing.public_bytes(key))
     known = known_servers.for_key(Path(key_path))
+    try:
+        pinned = known.get(server) if verify else None
+    except UntrustedServer as exc:  # a damaged known_servers line
+        raise RewardsError(str(exc)) from None
     channel, stub = open_stub(server, root_certificates=root_certificates, insecure=insecure)
     try:
         info = stub.GetRound(gym_pb2.GetRoundRequest(), timeout=30)
-        pinned = known.get(server) if verify else None
         head = stub.GetLedgerHead(gym_pb2.LedgerHeadRequest(), timeout=30) if verify else None
         balance = stub.GetBalance(gym_pb2.BalanceRequest(contributor_id=contributor), timeout=30)
         entries = [e for e in stub.StreamLedger(gym_pb2.LedgerRequest(contributor_id=contributor), timeout=60)]
