@@ -36,13 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from sqlalchemy import event
+from sqlalchemy import event, inspect
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError
 from sqlmodel import Session, SQLModel, create_engine, select
 
 from zoo_gym.proto import signing
 from zoo_gym.proto import archive
+from zoo_gym.server import migrations
 from zoo_gym.server.blobs import BlobStore
 from zoo_gym.server.models import Checkpoint, Round, RoundState
 
@@ -131,11 +132,27 @@ def _engine(url: str) -> Engine:
     """make_engine, with a URL SQLAlchemy cannot use (unknown dialect, driver not installed) as a StateError."""
     try:
         return make_engine(url)
-    except (ArgumentError, ImportError) as exc:
+    except ImportError as exc:
+        if url.startswith("postgresql"):
+            raise StateError("PostgreSQL needs the psycopg driver: pip install 'zoo-gym[postgres]' "
+                             f"({exc})") from None
+        raise StateError(f"cannot use the database URL {url!r}: {exc}") from None
+    except ArgumentError as exc:
         raise StateError(f"cannot use the database URL {url!r}: {exc}") from None
 
 
+def _shown(url: str) -> str:
+    """A database URL fit for a message (no password)."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return url
+
+
 def make_engine(url: str) -> Engine:
+    if url.startswith("postgresql://") or url.startswith("postgres://"):
+        # SQLAlchemy's default PostgreSQL driver is psycopg2; the `postgres` extra installs psycopg 3
+        url = "postgresql+psycopg://" + url.split("://", 1)[1]
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
@@ -340,6 +357,10 @@ def init_state(state_dir: Path, *, base_model: str = "tiny", db_url: str | None 
     existed = root.exists()
     root.mkdir(parents=True, exist_ok=True)
     try:
+        with engine.connect() as conn:
+            if inspect(conn).has_table("round"):
+                raise StateError(f"the database {_shown(url)} already holds a federation; give `init --db` an empty "
+                                 "database, or serve the state directory made with this one")
         return _create(root, engine, src, base_model=base_model, db_url=db_url, template=template,
                        examples=examples, validation_file=validation_file, check=check)
     except BaseException:
@@ -369,7 +390,9 @@ def _create(root: Path, engine: Engine, src: Path, *, base_model: str, db_url: s
             check_base(genesis, examples)
         key, _ = signing.load_or_create_key(root / "server_key.pem")
         _register_tables()
-        SQLModel.metadata.create_all(engine)
+        with engine.begin() as conn:  # the current models' tables, stamped with the newest migration
+            SQLModel.metadata.create_all(conn)
+            migrations.stamp_head(conn)
         state = ServerState(root, engine, BlobStore(root / "blobs"), key, base_model, threading.RLock())
         archive.write_lineage(genesis, {"round": 0, "parent_sha256": None, "base_model": base_model})
         with state.blobs.writer() as w:
@@ -419,7 +442,11 @@ def open_state(state_dir: Path, *, db_url: str | None = None, exclusive: bool = 
             raise StateError(f"the database {db_file} of {root} is missing; restore it from a backup")
         engine = _engine(url)
         _register_tables()
-        SQLModel.metadata.create_all(engine)  # adds tables of newer versions; never alters existing ones
+        try:
+            migrations.check_at_head(engine, str(root))  # an older schema: `gym-server migrate` upgrades it
+        except migrations.SchemaError as exc:
+            engine.dispose()
+            raise StateError(str(exc)) from None
         key, _ = signing.load_or_create_key(root / "server_key.pem")
         blobs = BlobStore(root / "blobs")
         if exclusive:
@@ -431,3 +458,53 @@ def open_state(state_dir: Path, *, db_url: str | None = None, exclusive: bool = 
     validation = meta.get("validation_file")
     return ServerState(root, engine, blobs, key, meta.get("base_model", "?"), threading.RLock(), lock,
                        validation_file=(root / Path(validation).name) if validation else None)
+
+
+@dataclass
+class MigrationReport:
+    current: str  # the database's revision before
+    head: str  # this code's newest revision
+    pending: list[migrations.Step]
+    applied: bool
+    backup: Path | None = None  # the copy of the SQLite file made first
+
+
+def migrate_state(state_dir: Path, *, db_url: str | None = None, dry_run: bool = False) -> MigrationReport:
+    """Bring the database of a state directory to this code's schema (`gym-server migrate`).
+
+    Holds the directory's lock (a serving gym-server is refused by name), copies a SQLite file to
+    ``server.db.<old revision>.bak`` and applies every pending revision in one transaction. PostgreSQL's
+    DDL is transactional too; back it up with pg_dump first (nothing here copies a server database)."""
+    root = Path(state_dir)
+    meta_path = root / STATE_FILE
+    if not meta_path.is_file():
+        raise StateError(f"{root} is not a gym-server state directory; create it with `gym-server init`")
+    try:
+        stored = json.loads(meta_path.read_text()).get("db_url")
+    except (ValueError, AttributeError) as exc:
+        raise StateError(f"{meta_path} is damaged ({exc}); it is not JSON written by `gym-server init`") from None
+    lock = StateLock(root)
+    try:
+        url = db_url or _stored_db_url(root, stored)
+        db_file = _sqlite_file(url)
+        if db_file is not None and not db_file.is_file():
+            raise StateError(f"the database {db_file} of {root} is missing; restore it from a backup")
+        engine = _engine(url)
+        try:
+            with engine.connect() as conn:
+                current = migrations.current_revision(conn)
+                steps = migrations.pending(conn)
+        except migrations.SchemaError as exc:
+            raise StateError(str(exc)) from None
+        finally:
+            engine.dispose()
+        report = MigrationReport(current or "none", migrations.head(), steps, applied=False)
+        if dry_run or not steps:
+            return report
+        if db_file is not None:
+            report.backup = migrations.backup_sqlite(db_file, report.current)
+        migrations.upgrade(url)
+        report.applied = True
+        return report
+    finally:
+        lock.release()
