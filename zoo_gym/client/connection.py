@@ -1,4 +1,4 @@
-"""A channel to gym-server with retries: an unreachable server is retried with backoff, and said so."""
+"""A channel to gym-server with retries: an unreachable or busy server is retried with backoff, and said so."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import TypeVar
 import grpc
 
 from zoo_gym.proto import gym_pb2_grpc
+from zoo_gym.proto.busy import is_busy
 
 T = TypeVar("T")
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -18,6 +19,10 @@ MiB = 1 << 20
 
 class ServerUnreachable(RuntimeError):
     """The server did not answer within the retry budget."""
+
+
+class ServerBusy(ServerUnreachable):
+    """The server kept answering "server busy" (RESOURCE_EXHAUSTED at capacity) for the whole retry budget."""
 
 
 class TransportMismatch(ServerUnreachable):
@@ -59,23 +64,29 @@ def transport_mismatch(exc: grpc.RpcError) -> str | None:
 
 def with_retries(call: Callable[[], T], *, what: str, say: Callable[[str], None], max_wait: float = 300.0,
                  base_delay: float = 0.5, max_delay: float = 15.0) -> T:
-    """Run `call`; on UNAVAILABLE/DEADLINE_EXCEEDED retry with jittered exponential backoff up to `max_wait` s."""
+    """Run `call`; on UNAVAILABLE/DEADLINE_EXCEEDED, or RESOURCE_EXHAUSTED marked "server busy" (the server is
+    at capacity, proto/busy.py), retry with jittered exponential backoff up to `max_wait` s. Other
+    RESOURCE_EXHAUSTED answers (a payload or chunk over a limit) are raised at once: no retry can fix them."""
     deadline = time.monotonic() + max_wait
     delay = base_delay
     while True:
         try:
             return call()
         except grpc.RpcError as exc:
-            if exc.code() not in RETRYABLE:
+            busy = is_busy(exc)
+            if exc.code() not in RETRYABLE and not busy:
                 raise
             problem = transport_mismatch(exc)
             if problem:
                 raise TransportMismatch(f"{what}: cannot connect securely: {problem}") from exc
             left = deadline - time.monotonic()
+            if left <= 0 and busy:
+                raise ServerBusy(f"{what}: {exc.details()}; gave up after {max_wait:.0f} s") from exc
             if left <= 0:
                 raise ServerUnreachable(f"{what}: the server is unreachable ({exc.details()}); gave up after "
                                         f"{max_wait:.0f} s") from exc
             wait = min(delay * (1 + random.random() * 0.25), max_delay, left)
-            say(f"{what}: server unreachable ({exc.code().name}); retrying in {wait:.1f} s")
+            say(f"{what}: the server is busy, retrying in {wait:.1f} s ({exc.details()})" if busy else
+                f"{what}: server unreachable ({exc.code().name}); retrying in {wait:.1f} s")
             time.sleep(wait)
             delay = min(delay * 2, max_delay)

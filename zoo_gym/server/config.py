@@ -33,7 +33,17 @@ class ServerConfig:
     max_payload_bytes: int = 2048 * MiB
     max_chunk_bytes: int = 4 * MiB
     download_chunk_bytes: int = 1 * MiB
-    max_workers: int = 16
+    # Capacity (zoo_gym/server/upload_slots.py): the worker pool is max_uploads + max_pending_headers +
+    # query_workers, so uploads never take the threads that health checks and queries answer on.
+    max_uploads: int = field(default=32, metadata={"help": "uploads in progress at once (then RESOURCE_EXHAUSTED)"})
+    max_pending_headers: int = field(default=8, metadata={
+        "help": "upload streams at once that have not yet sent a verified header"})
+    max_pending_headers_per_peer: int = field(default=4, metadata={
+        "help": "the same, from one peer address"})
+    header_timeout: float = field(default=10.0, metadata={
+        "help": "seconds an upload stream may take to send its signed header before it is dropped"})
+    query_workers: int = field(default=16, metadata={
+        "help": "threads kept for everything but uploads (health, GetRound, Register, balance, ledger, download)"})
     ssl_certfile: str | None = field(default=None, metadata={"help": "PEM certificate (chain) the server presents"})
     ssl_keyfile: str | None = field(default=None, metadata={"help": "PEM private key of ssl_certfile"})
     ssl_ca_certfile: str | None = field(default=None, metadata={"help": "PEM CA certificate sent with the chain"})
@@ -78,6 +88,11 @@ class ServerConfig:
             raise ConfigError("`upload_idle_timeout` must be > 0 seconds")
         if self.upload_min_bytes_per_s < 1:
             raise ConfigError("`upload_min_bytes_per_s` must be >= 1 byte per second")
+        for name in ("max_uploads", "max_pending_headers", "max_pending_headers_per_peer", "query_workers"):
+            if not 1 <= getattr(self, name) <= 4096:
+                raise ConfigError(f"`{name}` must be in [1, 4096]")
+        if not self.header_timeout > 0:
+            raise ConfigError("`header_timeout` must be > 0 seconds")
         if self.admission not in ("open", "invite"):
             raise ConfigError(f"`admission` must be open or invite, got {self.admission!r}")
         for name in ("register_rate_per_peer", "register_rate_global"):

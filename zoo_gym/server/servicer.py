@@ -25,6 +25,7 @@ from zoo_gym.server.rounds import RoundManager
 from zoo_gym.server.signed_state import ledger_head, sign_round_info
 from zoo_gym.server.state import ServerState
 from zoo_gym.server.streams import BoundedStream
+from zoo_gym.server.upload_slots import UploadSlots
 
 log = logging.getLogger("zoo_gym.server")
 
@@ -75,7 +76,9 @@ class GymServicer(gym_pb2_grpc.GymServicer):
         self.state = state
         self.config = config
         self.rounds = rounds
-        self.uploads = handlers.UploadGate()
+        self.upload_slots = UploadSlots(max_uploads=config.max_uploads, max_pending_headers=config.max_pending_headers,
+                                        max_pending_headers_per_peer=config.max_pending_headers_per_peer,
+                                        gate=handlers.UploadGate())
         self.admission = Admission.from_config(config, server_public_key=state.public_key)
 
     @_guard
@@ -111,22 +114,27 @@ class GymServicer(gym_pb2_grpc.GymServicer):
 
     @_guard
     def SubmitDelta(self, request_iterator, context):
-        stream = BoundedStream(request_iterator, idle_timeout=self.config.upload_idle_timeout)
-        try:
-            first = next(stream, None)
-            if first is None or first.WhichOneof("part") != "header":
-                raise InvalidArgument("the first SubmitRequest must carry the SubmitHeader")
-            h = first.header
-            header = handlers.SubmitHeader(
-                contributor_id=h.contributor_id, round_id=h.round_id, base_sha256=h.base_sha256,
-                payload_sha256=h.payload_sha256, payload_size=h.payload_size,
-                manifest=tuple((t.name, tuple(t.shape), t.dtype, t.codec) for t in h.manifest),
-                nonce=h.nonce, signature=h.signature, metadata_json=h.metadata_json)
-            stream.set_deadline(self.config.upload_deadline_s(header.payload_size))
-            sub = handlers.submit_delta(header, _chunks(stream), state=self.state, config=self.config,
-                                        gate=self.uploads)
-        finally:
-            stream.close()
+        cfg = self.config
+        # A pending-header slot first, taken without waiting (RESOURCE_EXHAUSTED "server busy" if none);
+        # the header must arrive within header_timeout, and the upload slot and the upload's own time
+        # limits come only once it verified (admission.hold, entered by submit_delta). See upload_slots.py.
+        with self.upload_slots.admit(context.peer()) as admission:
+            stream = BoundedStream(request_iterator, idle_timeout=cfg.upload_idle_timeout,
+                                   first_timeout=cfg.header_timeout)
+            try:
+                first = next(stream, None)
+                if first is None or first.WhichOneof("part") != "header":
+                    raise InvalidArgument("the first SubmitRequest must carry the SubmitHeader")
+                h = first.header
+                header = handlers.SubmitHeader(
+                    contributor_id=h.contributor_id, round_id=h.round_id, base_sha256=h.base_sha256,
+                    payload_sha256=h.payload_sha256, payload_size=h.payload_size,
+                    manifest=tuple((t.name, tuple(t.shape), t.dtype, t.codec) for t in h.manifest),
+                    nonce=h.nonce, signature=h.signature, metadata_json=h.metadata_json)
+                admission.on_verified = lambda: stream.set_deadline(cfg.upload_deadline_s(header.payload_size))
+                sub = handlers.submit_delta(header, _chunks(stream), state=self.state, config=cfg, gate=admission)
+            finally:
+                stream.close()
         self.rounds.notify()
         return gym_pb2.SubmitResponse(submission_id=sub.id, round_id=sub.round_id,
                                       payload_sha256=sub.payload_sha256,
@@ -204,7 +212,15 @@ def build_server(state: ServerState, config: ServerConfig) -> tuple[grpc.Server,
         # One server per port: without this a second server binds the same port and takes half the clients.
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers), options=options,
+    # One pool serves every RPC, and grpcio queues an RPC when all its threads are taken. SubmitDelta takes
+    # a slot without waiting (upload_slots.py), so uploads and streams awaiting their header hold at most
+    # max_uploads + max_pending_headers threads (a refused stream only for the moment its refusal takes);
+    # the query_workers left over always answer health, GetRound, Register, balance, ledger (and downloads).
+    # `maximum_concurrent_rpcs` is left unset on purpose: it is one counter over all methods, so reaching it
+    # would refuse health checks and GetRound too.
+    workers = config.max_uploads + config.max_pending_headers + config.query_workers
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gym-rpc"),
+                         options=options,
                          interceptors=[rounds.metrics.interceptor])  # metrics and the RPC log lines
     gym_pb2_grpc.add_GymServicer_to_server(GymServicer(state, config, rounds), server)
     health_servicer = health.HealthServicer()

@@ -4,8 +4,9 @@ grpcio's synchronous server gives a handler a blocking request iterator and no p
 timeout (keepalive and `max_connection_idle` act on connections, not on a stream that is open but
 silent). `BoundedStream` reads the iterator in a helper thread and hands items over through a small
 queue, so the handler waits at most `idle_timeout` for the next item and at most until `deadline`
-overall, then raises `DeadlineExceeded`. When the handler ends the RPC (answer or abort), grpc ends
-the iterator, which ends the helper thread.
+overall, then raises `DeadlineExceeded`; the first item (an upload's signed header) may be given a
+shorter wait, `first_timeout`, so a stream that never sends one is dropped early. When the handler ends
+the RPC (answer or abort), grpc ends the iterator, which ends the helper thread.
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ _QUEUE_ITEMS = 2  # read-ahead: at most two chunks wait in memory per stream
 class BoundedStream:
     """Iterate `source` with an idle timeout between items and an overall deadline (monotonic seconds)."""
 
-    def __init__(self, source: Iterator[Any], *, idle_timeout: float, what: str = "upload") -> None:
+    def __init__(self, source: Iterator[Any], *, idle_timeout: float, first_timeout: float | None = None,
+                 what: str = "upload") -> None:
         self.idle_timeout = idle_timeout
+        self.first_timeout = idle_timeout if first_timeout is None else min(first_timeout, idle_timeout)
         self.what = what
+        self._first = True
         self._deadline = float("inf")
         self._queue: queue.Queue = queue.Queue(maxsize=_QUEUE_ITEMS)
         self._closed = threading.Event()
@@ -64,17 +68,22 @@ class BoundedStream:
 
     def __next__(self) -> Any:
         now = time.monotonic()
-        wait = min(self.idle_timeout, self._deadline - now)
+        idle = self.first_timeout if self._first else self.idle_timeout
+        wait = min(idle, self._deadline - now)
         try:
             item = self._queue.get(timeout=max(wait, 0.0))
         except queue.Empty:
             self.close()
-            if self._deadline - now <= self.idle_timeout:
+            if self._first and self._deadline - now > idle:
+                raise DeadlineExceeded(f"the {self.what} sent nothing for {idle:g} s and was dropped: its first "
+                                       f"message (the signed header) must arrive within {idle:g} s") from None
+            if self._deadline - now <= idle:
                 raise DeadlineExceeded(f"the {self.what} did not finish within its time limit; a stream "
                                        "must keep at least the server's minimum rate (resend on a faster link)"
                                        ) from None
-            raise DeadlineExceeded(f"the {self.what} sent nothing for {self.idle_timeout:g} s and was dropped; "
+            raise DeadlineExceeded(f"the {self.what} sent nothing for {idle:g} s and was dropped; "
                                    "retry when the connection is stable") from None
+        self._first = False
         if item is _END:
             self.close()
             raise StopIteration
