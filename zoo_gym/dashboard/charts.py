@@ -3,11 +3,12 @@ and testable by reading the page's HTML (every point carries its values as data 
 
 from __future__ import annotations
 
+import math
 from html import escape
 
 from markupsafe import Markup
 
-WIDTH, HEIGHT, PAD = 640, 220, 44  # px
+WIDTH, HEIGHT, PAD = 640, 220, 56  # px
 
 
 def _ticks(lo: float, hi: float, n: int = 4) -> list[float]:
@@ -42,8 +43,9 @@ def line_chart(points: list[tuple[int, float]], *, chart_id: str, title: str, y_
              f'<title>{escape(title)}</title>',
              f'<line class="axis" x1="{PAD}" y1="{PAD + h}" x2="{PAD + w}" y2="{PAD + h}"/>',
              f'<line class="axis" x1="{PAD}" y1="{PAD}" x2="{PAD}" y2="{PAD + h}"/>']
+    decimals = max(0, 1 - math.floor(math.log10((y1 - y0) / 4)))  # enough digits to tell the ticks apart
     for t in _ticks(y0, y1):
-        parts.append(f'<text class="tick" x="{PAD - 4}" y="{sy(t) + 4:.1f}" text-anchor="end">{t:.4g}</text>')
+        parts.append(f'<text class="tick" x="{PAD - 4}" y="{sy(t) + 4:.1f}" text-anchor="end">{t:.{decimals}f}</text>')
     step = max(1, len(xs) // 8)
     for x in xs[::step]:
         parts.append(f'<text class="tick" x="{sx(x):.1f}" y="{PAD + h + 16}" text-anchor="middle">{x}</text>')
