@@ -8,7 +8,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from zoo_gym import codec
-from zoo_gym.client.upload import build_header
+from zoo_gym.client.upload import build_header, get_round_request
 from zoo_gym.proto import gym_pb2
 
 
@@ -26,7 +26,7 @@ def test_accepted_submission_is_stored_and_counted(federation):
     resp = federation.submit(key, cid, payload)
     assert resp.submissions == 1 and resp.payload_sha256 == codec.sha256_hex(payload)
     assert federation.state.blobs.exists(resp.payload_sha256)
-    assert federation.round(cid).you_submitted
+    assert federation.stub.GetRound(get_round_request(key, cid)).you_submitted  # signed: only the owner learns it
 
 
 def test_forged_signature_is_unauthenticated_and_nothing_is_stored(federation):

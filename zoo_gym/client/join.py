@@ -13,7 +13,7 @@ import grpc
 from zoo_gym import codec
 from zoo_gym.client.connection import ServerUnreachable, open_stub, with_retries
 from zoo_gym.client.download import DownloadError, fetch_checkpoint
-from zoo_gym.client.upload import build_header, register_request, request_stream
+from zoo_gym.client.upload import build_header, get_round_request, register_request, request_stream
 from zoo_gym.gym_train.memory import release_memory
 from zoo_gym.proto import gym_pb2, signing
 
@@ -147,7 +147,7 @@ def join(opts: JoinOptions, *, say: Callable[[str], None] = print) -> list[dict]
         feedback = gym_train.ErrorFeedback(opts.workdir / f"error_feedback-{cid}.safetensors")
     summaries: list[dict] = []
     while len(summaries) < opts.rounds:
-        info = _wait_for_open_round(stub, cid, retry, say, opts, server_key=server_key)
+        info = _wait_for_open_round(stub, cid, retry, say, opts, server_key=server_key, key=key)
         try:  # the sha256 comes from the signed RoundInfo; the lineage's own signature is checked after unpacking
             model_dir = fetch_checkpoint(stub, info.base_sha256, info.base_size, opts.workdir, progress=opts.progress,
                                          retry=lambda fn: retry(fn, "download"), server_key=server_key)
@@ -197,11 +197,11 @@ def _verified(info, server_key: bytes, opts: JoinOptions):
     return info
 
 
-def _wait_for_open_round(stub, cid: str, retry, say, opts: JoinOptions, *, server_key: bytes):
+def _wait_for_open_round(stub, cid: str, retry, say, opts: JoinOptions, *, server_key: bytes, key):
     deadline = time.monotonic() + opts.max_wait
     announced = None
     while True:
-        info = retry(lambda: stub.GetRound(gym_pb2.GetRoundRequest(contributor_id=cid), timeout=30), "get round")
+        info = retry(lambda: stub.GetRound(get_round_request(key, cid), timeout=30), "get round")  # signed: you_submitted
         _verified(info, server_key, opts)
         if info.state == gym_pb2.ROUND_STATE_HALTED:
             raise JoinError(f"the server halted: {info.message or 'no more rounds'}")

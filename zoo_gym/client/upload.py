@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -48,3 +49,15 @@ def register_request(key: Ed25519PrivateKey, display_name: str, *, invite: str =
                                       payload_sha256=codec.sha256_hex(signed.encode()), nonce=nonce)
     return gym_pb2.RegisterRequest(public_key=public, display_name=display_name, nonce=nonce,
                                    signature=signing.sign(key, message), invite=invite)
+
+
+def get_round_request(key: Ed25519PrivateKey, contributor_id: str, *,
+                      now: float | None = None) -> gym_pb2.GetRoundRequest:
+    """A GetRoundRequest signed by `key`, so the server answers you_submitted for this contributor only
+    (an unsigned one gets you_submitted=false). Build a fresh one per call: the server accepts it only
+    within a few minutes of `now`."""
+    signed_at = int(time.time() if now is None else now)
+    nonce = signing.new_nonce()
+    message = signing.get_round_bytes(contributor=contributor_id, signed_at_unix=signed_at, nonce=nonce)
+    return gym_pb2.GetRoundRequest(contributor_id=contributor_id, nonce=nonce, signed_at_unix=signed_at,
+                                   signature=signing.sign(key, message))

@@ -42,7 +42,7 @@ DOMAIN = b"zoo-gym/v1\n"
 NONCE_BYTES = 16
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _ID = re.compile(r"^[0-9a-f]{32}$")
-METHODS = ("Register", "SubmitDelta")
+METHODS = ("Register", "SubmitDelta", "GetRound")
 
 
 class SignatureError(ValueError):
@@ -74,6 +74,13 @@ def canonical_bytes(
         raise SignatureError(f"nonce must be {NONCE_BYTES} bytes, got {len(nonce)}")
     fields = [method, contributor, str(round_id), payload_sha256, nonce.hex(), base_sha256]
     return DOMAIN + "\n".join(fields).encode()
+
+
+def get_round_bytes(*, contributor: str, signed_at_unix: int, nonce: bytes) -> bytes:
+    """What a contributor signs to learn RoundInfo.you_submitted: the GetRound canonical bytes, whose
+    payload is sha256(str(signed_at_unix)) (the server accepts a small clock skew only)."""
+    return canonical_bytes(method="GetRound", contributor=contributor, round_id=0, nonce=nonce,
+                           payload_sha256=hashlib.sha256(str(int(signed_at_unix)).encode()).hexdigest())
 
 
 ROUND_INFO_DOMAIN = b"zoo-gym/round-info/v1\n"

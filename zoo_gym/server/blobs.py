@@ -87,7 +87,7 @@ class BlobWriter:
             self.discard()
             raise BlobError(f"content sha256 is {digest}, but {expect_sha256} was declared")
         final = self._store.path(digest)
-        final.parent.mkdir(parents=True, exist_ok=True)
+        final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.replace(self.path, final)
         _fsync_dir(final.parent)
         return digest
@@ -102,8 +102,9 @@ class BlobStore:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.tmp_dir = self.root / "tmp"
-        self.tmp_dir.mkdir(parents=True, exist_ok=True)
-        (self.root / "sha256").mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # owner only, like the blobs (mkstemp: 0600)
+        self.tmp_dir.mkdir(mode=0o700, exist_ok=True)
+        (self.root / "sha256").mkdir(mode=0o700, exist_ok=True)
 
     def path(self, sha256: str) -> Path:
         if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):

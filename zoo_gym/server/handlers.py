@@ -127,8 +127,44 @@ class RoundView:
     dp_epsilon_spent: float
 
 
-def round_view(*, state: ServerState, contributor_id: str = "") -> RoundView:
+GET_ROUND_SKEW_S = 300  # a signed GetRound is accepted this many seconds either side of the server's clock
+
+
+def _signed_asker(s, *, contributor_id: str, nonce: bytes, signed_at_unix: int, signature: bytes) -> str:
+    """The contributor whose you_submitted a GetRound may learn: "" when the request is unsigned.
+
+    Raises Unauthenticated for a signature that does not verify against the registered key, an unknown
+    contributor, or a signed_at_unix outside the clock-skew window. GetRound writes nothing, so its nonce
+    is not stored: a replay is possible only within the window, and it tells the replayer no more than
+    the owner's own answer in those minutes (and TLS keeps the request from eavesdroppers)."""
+    check_contributor_id(contributor_id, required=False)
+    if not signature:
+        return ""
+    if not contributor_id:
+        raise InvalidArgument("a signed GetRound must name its contributor_id")
+    if len(nonce) != signing.NONCE_BYTES:
+        raise InvalidArgument(f"nonce must be {signing.NONCE_BYTES} random bytes")
+    skew = signed_at_unix - int(time.time())
+    if abs(skew) > GET_ROUND_SKEW_S:
+        raise Unauthenticated(f"signed_at_unix is {skew:+d} s from the server's clock (at most "
+                              f"{GET_ROUND_SKEW_S} s either way): set this machine's clock, then sign again")
+    contributor = s.get(Contributor, contributor_id)
+    if contributor is None:
+        raise Unauthenticated(f"contributor {contributor_id} is not registered; call Register first")
+    message = signing.get_round_bytes(contributor=contributor_id, signed_at_unix=signed_at_unix, nonce=nonce)
+    try:
+        signing.verify(bytes.fromhex(contributor.public_key), signature, message)
+    except signing.SignatureError as exc:
+        raise Unauthenticated(f"GetRound signature: {exc}") from exc
+    return contributor_id
+
+
+def round_view(*, state: ServerState, contributor_id: str = "", nonce: bytes = b"", signed_at_unix: int = 0,
+               signature: bytes = b"") -> RoundView:
+    """The current round; you_submitted only for a contributor who signed the request (see _signed_asker)."""
     with state.session() as s:
+        contributor_id = _signed_asker(s, contributor_id=contributor_id, nonce=nonce,
+                                       signed_at_unix=signed_at_unix, signature=signature)
         rnd = state.current_round(s)
         if rnd is None:
             raise FailedPrecondition("the server has no round; initialise it with `gym-server init`")

@@ -91,7 +91,8 @@ class GymServicer(gym_pb2_grpc.GymServicer):
     @_guard
     def GetRound(self, request, context):
         handlers.check_contributor_id(request.contributor_id, required=False)
-        v = handlers.round_view(state=self.state, contributor_id=request.contributor_id)
+        v = handlers.round_view(state=self.state, contributor_id=request.contributor_id, nonce=request.nonce,
+                                signed_at_unix=request.signed_at_unix, signature=request.signature)
         cfg = self.config
         info = gym_pb2.RoundInfo(
             round_id=v.round.id, state=_STATES[v.round.state], base_checkpoint_id=v.round.id - 1,

@@ -74,7 +74,7 @@ class StateLock:
     def __init__(self, root: Path) -> None:
         self._fd: int | None = None
         self.path = Path(root) / LOCK_FILE
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -95,6 +95,39 @@ class StateLock:
             self._fd = None
 
     __del__ = release  # a state dropped without release (a command that failed in-process) unlocks too
+
+
+PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600  # the directory holds the key, the rows and the uploads: owner only
+
+
+def make_private(path: Path) -> None:
+    """chmod a tree to 0700 directories and 0600 files (symlinks left alone), as the server's key already is.
+
+    `serve` runs it over its whole state directory, so directories made by older versions (0755, a
+    world-readable server.db) are tightened on upgrade."""
+    for dirpath, _dirs, files in os.walk(path):
+        try:
+            os.chmod(dirpath, PRIVATE_DIR)
+            for name in files:
+                if not os.path.islink(file := os.path.join(dirpath, name)):
+                    os.chmod(file, PRIVATE_FILE)
+        except OSError as exc:
+            raise StateError(f"cannot make {exc.filename} private (owner-only): {exc.strerror}") from None
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, PRIVATE_FILE)  # an existing file keeps its mode through O_CREAT
+        f.write(text)
+
+
+def _create_private_sqlite(url: str) -> None:
+    """Create a SQLite database file 0600 before SQLite does (it would make it 0644); SQLite gives its
+    -wal and -shm files the database file's mode."""
+    path = _sqlite_file(url)
+    if path is not None and not path.exists():
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE))
 
 
 def _default_db_url(root: Path) -> str:
@@ -192,7 +225,7 @@ class ServerState:
     @property
     def work_dir(self) -> Path:
         path = self.root / "work"
-        path.mkdir(exist_ok=True)
+        path.mkdir(mode=PRIVATE_DIR, exist_ok=True)
         return path
 
     @contextmanager
@@ -213,6 +246,8 @@ class ServerState:
             with _UNPACK_LOCK:
                 if not (dest / archive.WEIGHTS).is_file():
                     archive.unpack(self.blobs.path(sha256), dest)
+                    os.chmod(dest.parent, PRIVATE_DIR)
+                    make_private(dest)
         return dest
 
 
@@ -355,8 +390,10 @@ def init_state(state_dir: Path, *, base_model: str = "tiny", db_url: str | None 
     _sqlite_file(url)
     engine = _engine(url)  # a URL that cannot work fails here, before anything is created (no connection yet)
     existed = root.exists()
-    root.mkdir(parents=True, exist_ok=True)
+    root.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
     try:
+        os.chmod(root, PRIVATE_DIR)
+        _create_private_sqlite(url)
         with engine.connect() as conn:
             if inspect(conn).has_table("round"):
                 raise StateError(f"the database {_shown(url)} already holds a federation; give `init --db` an empty "
@@ -373,7 +410,7 @@ def init_state(state_dir: Path, *, base_model: str = "tiny", db_url: str | None 
 def _create(root: Path, engine: Engine, src: Path, *, base_model: str, db_url: str | None, template: str | None,
             examples: list[dict], validation_file: Path | None, check: bool) -> ServerState:
     work = root / "work"
-    work.mkdir(exist_ok=True)
+    work.mkdir(mode=PRIVATE_DIR, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         genesis = Path(tmp) / "genesis"
         genesis.mkdir()
@@ -403,6 +440,7 @@ def _create(root: Path, engine: Engine, src: Path, *, base_model: str, db_url: s
     if validation_file is not None:
         validation_name = "validation" + Path(validation_file).suffix.lower()
         shutil.copyfile(validation_file, root / validation_name)
+        os.chmod(root / validation_name, PRIVATE_FILE)
         state.validation_file = root / validation_name
     with state.session() as s:
         s.add(Checkpoint(sha256=sha, round_id=0, parent_sha256=None, size=size,
@@ -412,7 +450,7 @@ def _create(root: Path, engine: Engine, src: Path, *, base_model: str, db_url: s
     # the default database is stored as null: derived from the directory on open, so the directory can move
     meta = {"db_url": db_url, "base_model": base_model, "chat_template": template_source,
             "validation_file": validation_name}
-    (root / STATE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    _write_private(root / STATE_FILE, json.dumps(meta, indent=2) + "\n")
     return state
 
 
@@ -436,6 +474,8 @@ def open_state(state_dir: Path, *, db_url: str | None = None, exclusive: bool = 
         raise StateError(f"{root}/server_key.pem is missing; the ledger's signatures cannot be continued")
     lock = StateLock(root) if exclusive else None
     try:
+        if exclusive:
+            make_private(root)  # before SQLite opens (and makes -wal/-shm like) the database
         url = db_url or _stored_db_url(root, stored)
         db_file = _sqlite_file(url)
         if db_file is not None and not db_file.is_file():  # SQLite would create an empty one
