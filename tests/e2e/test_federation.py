@@ -29,6 +29,7 @@ from zoo_gym.proto import archive, gym_pb2, gym_pb2_grpc
 from zoo_gym.proto.tls import channel_credentials, make_certificates
 
 STEPS = os.environ.get("ZOO_GYM_E2E_STEPS", "60")
+DATABASES = ("sqlite", "postgresql")  # the whole module runs on each (tests/conftest.py)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -67,11 +68,12 @@ def _wait(predicate, *, timeout: float, what: str, procs=()):
 
 
 @pytest.fixture(scope="module")
-def federation(tmp_path_factory):
+def federation(tmp_path_factory, db_backend, new_database):
     root = tmp_path_factory.mktemp("federation")
     state_dir = root / "server"
-    subprocess.run(_server("init", "--state-dir", str(state_dir), "--base-model", "tiny"), check=True, env=ENV,
-                   capture_output=True)
+    db_url = new_database(db_backend)
+    subprocess.run(_server("init", "--state-dir", str(state_dir), "--base-model", "tiny",
+                           *(["--db", db_url] if db_url else [])), check=True, env=ENV, capture_output=True)
     port_file = root / "port"
     tls = make_certificates(root / "tls", hosts=("127.0.0.1", "localhost"))
     server = subprocess.Popen(_server("serve", "--state-dir", str(state_dir), "--port", "0", "--port-file",

@@ -16,12 +16,17 @@ from zoo_gym.rewards import (GENESIS_HASH, Ledger, LedgerError, NewEntry, canoni
                              verify_chain, verify_entries)
 
 KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
+DATABASES = ("sqlite", "postgresql")  # tests using `engine` run on both (tests/conftest.py)
 
 
 @pytest.fixture
-def engine():
-    eng = create_engine("sqlite://", connect_args={"check_same_thread": False},
-                        poolclass=StaticPool)
+def engine(db_url):
+    if db_url is None:
+        eng = create_engine("sqlite://", connect_args={"check_same_thread": False}, poolclass=StaticPool)
+    else:
+        from zoo_gym.server.state import make_engine
+
+        eng = make_engine(db_url)
     create_ledger_tables(eng)
     yield eng
     eng.dispose()

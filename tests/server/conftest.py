@@ -69,9 +69,10 @@ class Federation:
         return sum(1 for p in (self.state.blobs.root / "sha256").rglob("*") if p.is_file())
 
 
-def start_federation(state_dir, **overrides) -> Federation:
-    """A real in-process server on 127.0.0.1:0 over a new state directory; `overrides` are config flags."""
-    state = init_state(state_dir, base_model="tiny")
+def start_federation(state_dir, db_url=None, **overrides) -> Federation:
+    """A real in-process server on 127.0.0.1:0 over a new state directory; `overrides` are config flags.
+    `db_url`: the database (None: the directory's SQLite file; see tests/conftest.py)."""
+    state = init_state(state_dir, base_model="tiny", db_url=db_url)
     flags = dict(port=0, insecure=True, min_contributors=2, aggregator="mean", round_timeout=600, max_payload_bytes=4 << 20,
                  max_chunk_bytes=1 << 20)
     config = build_config({}, **{**flags, **overrides})
@@ -82,19 +83,19 @@ def start_federation(state_dir, **overrides) -> Federation:
 
 
 @pytest.fixture
-def federation(tmp_path):
-    fed = start_federation(tmp_path / "state")
+def federation(tmp_path, db_url):
+    fed = start_federation(tmp_path / "state", db_url)
     yield fed
     fed.stop()
 
 
 @pytest.fixture
-def federation_with(tmp_path):
+def federation_with(tmp_path, db_backend, new_database):
     """`federation_with(**flags)`: a federation with other settings (stopped after the test)."""
     started: list[Federation] = []
 
     def start(**overrides) -> Federation:
-        started.append(start_federation(tmp_path / f"state{len(started)}", **overrides))
+        started.append(start_federation(tmp_path / f"state{len(started)}", new_database(db_backend), **overrides))
         return started[-1]
 
     yield start

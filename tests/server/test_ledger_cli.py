@@ -13,6 +13,8 @@ from zoo_gym.client.cli import app as client_app
 from zoo_gym.server.cli import app as server_app
 from zoo_gym.server.models import Round, RoundState
 
+DATABASES = ("sqlite", "postgresql")  # the federation runs on each (tests/conftest.py)
+
 
 def _publish_one_round(federation, tmp_path) -> list:
     keys = []

@@ -17,6 +17,8 @@ from zoo_gym import codec
 from zoo_gym.client.upload import build_header
 from zoo_gym.proto import gym_pb2
 
+DATABASES = ("sqlite", "postgresql")  # the federation runs on each (tests/conftest.py)
+
 
 def _stored_files(federation) -> tuple[int, int]:
     """(files in the content-addressed store, files in its temporary directory)."""

@@ -82,14 +82,14 @@ def current_revision(conn: Connection) -> str | None:
     return rev
 
 
-def pending(conn: Connection, *, empty_ok: bool = False) -> list[Step]:
-    """The revisions above the database's, oldest first (SchemaError for a revision this code does not know).
-    An empty database is refused unless `empty_ok` (then every revision is pending)."""
+def pending(conn: Connection, *, empty_ok: bool = False, to: str = "head") -> list[Step]:
+    """The revisions above the database's up to `to`, oldest first (SchemaError for a revision this code does
+    not know). An empty database is refused unless `empty_ok` (then every revision is pending)."""
     current = current_revision(conn)
     if current is None and not empty_ok:
         raise SchemaError("the database holds no gym-server tables; create a federation with `gym-server init`")
     try:
-        revs = list(script().iterate_revisions(head(), current or "base"))
+        revs = list(script().iterate_revisions(head() if to == "head" else to, current or "base"))
     except Exception:  # noqa: BLE001 - alembic's lookup errors: a revision from a newer zoo-gym
         raise SchemaError(f"the database is at schema revision {current}, which this zoo-gym does not know: it was "
                           "written by a newer version; upgrade zoo-gym") from None
@@ -151,13 +151,13 @@ def backup_sqlite(db_file: Path, revision: str) -> Path:
     return dest
 
 
-def upgrade(url: str, *, empty_ok: bool = False) -> list[Step]:
-    """Apply every pending revision in one transaction; returns what was applied. `empty_ok`: build an empty
-    database from revision 0001 up (tests and `new`; `gym-server init` creates the tables itself)."""
+def upgrade(url: str, *, empty_ok: bool = False, to: str = "head") -> list[Step]:
+    """Apply every pending revision (up to `to`) in one transaction; returns what was applied. `empty_ok`: build
+    an empty database from revision 0001 up (tests and `new`; `gym-server init` creates the tables itself)."""
     engine = _migration_engine(url)
     try:
         with engine.begin() as conn:
-            steps = pending(conn, empty_ok=empty_ok)
+            steps = pending(conn, empty_ok=empty_ok, to=to)
             if not steps:
                 return []
             start = current_revision(conn)
@@ -165,9 +165,9 @@ def upgrade(url: str, *, empty_ok: bool = False) -> list[Step]:
                 MigrationContext.configure(conn).stamp(script(), start)  # an unstamped v0.1.0 database
 
             def fn(rev, _context):
-                return script()._upgrade_revs(head(), rev)
+                return script()._upgrade_revs(to, rev)
 
-            with EnvironmentContext(alembic_config(), script(), fn=fn, destination_rev=head()) as env:
+            with EnvironmentContext(alembic_config(), script(), fn=fn, destination_rev=to) as env:
                 env.configure(connection=conn, target_metadata=target_metadata(), render_as_batch=True)
                 with env.begin_transaction():
                     env.run_migrations()
