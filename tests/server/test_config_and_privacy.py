@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from zoo_gym import codec
 from zoo_gym.proto import gym_pb2
 from zoo_gym.server.cli import app
-from zoo_gym.server.config import ConfigError, build_config, read_config_file
+from zoo_gym.server.config import ConfigError, ServerConfig, build_config, read_config_file
 from zoo_gym.server.models import Round, RoundState
 from zoo_gym.server.servicer import build_server
 from zoo_gym.server.settlement import validate_rewards_settings
@@ -30,7 +30,9 @@ def test_file_values_are_overridden_by_flags_and_routed(tmp_path):
 
 
 def test_a_typo_is_an_error_naming_the_key(tmp_path):
-    cfg = build_config({"reward_pol": 5})
+    with pytest.raises(ConfigError, match="`reward_pol`; did you mean `reward_pool`"):
+        build_config({"reward_pol": 5})
+    cfg = ServerConfig(rewards={"reward_pol": 5})  # set directly, past build_config's check
     with pytest.raises(ConfigError, match="reward_pol"):
         validate_rewards_settings(cfg)
     with pytest.raises(ConfigError, match="min_contributors"):

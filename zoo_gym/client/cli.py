@@ -188,6 +188,8 @@ def rewards(
     except (RewardsError, TransportMismatch) as exc:
         _fail(str(exc), 1)
     except grpc.RpcError as exc:
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):  # nothing answered
+            _fail(f"the server at {server} is unreachable ({exc.code().name}): {exc.details()}", 1)
         _fail(f"the server refused ({exc.code().name}): {exc.details()}", 1)
     if as_json:
         typer.echo(json.dumps(doc, indent=2))

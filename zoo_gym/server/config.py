@@ -36,12 +36,14 @@ class ServerConfig:
     # Capacity (zoo_gym/server/upload_slots.py): the worker pool is max_uploads + max_pending_headers +
     # query_workers, so uploads never take the threads that health checks and queries answer on.
     max_uploads: int = field(default=32, metadata={"help": "uploads in progress at once (then RESOURCE_EXHAUSTED)"})
-    max_pending_headers: int = field(default=8, metadata={
-        "help": "upload streams at once that have not yet sent a verified header"})
-    max_pending_headers_per_peer: int = field(default=4, metadata={
+    max_pending_headers: int = field(default=64, metadata={
+        "help": "calls at once whose first message (an upload's verified header, a unary call's request) "
+                "has not arrived"})
+    max_pending_headers_per_peer: int = field(default=8, metadata={
         "help": "the same, from one peer address"})
     header_timeout: float = field(default=10.0, metadata={
-        "help": "seconds an upload stream may take to send its signed header before it is dropped"})
+        "help": "seconds a call may take to send its first message (an upload's signed header) before it is "
+                "dropped"})
     query_workers: int = field(default=16, metadata={
         "help": "threads kept for everything but uploads (health, GetRound, Register, balance, ledger, download)"})
     ssl_certfile: str | None = field(default=None, metadata={"help": "PEM certificate (chain) the server presents"})
@@ -141,22 +143,79 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return flat
 
 
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _check_type(key: str, value: Any, hint: Any) -> None:
+    """ConfigError naming `key` and the type it needs, for the plain types (int, float, str, bool, optional)."""
+    import types
+    import typing
+
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    optional = type(None) in args
+    wanted = [a for a in args if a is not type(None)]
+    if len(wanted) != 1 or wanted[0] not in _TYPE_NAMES or (value is None and optional):
+        return
+    want = wanted[0]
+    ok = (isinstance(value, bool) if want is bool else
+          isinstance(value, (int, float)) and not isinstance(value, bool) if want is float else
+          isinstance(value, want) and not isinstance(value, bool))
+    if not ok:
+        raise ConfigError(f"`{key}` must be {_TYPE_NAMES[want]}{' or empty' if optional else ''}, got {value!r} "
+                          f"({type(value).__name__})")
+
+
+def _rewards_key(key: str, value: Any) -> bool:
+    """Whether zoo_gym.server.settlement accepts `key` as a rewards setting (it validates the values)."""
+    from zoo_gym.server.settlement import validate_rewards_settings
+
+    try:
+        validate_rewards_settings(ServerConfig(rewards={key: value}))
+    except ConfigError as exc:
+        return not str(exc).startswith("unknown setting")
+    return True
+
+
+def _rewards_keys() -> set[str]:
+    from zoo_gym.rewards import ReputationConfig
+    from zoo_gym.server.settlement import _DEFAULTS
+
+    return set(_DEFAULTS) | {"min_quality"} | {f"reputation_{f.name}" for f in dataclasses.fields(ReputationConfig)}
+
+
+def _unknown_key(key: str, valid: set[str]) -> ConfigError:
+    import difflib
+
+    close = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.75)
+    hint = f"; did you mean `{close[0]}`?" if close else ""
+    return ConfigError(f"unknown setting `{key}`{hint} (valid settings: {', '.join(sorted(valid))}; dashes or "
+                       "underscores alike)")
+
+
 def build_config(file_values: dict[str, Any] | None = None, **flags: Any) -> ServerConfig:
-    """Defaults < file values < flags (flags that are None are 'not given')."""
-    merged: dict[str, Any] = dict(file_values or {})
+    """Defaults < file values < flags (flags that are None are 'not given'). A value of the wrong type is an
+    error naming its key and the type it needs; an unknown key one that names the closest valid key."""
+    import typing
+
+    merged: dict[str, Any] = {_norm(k): v for k, v in (file_values or {}).items()}
     merged.update({_norm(k): v for k, v in flags.items() if v is not None})
     from zoo_gym.aggregation import SoupConfig
 
     own = {f.name for f in dataclasses.fields(ServerConfig)} - {"soup", "rewards"}
     soup = {f.name for f in dataclasses.fields(SoupConfig)}
+    hints = {**typing.get_type_hints(SoupConfig), **typing.get_type_hints(ServerConfig)}
     kwargs: dict[str, Any] = {"soup": {}, "rewards": {}}
     for key, value in merged.items():
+        if key in own or key in soup:
+            _check_type(key, value, hints.get(key))
         if key in own:
             kwargs[key] = value
         elif key in soup:
             kwargs["soup"][key] = value
-        else:  # validated by zoo_gym.server.settlement.validate_rewards_settings (unknown keys are errors)
+        elif key in _rewards_keys() or _rewards_key(key, value):  # their values: validate_rewards_settings
             kwargs["rewards"][key] = value
+        else:
+            raise _unknown_key(key, own | soup | _rewards_keys())
     try:
         return ServerConfig(**kwargs)
     except TypeError as exc:
