@@ -57,6 +57,28 @@ def _print_round(status: dict, round_id: int) -> None:
                f"{change:>+7.1f}% | {ckpts[round_id]['sha256'][:12]} |")
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_until_interrupted(server: subprocess.Popen, dashboard_port: int) -> None:
+    where = f"; dashboard at https://127.0.0.1:{dashboard_port}/" if dashboard_port else ""
+    typer.echo(f"the server keeps serving{where}; Ctrl-C stops it")
+    import signal
+    import threading
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # also when started in the background (SIGINT ignored there)
+        signal.signal(sig, lambda *_: stop.set())
+    while server.poll() is None and not stop.wait(1.0):
+        pass
+    typer.echo("stopping")
+
+
 @app.command()
 def main(
     clients: int = typer.Option(3, min=1, help="Contributor processes."),
@@ -66,6 +88,10 @@ def main(
                                                         "...) [default: the server's, trimmed-mean]."),
     workdir: Optional[Path] = typer.Option(None, help="Keep state here (default: a temporary directory)."),
     max_steps: Optional[int] = typer.Option(None, help="Training steps per client per round."),
+    dashboard_port: Optional[int] = typer.Option(None, help="Port of the web dashboard; 0 = off \\[default: a "
+                                                            "free port]."),
+    keep: bool = typer.Option(False, "--keep", help="After the last round, keep the server and its dashboard "
+                                                   "running until Ctrl-C."),
 ) -> None:
     """Run a local federation on the built-in tiny model and print a table per round."""
     root = workdir or Path(tempfile.mkdtemp(prefix="zoo-gym-demo-"))
@@ -80,11 +106,13 @@ def main(
 
     tls = make_certificates(root / "tls", hosts=("127.0.0.1", "localhost"))  # a private CA, as an operator would
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if dashboard_port is None:
+        dashboard_port = _free_port()
     server = subprocess.Popen(
         _server_cmd("serve", "--state-dir", str(state_dir), "--port", "0", "--port-file", str(port_file),
                     "--min-contributors", str(clients), "--round-timeout", "600",
                     "--ssl-certfile", str(tls.cert), "--ssl-keyfile", str(tls.key),
-                    *(("--aggregator", aggregator) if aggregator else ())),
+                    "--dashboard-port", str(dashboard_port), *(("--aggregator", aggregator) if aggregator else ())),
         stderr=open(logs / "server.log", "w"), env=env)
     procs = []
     try:
@@ -92,6 +120,10 @@ def main(
         typer.echo(f"gym-server on 127.0.0.1:{port} over TLS (private CA {tls.ca}); starting {clients} "
                    f"contributors for {rounds} rounds "
                    f"({method}); logs in {logs}")
+        if dashboard_port:
+            typer.echo(f"dashboard: https://127.0.0.1:{dashboard_port}/ (JSON API under /api, Prometheus metrics at "
+                       f"/metrics; its certificate is from the demo's private CA {tls.ca}: tell the browser to "
+                       "accept it)")
         for i in range(clients):
             args = ["join", "--server", f"127.0.0.1:{port}", "--root-certificates", str(tls.ca),
                     "--rounds", str(rounds), "--method", method,
@@ -126,6 +158,8 @@ def main(
         if not losses[-1] < losses[0]:
             typer.echo("the federation did not lower the held-out loss", err=True)
             raise typer.Exit(1)
+        if keep:
+            _serve_until_interrupted(server, dashboard_port)
     finally:
         for p in procs:
             if p.poll() is None:
