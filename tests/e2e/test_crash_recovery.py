@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from safetensors import safe_open
 from sqlmodel import select
@@ -30,6 +31,7 @@ from zoo_gym.server.faults import FAULT_ENV, POINTS
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 ENV.pop(FAULT_ENV, None)
 KEYS = [Ed25519PrivateKey.from_private_bytes(bytes([7 + i]) * 32) for i in range(3)]
+SERVER_KEY = Ed25519PrivateKey.from_private_bytes(bytes([42]) * 32)
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +107,10 @@ def _run(root: Path, fault: str | None, payloads: list[bytes]) -> dict:
 
     state_dir, log = root / "state", root / "server.log"
     init_state(state_dir, base_model="tiny").engine.dispose()
+    # The published lineage carries the server's signature, so "the same inputs" include the server's key
+    # (Ed25519 signs deterministically): every run serves with the same one.
+    (state_dir / "server_key.pem").write_bytes(SERVER_KEY.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
     proc, port = _serve(state_dir, log, fault)
     try:
         _submit_all(port, payloads)
