@@ -111,3 +111,32 @@ def test_page_shows_the_round_and_refreshes_while_open(one_round, web):
     assert 'id="loss-chart"' in page and 'data-round="1"' in page
     assert 'href="/static/style.css"' in page and "http://" not in page.split("<body>")[0]  # no CDN
     assert web.get("/static/style.css").status_code == 200
+
+
+def test_an_edit_that_keeps_size_head_and_total_shows_within_max_age(one_round):
+    """A changed reason keeps the cheap fingerprint; the periodic re-verification still names the entry."""
+    import time
+
+    from zoo_gym.dashboard.queries import LedgerCheck
+
+    state = one_round["fed"].state
+    check = LedgerCheck(state, max_age=0.0)
+    assert check.report()["ok"]
+    with state.session() as s:
+        e = s.get(LedgerEntry, 1)
+        original, e.reason = e.reason, e.reason + " (edited)"
+        s.add(e)
+        s.commit()
+    try:
+        deadline = time.monotonic() + 30
+        report = check.report()
+        while report["ok"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+            report = check.report()
+        assert not report["ok"] and report["first_bad_seq"] == 1
+    finally:
+        with state.session() as s:
+            e = s.get(LedgerEntry, 1)
+            e.reason = original
+            s.add(e)
+            s.commit()

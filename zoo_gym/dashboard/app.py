@@ -37,7 +37,7 @@ def create_app(state, *, registry=None, dp_target_epsilon: float | None = None, 
         @app.get("/metrics", include_in_schema=False)
         def metrics() -> Response:  # a route, not a mount: a mount answers /metrics with a redirect
             return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-    check = queries.LedgerCheck(state)
+    check = app.state.ledger_check = queries.LedgerCheck(state)  # DashboardServer.start warms it
 
     def known(contributor_id: str) -> dict:
         if not _CID.match(contributor_id):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from datetime import datetime, timezone
 from typing import Any
 
@@ -150,26 +151,45 @@ def ledger(state, *, limit: int = 50, contributor: str | None = None) -> list[di
 
 
 class LedgerCheck:
-    """`gym-server ledger verify` (the whole chain and every signature), run again only when the
-    ledger's size or head changes: a page load must not re-check 10 000 signatures every time."""
+    """`gym-server ledger verify` (the whole chain and every signature) for the page.
 
-    def __init__(self, state) -> None:
-        self.state = state
+    Run again at once when the ledger's size, head or total changes (once per round), and in the
+    background when the last run is older than `max_age` seconds (so an edit that keeps all three shows
+    within that time): a page load must not re-check 10 000 signatures every time."""
+
+    def __init__(self, state, *, max_age: float = 60.0) -> None:
+        self.state, self.max_age = state, max_age
         self._lock = threading.Lock()
         self._key: tuple | None = None
         self._report: dict | None = None
+        self._at = 0.0
+        self._refreshing = False
 
-    def report(self) -> dict:
-        from zoo_gym.server.settlement import verify_ledger
-
+    def _fingerprint(self) -> tuple:
         with self.state.session() as s:
             key = tuple(s.exec(select(func.count(), func.max(LedgerEntry.seq), func.sum(LedgerEntry.amount))
                                .select_from(LedgerEntry)).one())
             head = s.exec(select(LedgerEntry.entry_hash).order_by(LedgerEntry.seq.desc()).limit(1)).first()
-        key = (*key, head)
+        return (*key, head)
+
+    def _run(self, key: tuple) -> None:
+        from zoo_gym.server.settlement import verify_ledger
+
+        report = verify_ledger(self.state)
         with self._lock:
-            if key != self._key:
-                self._report, self._key = verify_ledger(self.state), key
+            self._report, self._key, self._at, self._refreshing = report, key, time.monotonic(), False
+
+    def report(self) -> dict:
+        key = self._fingerprint()
+        with self._lock:
+            fresh = key == self._key
+            if fresh and time.monotonic() - self._at > self.max_age and not self._refreshing:
+                self._refreshing = True
+                threading.Thread(target=self._run, args=(key,), name="ledger-check", daemon=True).start()
+            if fresh:
+                return dict(self._report)
+        self._run(key)  # changed (or first): the page waits for the verdict on what it shows
+        with self._lock:
             return dict(self._report)
 
 

@@ -40,6 +40,9 @@ class DashboardServer:
         return f"{self.scheme}://{host}:{self.port}/"
 
     def start(self, timeout: float = 10.0) -> None:
+        check = getattr(self._server.config.app.state, "ledger_check", None)
+        if check is not None:  # verify the ledger now, not on the first page load
+            threading.Thread(target=check.report, name="ledger-check", daemon=True).start()
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:
