@@ -25,6 +25,7 @@ from zoo_gym.server.rounds import RoundManager
 from zoo_gym.server.signed_state import ledger_head, sign_round_info
 from zoo_gym.server.state import ServerState
 from zoo_gym.server.streams import BoundedStream
+from zoo_gym.server.wire import MalformedRequests
 from zoo_gym.server.upload_slots import UploadSlots
 
 log = logging.getLogger("zoo_gym.server")
@@ -222,7 +223,8 @@ def build_server(state: ServerState, config: ServerConfig) -> tuple[grpc.Server,
     workers = config.max_uploads + config.max_pending_headers + config.query_workers
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gym-rpc"),
                          options=options,
-                         interceptors=[rounds.metrics.interceptor])  # metrics and the RPC log lines
+                         # outermost first: bytes that do not parse are INVALID_ARGUMENT (wire.py), not INTERNAL
+                         interceptors=[MalformedRequests(), rounds.metrics.interceptor])  # then metrics and logs
     gym_pb2_grpc.add_GymServicer_to_server(GymServicer(state, config, rounds), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
