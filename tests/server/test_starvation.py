@@ -1,9 +1,10 @@
 """Stalled upload streams cannot starve the server (issue 14 item 4).
 
-Before: 16 SubmitDelta streams that sent nothing took every worker thread, and health checks and
-GetRound queued behind them until they timed out. Now a stream needs a slot, taken without waiting,
-before it holds a thread; its header must verify within --header-timeout; past the bounds the answer
-is RESOURCE_EXHAUSTED "server busy" at once, and the rest of the pool always answers queries.
+Before: 16 SubmitDelta streams that sent nothing (or 56 unary calls that never sent their request)
+took every worker thread, and health checks and GetRound queued behind them until they timed out. Now a
+call needs a slot, taken without waiting, before it holds a thread; its first message (an upload's
+header, a query's request) must arrive within --header-timeout; past the bounds the answer is
+RESOURCE_EXHAUSTED "server busy" at once, and the rest of the pool always answers queries.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def _signed_header(fed, key, cid, payload) -> gym_pb2.SubmitRequest:
 
 def _stalled_upload(fed, stop: threading.Event, key, cid: str, payload: bytes):
     """An upload whose signed header verified and which then stalls. A stream is refused ("server busy")
-    while 4 others from the same address await their header, so it is retried, as a client would."""
+    while 8 other calls from the same address await their first message, so it is retried, as a client would."""
     for _ in range(50):
         future = fed.stub.SubmitDelta.future(_stalled(stop, _signed_header(fed, key, cid, payload)), timeout=120)
         time.sleep(0.1)
@@ -130,7 +131,7 @@ def test_health_and_get_round_answer_under_200_silent_and_20_stalled_signed_stre
         silent = [gym_pb2_grpc.GymStub(attacker).SubmitDelta.future(_stalled(stop), timeout=120)
                   for _ in range(200)]
         calls += silent
-        assert _wait_until(lambda: sum(_refused_busy(f) for f in silent) >= 196), "past the bound: refused at once"
+        assert _wait_until(lambda: sum(_refused_busy(f) for f in silent) >= 192), "past the bound: refused at once"
         assert not any(f.done() for f in calls[:20]), "the signed uploads are still open (stalled)"
 
         checks = _probe(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5))
@@ -222,3 +223,34 @@ def test_a_chunk_over_the_limit_is_not_retried_as_busy(federation_with):
         with_retries(upload, what="upload", say=said.append, max_wait=30)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not is_busy(info.value)
     assert len(attempts) == 1 and said == []
+
+
+def test_unary_calls_that_never_send_their_request_cannot_starve_health_checks(federation_with):
+    fed = federation_with(header_timeout=3.0)
+    health = health_pb2_grpc.HealthStub(fed.channel)
+    stop = threading.Event()
+    relay = OtherAddress(fed.port)
+    attacker = grpc.insecure_channel(f"127.0.0.1:{relay.port}")
+    # A GetRound call whose request message never comes (a unary call opened as a stream that stays silent).
+    open_get_round = attacker.stream_unary("/zoo_gym.v1.Gym/GetRound",
+                                           request_serializer=gym_pb2.GetRoundRequest.SerializeToString,
+                                           response_deserializer=gym_pb2.RoundInfo.FromString)
+    calls = [open_get_round.future(_stalled(stop), timeout=60) for _ in range(100)]
+    try:
+        assert _wait_until(lambda: sum(_refused_busy(f) for f in calls) >= 92), "past 8 per address: refused"
+        checks = _probe(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5))
+        rounds = _probe(lambda: fed.stub.GetRound(gym_pb2.GetRoundRequest(), timeout=5))
+        assert max(checks) < 1.0 and max(rounds) < 1.0
+        held = [f for f in calls if not _refused_busy(f)]
+        assert len(held) == 8
+        for f in held:  # dropped by the server after 3 s, long before their own 60 s
+            with pytest.raises(grpc.RpcError) as dropped:
+                f.result(timeout=30)
+            assert dropped.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "request message must arrive within 3 s" in dropped.value.details()
+    finally:
+        stop.set()
+        for f in calls:
+            f.cancel()
+        attacker.close()
+        relay.close()

@@ -106,12 +106,14 @@ def serve(
     reward_pool: Optional[int] = typer.Option(None, help="Integer reward units split each round."),
     upload_idle_timeout: Optional[float] = typer.Option(None, help="Seconds an upload may send nothing before "
                                                                    "it is dropped \\[default: 60]."),
-    header_timeout: Optional[float] = typer.Option(None, help="Seconds an upload stream may take to send its signed "
-                                                              "header before it is dropped \\[default: 10]."),
+    header_timeout: Optional[float] = typer.Option(None, help="Seconds a call may take to send its first message "
+                                                              "(an upload's signed header, a query's request) "
+                                                              "before it is dropped \\[default: 10]."),
     max_uploads: Optional[int] = typer.Option(None, help="Uploads in progress at once; past it RESOURCE_EXHAUSTED "
                                                          "(\"server busy\", the client retries) \\[default: 32]."),
-    max_pending_headers: Optional[int] = typer.Option(None, help="Upload streams at once that have not yet sent a "
-                                                                 "verified header \\[default: 8; 4 per address]."),
+    max_pending_headers: Optional[int] = typer.Option(None, help="Calls at once still waiting for their first "
+                                                                 "message (an upload's verified header) "
+                                                                 "\\[default: 64; 8 per address]."),
     validation_data: Optional[Path] = typer.Option(
         None, "--validation-data", help=VALIDATION_HELP + " \\[default: the file given to `init`, else the built-in "
         "task's validation set]."),

@@ -25,7 +25,7 @@ from zoo_gym.server.rounds import RoundManager
 from zoo_gym.server.signed_state import ledger_head, sign_round_info
 from zoo_gym.server.state import ServerState
 from zoo_gym.server.streams import BoundedStream
-from zoo_gym.server.wire import MalformedRequests
+from zoo_gym.server.first_message import FirstMessageDeadline, PendingSlots
 from zoo_gym.server.upload_slots import UploadSlots
 
 log = logging.getLogger("zoo_gym.server")
@@ -73,13 +73,14 @@ def _guard_stream(method):
 
 
 class GymServicer(gym_pb2_grpc.GymServicer):
-    def __init__(self, state: ServerState, config: ServerConfig, rounds: RoundManager) -> None:
+    def __init__(self, state: ServerState, config: ServerConfig, rounds: RoundManager, *,
+                 pending: PendingSlots | None = None) -> None:
         self.state = state
         self.config = config
         self.rounds = rounds
-        self.upload_slots = UploadSlots(max_uploads=config.max_uploads, max_pending_headers=config.max_pending_headers,
-                                        max_pending_headers_per_peer=config.max_pending_headers_per_peer,
-                                        gate=handlers.UploadGate())
+        pending = pending or PendingSlots(total=config.max_pending_headers,
+                                          per_peer=config.max_pending_headers_per_peer)
+        self.upload_slots = UploadSlots(max_uploads=config.max_uploads, pending=pending, gate=handlers.UploadGate())
         self.admission = Admission.from_config(config, server_public_key=state.public_key)
 
     @_guard
@@ -214,18 +215,22 @@ def build_server(state: ServerState, config: ServerConfig) -> tuple[grpc.Server,
         # One server per port: without this a second server binds the same port and takes half the clients.
         ("grpc.so_reuseport", 0),
     ]
-    # One pool serves every RPC, and grpcio queues an RPC when all its threads are taken. SubmitDelta takes
-    # a slot without waiting (upload_slots.py), so uploads and streams awaiting their header hold at most
-    # max_uploads + max_pending_headers threads (a refused stream only for the moment its refusal takes);
-    # the query_workers left over always answer health, GetRound, Register, balance, ledger (and downloads).
+    # One pool serves every RPC, and grpcio queues an RPC when all its threads are taken. A call takes a slot
+    # without waiting: a pending slot until its first message arrives (an upload's signed header, a unary
+    # call's request, within header_timeout: first_message.py), an upload slot while it uploads
+    # (upload_slots.py). So calls waiting for their first message and uploads hold at most max_pending_headers
+    # + max_uploads threads (a refused call only for the moment its refusal takes), and the query_workers
+    # left over always answer health, GetRound, Register, balance, ledger (and downloads).
     # `maximum_concurrent_rpcs` is left unset on purpose: it is one counter over all methods, so reaching it
     # would refuse health checks and GetRound too.
     workers = config.max_uploads + config.max_pending_headers + config.query_workers
+    pending = PendingSlots(total=config.max_pending_headers, per_peer=config.max_pending_headers_per_peer)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gym-rpc"),
                          options=options,
-                         # outermost first: bytes that do not parse are INVALID_ARGUMENT (wire.py), not INTERNAL
-                         interceptors=[MalformedRequests(), rounds.metrics.interceptor])  # then metrics and logs
-    gym_pb2_grpc.add_GymServicer_to_server(GymServicer(state, config, rounds), server)
+                         # outermost first: a unary call's request must arrive in time (first_message.py)
+                         interceptors=[FirstMessageDeadline(pending, timeout=config.header_timeout),
+                                       rounds.metrics.interceptor])  # metrics and the RPC log lines
+    gym_pb2_grpc.add_GymServicer_to_server(GymServicer(state, config, rounds, pending=pending), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)

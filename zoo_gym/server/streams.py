@@ -27,10 +27,10 @@ class BoundedStream:
     """Iterate `source` with an idle timeout between items and an overall deadline (monotonic seconds)."""
 
     def __init__(self, source: Iterator[Any], *, idle_timeout: float, first_timeout: float | None = None,
-                 what: str = "upload") -> None:
+                 what: str = "upload", first_what: str = "first message (the signed header)") -> None:
         self.idle_timeout = idle_timeout
         self.first_timeout = idle_timeout if first_timeout is None else min(first_timeout, idle_timeout)
-        self.what = what
+        self.what, self.first_what = what, first_what
         self._first = True
         self._deadline = float("inf")
         self._queue: queue.Queue = queue.Queue(maxsize=_QUEUE_ITEMS)
@@ -75,8 +75,8 @@ class BoundedStream:
         except queue.Empty:
             self.close()
             if self._first and self._deadline - now > idle:
-                raise DeadlineExceeded(f"the {self.what} sent nothing for {idle:g} s and was dropped: its first "
-                                       f"message (the signed header) must arrive within {idle:g} s") from None
+                raise DeadlineExceeded(f"the {self.what} sent nothing for {idle:g} s and was dropped: its "
+                                       f"{self.first_what} must arrive within {idle:g} s") from None
             if self._deadline - now <= idle:
                 raise DeadlineExceeded(f"the {self.what} did not finish within its time limit; a stream "
                                        "must keep at least the server's minimum rate (resend on a faster link)"
