@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import grpc
 import pytest
@@ -46,7 +47,7 @@ def test_sybil_burst_from_one_address_is_refused_after_the_burst(federation_with
             refusals.append(exc)
     assert accepted == 5 and len(refusals) == 45
     assert {e.code() for e in refusals} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
-    assert "try again in 60 s" in refusals[-1].details()  # 1 a minute: the next token is a minute away
+    assert re.search(r"try again in (5\d|60) s", refusals[-1].details())  # 1 a minute: the next is ~60 s away
     assert _rows(fed, Contributor) == 5 and _rows(fed, UsedNonce) == 5
 
 

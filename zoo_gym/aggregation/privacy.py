@@ -33,7 +33,9 @@ It assumes: (1) nothing about who takes part: with q = 1 every published round i
 every contributor as if they had submitted to it, so one who submits whenever they like is
 covered. (2) The noise is drawn from a generator the adversary cannot predict (`dp_secure_noise`:
 a fresh generator seeded from os.urandom, plus Opacus's sum-of-4-Gaussians smoothing against
-floating-point attacks; a caller-supplied seeded generator is for tests and gives no privacy).
+floating-point attacks; a caller-supplied seeded generator is for tests and gives no privacy,
+unless its seed is secret: the gym-server seeds it with HMAC-SHA256(its private key, base sha256),
+so a redo after a crash draws the same noise and nobody without the key can reproduce it).
 (3) Nothing other than the noised aggregate is released: per-contributor diagnostics (norms,
 scores, selection) in the SoupReport are NOT private and must stay on the server.
 (4) Adaptive clipping spends privacy on the noised clipped-count too; following Andrew et al. 2021

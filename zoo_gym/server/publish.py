@@ -8,6 +8,8 @@ store as the next checkpoint (checkpoint_writer.py).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import math
@@ -19,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from cryptography.hazmat.primitives import serialization
 from sqlmodel import func, select
 
 from zoo_gym import codec
@@ -127,6 +130,17 @@ def _jsonable(obj):
     return obj
 
 
+def round_generator(state: ServerState, base_sha256: str) -> torch.Generator:
+    """The round's randomness (DP noise, adaptive clipping's noised count), seeded with 64 bits of
+    HMAC-SHA256(server's private key, base sha256): a redo after a crash draws the same noise, and nobody
+    without the server's key can reproduce the noise and subtract it from the published weights (seeded
+    from the public base sha256 alone, as before, it gave no privacy at all)."""
+    secret = state.key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                     serialization.NoEncryption())
+    digest = hmac.new(secret, b"zoo-gym/round-noise/v1\n" + base_sha256.encode(), hashlib.sha256).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "big"))
+
+
 def record_round_inputs(state: ServerState, config: ServerConfig, round_id: int, contributors: list[str],
                         session) -> RoundInputs:
     """Copy what the round's outcome depends on (reputations, clip norm) into its row, with the population
@@ -208,7 +222,7 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
         stored = StoredDeltas(payloads, contributors, shapes)
         source = scoring_tap(config, stored, evaluator)
         weights = aggregation_weights(config, contributors, reputations)
-        gen = torch.Generator().manual_seed(int.from_bytes(bytes.fromhex(rnd.base_sha256[:16]), "big"))
+        gen = round_generator(state, rnd.base_sha256)
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=state.work_dir)))
         out = tmp / "ckpt"
         out.mkdir()
