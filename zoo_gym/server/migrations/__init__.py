@@ -16,6 +16,7 @@ writes one by comparing the models with a database at the head (review it before
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,8 +75,16 @@ def target_metadata():
     return SQLModel.metadata
 
 
+def _quiet() -> None:
+    """Alembic says "Context impl SQLiteImpl." at INFO on every check; the server's log is not the place."""
+    logger = logging.getLogger("alembic.runtime.migration")
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.WARNING)
+
+
 def current_revision(conn: Connection) -> str | None:
     """The database's revision: its stamp, BASELINE for an unstamped v0.1.0 database, None when empty."""
+    _quiet()
     rev = MigrationContext.configure(conn).get_current_revision()
     if rev is None and inspect(conn).has_table("round"):
         return BASELINE
@@ -109,6 +118,7 @@ def check_at_head(engine: Engine, where: str) -> None:
 
 
 def stamp_head(conn: Connection) -> None:
+    _quiet()
     MigrationContext.configure(conn).stamp(script(), "head")
 
 
