@@ -32,9 +32,13 @@ class TrainResult:
 
 
 def _quiet(progress: bool):
+    import warnings
+
     import datasets
     import transformers
 
+    # transformers/TRL/PEFT deprecation notices (FutureWarning) are for us, not for a contributor's terminal
+    warnings.filterwarnings("ignore", category=FutureWarning)
     if progress:
         return contextlib.nullcontext()
     transformers.utils.logging.set_verbosity_error()
@@ -90,7 +94,7 @@ def common_training_args(cfg: TrainConfig, output_dir: str, *, progress: bool) -
         seed=cfg.seed,
         data_seed=cfg.seed,
         disable_tqdm=not progress,
-        log_level="info" if progress else "error",
+        log_level="warning" if progress else "error",  # not the "share your model on huggingface.co" line
         dataloader_num_workers=0,
         include_num_input_tokens_seen="non_padding",
         gradient_checkpointing=cfg.gradient_checkpointing,  # TRL defaults it on; the tiny model needs no memory saving
@@ -98,12 +102,15 @@ def common_training_args(cfg: TrainConfig, output_dir: str, *, progress: bool) -
 
 
 def quiet_trainer(trainer, progress: bool) -> None:
-    """Without progress, drop the callback that prints every log dict to stdout."""
-    if not progress:
-        from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    """Without progress, drop the callbacks that print every log dict to stdout and draw the bar, and
+    print a step/loss/ETA line at least every 10 s instead (zoo_gym/gym_train/heartbeat.py)."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-        trainer.remove_callback(PrinterCallback)
-        trainer.remove_callback(ProgressCallback)
+    from zoo_gym.gym_train.heartbeat import Heartbeat, training_bar
+
+    trainer.remove_callback(PrinterCallback)  # raw log dicts
+    trainer.remove_callback(ProgressCallback)  # writes every log dict under its bar
+    trainer.add_callback(training_bar() if progress else Heartbeat())
 
 
 def is_plain_text(examples: list[dict]) -> bool:
