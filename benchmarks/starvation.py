@@ -1,11 +1,12 @@
 """Health and GetRound latency of a real `gym-server` (TLS) under stalled upload streams (issue 14 item 4).
 
 Starts `gym-server serve` on 127.0.0.1 with its defaults, measures health checks and GetRound idle, then
-while 200 SubmitDelta streams from another peer address (127.0.0.2, through a relay) send nothing and 20
-registered contributors' streams send a signed header and stall; then times one legitimate submission.
+while 200 SubmitDelta streams and 100 GetRound calls from another peer address (127.0.0.2, through a
+relay) send nothing and 20 registered contributors' streams send a signed header and stall; then times
+one legitimate submission.
 The stream helpers are the ones tests/server/test_starvation.py uses. Prints one JSON document.
 
-    python benchmarks/starvation.py [--probes 50] [--silent 200] [--stalled 20]
+    python benchmarks/starvation.py [--probes 50] [--silent 200] [--silent-unary 100] [--stalled 20]
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--probes", type=int, default=50)
     ap.add_argument("--silent", type=int, default=200)
+    ap.add_argument("--silent-unary", type=int, default=100)
     ap.add_argument("--stalled", type=int, default=20)
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="starvation-"))
@@ -103,11 +105,16 @@ def main() -> None:
         cids = [remote.stub.Register(register_request(k, "bench"), timeout=10).contributor_id for k in keys]
         calls += [_stalled_upload(remote, stop, k, c, payload) for k, c in zip(keys[:-1], cids[:-1])]
         relay = OtherAddress(port)
-        attacker = gym_pb2_grpc.GymStub(grpc.secure_channel(f"127.0.0.1:{relay.port}", creds))
+        attacker_channel = grpc.secure_channel(f"127.0.0.1:{relay.port}", creds)
+        attacker = gym_pb2_grpc.GymStub(attacker_channel)
         silent = [attacker.SubmitDelta.future(_stalled(stop), timeout=300) for _ in range(args.silent)]
-        calls += silent
+        open_get_round = attacker_channel.stream_unary(  # a GetRound whose request message never comes
+            "/zoo_gym.v1.Gym/GetRound", request_serializer=gym_pb2.GetRoundRequest.SerializeToString,
+            response_deserializer=gym_pb2.RoundInfo.FromString)
+        silent_unary = [open_get_round.future(_stalled(stop), timeout=300) for _ in range(args.silent_unary)]
+        calls += silent + silent_unary
         time.sleep(2.0)
-        refused = sum(_refused_busy(f) for f in silent)
+        refused = sum(_refused_busy(f) for f in silent + silent_unary)
         under = {"health": _figures(_probe(check, args.probes)), "get_round": _figures(_probe(get_round, args.probes))}
         still_open = sum(not f.done() for f in calls)
 
@@ -119,10 +126,11 @@ def main() -> None:
         submit_s = time.perf_counter() - t
         print(json.dumps({
             "benchmark": "starvation", "server": "gym-server serve (TLS, defaults: --max-uploads 32, "
-                                                 "--max-pending-headers 8 / 4 per address, --header-timeout 10)",
+                                                 "--max-pending-headers 64 / 8 per address, --header-timeout 10)",
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
             "idle": idle,
-            "attack": {"silent_streams": args.silent, "silent_refused_busy_at_once": refused,
+            "attack": {"silent_streams": args.silent, "silent_unary_calls": args.silent_unary,
+                       "silent_refused_busy_at_once": refused,
                        "stalled_signed_streams": args.stalled, "streams_still_open_during_probes": still_open},
             "under_attack": under,
             "legitimate_submission": {"seconds": round(submit_s, 3), "ok": resp.payload_sha256 == codec.sha256_hex(payload),
