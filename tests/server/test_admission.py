@@ -173,3 +173,9 @@ def test_invite_command_prints_one_token_a_line(federation_with):
     assert res.exit_code == 0
     tokens = res.stdout.split()
     assert len(tokens) == 3 and all(_register(fed, invite=t).created for t in tokens)
+
+
+def test_serve_refuses_an_unknown_admission_mode_in_one_line(tmp_path):
+    res = CliRunner().invoke(server_app, ["serve", "--state-dir", str(tmp_path), "--insecure", "--admission", "opne"])
+    assert res.exit_code == 2 and "`admission` must be open or invite" in res.output
+    assert "Traceback" not in res.output and len(res.output.strip().splitlines()) == 1
