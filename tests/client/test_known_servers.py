@@ -151,6 +151,10 @@ def test_signed_round_info_and_ledger_head_verify_and_edits_do_not(servers, tmp_
     verify_round_info(info, server_key=pub, address=fed.address)
     verify_ledger_head(head, server_key=pub, address=fed.address)
     assert head.entries == 2 and head.last_hash == fed.ledger().head()[1]
+    asker = gym_pb2.RoundInfo()
+    asker.CopyFrom(info)
+    asker.you_submitted = not info.you_submitted  # per asker, so not signed: the rest still verifies
+    verify_round_info(asker, server_key=pub, address=fed.address)
     for field, value in (("base_sha256", "e" * 64), ("deadline_unix", info.deadline_unix + 60), ("round_id", 9)):
         forged = gym_pb2.RoundInfo()
         forged.CopyFrom(info)
