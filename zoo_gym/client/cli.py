@@ -21,6 +21,20 @@ CODECS = ("auto", "bitdelta", "int8", "int4", "fp16", "bf16", "lora")
 METHODS = ("lora", "sft", "grpo")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from zoo_gym import __version__
+
+        typer.echo(f"gym-client {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                          help="Print the version and exit.")) -> None:
+    pass
+
+
 def _roots_option():
     return typer.Option(None, "--root-certificates", help="PEM file of the CA the server's TLS certificate must "
                         "chain to (the federation's ca.pem) \\[default: the system trust store].")

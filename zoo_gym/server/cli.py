@@ -27,6 +27,20 @@ app = typer.Typer(help="Zoo Gym server: runs federated rounds, merges deltas, pu
 ledger_app = typer.Typer(help="Inspect and verify the rewards ledger.", no_args_is_help=True)
 app.add_typer(ledger_app, name="ledger")
 
+
+def _print_version(value: bool) -> None:
+    if value:
+        from zoo_gym import __version__
+
+        typer.echo(f"gym-server {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                          help="Print the version and exit.")) -> None:
+    pass
+
 StateDir = typer.Option(..., "--state-dir", help="Directory holding the server's database, blobs and key.")
 VALIDATION_HELP = ("Held-out examples the server evaluates every checkpoint on: alpaca records "
                    "(instruction / input / output) or sharegpt records (conversations), as .json or .jsonl "
