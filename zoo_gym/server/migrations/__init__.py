@@ -16,6 +16,7 @@ writes one by comparing the models with a database at the head (review it before
 
 from __future__ import annotations
 
+import functools
 import logging
 import sqlite3
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from alembic.config import Config
 from alembic.runtime.environment import EnvironmentContext
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.script.revision import RevisionError
 from sqlalchemy import create_engine, event, inspect
 from sqlalchemy.engine import Connection, Engine
 
@@ -49,14 +51,9 @@ def alembic_config() -> Config:
     return cfg
 
 
-_script: ScriptDirectory | None = None
-
-
+@functools.cache
 def script() -> ScriptDirectory:
-    global _script
-    if _script is None:
-        _script = ScriptDirectory.from_config(alembic_config())
-    return _script
+    return ScriptDirectory.from_config(alembic_config())
 
 
 def head() -> str:
@@ -99,7 +96,7 @@ def pending(conn: Connection, *, empty_ok: bool = False, to: str = "head") -> li
         raise SchemaError("the database holds no gym-server tables; create a federation with `gym-server init`")
     try:
         revs = list(script().iterate_revisions(head() if to == "head" else to, current or "base"))
-    except Exception:  # noqa: BLE001 - alembic's lookup errors: a revision from a newer zoo-gym
+    except RevisionError:  # a revision written by a newer zoo-gym
         raise SchemaError(f"the database is at schema revision {current}, which this zoo-gym does not know: it was "
                           "written by a newer version; upgrade zoo-gym") from None
     return [Step(r.revision, (r.doc or "").strip().splitlines()[0] if r.doc else "") for r in reversed(revs)
