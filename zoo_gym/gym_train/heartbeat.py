@@ -28,6 +28,7 @@ class Heartbeat(TrainerCallback):
         self._start = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._beats = 0
 
     def line(self) -> str:
         elapsed = time.monotonic() - self._start
@@ -38,6 +39,7 @@ class Heartbeat(TrainerCallback):
 
     def _beat(self) -> None:
         while not self._stop.wait(self.interval):
+            self._beats += 1
             self.say(self.line())
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -58,7 +60,8 @@ class Heartbeat(TrainerCallback):
         if self._thread is not None:
             self._thread.join(5)
         self._step = state.global_step
-        self.say(self.line().replace(", ETA after the first step", "").split(", ETA")[0] + ", done")
+        if self._beats:  # a run shorter than one interval (init's one-step check) stays silent
+            self.say(self.line().split(", ETA")[0] + ", done")
 
 
 def training_bar():
