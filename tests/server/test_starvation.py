@@ -254,3 +254,14 @@ def test_unary_calls_that_never_send_their_request_cannot_starve_health_checks(f
             f.cancel()
         attacker.close()
         relay.close()
+
+
+def test_a_burst_of_honest_calls_from_one_address_is_never_refused_as_busy(federation):
+    # Their requests arrive at once, so they take no pending slot: the per-address bound does not touch them.
+    from concurrent.futures import ThreadPoolExecutor
+
+    def get_round(_):
+        return federation.stub.GetRound(gym_pb2.GetRoundRequest(), timeout=30).round_id
+
+    with ThreadPoolExecutor(max_workers=48) as pool:
+        assert set(pool.map(get_round, range(500))) == {federation.round().round_id}

@@ -4,9 +4,10 @@ grpcio's synchronous server takes a pool thread for a unary call (GetRound, heal
 waits inside grpcio, with no time limit, for its request message: calls that never send one used to
 hold every thread, and health checks queued behind them. `FirstMessageDeadline`, the outermost server
 interceptor, serves unary methods as client-streaming ones (the bytes on the wire are the same), so
-their request is read through `BoundedStream` within `header_timeout` seconds, after taking a
-`PendingSlots` slot without waiting. SubmitDelta takes one of the same slots until its signed header
-verifies (upload_slots.py). No free slot: RESOURCE_EXHAUSTED "server busy ... retry later" at once.
+their request is read through `BoundedStream`: a request not there within `GRACE_S` is waited for
+`header_timeout` seconds more, and only on a `PendingSlots` slot, taken without waiting. SubmitDelta
+takes one of the same slots until its signed header verifies (upload_slots.py). No free slot:
+RESOURCE_EXHAUSTED "server busy ... retry later" at once.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import grpc
 
 from zoo_gym.proto.busy import busy_message
 from zoo_gym.server.errors import GymError, ResourceExhausted
-from zoo_gym.server.streams import BoundedStream
+from zoo_gym.server.streams import NOT_YET, BoundedStream
+
+GRACE_S = 0.25  # a request that arrives this soon takes no pending slot, so bursts of honest calls never wait
 
 
 def peer_host(peer: str) -> str:
@@ -60,7 +63,7 @@ class PendingSlots:
 
 
 class FirstMessageDeadline(grpc.ServerInterceptor):
-    """Unary methods read their request within `timeout` seconds, holding a `PendingSlots` slot meanwhile."""
+    """Unary methods read their request within GRACE_S + `timeout` seconds (the wait past GRACE_S on a slot)."""
 
     def __init__(self, slots: PendingSlots, *, timeout: float) -> None:
         self.slots, self.timeout = slots, timeout
@@ -83,18 +86,21 @@ class FirstMessageDeadline(grpc.ServerInterceptor):
         return wrapped
 
     def _request(self, requests, context, method: str):
-        try:
-            host = self.slots.take(context.peer())
-        except GymError as exc:
-            context.abort(exc.code, str(exc))
         stream = BoundedStream(requests, idle_timeout=self.timeout, what="call", first_what="request message")
+        host = None
         try:
-            request = next(stream, None)
+            request = stream.poll(GRACE_S)
+            if request is NOT_YET:  # a slow or silent call waits for its request only on a pending slot
+                host = self.slots.take(context.peer())
+                request = next(stream)
+        except StopIteration:
+            request = None
         except GymError as exc:
             context.abort(exc.code, str(exc))
         finally:
             stream.close()
-            self.slots.give_back(host)
+            if host is not None:
+                self.slots.give_back(host)
         if request is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method} takes exactly one request message; none came")
         return request

@@ -20,6 +20,7 @@ from typing import Any
 from zoo_gym.server.errors import DeadlineExceeded
 
 _END = object()
+NOT_YET = object()  # BoundedStream.poll: nothing arrived within the wait
 _QUEUE_ITEMS = 2  # read-ahead: at most two chunks wait in memory per stream
 
 
@@ -83,6 +84,17 @@ class BoundedStream:
                                        ) from None
             raise DeadlineExceeded(f"the {self.what} sent nothing for {idle:g} s and was dropped; "
                                    "retry when the connection is stable") from None
+        return self._hand_over(item)
+
+    def poll(self, timeout: float) -> Any:
+        """The next item if it arrives within `timeout` seconds, else `NOT_YET` (the stream stays open)."""
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return NOT_YET
+        return self._hand_over(item)
+
+    def _hand_over(self, item: Any) -> Any:
         self._first = False
         if item is _END:
             self.close()
