@@ -1,0 +1,46 @@
+"""Random variants of a base and the merged models they must equal (shared by the serving tests)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+from safetensors import safe_open
+
+from zoo_gym import codec
+from zoo_gym.serving.variant import encode_variant, weights_sha256
+
+
+def base_tensors(base_dir: pathlib.Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(base_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                out[k] = sf.get_tensor(k)
+    return out
+
+
+def random_variant_payload(base_dir: pathlib.Path, *, seed: int, scale: float = 0.02, only_2d: bool = False,
+                           group_size: int = 128) -> bytes:
+    """A variant changing every base tensor (2-D: bitdelta; 1-D: fp16) by a random delta."""
+    g = torch.Generator().manual_seed(seed)
+    delta = {}
+    for name, t in base_tensors(base_dir).items():
+        if only_2d and t.dim() != 2:
+            continue
+        delta[name] = torch.randn(t.shape, generator=g) * scale
+    return encode_variant(delta, base_sha256=weights_sha256(base_dir), info={"seed": seed}, group_size=group_size)
+
+
+def merged_model(base_dir: pathlib.Path, payload: bytes | None):
+    """The base with the decoded delta added (what serving must reproduce)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    model.eval()
+    if payload is not None:
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, d in codec.decode(payload).items():
+                params[name].add_(d.to(torch.float32))
+    return model

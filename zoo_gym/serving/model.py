@@ -1,0 +1,122 @@
+"""One base model serving many packed variants per forward, and batched decoding over it."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from zoo_gym.serving.adapted import BatchContext, check_servable, patch_model
+from zoo_gym.serving.variant import Variant
+
+
+class MultiVariantModel:
+    """A Hugging Face causal LM whose adapted layers add each row's variant delta (see ``adapted``)."""
+
+    def __init__(self, model, *, device: str | torch.device = "cpu") -> None:
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.ctx = BatchContext()
+        self.servable = patch_model(model, self.ctx)
+        self.model = model
+        self.device = torch.device(device)
+
+    @classmethod
+    def from_dir(cls, base_dir: str | pathlib.Path, *, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu") -> "MultiVariantModel":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=dtype).to(device)
+        return cls(model, device=device)
+
+    def check(self, variant: Variant) -> None:
+        """ValueError when this base cannot apply one of the variant's tensors."""
+        check_servable(variant, self.servable)
+
+    def on_device(self, variant: Variant) -> Variant:
+        if self.device.type == "cpu":
+            return variant
+        for pw in variant.packed.values():
+            pw.signs, pw.scales = pw.signs.to(self.device), pw.scales.to(self.device)
+        variant.dense = {k: t.to(self.device) for k, t in variant.dense.items()}
+        return variant
+
+    @torch.inference_mode()
+    def forward(self, variants: list[Variant | None], **inputs):
+        """The model's output for a batch whose row i uses ``variants[i]`` (None: the base alone)."""
+        slots: list[Variant] = []
+        index = []
+        for v in variants:
+            if v is None:
+                index.append(-1)
+                continue
+            if not any(s is v for s in slots):
+                slots.append(v)
+            index.append(next(i for i, s in enumerate(slots) if s is v))
+        self.ctx.variants = slots
+        self.ctx.variant_of_row = torch.tensor(index, dtype=torch.long, device=self.device)
+        try:
+            return self.model(**inputs)
+        finally:
+            self.ctx.variants, self.ctx.variant_of_row = [], None
+
+    def logits(self, variants: list[Variant | None], input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """(B, T, vocab) logits of left- or right-padded rows."""
+        pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        return self.forward(variants, input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
+                            use_cache=False).logits
+
+    def generate(self, variants: list[Variant | None], prompts: list[list[int]], *, max_new_tokens: list[int],
+                 temperature: list[float], eos_ids: set[int], pad_id: int,
+                 generator: torch.Generator | None = None) -> Iterator[list[int | None]]:
+        """Decode all rows together (left padding, KV cache); yield each step's token per row (None once a
+        row stopped: EOS, which is yielded, or its own max_new_tokens)."""
+        b = len(prompts)
+        width = max(len(p) for p in prompts)
+        ids = torch.full((b, width), pad_id, dtype=torch.long)
+        mask = torch.zeros((b, width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        temps = torch.tensor(temperature, dtype=torch.float32, device=self.device)
+        done = [False] * b
+        produced = [0] * b
+        past = None
+        step_ids, step_pos = ids, pos
+        for _ in range(max(max_new_tokens)):
+            out = self.forward(variants, input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
+                               past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            nxt = _pick(out.logits[:, -1, :].float(), temps, generator)  # (B,)
+            row = []
+            for i in range(b):
+                if done[i]:
+                    row.append(None)
+                    continue
+                tok = int(nxt[i])
+                produced[i] += 1
+                row.append(tok)
+                if tok in eos_ids or produced[i] >= max_new_tokens[i]:
+                    done[i] = True
+            yield row
+            if all(done):
+                return
+            step_ids = nxt.unsqueeze(1)
+            step_pos = step_pos[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
+
+
+def _pick(logits: Tensor, temps: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Greedy for rows at temperature 0, sampled from softmax(logits / t) otherwise."""
+    greedy = logits.argmax(-1)
+    if not bool((temps > 0).any()):
+        return greedy
+    t = temps.clamp(min=1e-5).unsqueeze(1)
+    probs = torch.softmax(logits / t, dim=-1)
+    sampled = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(logits.device)
+    return torch.where(temps > 0, sampled, greedy)

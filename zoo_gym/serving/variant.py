@@ -1,0 +1,153 @@
+"""A personal variant on disk (``NAME.zgd``) and in memory.
+
+File: one ``zoo_gym.codec`` payload (the delta: 2-D weights as bitdelta, groups of 128 along each row,
+log8 scales; 1-D tensors fp16) whose metadata is the variant's manifest::
+
+    {"zoo_gym_variant": 1, "base_sha256": "<hex>", "base": "<where it was trained>", ...}
+
+``base_sha256`` is the sha256 of the base's weights: the bytes of every ``*.safetensors`` file of the
+base directory, concatenated in sorted file-name order (for the usual single ``model.safetensors``
+this is ``sha256sum model.safetensors``). It does not change when a tokenizer or config file is
+edited, and it is the same for a federation checkpoint and the directory it unpacks to. A variant is
+served only over a base with that sha256 (:class:`VariantMismatch` otherwise).
+
+In memory (:class:`Variant`) the signs stay packed: uint8 (rows, ceil(cols/8)) plus float32 scales
+(rows, n_groups), i.e. 1 bit per weight plus 4 bytes per group; 1-D deltas are kept dense (they are a
+few KiB).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from zoo_gym import codec
+
+FORMAT = 1
+SUFFIX = ".zgd"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_READ_CHUNK = 8 << 20
+
+
+class VariantError(ValueError):
+    """A variant file is unreadable or not a variant; the message says which and why."""
+
+
+class VariantMismatch(VariantError):
+    """A variant was built for another base."""
+
+
+def weights_sha256(base_dir: str | pathlib.Path) -> str:
+    """sha256 of the base's ``*.safetensors`` bytes in sorted file-name order (see module docstring)."""
+    files = sorted(pathlib.Path(base_dir).glob("*.safetensors"))
+    if not files:
+        raise VariantError(f"{base_dir}: no *.safetensors weights (is it a Hugging Face model directory?)")
+    h = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as fh:
+            while chunk := fh.read(_READ_CHUNK):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise VariantError(f"variant name {name!r} must be 1-64 letters, digits, '.', '_' or '-' "
+                           "(starting with a letter or digit)")
+    return name
+
+
+def encode_variant(delta: dict, *, base_sha256: str, info: dict | None = None, group_size: int = 128) -> bytes:
+    """The payload of a variant: bitdelta 2-D tensors (log8 group scales), fp16 1-D ones."""
+    meta = {"zoo_gym_variant": FORMAT, "base_sha256": base_sha256, **(info or {})}
+    return codec.encode(delta, codec="bitdelta", group_size=group_size, scale_dtype="log8", metadata=meta)
+
+
+def write_variant(path: str | pathlib.Path, payload: bytes) -> pathlib.Path:
+    """Write atomically (temporary file, fsync, rename)."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(payload)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_manifest(payload) -> dict:
+    """The variant manifest (the payload's metadata); VariantError when it is not a variant."""
+    try:
+        meta = codec.read_manifest(payload).metadata
+    except codec.CodecError as exc:
+        raise VariantError(f"not a variant payload: {exc}") from None
+    if meta.get("zoo_gym_variant") != FORMAT or not isinstance(meta.get("base_sha256"), str):
+        raise VariantError("not a variant payload: its metadata has no zoo_gym_variant/base_sha256 manifest")
+    return meta
+
+
+@dataclass
+class PackedWeight:
+    """One 2-D bitdelta delta, packed: ``delta[r, c] = scales[r, c // group_size] * (+1 if bit else -1)``."""
+
+    shape: tuple[int, int]  # (rows, cols) as stored in the base (a Conv1D's is (in, out))
+    signs: torch.Tensor  # uint8 (rows, ceil(cols/8)), little bit order
+    scales: torch.Tensor  # float32 (rows, n_groups)
+    group_size: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.signs.numel() + self.scales.numel() * 4
+
+
+@dataclass
+class Variant:
+    name: str
+    base_sha256: str
+    packed: dict[str, PackedWeight] = field(default_factory=dict)  # base parameter name -> packed delta
+    dense: dict[str, torch.Tensor] = field(default_factory=dict)  # 1-D deltas (norms, biases), float32
+    manifest: dict = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.packed.values()) + sum(t.numel() * 4 for t in self.dense.values())
+
+
+def load_variant(path: str | pathlib.Path, *, base_sha256: str, name: str | None = None) -> Variant:
+    """Read ``path`` into a packed :class:`Variant`; VariantMismatch (one line) when built for another base."""
+    path = pathlib.Path(path)
+    name = check_name(name or path.name.removesuffix(SUFFIX))
+    try:
+        payload = path.read_bytes()
+    except OSError as exc:
+        raise VariantError(f"variant {name!r}: cannot read {path}: {exc.strerror}") from None
+    return variant_from_payload(payload, name=name, base_sha256=base_sha256)
+
+
+def variant_from_payload(payload, *, name: str, base_sha256: str) -> Variant:
+    meta = read_manifest(payload)
+    if meta["base_sha256"] != base_sha256:
+        raise VariantMismatch(f"variant {name!r} was built for base {meta['base_sha256'][:12]}, "
+                              f"this server's base is {base_sha256[:12]}; refusing it")
+    v = Variant(name=name, base_sha256=base_sha256, manifest=meta)
+    try:
+        manifest = codec.read_manifest(payload)
+        for e in manifest.entries:
+            if e.codec == "bitdelta" and len(e.shape) == 2:
+                p = codec.read_bitdelta(payload, e.name, manifest=manifest)
+                v.packed[e.name] = PackedWeight(shape=(p.rows, p.cols), signs=p.signs.clone(),
+                                                scales=p.scales.clone(), group_size=p.group_size)
+            elif len(e.shape) == 1:
+                v.dense[e.name] = codec.decode_tensor(payload, e.name, manifest=manifest).float().clone()
+            else:
+                raise VariantError(f"variant {name!r}: tensor {e.name!r} {tuple(e.shape)} is coded {e.codec}; "
+                                   "gym-serve serves 2-D weights coded bitdelta and 1-D tensors only")
+    except codec.CodecError as exc:
+        raise VariantError(f"variant {name!r}: malformed payload: {exc}") from None
+    return v
