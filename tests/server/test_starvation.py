@@ -171,15 +171,28 @@ def test_past_max_uploads_the_next_stream_is_refused_at_once_with_server_busy(fe
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "server busy" in info.value.details() and "retry later" in info.value.details()
         assert fed.stored_submissions() == 0
+        # The client treats "server busy" as a reason to wait and retry (and says so); it succeeds once the
+        # stalled uploads are gone.
+        said: list[str] = []
+        key, cid = contributors[17]
+        threading.Timer(1.0, lambda: [f.cancel() for f in held]).start()
+        with_retries(lambda: fed.submit(key, cid, payload), what="upload", say=said.append, max_wait=20)
+        assert fed.stored_submissions() == 1
+        assert said and all(line.startswith("upload: the server is busy, retrying in") for line in said), said
     finally:
         stop.set()
         for f in held:
             f.cancel()
-    # The client treats "server busy" as a reason to wait and retry; once the slots free up, it succeeds.
-    said: list[str] = []
-    key, cid = contributors[17]
-    with_retries(lambda: fed.submit(key, cid, payload), what="upload", say=said.append, max_wait=20)
-    assert fed.stored_submissions() == 1
+
+
+@pytest.mark.parametrize("setting, value", [("max_uploads", 0), ("max_pending_headers", 0),
+                                            ("max_pending_headers_per_peer", 0), ("query_workers", 5000),
+                                            ("header_timeout", 0)])
+def test_out_of_range_capacity_settings_are_refused_naming_the_setting(setting, value):
+    from zoo_gym.server.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match=f"`{setting}`"):
+        build_config({}, insecure=True, **{setting: value})
 
 
 def test_pending_headers_are_bounded_and_a_stalled_header_is_dropped_after_the_header_timeout(federation_with):
