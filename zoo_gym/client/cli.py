@@ -52,6 +52,17 @@ def _check_roots(root_certificates: Optional[Path], insecure: bool) -> None:
         _fail(f"--root-certificates {root_certificates}: no such file")
 
 
+def _check_server(server: str) -> None:
+    """HOST:PORT (an IPv6 address in brackets) or a gRPC target such as unix:PATH; refused at once otherwise."""
+    if server.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
+        return
+    host, sep, port = server.rpartition(":")
+    if not sep or not host or host.endswith(":") or not port.isdigit() or not 0 < int(port) < 65536:
+        name = server if server.count(":") > 1 or not sep else host  # an IPv6 address, or HOST:<bad port>
+        name = f"[{name.strip('[]')}]" if ":" in name.strip("[]") else name or "localhost"
+        _fail(f"--server {server!r}: give HOST:PORT with a port from 1 to 65535, e.g. {name}:50051")
+
+
 def _fail(message: str, code: int = 2) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
@@ -90,6 +101,8 @@ def join(
                                                    "for a server that admits new contributors by invitation."),
     threads: Optional[int] = typer.Option(None, help="CPU threads for training \\[default: torch's]."),
     no_wait: bool = typer.Option(False, "--no-wait", help="Exit right after the last upload."),
+    connect_timeout: float = typer.Option(60.0, "--connect-timeout", min=1.0,
+                                          help="Seconds to keep trying an unreachable server at first contact."),
     as_json: bool = typer.Option(False, "--json", help="Print the per-round summaries as JSON on stdout."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
     train_flags: dict = None,
@@ -108,6 +121,7 @@ def join(
     from zoo_gym.gym_train.sources import FILE_SUFFIXES, looks_like_hub_id
 
     _check_roots(root_certificates, insecure)
+    _check_server(server)
     if method is not None and method not in METHODS:
         _fail(f"--method must be one of {', '.join(METHODS)}")
     if codec not in CODECS:
@@ -131,7 +145,7 @@ def join(
                        train_overrides=train_overrides, shard=shard, n_shards=n_shards, display_name=name,
                        wait_for_publish=not no_wait, progress=not quiet and sys.stderr.isatty(),
                        root_certificates=str(root_certificates) if root_certificates else None, insecure=insecure,
-                       invite=invite.strip())
+                       invite=invite.strip(), connect_timeout=connect_timeout)
     try:
         summaries = run_join(opts, say=_say)
     except (JoinError, ServerUnreachable, SignatureError) as exc:
@@ -162,6 +176,7 @@ def pull(
     from zoo_gym.client.pull import pull as run_pull
 
     _check_roots(root_certificates, insecure)
+    _check_server(server)
     try:
         summary = run_pull(server, out, workdir=workdir or DEFAULT_HOME, progress=not quiet and sys.stderr.isatty(),
                            root_certificates=str(root_certificates) if root_certificates else None,
@@ -194,6 +209,7 @@ def rewards(
     from zoo_gym.client.rewards import RewardsError, fetch_rewards
 
     _check_roots(root_certificates, insecure)
+    _check_server(server)
     try:
         doc = fetch_rewards(server, key_path=key or DEFAULT_HOME / "contributor.pem", contributor=contributor,
                             limit=limit, verify=verify,

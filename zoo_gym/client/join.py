@@ -46,6 +46,7 @@ class JoinOptions:
     wait_for_publish: bool = True
     progress: bool = True
     max_wait: float = 900.0
+    connect_timeout: float = 60.0  # seconds to reach the server at first contact before giving up in one line
     train_overrides: dict = field(default_factory=dict)  # TrainConfig keywords (gym-client join's training flags)
     root_certificates: str | None = None  # PEM the server's certificate must chain to (None: system trust store)
     insecure: bool = False  # plaintext: only when asked for explicitly
@@ -124,9 +125,9 @@ def join(opts: JoinOptions, *, say: Callable[[str], None] = print) -> list[dict]
     channel, stub = open_stub(opts.server, root_certificates=opts.root_certificates, insecure=opts.insecure)
     retry = lambda fn, what: with_retries(fn, what=what, say=say, max_wait=opts.max_wait)  # noqa: E731
     try:
-        reg = retry(lambda: stub.Register(register_request(key, opts.display_name or "contributor",
-                                                         invite=opts.invite), timeout=30),
-                    "register")
+        reg = with_retries(lambda: stub.Register(register_request(key, opts.display_name or "contributor",
+                                                                  invite=opts.invite), timeout=30),
+                           what=f"register at {opts.server}", say=say, max_wait=opts.connect_timeout)
     except grpc.RpcError as exc:
         raise JoinError(f"registration refused: {exc.details()}") from exc
     cid = reg.contributor_id

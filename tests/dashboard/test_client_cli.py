@@ -1,0 +1,36 @@
+"""gym-client's address handling: a --server without a port is refused at once, before a key is made;
+an unreachable server is named and given up after --connect-timeout, in one line."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from typer.testing import CliRunner
+
+from zoo_gym.client.cli import app
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("server", ["localhost", "[::1]", "localhost:0", "localhost:http", "127.0.0.1:70000"])
+def test_a_server_without_a_usable_port_is_refused_at_once(tmp_path, server):
+    result = runner.invoke(app, ["join", "--server", server, "--insecure", "--workdir", str(tmp_path),
+                                 "--key", str(tmp_path / "key.pem")])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --server {server!r}: give HOST:PORT")
+    assert not (tmp_path / "key.pem").exists()  # refused before anything was made
+
+
+def test_an_unreachable_server_is_named_and_given_up_after_the_connect_timeout(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = runner.invoke(app, ["join", "--server", f"127.0.0.1:{port}", "--insecure", "--connect-timeout", "2",
+                                 "--workdir", str(tmp_path), "--key", str(tmp_path / "key.pem"), "--max-steps", "2",
+                                 "--warmup-steps", "0"])
+    assert result.exit_code == 1
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith(f"error: register at 127.0.0.1:{port}: the server is unreachable")
+    assert last.endswith("gave up after 2 s")
