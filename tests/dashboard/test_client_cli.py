@@ -34,3 +34,24 @@ def test_an_unreachable_server_is_named_and_given_up_after_the_connect_timeout(t
     last = result.output.strip().splitlines()[-1]
     assert last.startswith(f"error: register at 127.0.0.1:{port}: the server is unreachable")
     assert last.endswith("gave up after 2 s")
+
+
+def test_report_to_is_a_checked_training_flag(tmp_path):
+    import importlib.util
+
+    from zoo_gym.gym_train import TrainConfig
+    from zoo_gym.gym_train.config import TrainConfigError
+
+    help_text = " ".join(runner.invoke(app, ["join", "--help"], env={"COLUMNS": "200"}).output.split())
+    assert "--report-to" in help_text and "none | tensorboard | wandb" in help_text
+    assert TrainConfig(report_to="none").report_to == "none"
+    with pytest.raises(TrainConfigError, match="report_to"):
+        TrainConfig(report_to="mlflow")
+    for name in ("tensorboard", "wandb"):
+        if importlib.util.find_spec(name) is None:  # refused with what to install, before any work
+            with pytest.raises(TrainConfigError, match=f"pip install {name}"):
+                TrainConfig(report_to=name)
+            result = runner.invoke(app, ["join", "--server", "127.0.0.1:1", "--insecure", "--report-to", name,
+                                         "--workdir", str(tmp_path), "--key", str(tmp_path / "key.pem")])
+            assert result.exit_code == 2 and f"pip install {name}" in result.output
+            assert not (tmp_path / "key.pem").exists()

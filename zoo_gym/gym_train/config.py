@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 METHODS = ("lora", "sft", "grpo")
 DEVICES = ("auto", "cpu", "cuda", "mps")
+REPORT_TO = {"none": None, "tensorboard": "tensorboard", "wandb": "wandb"}  # choice -> package it needs
 
 
 class TrainConfigError(ValueError):
@@ -85,6 +86,9 @@ class TrainConfig:
                                                              "group": "Hardware"})
     attn_implementation: str | None = field(default=None, metadata={
         "help": "None | sdpa | eager | flash_attention_2", "group": "Hardware"})
+    report_to: str = field(default="none", metadata={
+        "help": "none | tensorboard | wandb: also send TRL's training curves there (tensorboard writes under "
+                "$TENSORBOARD_LOGGING_DIR, default ./runs)", "group": "Training"})
 
     @property
     def dp_enabled(self) -> bool:
@@ -153,6 +157,14 @@ class TrainConfig:
                     bad(name, "is not offered with DP-SGD (Opacus trains in float32 without it)")
             if self.gradient_accumulation_steps != 1:
                 bad("gradient_accumulation_steps", "must be 1 with DP-SGD (each step is one private batch)")
+        if self.report_to not in REPORT_TO:
+            bad("report_to", f"must be one of {tuple(REPORT_TO)}")
+        needs = REPORT_TO[self.report_to]
+        if needs is not None:
+            import importlib.util
+
+            if importlib.util.find_spec(needs) is None:
+                bad("report_to", f"needs the {needs} package: pip install {needs}")
         if self.attn_implementation not in (None, "eager", "sdpa", "flash_attention_2"):
             bad("attn_implementation", "must be None, 'eager', 'sdpa' or 'flash_attention_2'")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import pathlib
 import tempfile
 import time
@@ -76,6 +77,8 @@ def _lora_config(cfg: TrainConfig):
 
 def common_training_args(cfg: TrainConfig, output_dir: str, *, progress: bool) -> dict:
     """Keyword arguments shared by SFTConfig and GRPOConfig (transformers TrainingArguments)."""
+    if cfg.report_to == "tensorboard":  # the run's output_dir is a temporary directory: keep the curves
+        os.environ.setdefault("TENSORBOARD_LOGGING_DIR", os.path.abspath("runs"))
     return dict(
         output_dir=output_dir,
         max_steps=cfg.max_steps,
@@ -87,7 +90,7 @@ def common_training_args(cfg: TrainConfig, output_dir: str, *, progress: bool) -
         weight_decay=cfg.weight_decay,
         logging_steps=max(1, cfg.max_steps // 10),
         save_strategy="no",
-        report_to="none",
+        report_to=cfg.report_to,  # tensorboard: $TENSORBOARD_LOGGING_DIR, else ./runs (set in train())
         use_cpu=cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()),
         bf16=cfg.bf16,
         fp16=cfg.fp16,
