@@ -1,0 +1,210 @@
+"""The real `gym-serve` process over HTTP on 127.0.0.1 (an ephemeral port).
+
+Checks the OpenAI surface a client relies on: /v1/models lists the base and the variants of this base
+(a variant built for another base is not listed, and adding it is refused with one line); a chat
+completion of a variant at temperature 0 is the merged model's greedy text under the base's own chat
+template; streaming sends chat.completion.chunk events whose text equals the non-streamed answer and
+ends in [DONE]; requests for different variants sent together are decoded in one batch and each still
+gets its own answer; an unknown model is 404 and a bad request 400, both in OpenAI's error shape;
+variants are removed and added at run time, and with --max-variant-bytes the least recently used one is
+unloaded.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from serving_helpers import merged_model, random_variant_payload
+from zoo_gym.gym_train import tiny_model_dir
+from zoo_gym.gym_train.families import make_random_base
+from zoo_gym.serving.variant import write_variant
+
+pytestmark = pytest.mark.slow
+QUESTION = [{"role": "user", "content": "What is 2+2?"}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    base = root / "base"
+    shutil.copytree(tiny_model_dir(), base)
+    vdir = root / "variants"
+    payloads = {f"user{s}": random_variant_payload(base, seed=s, scale=0.004) for s in (1, 2, 3)}
+    for name, p in payloads.items():
+        write_variant(vdir / f"{name}.zgd", p)
+    other = make_random_base("llama", root / "other", seed=1)
+    write_variant(vdir / "stranger.zgd", random_variant_payload(other, seed=9))
+    one_variant = len(payloads["user1"])  # the packed in-memory size is close to the file's
+    proc = subprocess.Popen([sys.executable, "-m", "zoo_gym.serving", "--base", str(base), "--variants", str(vdir),
+                             "--port", "0", "--batch-window-ms", "300", "--max-variant-bytes",
+                             str(int(one_variant * 2.5))],
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url, lines = None, []
+    deadline = time.monotonic() + 120
+    while url is None and time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+        url = m.group(1) if m else None
+    assert url, "gym-serve did not start:\n" + "".join(lines)
+    client = httpx.Client(base_url=url, timeout=120)
+    try:
+        yield {"client": client, "base": base, "payloads": payloads, "lines": lines, "vdir": vdir, "proc": proc}
+    finally:
+        client.close()
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=20)
+
+
+def _greedy_chat(base, payload, n: int) -> str:
+    """The merged model's greedy reply under the base's chat template (no cache, whole sequence each step)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(base))
+    model = merged_model(base, payload)
+    text = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            t = int(model(torch.tensor([ids + out])).logits[0, -1].argmax())
+            if t == tok.eos_token_id:
+                break
+            out.append(t)
+    return tok.decode(out, skip_special_tokens=True)
+
+
+def _chat(client, model: str, **extra) -> httpx.Response:
+    return client.post("/v1/chat/completions", json={"model": model, "messages": QUESTION, "max_tokens": 24,
+                                                     "temperature": 0, **extra})
+
+
+def test_models_lists_base_and_own_variants(served):
+    r = served["client"].get("/v1/models")
+    assert r.status_code == 200
+    ids = [m["id"] for m in r.json()["data"]]
+    assert ids == ["base", "user1", "user2", "user3"]  # not "stranger": built for another base
+    assert all(m["object"] == "model" for m in r.json()["data"])
+
+
+def test_chat_of_a_variant_is_the_merged_models_greedy_reply(served):
+    r = _chat(served["client"], "user2")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["model"] == "user2"
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["choices"][0]["finish_reason"] in ("stop", "length")
+    want = _greedy_chat(served["base"], served["payloads"]["user2"], 24)
+    assert body["choices"][0]["message"]["content"] == want
+
+
+def test_streaming_sends_chunks_ending_in_done(served):
+    plain = _chat(served["client"], "user1").json()["choices"][0]["message"]["content"]
+    events = []
+    with served["client"].stream("POST", "/v1/chat/completions",
+                                 json={"model": "user1", "messages": QUESTION, "max_tokens": 24, "temperature": 0,
+                                       "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == "user1" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == plain
+
+    text = []
+    with served["client"].stream("POST", "/v1/completions", json={"model": "base", "prompt": "The", "max_tokens": 5,
+                                                                  "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                c = json.loads(line[6:])
+                assert c["object"] == "text_completion"
+                text.append(c["choices"][0]["text"])
+    plain = served["client"].post("/v1/completions", json={"model": "base", "prompt": "The", "max_tokens": 5,
+                                                          "temperature": 0}).json()
+    assert "".join(text) == plain["choices"][0]["text"]
+
+
+def test_different_variants_share_one_batch(served):
+    client = served["client"]
+    alone = {m: _chat(client, m).json()["choices"][0]["message"]["content"] for m in ("user1", "user3", "base")}
+    before = client.get("/health").json()["largest_batch"]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = {m: pool.submit(_chat, client, m) for m in alone}
+        together = {m: f.result().json()["choices"][0]["message"]["content"] for m, f in futures.items()}
+    assert together == alone
+    assert client.get("/health").json()["largest_batch"] >= max(before, 2)
+
+
+def test_errors_have_openai_shape(served):
+    client = served["client"]
+    r = _chat(client, "nobody")
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err["code"] == "model_not_found" and "nobody" in err["message"]
+    for bad in ({"model": "base"},  # no messages
+                {"model": "base", "messages": QUESTION, "temperature": 7},
+                {"model": "base", "messages": [{"role": "wizard", "content": "hi"}]},
+                {"model": "base", "messages": QUESTION, "max_tokens": 10**6}):
+        r = client.post("/v1/chat/completions", json=bad)
+        assert r.status_code == 400, (bad, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["message"]
+    r = client.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_variant_for_another_base_is_refused(served):
+    client = served["client"]
+    r = client.post("/v1/variants", json={"name": "stranger"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "variant_base_mismatch" and "\n" not in err["message"]
+    assert "another base" in err["message"] or "built for base" in err["message"]
+    assert _chat(client, "stranger").status_code == 400
+    assert any("stranger.zgd" in line and "built for base" in line for line in served["lines"])
+
+
+def test_variants_removed_added_and_evicted(served):
+    client = served["client"]
+    r = client.delete("/v1/variants/user3")
+    assert r.status_code == 200 and r.json()["deleted"] is True
+    assert "user3" not in [m["id"] for m in client.get("/v1/models").json()["data"]]
+    assert _chat(client, "user3").status_code == 404
+    assert client.delete("/v1/variants/user3").status_code == 404
+    r = client.post("/v1/variants", json={"name": "user3"})
+    assert r.status_code == 201 and r.json()["id"] == "user3"
+    assert _chat(client, "user3").status_code == 200
+    # a budget of 2.5 variants: using a third unloads the least recently used one
+    for m in ("user1", "user2", "user3"):
+        assert _chat(client, m, max_tokens=1).status_code == 200
+    health = client.get("/health").json()
+    assert health["loaded"] == ["user2", "user3"]
+    assert health["resident_variant_bytes"] <= int(len(served["payloads"]["user1"]) * 2.5)
+    # a file dropped into the directory is served without a restart
+    write_variant(served["vdir"] / "late.zgd", served["payloads"]["user1"])
+    assert "late" in [m["id"] for m in client.get("/v1/models").json()["data"]]
+    assert _chat(client, "late").json()["choices"][0]["message"]["content"] == \
+        _chat(client, "user1").json()["choices"][0]["message"]["content"]

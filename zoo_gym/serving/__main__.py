@@ -1,0 +1,3 @@
+from zoo_gym.serving.cli import app
+
+app(prog_name="gym-serve")
