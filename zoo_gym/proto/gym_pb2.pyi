@@ -69,7 +69,7 @@ class Limits(_message.Message):
     def __init__(self, max_payload_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., download_chunk_bytes: _Optional[int] = ..., max_delta_norm: _Optional[float] = ...) -> None: ...
 
 class RoundInfo(_message.Message):
-    __slots__ = ("round_id", "state", "base_checkpoint_id", "base_sha256", "base_size", "deadline_unix", "accepted_codecs", "limits", "submissions", "min_contributors", "you_submitted", "message", "aggregator", "dp_epsilon_spent", "dp_delta", "server_public_key", "signature")
+    __slots__ = ("round_id", "state", "base_checkpoint_id", "base_sha256", "base_size", "deadline_unix", "accepted_codecs", "limits", "submissions", "min_contributors", "you_submitted", "message", "aggregator", "dp_epsilon_spent", "dp_delta", "server_public_key", "signature", "mode", "buffer_size", "max_staleness", "staleness_exponent", "server_lr")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     BASE_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,11 @@ class RoundInfo(_message.Message):
     DP_DELTA_FIELD_NUMBER: _ClassVar[int]
     SERVER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_EXPONENT_FIELD_NUMBER: _ClassVar[int]
+    SERVER_LR_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     state: RoundState
     base_checkpoint_id: int
@@ -104,7 +109,12 @@ class RoundInfo(_message.Message):
     dp_delta: float
     server_public_key: bytes
     signature: bytes
-    def __init__(self, round_id: _Optional[int] = ..., state: _Optional[_Union[RoundState, str]] = ..., base_checkpoint_id: _Optional[int] = ..., base_sha256: _Optional[str] = ..., base_size: _Optional[int] = ..., deadline_unix: _Optional[float] = ..., accepted_codecs: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., submissions: _Optional[int] = ..., min_contributors: _Optional[int] = ..., you_submitted: _Optional[bool] = ..., message: _Optional[str] = ..., aggregator: _Optional[str] = ..., dp_epsilon_spent: _Optional[float] = ..., dp_delta: _Optional[float] = ..., server_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    mode: str
+    buffer_size: int
+    max_staleness: int
+    staleness_exponent: float
+    server_lr: float
+    def __init__(self, round_id: _Optional[int] = ..., state: _Optional[_Union[RoundState, str]] = ..., base_checkpoint_id: _Optional[int] = ..., base_sha256: _Optional[str] = ..., base_size: _Optional[int] = ..., deadline_unix: _Optional[float] = ..., accepted_codecs: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., submissions: _Optional[int] = ..., min_contributors: _Optional[int] = ..., you_submitted: _Optional[bool] = ..., message: _Optional[str] = ..., aggregator: _Optional[str] = ..., dp_epsilon_spent: _Optional[float] = ..., dp_delta: _Optional[float] = ..., server_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., mode: _Optional[str] = ..., buffer_size: _Optional[int] = ..., max_staleness: _Optional[int] = ..., staleness_exponent: _Optional[float] = ..., server_lr: _Optional[float] = ...) -> None: ...
 
 class DownloadRequest(_message.Message):
     __slots__ = ("checkpoint_sha256", "offset")

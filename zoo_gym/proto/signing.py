@@ -15,7 +15,9 @@ contributor one above), so a signature of one kind is worthless as another:
     round_info_bytes  = b"zoo-gym/round-info/v1\n" + canonical JSON of RoundInfo's fields except
                         you_submitted and signature (round_id, state, base_checkpoint_id, base_sha256,
                         base_size, deadline_unix, accepted_codecs, limits, min_contributors, aggregator,
-                        dp_epsilon_spent, dp_delta, message, server_public_key; submissions too)
+                        dp_epsilon_spent, dp_delta, message, server_public_key; submissions too; and,
+                        when mode is neither "" nor "sync", mode, buffer_size, max_staleness,
+                        staleness_exponent and server_lr)
     ledger_head_bytes = b"zoo-gym/ledger-head/v1\n" + canonical JSON of {entries, last_hash, signed_at_unix}
     lineage_bytes     = b"zoo-gym/lineage/v1\n" + canonical JSON of a checkpoint's lineage manifest without
                         its "server_signature"
@@ -110,6 +112,11 @@ def round_info_bytes(info) -> bytes:
         "dp_epsilon_spent": float(info.dp_epsilon_spent).hex(), "dp_delta": float(info.dp_delta).hex(),
         "server_public_key": bytes(info.server_public_key).hex(),
     }
+    mode = str(getattr(info, "mode", "") or "")
+    if mode not in ("", "sync"):  # a synchronous RoundInfo signs the same bytes as before these fields existed
+        obj.update({"mode": mode, "buffer_size": int(info.buffer_size), "max_staleness": int(info.max_staleness),
+                    "staleness_exponent": float(info.staleness_exponent).hex(),
+                    "server_lr": float(info.server_lr).hex()})
     return ROUND_INFO_DOMAIN + _canonical_json(obj)
 
 

@@ -102,10 +102,22 @@ def serve(
     state_dir: Path = StateDir,
     host: Optional[str] = typer.Option(None, help="Address to bind \\[default: 127.0.0.1]."),
     port: Optional[int] = typer.Option(None, help="Port to bind; 0 picks a free one \\[default: 50051]."),
-    min_contributors: Optional[int] = typer.Option(None, help="A round never closes with fewer \\[default: 3]."),
+    min_contributors: Optional[int] = typer.Option(None, help="Submissions a round waits for until its timeout "
+                                                              "\\[default: 3]."),
     quorum: Optional[int] = typer.Option(None, help="Close a round as soon as this many are in \\[default: min]."),
-    round_timeout: Optional[float] = typer.Option(None, help="Seconds before a round closes with >= min "
-                                                             "submissions \\[default: 600]."),
+    round_timeout: Optional[float] = typer.Option(None, help="Seconds after which a round closes with whoever "
+                                                             "submitted, if the aggregator can run on that many "
+                                                             "(else it waits another timeout) \\[default: 600]."),
+    mode: Optional[str] = typer.Option(None, "--mode", help="sync: rounds; async: buffered rounds, a new version "
+                                                            "every --buffer-size deltas \\[default: sync]."),
+    buffer_size: Optional[int] = typer.Option(None, help="Async: deltas aggregated per published version; the "
+                                                         "aggregator's f counts per buffer \\[default: 3]."),
+    max_staleness: Optional[int] = typer.Option(None, help="Async: a delta may be against any of the last S "
+                                                           "published versions \\[default: 4]."),
+    server_lr: Optional[float] = typer.Option(None, help="Async: server learning rate; a version adds it x the "
+                                                         "aggregate to the base \\[default: 1.0]."),
+    staleness_exponent: Optional[float] = typer.Option(None, help="Async: a delta s versions old weighs "
+                                                                  "(1+s)^-a \\[default: 0.5]."),
     aggregator: Optional[str] = typer.Option(None, help="mean, median, trimmed-mean, krum, multi-krum, bulyan, "
                                                         "geometric-median, centered-clip \\[default: trimmed-mean, robust; "
                                                         "mean is an explicit choice]."),
@@ -163,7 +175,9 @@ def serve(
     with _one_line_errors():
         file_values = read_config_file(config) if config else {}
         cfg = build_config(file_values, host=host, port=port, min_contributors=min_contributors, quorum=quorum,
-                           round_timeout=round_timeout, aggregator=aggregator, byzantine_f=byzantine_f,
+                           round_timeout=round_timeout, mode=mode, buffer_size=buffer_size,
+                           max_staleness=max_staleness, server_lr=server_lr, staleness_exponent=staleness_exponent,
+                           aggregator=aggregator, byzantine_f=byzantine_f,
                            trim_beta=trim_beta, dp_noise_multiplier=dp_noise_multiplier, dp_clip=dp_clip,
                            dp_target_epsilon=dp_target_epsilon, reward_pool=reward_pool,
                            max_norm_ratio=max_norm_ratio, upload_idle_timeout=upload_idle_timeout,
@@ -187,7 +201,10 @@ def serve(
 
         from zoo_gym.server.config import check_round_size
 
-        check_round_size(SoupConfig.from_mapping(cfg.soup), cfg.min_contributors)  # fail now, not at round end
+        if cfg.mode == "async":  # fail now, not at the first flush
+            check_round_size(SoupConfig.from_mapping(cfg.soup), cfg.buffer_size, flag="--buffer-size")
+        else:
+            check_round_size(SoupConfig.from_mapping(cfg.soup), cfg.min_contributors)  # fail now, not at round end
         validate_rewards_settings(cfg)
         # the directory's lock, held until this process ends: a second serve of it is refused
         state = open_state(state_dir, db_url=db, exclusive=True)

@@ -62,6 +62,18 @@ class ServerConfig:
     register_burst_per_peer: int = field(default=20, metadata={"help": "new contributors one address may register at once"})
     register_rate_global: float = field(default=120.0, metadata={"help": "new contributors per minute, all addresses"})
     register_burst_global: int = field(default=200, metadata={"help": "new contributors at once, all addresses"})
+    # Asynchronous buffered rounds (zoo_gym/server/async_rounds.py): FedBuff (Nguyen et al., 2022) with
+    # FedAsync's polynomial staleness weight (Xie et al., 2019), under the configured robust rule.
+    mode: str = field(default="sync", metadata={
+        "help": "sync: rounds close at quorum or timeout; async: a version is published every buffer_size deltas"})
+    buffer_size: int = field(default=3, metadata={
+        "help": "async: deltas aggregated per published version (the robust rule's f counts per buffer)"})
+    max_staleness: int = field(default=4, metadata={
+        "help": "async: a delta may be against any of the last max_staleness published bases (versions)"})
+    server_lr: float = field(default=1.0, metadata={
+        "help": "async: the server learning rate eta; a flush adds eta x the aggregate to the current base"})
+    staleness_exponent: float = field(default=0.5, metadata={
+        "help": "async: a delta s versions old is weighted (1 + s) ** -staleness_exponent (0: no discount)"})
     validation_file: str | None = field(default=None, metadata={"help": "held-out examples (alpaca/sharegpt)"})
     validation_examples: int = 128
     # DeltaSoup (zoo_gym.aggregation.SoupConfig) keys, validated there.
@@ -103,6 +115,16 @@ class ServerConfig:
         for name in ("register_burst_per_peer", "register_burst_global"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"`{name}` must be >= 1")
+        if self.mode not in ("sync", "async"):
+            raise ConfigError(f"`mode` must be sync or async, got {self.mode!r}")
+        if not 1 <= self.buffer_size <= 4096:
+            raise ConfigError("`buffer_size` must be in [1, 4096] deltas")
+        if not 0 <= self.max_staleness <= 1_000_000:
+            raise ConfigError("`max_staleness` must be in [0, 1000000] versions")
+        if not 0 < self.server_lr < float("inf"):
+            raise ConfigError("`server_lr` must be a finite number > 0")
+        if not 0 <= self.staleness_exponent < float("inf"):
+            raise ConfigError("`staleness_exponent` must be a finite number >= 0")
 
     @property
     def effective_quorum(self) -> int:
@@ -222,19 +244,33 @@ def build_config(file_values: dict[str, Any] | None = None, **flags: Any) -> Ser
         raise ConfigError(str(exc)) from exc
 
 
-def check_round_size(soup, min_contributors: int) -> None:
-    """Refuse a --min-contributors too small for the robust rule to work with (named in the message)."""
+def round_size_error(soup, n: int) -> str | None:
+    """Why the configured rule cannot aggregate `n` deltas (None: it can)."""
     from zoo_gym.aggregation.bulyan import check_bulyan_config
     from zoo_gym.aggregation.krum import check_krum_config
     from zoo_gym.aggregation.trimmed_mean import trim_count
 
     try:
+        if n < 1:
+            return "there is nothing to aggregate"
         if soup.aggregator in ("krum", "multi-krum"):
-            check_krum_config(n=min_contributors, f=soup.byzantine_f, rule=soup.aggregator)
+            check_krum_config(n=n, f=soup.byzantine_f, rule=soup.aggregator)
         elif soup.aggregator == "bulyan":
-            check_bulyan_config(n=min_contributors, f=soup.byzantine_f)
+            check_bulyan_config(n=n, f=soup.byzantine_f)
         elif soup.aggregator == "trimmed-mean":
-            trim_count(n=min_contributors, beta=soup.trim_beta)
+            trim_count(n=n, beta=soup.trim_beta)
     except ValueError as exc:
-        raise ConfigError(f"--min-contributors {min_contributors} is too few for --aggregator "
-                          f"{soup.aggregator}: {exc}") from exc
+        return str(exc)
+    return None
+
+
+def rule_minimum(soup, *, limit: int = 4096) -> int:
+    """The fewest deltas the configured robust rule can aggregate (e.g. Krum with f: 2f + 3)."""
+    return next((n for n in range(1, limit + 1) if round_size_error(soup, n) is None), limit)
+
+
+def check_round_size(soup, min_contributors: int, *, flag: str = "--min-contributors") -> None:
+    """Refuse a --min-contributors (or --buffer-size) too small for the robust rule (named in the message)."""
+    error = round_size_error(soup, min_contributors)
+    if error is not None:
+        raise ConfigError(f"{flag} {min_contributors} is too few for --aggregator {soup.aggregator}: {error}")

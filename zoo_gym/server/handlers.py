@@ -258,16 +258,20 @@ def _check_header(h: SubmitHeader, state: ServerState, config: ServerConfig) -> 
         if s.get(UsedNonce, (h.contributor_id, h.nonce.hex())) is not None:
             raise AlreadyExists("this nonce was already used: a replayed submission is refused")
         rnd = state.current_round(s)
-        _check_round(s, rnd, h)
+        _check_round(s, rnd, h, config)
     return rnd, bytes.fromhex(contributor.public_key)
 
 
-def _check_round(s, rnd: Round | None, h: SubmitHeader) -> None:
-    if rnd is None or rnd.id != h.round_id or rnd.state != RoundState.OPEN:
+def _check_round(s, rnd: Round | None, h: SubmitHeader, config: ServerConfig) -> None:
+    if config.mode == "async":  # any of the last max_staleness bases (async_rounds.py), one delta per buffer
+        from zoo_gym.server.async_rounds import check_base
+
+        check_base(s, rnd, round_id=h.round_id, base_sha256=h.base_sha256, max_staleness=config.max_staleness)
+    elif rnd is None or rnd.id != h.round_id or rnd.state != RoundState.OPEN:
         current = f"round {rnd.id} is {rnd.state.value}" if rnd else "no round exists"
         raise FailedPrecondition(f"round {h.round_id} is not open for submissions ({current}); "
                                  "fetch the current round and train on its base")
-    if h.base_sha256 != rnd.base_sha256:
+    elif h.base_sha256 != rnd.base_sha256:
         raise FailedPrecondition(f"the delta is relative to base {h.base_sha256[:12]}..., but round {rnd.id} "
                                  f"trains on {rnd.base_sha256[:12]}...: download the current base and retrain")
     if s.exec(select(Submission.id).where(Submission.round_id == rnd.id,
@@ -379,7 +383,9 @@ def submit_delta(header: SubmitHeader, chunks: Iterable[bytes], *, state: Server
                          codecs=",".join(codecs_used), metadata_json=json.dumps(meta, sort_keys=True))
         with state.write_lock, state.session() as s:
             # Re-check under the lock: the round may have closed, or a twin request won the race.
-            _check_round(s, state.current_round(s), header)
+            rnd = state.current_round(s)  # async: a flush may have opened the next buffer meanwhile
+            _check_round(s, rnd, header, config)
+            sub.round_id = rnd.id
             if s.get(UsedNonce, (header.contributor_id, header.nonce.hex())) is not None:
                 raise AlreadyExists("this nonce was already used: a replayed submission is refused")
             existed = state.blobs.exists(header.payload_sha256)  # the same bytes may back another row

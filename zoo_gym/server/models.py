@@ -91,6 +91,10 @@ class RoundInputs(SQLModel, table=True):
     reputations_json: str = "{}"  # contributor id -> reputation before this round
     dp_clip: float | None = None  # clip norm the previous published round chose (None: the configured one)
     population: int = 1  # registered contributors at close; for the record only (DP is accounted with q = 1)
+    # Asynchronous mode (zoo_gym/server/async_rounds.py), None in a synchronous round: the flush's server
+    # learning rate and staleness exponent, and per contributor the staleness of its delta (versions published
+    # since its base) and its weight (1 + s) ** -a, as they were when the buffer closed.
+    staleness_json: str | None = None
 
 
 class Submission(SQLModel, table=True):

@@ -28,6 +28,7 @@ from zoo_gym import codec
 from zoo_gym.aggregation import (DeltaSoup, NotRobustConfigError, PrivacyAccountant, PrivacyBudgetExceeded,
                                  SoupConfig)
 from zoo_gym.proto import archive
+from zoo_gym.server import async_rounds
 from zoo_gym.server.checkpoint_writer import CheckpointWriter, SafetensorsReader, master_path, needs_master
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.evaluation import evaluator_for, forget
@@ -151,6 +152,8 @@ def record_round_inputs(state: ServerState, config: ServerConfig, round_id: int,
     reps = current_reputations(state, config, contributors, session=session)
     inputs = RoundInputs(round_id=round_id, reputations_json=json.dumps(reps, sort_keys=True),
                          dp_clip=_last_dp_clip(session, round_id), population=max(population, 1))
+    if config.mode == "async":  # each delta's staleness and weight, as the buffer closed (async_rounds.py)
+        inputs.staleness_json = async_rounds.record_staleness(session, round_id, config)
     session.add(inputs)
     return inputs
 
@@ -198,6 +201,7 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
     contributors = [s.contributor_id for s in subs]
     inputs = _round_inputs(state, config, rnd, contributors)
     reputations = json.loads(inputs.reputations_json)
+    staleness = async_rounds.parse(inputs.staleness_json)  # None: a synchronous round
     with state.session() as s:
         # Every round is accounted with q = 1: contributors choose to submit and the server samples nobody,
         # so amplification by subsampling does not apply (aggregation/privacy.py). Rounds that an older
@@ -234,8 +238,10 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
         stack.callback(writer.close)
         log.info("round %d phase=aggregation", rnd.id)
         try:
-            report = DeltaSoup(soup_config, dp_clip=inputs.dp_clip).run(
-                source, writer.sink, weights=weights, generator=gen, accountant=accountant)  # q = 1, as above
+            report = DeltaSoup(soup_config, dp_clip=inputs.dp_clip).run(  # async: weighted rows, server_lr x out
+                async_rounds.weighted_source(source, contributors, staleness),
+                async_rounds.server_lr_sink(writer.sink, staleness), weights=weights, generator=gen,
+                accountant=accountant)  # q = 1, as above
         except NotRobustConfigError as exc:
             _reopen(state, rnd.id, len(subs) + 1, f"waiting for more submissions: {exc}")
             return f"REOPENED ({exc})"
@@ -252,6 +258,9 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
         if evaluator is not None:
             evaluator.release_gradient()  # the slopes are taken: keep its loss and norm, free the tensors
         plan, rewards_summary = plan_rewards(state, config, rnd, source, report, evaluator, reputations=reputations)
+        if staleness is not None and plan is not None:  # a stale delta is paid less (async_rounds.py)
+            plan = async_rounds.discount_payouts(plan, staleness, pool=plan.pool)
+            rewards_summary["payouts"] = [asdict(p) for p in plan.payouts]
         crash_point("settled")
 
         report_json = json.dumps(_jsonable({"soup": report, "rewards": rewards_summary}), sort_keys=True)
@@ -270,6 +279,7 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
             "submissions": [{"contributor": sub.contributor_id, "method": _method(sub), "accepted": ok}
                             for sub, ok in zip(subs, accepted)],
             "aggregator": soup_config.aggregator,
+            **({"async": staleness} if staleness is not None else {}),
             "privacy": _jsonable(privacy),
             # earlier rounds, genesis first, so a pulled checkpoint's model card shows the whole lineage
             "history": [*ancestors[:-1], {**ancestors[-1], "heldout_loss": parent_loss}] if parent_loss is not None

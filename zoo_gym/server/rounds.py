@@ -1,7 +1,9 @@
 """The round state machine: OPEN -> AGGREGATING -> PUBLISHED (next round OPEN), or HALTED.
 
 A round closes when `quorum` submissions are in, or when its deadline has passed with at least
-`min_contributors`. Closing commits AGGREGATING together with the round's inputs (reputations, clip norm,
+`min_contributors`; at the deadline with fewer, it closes with whoever submitted when the robust rule can
+aggregate that many (`config.rule_minimum`), and otherwise reopens for another `round_timeout` with a
+message. In async mode (async_rounds.py) a round is a buffer and closes at `buffer_size` deltas. Closing commits AGGREGATING together with the round's inputs (reputations, clip norm,
 population: RoundInputs); publishing commits the ledger entries, reputations, checkpoint row, the round's
 report and the next OPEN round in one transaction, so a crash anywhere in between is recovered by
 aggregating again on restart from the same stored inputs, with the same result (blobs are
@@ -56,7 +58,36 @@ class RoundManager:
 
     # ------------------------------------------------------------------------------------------ internals
 
+    def _close_or_extend(self, rnd: Round, n: int) -> bool:
+        """The deadline passed with fewer than min_contributors: close with the `n` in hand when the robust
+        rule can aggregate them, else reopen the round for another round_timeout with a message saying why."""
+        from zoo_gym.aggregation import SoupConfig
+        from zoo_gym.server.config import rule_minimum
+
+        soup = SoupConfig.from_mapping(self.config.soup)
+        needed = max(rule_minimum(soup), rnd.needs, 1)
+        if n >= needed:
+            log.info("round %d timed out with %d of %d submissions; closing with them (%s needs %d)", rnd.id, n,
+                     self.config.min_contributors, soup.aggregator, needed,
+                     extra={"event": "round", "round": rnd.id, "state": "timed-out", "submissions": n})
+            return True
+        with self.state.write_lock, self.state.session() as s:
+            r = s.get(Round, rnd.id)
+            if r.state != RoundState.OPEN:
+                return False
+            r.deadline_unix = time.time() + self.config.round_timeout
+            r.message = (f"timed out with {n} submission{'s' if n != 1 else ''}; {soup.aggregator} needs at least "
+                         f"{needed}: reopened until "
+                         f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(r.deadline_unix))}")
+            s.add(r)
+            s.commit()
+        log.info("round %d %s", rnd.id, r.message, extra={"event": "round", "round": rnd.id, "state": "reopened",
+                                                          "submissions": n})
+        return False
+
     def _ensure_deadline(self) -> None:
+        if self.config.mode == "async":  # a buffer has no deadline: it flushes every buffer_size deltas
+            return
         with self.state.write_lock, self.state.session() as s:
             rnd = self.state.current_round(s)
             if rnd is not None and rnd.state == RoundState.OPEN and rnd.deadline_unix == 0:
@@ -85,8 +116,13 @@ class RoundManager:
             return
         if rnd.state == RoundState.OPEN:
             n = handlers.submissions_count(self.state, rnd.id)
-            ready = n >= rnd.needs and (n >= self.config.effective_quorum or (
-                handlers.deadline_passed(rnd) and n >= self.config.min_contributors))
+            if self.config.mode == "async":  # a buffer flushes every buffer_size deltas (async_rounds.py)
+                ready = n >= max(rnd.needs, self.config.buffer_size)
+            else:
+                ready = n >= rnd.needs and (n >= self.config.effective_quorum or (
+                    handlers.deadline_passed(rnd) and n >= self.config.min_contributors))
+                if not ready and handlers.deadline_passed(rnd):
+                    ready = self._close_or_extend(rnd, n)
             if not ready:
                 return
             with self.state.write_lock, self.state.session() as s:

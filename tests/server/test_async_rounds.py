@@ -1,0 +1,195 @@
+"""Asynchronous buffered rounds (`--mode async`) in process: a real server, signed submissions over gRPC.
+
+A delta may name any of the last max_staleness bases; older is FAILED_PRECONDITION naming the current
+version and stores nothing. Every buffer_size deltas publish a version equal to base + server_lr x the
+aggregate of the staleness-weighted deltas (exact, with the plain mean); a stale delta is paid less than
+the same delta fresh, never refused; a flush interrupted after its blob is written is redone with the
+same checkpoint and the same ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import load_file
+from sqlmodel import select
+
+from zoo_gym import codec
+from zoo_gym.proto import gym_pb2
+from zoo_gym.server.async_rounds import staleness_weight
+from zoo_gym.server.models import Round, RoundInputs, RoundState, Submission
+from zoo_gym.server.rounds import RoundManager
+from zoo_gym.server.settlement import ledger_entries, verify_ledger
+from zoo_gym.server.state import open_state
+
+ASYNC = dict(mode="async", buffer_size=2, max_staleness=1, aggregator="mean")
+
+
+def _wait_published(fed, round_id: int, timeout: float = 180.0) -> Round:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with fed.state.session() as s:
+            r = s.get(Round, round_id)
+            if r is not None and r.state == RoundState.PUBLISHED:
+                return r
+            if r is not None and r.state == RoundState.HALTED:
+                raise AssertionError(f"round {round_id} halted: {r.message}")
+        time.sleep(0.2)
+    raise AssertionError(f"round {round_id} was not published within {timeout} s")
+
+
+def _weights(fed, sha: str) -> dict[str, torch.Tensor]:
+    return load_file(str(fed.state.checkpoint_dir(sha) / "model.safetensors"))
+
+
+def test_staleness_weight_is_polynomial():
+    assert staleness_weight(0, exponent=0.5) == 1.0
+    assert staleness_weight(3, exponent=0.5) == pytest.approx(0.5)  # (1 + 3) ** -0.5
+    assert staleness_weight(1, exponent=1.0) == pytest.approx(0.5)
+    assert staleness_weight(7, exponent=0.0) == 1.0  # exponent 0: no discount
+    assert [staleness_weight(s, exponent=2.0) for s in range(4)] == pytest.approx([1, 1 / 4, 1 / 9, 1 / 16])
+
+
+def test_round_info_says_async_and_is_signed(federation_with, sign):
+    fed = federation_with(**ASYNC, validation_examples=0, server_lr=0.5, staleness_exponent=1.0)
+    info = fed.round()
+    assert (info.mode, info.buffer_size, info.max_staleness, info.server_lr, info.staleness_exponent) == (
+        "async", 2, 1, 0.5, 1.0)
+    assert info.deadline_unix == 0  # a buffer flushes at buffer_size deltas, not at a deadline
+    sign.verify(bytes(info.server_public_key), bytes(info.signature), sign.round_info_bytes(info))
+    forged = gym_pb2.RoundInfo()
+    forged.CopyFrom(info)
+    forged.max_staleness = 9  # a man in the middle widening the window: the signature no longer verifies
+    with pytest.raises(sign.SignatureError):
+        sign.verify(bytes(info.server_public_key), bytes(forged.signature), sign.round_info_bytes(forged))
+
+
+def test_flush_is_server_lr_times_mean_of_staleness_weighted_deltas(federation_with):
+    lr, a = 0.5, 1.0
+    fed = federation_with(**ASYNC, validation_examples=0, server_lr=lr, staleness_exponent=a,
+                          reputation_weighting=False)
+    (ka, ca), (kb, cb), (kc, cc), (kd, cd) = (fed.register() for _ in range(4))
+    d = {name: fed.small_delta(seed=seed, scale=1e-2) for name, seed in zip(("A", "B", "C", "A2", "D"), range(5))}
+    base0 = fed.round().base_sha256
+    fed.submit(ka, ca, codec.encode(d["A"], codec="fp32"), round_id=1)
+    fed.submit(kb, cb, codec.encode(d["B"], codec="fp32"), round_id=1)
+    v1 = _wait_published(fed, 1).published_sha256
+    # C trained on version 0 (round 1's base): one version old, accepted into round 2's buffer
+    resp = fed.submit(kc, cc, codec.encode(d["C"], codec="fp32"), round_id=1, base_sha256=base0)
+    assert resp.round_id == 2
+    fed.submit(ka, ca, codec.encode(d["A2"], codec="fp32"), round_id=2)
+    v2 = _wait_published(fed, 2).published_sha256
+
+    w1, w2 = _weights(fed, v1), _weights(fed, v2)
+    w = staleness_weight(1, exponent=a)
+    assert w == 0.5
+    changed = 0
+    for name, t in d["C"].items():
+        expected = w1[name] + lr * (w * t + d["A2"][name]) / 2  # mean over the buffer of w(s) x delta
+        assert torch.allclose(w2[name], expected, atol=1e-6), name
+        assert not torch.allclose(w2[name], w1[name] + lr * (t + d["A2"][name]) / 2, atol=1e-6)  # w matters
+        changed += 1
+    assert changed
+    with fed.state.session() as s:
+        recorded = json.loads(s.get(RoundInputs, 2).staleness_json)
+    assert recorded["contributors"][cc] == {"base_round": 1, "staleness": 1, "weight": 0.5}
+    assert recorded["contributors"][ca]["staleness"] == 0 and recorded["server_lr"] == lr
+
+    # D's delta against version 0 is now two versions old, past max_staleness = 1: refused, nothing stored
+    stored, blobs = fed.stored_submissions(), fed.blob_count()
+    with pytest.raises(grpc.RpcError) as refused:
+        fed.submit(kd, cd, codec.encode(d["D"], codec="fp32"), round_id=1, base_sha256=base0)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "2 versions old" in refused.value.details() and "current version is 2" in refused.value.details()
+    # a base that is not the named round's: refused too
+    with pytest.raises(grpc.RpcError) as wrong:
+        fed.submit(kd, cd, codec.encode(d["D"], codec="fp32"), round_id=2, base_sha256=base0)
+    assert wrong.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "round 2 trained on" in wrong.value.details()
+    assert (fed.stored_submissions(), fed.blob_count()) == (stored, blobs)
+
+
+def _helpful_delta(fed, sha: str, names: int = 4) -> dict[str, torch.Tensor]:
+    """Minus a small multiple of the held-out loss's gradient at `sha`: a delta the scoring pays for."""
+    from zoo_gym.gym_train import default_validation_examples
+    from zoo_gym.server.evaluation import ServerEvaluator
+
+    grad = ServerEvaluator(fed.state.checkpoint_dir(sha), default_validation_examples(n=32)).gradient().grad
+    chosen = [k for k, g in grad.items() if g.dim() == 2 and "embed" not in k][:names]
+    return {k: -1e-2 * grad[k] / grad[k].norm() for k in chosen}
+
+
+def test_stale_delta_is_paid_less_than_the_same_delta_fresh(federation_with):
+    fed = federation_with(**{**ASYNC, "max_staleness": 2}, validation_examples=32, reward_pool=1000,
+                          staleness_exponent=0.5)
+    (ka, ca), (kb, cb), (kc, cc), (kd, cd) = (fed.register() for _ in range(4))
+    base0 = fed.round().base_sha256
+    fed.submit(ka, ca, codec.encode(fed.small_delta(seed=1), codec="fp32"), round_id=1)
+    fed.submit(kb, cb, codec.encode(fed.small_delta(seed=2), codec="fp32"), round_id=1)
+    v1 = _wait_published(fed, 1).published_sha256
+    payload = codec.encode(_helpful_delta(fed, v1), codec="fp32")
+    fed.submit(kc, cc, payload, round_id=1, base_sha256=base0)  # the same delta, trained one version ago
+    fed.submit(kd, cd, payload, round_id=2)  # ... and on the current version
+    _wait_published(fed, 2)
+    entries = {e["contributor_id"]: e for e in ledger_entries(fed.state, contributor=None, since_seq=0, limit=None)
+               if e["round_id"] == 2}
+    stale, fresh = entries[cc], entries[cd]
+    assert stale["kind"] == fresh["kind"] == "reward"  # slow is never refused
+    assert 0 < stale["amount"] < fresh["amount"]
+    assert stale["amount"] == int(fresh["amount"] * staleness_weight(1, exponent=0.5))  # floor(amount x w)
+    assert stale["score"] == pytest.approx(fresh["score"] * staleness_weight(1, exponent=0.5))
+    assert "staleness 1" in stale["reason"] and "flush of version 2" in stale["reason"]
+    assert "staleness 0" in fresh["reason"]
+    assert verify_ledger(fed.state)["ok"]
+
+
+def test_flush_interrupted_after_its_blob_is_redone_identically(federation_with, monkeypatch):
+    fed = federation_with(**ASYNC, validation_examples=16, reward_pool=1000)
+    (ka, ca), (kb, cb), (kc, cc) = (fed.register() for _ in range(3))
+    base0 = fed.round().base_sha256
+    fed.submit(ka, ca, codec.encode(fed.small_delta(seed=1), codec="fp16"), round_id=1)
+    fed.submit(kb, cb, codec.encode(fed.small_delta(seed=2), codec="fp16"), round_id=1)
+    _wait_published(fed, 1)
+    fed.rounds.stop()  # the flush below runs by hand, as a restarted server's manager would
+    fed.submit(kc, cc, codec.encode(fed.small_delta(seed=3), codec="fp16"), round_id=1, base_sha256=base0)
+    fed.submit(ka, ca, codec.encode(fed.small_delta(seed=4), codec="fp16"), round_id=2)
+
+    class Crash(Exception):
+        pass
+
+    def crash_at(point: str) -> None:
+        if point == "blob-written":
+            raise Crash(point)
+
+    import zoo_gym.server.publish as publish
+
+    monkeypatch.setattr(publish, "crash_point", crash_at)
+    blobs_before = set(p.name for p in (fed.state.blobs.root / "sha256").rglob("*") if p.is_file())
+    with pytest.raises(Crash):
+        RoundManager(fed.state, fed.config).step()
+    written = set(p.name for p in (fed.state.blobs.root / "sha256").rglob("*") if p.is_file()) - blobs_before
+    with fed.state.session() as s:
+        assert s.get(Round, 2).state == RoundState.AGGREGATING and s.get(Round, 3) is None
+        assert json.loads(s.get(RoundInputs, 2).staleness_json)["contributors"][cc]["staleness"] == 1
+    assert not [e for e in ledger_entries(fed.state, contributor=None, since_seq=0, limit=None) if e["round_id"] == 2]
+    monkeypatch.undo()
+
+    reopened = open_state(fed.state.root)
+    try:
+        RoundManager(reopened, fed.config).step()  # the restart's redo from the recorded inputs
+        with reopened.session() as s:
+            r2 = s.get(Round, 2)
+            assert r2.state == RoundState.PUBLISHED and s.get(Round, 3).state == RoundState.OPEN
+            assert {sub.contributor_id for sub in s.exec(select(Submission).where(Submission.round_id == 2))} == {
+                ca, cc}
+        assert r2.published_sha256 in written  # the same checkpoint bytes as the interrupted run wrote
+        entries = [e for e in ledger_entries(reopened, contributor=None, since_seq=0, limit=None)
+                   if e["round_id"] == 2]
+        assert sorted(e["contributor_id"] for e in entries) == sorted([ca, cc])
+        assert "staleness 1" in next(e["reason"] for e in entries if e["contributor_id"] == cc)
+        assert verify_ledger(reopened)["ok"]
+    finally:
+        reopened.engine.dispose()

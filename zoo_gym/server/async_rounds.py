@@ -1,0 +1,171 @@
+"""Asynchronous buffered rounds (`gym-server serve --mode async`): FedBuff under a robust rule.
+
+Sources: FedBuff (Nguyen et al., "Federated Learning with Buffered Asynchronous Aggregation", AISTATS
+2022) for the buffer and the server learning rate; FedAsync (Xie et al., "Asynchronous Federated
+Optimization", 2019) for the polynomial staleness weight.
+
+A round is a *version*: round r trains on version r - 1 (its base) and, when it flushes, publishes
+version r. A contributor may submit a delta against the base of any round r - s with
+0 <= s <= max_staleness (SubmitHeader.round_id names that round, base_sha256 its base); s is the
+delta's *staleness*, the number of versions published since its base. The delta is stored in the open
+round's buffer. An older base is FAILED_PRECONDITION naming the current version.
+
+Every `buffer_size` (K) accepted deltas the round closes and publishes through the synchronous path
+(rounds.py -> publish.py -> settlement.py), so a flush keeps everything a round guarantees: signed
+submissions, durable before acknowledged, one transaction per publish, an exact redo after a crash.
+What differs:
+
+    row_i      = w(s_i) x delta_i,   w(s) = (1 + s) ** -staleness_exponent         (FedAsync, "polynomial")
+    aggregate  = robust_rule(row_1 .. row_K)      (f counted per buffer; clip and DP noise as configured)
+    version r  = base_{r-1} + server_lr x aggregate                                 (FedBuff's eta)
+
+Stale deltas are applied to the current base, as FedBuff does. The staleness and the weights are
+recorded in RoundInputs.staleness_json when the buffer closes, so a redo merges and pays exactly what
+the first run did.
+
+Pay: a delta is scored and its share of the pool split as in a synchronous round (acceptance and
+reputation from its own score, so being slow never makes it refused); then its amount and score are
+multiplied by w(s) (the amount rounded down; the rest stays unpaid): a stale delta within
+max_staleness is paid less than the same delta fresh, never refused for being slow. Its ledger
+entry's reason names the flush, its staleness and its weight.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+
+import torch
+from sqlmodel import select
+
+from zoo_gym.server.config import ServerConfig
+from zoo_gym.server.errors import FailedPrecondition
+from zoo_gym.server.models import Round, RoundState, Submission
+
+
+def staleness_weight(staleness: int, *, exponent: float) -> float:
+    """w(s) = (1 + s) ** -exponent: 1 for a fresh delta, decreasing in s (0 exponent: no discount)."""
+    if staleness < 0:
+        raise ValueError(f"staleness must be >= 0 versions, got {staleness}")
+    return float((1.0 + staleness) ** -exponent)
+
+
+def check_base(s, current: Round | None, *, round_id: int, base_sha256: str, max_staleness: int) -> int:
+    """The staleness of a delta trained on round `round_id`'s base, or FailedPrecondition saying why not."""
+    if current is None or current.state != RoundState.OPEN:
+        state = f"round {current.id} is {current.state.value}" if current else "no round exists"
+        raise FailedPrecondition(f"no buffer is open for submissions ({state}); submit again once the next "
+                                 "version is published")
+    version = current.id - 1
+    if round_id > current.id:
+        raise FailedPrecondition(f"round {round_id} does not exist yet: the current version is {version} "
+                                 f"(round {current.id}); fetch the current round")
+    staleness = current.id - round_id
+    if staleness > max_staleness:
+        raise FailedPrecondition(f"the delta's base (round {round_id}) is {staleness} versions old and this server "
+                                 f"accepts at most {max_staleness}: the current version is {version} (round "
+                                 f"{current.id}); download it and retrain")
+    named = current if staleness == 0 else s.get(Round, round_id)
+    if named is None or named.base_sha256 != base_sha256:
+        trained = named.base_sha256[:12] + "..." if named is not None else "nothing"
+        raise FailedPrecondition(f"the delta is relative to base {base_sha256[:12]}..., but round {round_id} trained "
+                                 f"on {trained}: name the round whose base you trained on (the current version is "
+                                 f"{version}, round {current.id})")
+    return staleness
+
+
+def record_staleness(session, round_id: int, config: ServerConfig) -> str:
+    """The JSON recorded in RoundInputs.staleness_json when a buffer closes: its server learning rate and
+    exponent, and per contributor the round its base came from, its staleness and its weight."""
+    subs = list(session.exec(select(Submission).where(Submission.round_id == round_id).order_by(Submission.id)))
+    contributors = {}
+    for sub in subs:
+        base_round = session.exec(select(Round.id).where(Round.base_sha256 == sub.base_sha256, Round.id <= round_id)
+                                  .order_by(Round.id.desc())).first()
+        staleness = round_id - (base_round if base_round is not None else round_id)
+        contributors[sub.contributor_id] = {"base_round": base_round, "staleness": staleness,
+                                            "weight": staleness_weight(staleness, exponent=config.staleness_exponent)}
+    return json.dumps({"server_lr": config.server_lr, "staleness_exponent": config.staleness_exponent,
+                       "contributors": contributors}, sort_keys=True)
+
+
+def parse(staleness_json: str | None) -> dict | None:
+    return json.loads(staleness_json) if staleness_json else None
+
+
+class StalenessScaled:
+    """DeltaSource whose row i is weight_i x the wrapped source's row i (zoo_gym.aggregation.DeltaSource).
+
+    The robust rule, clipping and DP noise see the weighted rows, as in FedBuff. Weights are <= 1, so a
+    weighted delta is never longer than the one submitted and the DP sensitivity bound (the clip) holds.
+    The packed BitDelta fast path is not offered (its scales would need the weights): distances are then
+    computed from the decoded rows."""
+
+    def __init__(self, source, weights: list[float]) -> None:
+        self._source = source
+        self.contributors = source.contributors
+        self._w = torch.tensor(weights, dtype=torch.float32)  # (n,)
+
+    def names(self):
+        return self._source.names()
+
+    def shape(self, name: str):
+        return self._source.shape(name)
+
+    def stacked(self, name: str) -> torch.Tensor:
+        return self._source.stacked(name) * self._w[:, None]  # (n, numel)
+
+    def packed(self, name: str):
+        return None
+
+    def sq_norms(self, name: str):
+        inner = getattr(self._source, "sq_norms", None)
+        known = inner(name) if inner is not None else None
+        if known is None:
+            return None
+        sq, numel = known
+        return sq * self._w.double() ** 2, numel
+
+
+def weighted_source(source, contributors: list[str], staleness: dict | None):
+    """`source` with each row weighted by its staleness weight (unchanged when every weight is 1)."""
+    if staleness is None:
+        return source
+    weights = [float(staleness["contributors"][c]["weight"]) for c in contributors]
+    if all(w == 1.0 for w in weights):
+        return source
+    return StalenessScaled(source, weights)
+
+
+def server_lr_sink(sink: Callable[[str, torch.Tensor], None], staleness: dict | None):
+    """`sink` receiving server_lr x each aggregated tensor (unchanged at server_lr 1 or in sync mode)."""
+    lr = 1.0 if staleness is None else float(staleness["server_lr"])
+    if lr == 1.0:
+        return sink
+    return lambda name, agg: sink(name, agg * lr)
+
+
+def discount_payouts(plan, staleness: dict | None, *, pool: int):
+    """The settlement plan with each amount scaled by its delta's staleness weight (floor of amount x w;
+    what that withholds stays unpaid), its score likewise, and every entry's reason naming the flush, the
+    delta's staleness and its weight. Who is paid and the reputations are the plan's own, from the raw
+    scores: a stale delta is paid less than the same delta fresh, never refused for being slow."""
+    if plan is None or staleness is None:
+        return plan
+    info: Mapping[str, dict] = staleness["contributors"]
+    payouts = []
+    for p in plan.payouts:
+        st = info[p.contributor]
+        w = float(st["weight"])
+        amount = int(math.floor(p.amount * w + 1e-9))  # w = 1: exactly the amount
+        tag = (f"flush of version {plan.round_id}: staleness {st['staleness']} (trained on the base of round "
+               f"{st['base_round']}), weight {w:.4g}")
+        if p.paid:
+            reason = (f"paid {amount} of {pool}: score {p.score:.4g} x reputation {p.reputation_before:.3g} "
+                      f"gave {p.amount}, x staleness weight {w:.4g}; {tag}")
+        else:
+            reason = f"{p.reason}; {tag}"
+        payouts.append(replace(p, amount=amount, score=p.score * w, reason=reason))
+    return replace(plan, payouts=payouts)
