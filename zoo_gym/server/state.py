@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -104,15 +105,20 @@ def make_private(path: Path) -> None:
     """chmod a tree to 0700 directories and 0600 files (symlinks left alone), as the server's key already is.
 
     `serve` runs it over its whole state directory, so directories made by older versions (0755, a
-    world-readable server.db) are tightened on upgrade."""
+    world-readable server.db) are tightened on upgrade. Where chmod is refused (a file of another user, a
+    file system without modes) it warns once and goes on: refusing to serve would protect nothing."""
+    failed: list[OSError] = []
     for dirpath, _dirs, files in os.walk(path):
-        try:
-            os.chmod(dirpath, PRIVATE_DIR)
-            for name in files:
-                if not os.path.islink(file := os.path.join(dirpath, name)):
-                    os.chmod(file, PRIVATE_FILE)
-        except OSError as exc:
-            raise StateError(f"cannot make {exc.filename} private (owner-only): {exc.strerror}") from None
+        for name, mode in [(dirpath, PRIVATE_DIR)] + [(os.path.join(dirpath, f), PRIVATE_FILE) for f in files]:
+            if not os.path.islink(name):
+                try:
+                    os.chmod(name, mode)
+                except OSError as exc:
+                    failed.append(exc)
+    if failed:
+        logging.getLogger("zoo_gym.server").warning(
+            "could not make %d paths under %s owner-only, e.g. %s: %s", len(failed), path, failed[0].filename,
+            failed[0].strerror)
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -392,7 +398,7 @@ def init_state(state_dir: Path, *, base_model: str = "tiny", db_url: str | None 
     existed = root.exists()
     root.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
     try:
-        os.chmod(root, PRIVATE_DIR)
+        make_private(root)  # a directory the operator made beforehand too
         _create_private_sqlite(url)
         with engine.connect() as conn:
             if inspect(conn).has_table("round"):
