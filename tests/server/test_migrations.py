@@ -204,6 +204,46 @@ def test_a_v0_1_0_state_is_refused_then_migrated_and_serves_the_next_round(tmp_p
     assert verified.exit_code == 0 and "ledger OK: 4 entries" in verified.output, verified.output
 
 
+FAILING_REVISION = """
+import sqlalchemy as sa
+from alembic import op
+
+revision, down_revision, branch_labels, depends_on = "9000", {head!r}, None, None
+
+
+def upgrade():
+    op.create_table("half_done", sa.Column("x", sa.Integer(), primary_key=True))
+    with op.batch_alter_table("round") as batch:
+        batch.add_column(sa.Column("half_done", sa.Integer(), nullable=True))
+    raise RuntimeError("a revision that fails half way")
+"""
+
+
+def test_a_migration_that_fails_half_way_leaves_the_database_as_it_was(tmp_path, db_url, monkeypatch):
+    """The pending revisions run in one transaction, DDL included (SQLite too): a failure rolls back the
+    revisions before it and its own half, so the database stays at v0.1.0 and can be migrated again."""
+    from alembic.script import ScriptDirectory
+
+    state = _load_fixture(tmp_path, db_url)
+    scripts = tmp_path / "migrations"
+    shutil.copytree(migrations.MIGRATIONS_DIR, scripts, ignore=shutil.ignore_patterns("__pycache__"))
+    (scripts / "versions" / "9000_fails.py").write_text(FAILING_REVISION.format(head=migrations.head()))
+    monkeypatch.setattr(migrations, "script", lambda: ScriptDirectory(str(scripts)))
+
+    with pytest.raises(RuntimeError, match="fails half way"):
+        migrations.upgrade(db_url or f"sqlite:///{state / 'server.db'}")
+    engine = make_engine(db_url or f"sqlite:///{state / 'server.db'}")
+    try:
+        with engine.connect() as conn:
+            names = set(inspect(conn).get_table_names())
+            columns = {c["name"] for c in inspect(conn).get_columns("round")}
+            assert migrations.current_revision(conn) == migrations.BASELINE
+    finally:
+        engine.dispose()
+    assert "half_done" not in names and "half_done" not in columns and "alembic_version" not in names
+    assert "spentinvite" not in names  # 0002 ran before the failure and was rolled back with it
+
+
 def test_init_stamps_the_head_and_refuses_a_database_holding_a_federation(tmp_path, db_url):
     url = db_url or f"sqlite:///{tmp_path / 'shared.db'}"
     first = _cli("init", "--state-dir", tmp_path / "first", "--db", url)
