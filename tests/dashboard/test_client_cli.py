@@ -55,3 +55,11 @@ def test_report_to_is_a_checked_training_flag(tmp_path):
                                          "--workdir", str(tmp_path), "--key", str(tmp_path / "key.pem")])
             assert result.exit_code == 2 and f"pip install {name}" in result.output
             assert not (tmp_path / "key.pem").exists()
+
+
+def test_log_level_is_checked_before_any_work(tmp_path):
+    result = runner.invoke(app, ["join", "--server", "127.0.0.1:1", "--insecure", "--log-level", "LOUD",
+                                 "--workdir", str(tmp_path), "--key", str(tmp_path / "key.pem")])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == ["error: --log-level must be DEBUG, INFO, WARNING or ERROR, not 'LOUD'"]
+    assert not (tmp_path / "key.pem").exists()

@@ -63,6 +63,19 @@ def _check_server(server: str) -> None:
         _fail(f"--server {server!r}: give HOST:PORT with a port from 1 to 65535, e.g. {name}:50051")
 
 
+def _set_log_level(level: str) -> None:
+    import logging
+
+    level = level.upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        _fail(f"--log-level must be DEBUG, INFO, WARNING or ERROR, not {level!r}")
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level in ("DEBUG", "INFO"):  # training keeps transformers quiet unless asked for more, as here
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity(getattr(logging, level))
+
+
 def _fail(message: str, code: int = 2) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
@@ -103,6 +116,8 @@ def join(
     no_wait: bool = typer.Option(False, "--no-wait", help="Exit right after the last upload."),
     connect_timeout: float = typer.Option(60.0, "--connect-timeout", min=1.0,
                                           help="Seconds to keep trying an unreachable server at first contact."),
+    log_level: str = typer.Option("WARNING", "--log-level", help="DEBUG, INFO, WARNING or ERROR: log messages of "
+                                                                 "the client and its libraries (transformers, TRL)."),
     as_json: bool = typer.Option(False, "--json", help="Print the per-round summaries as JSON on stdout."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
     train_flags: dict = None,
@@ -122,6 +137,7 @@ def join(
 
     _check_roots(root_certificates, insecure)
     _check_server(server)
+    _set_log_level(log_level)
     if method is not None and method not in METHODS:
         _fail(f"--method must be one of {', '.join(METHODS)}")
     if codec not in CODECS:

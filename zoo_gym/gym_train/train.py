@@ -42,7 +42,8 @@ def _quiet(progress: bool):
     warnings.filterwarnings("ignore", category=FutureWarning)
     if progress:
         return contextlib.nullcontext()
-    transformers.utils.logging.set_verbosity_error()
+    if transformers.utils.logging.get_verbosity() >= transformers.utils.logging.WARNING:  # not raised by --log-level
+        transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     datasets.utils.logging.set_verbosity_error()
     datasets.disable_progress_bars()
