@@ -1,0 +1,670 @@
+"""Benchmark: synchronous rounds against asynchronous buffered ones (FedBuff) on the tiny model, with
+stragglers, dropouts and Byzantine contributors. Training is real, the clock is simulated.
+
+    python benchmarks/async.py --workers 2   # full -> results/async.{json,png}
+    python benchmarks/async.py --quick       # smoke run (< 2 min once the tiny model is cached)
+
+Protocol (also written into the JSON under "protocol"):
+  * n = 20 contributors. Contributor i's compute time for one local run is t_i x exp(jitter x N(0,1))
+    (jitter 0.1, a fresh draw per run), with t_i log-normal: t_i = exp(sigma z_i) at the normal
+    quantiles z_i = Phi^-1((i + 0.5) / n), scaled so that t_0 = 1 (fastest) and t_19 = 10 (slowest):
+    a 10x spread. Each local run is lost with probability 0.1 (the contributor drops out for that
+    run's duration: it neither submits nor counts as compute). Draws are seeded per (contributor,
+    run index), so every rule sees the same clock.
+  * A local run is `gym_train.train` (LoRA r=8 on all linear layers, `steps` steps of batch 8,
+    lr 1e-2, merged dense delta, one CPU thread, training seed 0 for everyone as `gym-client join`
+    does) on `steps x 8` examples of the contributor's own disjoint shard of
+    `builtin_examples("default", n_shards=n)`, drawn with a seed taken from the base's sha256. So a
+    delta is a function of (base sha256, contributor) and is cached on disk under that key (plus a
+    hash of the training settings): reruns, and runs whose bases coincide (every run's first
+    deltas are trained on the shipped base), train nothing twice.
+  * Sync: round r waits for every contributor that did not drop out this round; it lasts as long
+    as its slowest present contributor. The present contributors' deltas are merged with DeltaSoup
+    (the server's aggregation code, in process) and the next version is published. `rounds` rounds.
+  * Async (FedBuff, Nguyen et al. 2022; the same rule as zoo_gym/server/async_rounds.py): each
+    contributor fetches the newest version when it starts a local run and submits when done. Its
+    staleness s is the number of versions published since its base; s > max_staleness is refused
+    and its compute counted as wasted. Every K = buffer_size accepted deltas the buffer is merged:
+    row_i = (1 + s_i)^-a x delta_i (FedAsync's polynomial weight, a = staleness_exponent), the
+    robust rule runs over the K rows (f counted per buffer), the next version is base +
+    server_lr x aggregate. Async runs until `async_horizon` x the sync run's simulated time.
+  * Byzantine (30%: 6 of 20, contributors spread across the speed range): they follow their
+    clock like everyone but submit crafted deltas, computed when the round or buffer closes from
+    the honest deltas in it (the strongest threat model: they see every honest delta). Sign flip
+    -4 x honest mean, scaling 10 x honest mean, ALIE mean - z x std (Baruch et al.'s z for n = 20,
+    f = 6). In async they also claim the newest base, so their rows always get weight 1 and are
+    never refused as stale.
+  * Rules: mean (FedAvg), trimmed-mean (trim_beta 0.4: at n = 18 it trims 7 per side, at K = 10,
+    4), multi-krum (byzantine_f = 6 in sync rounds, 3 per buffer of 10), median if asked; the
+    SoupConfig defaults otherwise (max_norm_ratio 10). Held-out loss: `gym_train.Evaluator` on
+    `default_validation_examples(validation_examples)` (mean completion-token cross-entropy), after
+    every publish.
+  * Measured: simulated time until async's held-out loss is <= the sync run's final loss (same
+    rule), as a share of sync's time; each run's final loss; wasted compute: sync, the share of
+    present contributors' time spent waiting for the round's slowest; async, the share of finished
+    local runs' compute refused as stale. Targets: time share <= 0.5, async waste <= 10%, every
+    robust rule under every attack in async ends within 5% of its own clean async loss, and mean
+    under sign flip or scaling is >= 1.25x its clean loss (visibly broken).
+Prints the JSON document; writes it and the PNG unless --no-write (--quick writes only with --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import heapq
+import io
+import json
+import math
+import os
+import pathlib
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from statistics import NormalDist
+
+import torch
+
+from zoo_gym.aggregation import DeltaSoup, NotRobustConfigError, SoupConfig, attacks
+from zoo_gym.aggregation.sources import DictDeltaSource
+from zoo_gym.gym_train import (Evaluator, TrainConfig, builtin_examples,
+                               default_validation_examples, tiny_model_dir, train)
+
+RULES = ("mean", "trimmed-mean", "multi-krum", "median")
+ATTACKS = ("none", "sign_flip", "alie", "scaling")
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+DEFAULT_CACHE = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) \
+    / "zoo_gym" / "async-bench"
+
+
+class BenchConfigError(ValueError):
+    """A BenchConfig field cannot work; the message names the field."""
+
+
+@dataclass
+class BenchConfig:
+    n: int = 20                      # contributors
+    f: int = 6                       # Byzantine among them (attack runs)
+    speed_span: float = 10.0         # slowest / fastest compute time
+    jitter: float = 0.1              # per-run log-normal noise on the compute time
+    dropout: float = 0.1             # probability that a local run is lost
+    rounds: int = 2                  # sync rounds
+    buffer_size: int = 10            # K
+    max_staleness: int = 6           # S
+    staleness_exponent: float = 0.5  # a in (1 + s)^-a
+    server_lr: float = 1.0           # eta
+    async_horizon: float = 0.6       # async runs for this share of the sync run's simulated time
+    max_versions: int = 12           # and publishes at most this many versions
+    steps: int = 3                   # optimizer steps per local run
+    batch_size: int = 8
+    learning_rate: float = 1e-2
+    warmup_steps: int = 1
+    trim_beta: float = 0.4
+    sync_f: int = 6                  # byzantine_f of multi-krum in a sync round
+    buffer_f: int = 3                # byzantine_f of multi-krum per async buffer
+    sign_flip_scale: float = 4.0
+    scaling_boost: float = 10.0
+    validation_examples: int = 128
+    tolerance: float = 0.05          # robust: loss <= (1 + tolerance) x own clean async loss
+    broken_ratio: float = 1.25       # mean broken: loss >= this x its clean async loss
+    time_target: float = 0.5
+    waste_target: float = 0.10
+    seed: int = 0
+    rules: tuple[str, ...] = ("mean", "trimmed-mean", "multi-krum")
+    attacks: tuple[str, ...] = ATTACKS
+    sync_attacks: bool = False       # also run sync rounds under every attack
+    speeds: tuple[float, ...] | None = None  # explicit base compute times (tests); else log-normal
+    byzantine: tuple[int, ...] | None = None  # explicit Byzantine ids; else spread over speeds
+
+    def __post_init__(self) -> None:
+        for name in ("n", "rounds", "buffer_size", "max_versions", "steps", "batch_size",
+                     "validation_examples"):
+            if getattr(self, name) < 1:
+                raise BenchConfigError(f"`{name}` must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.f < self.n / 2:
+            raise BenchConfigError(f"`f` must be in [0, n/2), got f={self.f}, n={self.n}")
+        if not 0 <= self.dropout < 1 or self.jitter < 0 or self.speed_span < 1:
+            raise BenchConfigError("`dropout` must be in [0, 1), `jitter` >= 0, `speed_span` >= 1")
+        if self.max_staleness < 0 or self.staleness_exponent < 0 or self.server_lr <= 0:
+            raise BenchConfigError("`max_staleness` and `staleness_exponent` must be >= 0, "
+                                   "`server_lr` > 0")
+        if self.async_horizon <= 0:
+            raise BenchConfigError(f"`async_horizon` must be > 0, got {self.async_horizon}")
+        if not self.rules or any(r not in RULES for r in self.rules):
+            raise BenchConfigError(f"`rules` must be a non-empty subset of {RULES}, got {self.rules}")
+        if "none" not in self.attacks or any(a not in ATTACKS for a in self.attacks):
+            raise BenchConfigError(f"`attacks` must include 'none' and be a subset of {ATTACKS}")
+        if self.speeds is not None and (len(self.speeds) != self.n or min(self.speeds) <= 0):
+            raise BenchConfigError(f"`speeds` must give n={self.n} positive compute times")
+        if self.byzantine is not None and (len(self.byzantine) != self.f
+                                           or not set(self.byzantine) <= set(range(self.n))):
+            raise BenchConfigError(f"`byzantine` must list f={self.f} distinct ids in [0, n)")
+
+
+QUICK = dict(n=6, f=1, rounds=1, buffer_size=3, max_staleness=4, buffer_f=0, sync_f=1,
+             trim_beta=0.2, steps=2, validation_examples=32, max_versions=4,
+             rules=("mean", "trimmed-mean"), attacks=("none", "sign_flip"))
+
+
+# ---- the simulated clock (pure) -----------------------------------------------------------------
+def base_times(cfg: BenchConfig) -> list[float]:
+    """(n,) compute time of one local run per contributor: log-normal quantiles, t_0 = 1,
+    t_{n-1} = speed_span (contributor 0 is the fastest)."""
+    if cfg.speeds is not None:
+        return [float(t) for t in cfg.speeds]
+    z = [NormalDist().inv_cdf((i + 0.5) / cfg.n) for i in range(cfg.n)]
+    if cfg.n == 1:
+        return [1.0]
+    sigma = math.log(cfg.speed_span) / (z[-1] - z[0])
+    return [math.exp(sigma * (zi - z[0])) for zi in z]
+
+
+def byzantine_ids(cfg: BenchConfig) -> tuple[int, ...]:
+    """f ids spread evenly over the speed ranks (none of them the fastest)."""
+    if cfg.byzantine is not None:
+        return tuple(sorted(cfg.byzantine))
+    return tuple(sorted({min(cfg.n - 1, round((j + 0.5) * cfg.n / cfg.f)) for j in range(cfg.f)}))
+
+
+def local_run(cfg: BenchConfig, times: list[float], contributor: int, run_index: int
+              ) -> tuple[float, bool]:
+    """(compute time, dropped out) of a contributor's run_index-th local run."""
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + contributor * 10_007 + run_index)
+    noise = float(torch.randn((), generator=gen))
+    dropped = float(torch.rand((), generator=gen)) < cfg.dropout
+    return times[contributor] * math.exp(cfg.jitter * noise), dropped
+
+
+@dataclass
+class Submission:
+    contributor: int
+    base: int          # the version it trained on
+    staleness: int     # versions published since its base (as claimed to the server)
+    start: float
+    end: float
+
+
+@dataclass
+class Publish:
+    version: int       # the version this publish creates
+    time: float
+    submissions: list[Submission]
+
+
+@dataclass
+class Schedule:
+    publishes: list[Publish]
+    compute_used: float      # contributor time spent on runs that counted
+    compute_wasted: float    # waiting (sync) or refused as stale (async)
+    refused: int = 0
+
+    @property
+    def waste_share(self) -> float:
+        total = self.compute_used + self.compute_wasted
+        return self.compute_wasted / total if total > 0 else 0.0
+
+
+def sync_schedule(cfg: BenchConfig, times: list[float]) -> Schedule:
+    """Round r: everyone present trains on version r; the round ends with its slowest member.
+    Waiting = the round's length minus one's own compute, for each present contributor."""
+    pubs, now, used, waited = [], 0.0, 0.0, 0.0
+    for r in range(cfg.rounds):
+        runs = [(i, *local_run(cfg, times, i, r)) for i in range(cfg.n)]
+        present = [(i, d) for i, d, dropped in runs if not dropped]
+        length = max((d for _, d in present), default=0.0)
+        used += sum(d for _, d in present)
+        waited += sum(length - d for _, d in present)
+        pubs.append(Publish(r + 1, now + length,
+                            [Submission(i, r, 0, now, now + d) for i, d in present]))
+        now += length
+    return Schedule(pubs, used, waited)
+
+
+def async_schedule(cfg: BenchConfig, times: list[float], *, until: float,
+                   liars: frozenset[int] = frozenset()) -> Schedule:
+    """FedBuff's clock up to simulated time `until` (or max_versions publishes). `liars` claim
+    the newest base (staleness 0). Ties are broken by contributor id."""
+    version, runs_done, buffer, pubs = 0, [0] * cfg.n, [], []
+    used = wasted = 0.0
+    refused = 0
+    events: list[tuple[float, int, float, int, bool]] = []  # (end, contributor, start, base, dropped)
+
+    def start(i: int, now: float) -> None:
+        d, dropped = local_run(cfg, times, i, runs_done[i])
+        runs_done[i] += 1
+        heapq.heappush(events, (now + d, i, now, version, dropped))
+
+    for i in range(cfg.n):
+        start(i, 0.0)
+    while events and len(pubs) < cfg.max_versions:
+        end, i, begun, base, dropped = heapq.heappop(events)
+        if end > until:
+            break
+        if not dropped:
+            s = 0 if i in liars else version - base
+            if s > cfg.max_staleness:
+                wasted += end - begun
+                refused += 1
+            else:
+                used += end - begun
+                buffer.append(Submission(i, base, s, begun, end))
+                if len(buffer) == cfg.buffer_size:
+                    version += 1
+                    pubs.append(Publish(version, end, buffer))
+                    buffer = []
+        start(i, end)  # fetches the newest version (after this submission's flush, if any)
+    return Schedule(pubs, used, wasted, refused)
+
+
+def staleness_weight(staleness: int, *, exponent: float) -> float:
+    """w(s) = (1 + s)^-exponent (FedAsync's polynomial; as zoo_gym/server/async_rounds.py)."""
+    return float((1.0 + staleness) ** -exponent)
+
+
+# ---- real training, cached by (base sha256, contributor) ----------------------------------------
+def train_key(cfg: BenchConfig) -> str:
+    """Hash of everything besides the base and the contributor that a delta depends on."""
+    fields = {k: getattr(cfg, k) for k in ("n", "steps", "batch_size", "learning_rate",
+                                           "warmup_steps")}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def base_bytes(base0: dict[str, torch.Tensor], cum: dict[str, torch.Tensor]) -> bytes:
+    """The safetensors file of base0 + cum (what the server would publish and hash)."""
+    from safetensors.torch import save
+
+    state = {k: (v + cum[k] if k in cum else v).contiguous() for k, v in base0.items()}
+    return save(state, metadata={"format": "pt"})
+
+
+def _init_worker() -> None:
+    import transformers
+
+    torch.set_num_threads(1)
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def train_delta(base_dir: str, sha: str, contributor: int, cfg_fields: dict, out: str) -> float:
+    """One local run of `contributor` on the base in base_dir, saved to `out`; returns seconds."""
+    from safetensors.torch import save_file
+
+    cfg = BenchConfig(**cfg_fields)
+    t0 = time.perf_counter()
+    examples = builtin_examples("default", shard=contributor, n_shards=cfg.n,
+                                n=cfg.steps * cfg.batch_size, seed=int(sha[:8], 16))
+    tc = TrainConfig(method="lora", max_steps=cfg.steps, batch_size=cfg.batch_size,
+                     learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+                     merged_delta=True, seed=0)
+    with contextlib.redirect_stdout(io.StringIO()):  # the trainer prints its log dicts
+        result = train(pathlib.Path(base_dir), examples, tc, base_sha256=sha, eval_examples=[])
+    tmp = out + f".tmp{os.getpid()}"
+    save_file({k: v.contiguous() for k, v in result.delta.items()}, tmp)
+    os.replace(tmp, out)  # atomic: a killed run never leaves half a delta in the cache
+    return time.perf_counter() - t0
+
+
+class DeltaCache:
+    """Deltas on disk at cache_dir/<base sha256>-<contributor>-<training settings hash>."""
+
+    def __init__(self, cache_dir: pathlib.Path, cfg: BenchConfig, base0: dict[str, torch.Tensor],
+                 *, workers: int) -> None:
+        self.dir, self.cfg, self.base0, self.workers = cache_dir, cfg, base0, workers
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.key = train_key(cfg)
+        self.trained = self.hits = 0
+        self.train_seconds = 0.0
+        self._pool = None
+
+    def path(self, sha: str, contributor: int) -> pathlib.Path:
+        return self.dir / f"{sha}-{contributor}-{self.key}.safetensors"
+
+    def ensure(self, needs: dict[tuple[str, int], dict[str, torch.Tensor]]) -> None:
+        """Train every (sha, contributor) in `needs` (value: the base's cum) not yet on disk."""
+        missing = {k: v for k, v in needs.items() if not self.path(*k).exists()}
+        self.hits += len(needs) - len(missing)
+        if not missing:
+            return
+        with tempfile.TemporaryDirectory(prefix="zoo_gym_async_") as tmp:
+            jobs = []
+            for b, sha in enumerate(sorted({sha for sha, _ in missing})):
+                base_dir = pathlib.Path(tmp) / f"b{b}"
+                shutil.copytree(tiny_model_dir(), base_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+                cum = next(v for (s, _), v in missing.items() if s == sha)
+                (base_dir / "model.safetensors").write_bytes(base_bytes(self.base0, cum))
+                jobs += [(str(base_dir), sha, c, asdict(self.cfg), str(self.path(sha, c)))
+                         for s, c in sorted(missing) if s == sha]
+            if self.workers > 1:
+                if self._pool is None:
+                    from concurrent.futures import ProcessPoolExecutor
+                    from multiprocessing import get_context
+
+                    self._pool = ProcessPoolExecutor(self.workers, mp_context=get_context("spawn"),
+                                                     initializer=_init_worker)
+                seconds = [f.result() for f in [self._pool.submit(train_delta, *j) for j in jobs]]
+            else:
+                seconds = [train_delta(*j) for j in jobs]
+        self.trained += len(jobs)
+        self.train_seconds += sum(seconds)
+
+    def load(self, sha: str, contributor: int) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        return load_file(str(self.path(sha, contributor)))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+
+# ---- one trajectory: a mode x rule x attack ------------------------------------------------------
+@dataclass
+class Trajectory:
+    mode: str                  # "sync" | "async"
+    rule: str
+    attack: str
+    schedule: Schedule
+    versions: list[dict[str, torch.Tensor]] = field(default_factory=lambda: [{}])  # cum per version
+    shas: list[str] = field(default_factory=list)
+    times: list[float] = field(default_factory=lambda: [0.0])
+    losses: list[float] = field(default_factory=list)
+    weights: list[list[float]] = field(default_factory=list)      # staleness weight per row
+    byzantine_weight: list[float] = field(default_factory=list)   # attackers' share of the aggregate
+    error: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.mode}/{self.rule}/{self.attack}"
+
+    def pending(self) -> Publish | None:
+        done = len(self.versions) - 1
+        return None if self.error or done >= len(self.schedule.publishes) else \
+            self.schedule.publishes[done]
+
+
+def soup_config(cfg: BenchConfig, rule: str, mode: str) -> SoupConfig:
+    return SoupConfig(aggregator=rule, trim_beta=cfg.trim_beta,
+                      byzantine_f=cfg.sync_f if mode == "sync" else cfg.buffer_f)
+
+
+def craft(attack: str, honest: torch.Tensor, *, n_byzantine: int, cfg: BenchConfig) -> torch.Tensor:
+    """(n_byzantine, d) Byzantine rows from the honest raw deltas (m, d) of the same round/buffer."""
+    if attack == "sign_flip":
+        return attacks.sign_flip(honest, n_byzantine=n_byzantine, scale=cfg.sign_flip_scale)
+    if attack == "scaling":
+        return attacks.scaling(honest, n_byzantine=n_byzantine, boost=cfg.scaling_boost)
+    if attack == "alie":  # z for the whole population (n, f): what the attackers know
+        return attacks.alie(honest, n_byzantine=n_byzantine, z=attacks.alie_z(n=cfg.n, n_byzantine=cfg.f))
+    raise ValueError(f"unknown attack {attack!r}")
+
+
+def merge(t: Trajectory, pub: Publish, deltas: list[dict[str, torch.Tensor] | None],
+          cfg: BenchConfig, shapes: dict[str, torch.Size]) -> None:
+    """Publish the next version of `t` from `pub`'s honest `deltas` (None: a Byzantine row, crafted
+    here from the honest ones): row_i = w(s_i) x delta_i, DeltaSoup's rule over the rows, then
+    base + server_lr x aggregate."""
+    names = sorted(shapes)
+    subs = pub.submissions
+    rows = [None if d is None else torch.cat([d[k].reshape(-1) if k in d else torch.zeros(shapes[k].numel())
+                                              for k in names]) for d in deltas]  # (d,) each
+    is_byz = [r is None for r in rows]
+    if any(is_byz):
+        honest = torch.stack([r for r in rows if r is not None])  # (m, d)
+        crafted = iter(craft(t.attack, honest, n_byzantine=sum(is_byz), cfg=cfg))
+        rows = [next(crafted) if b else r for r, b in zip(rows, is_byz)]
+    w = [staleness_weight(s.staleness, exponent=cfg.staleness_exponent) if t.mode == "async" else 1.0
+         for s in subs]
+    dicts = []
+    for r, wi in zip(rows, w):
+        d, pos = {}, 0
+        for k in names:
+            d[k] = (wi * r[pos:pos + shapes[k].numel()]).reshape(shapes[k])
+            pos += shapes[k].numel()
+        dicts.append(d)
+    out: dict[str, torch.Tensor] = {}
+    try:
+        report = DeltaSoup(soup_config(cfg, t.rule, t.mode)).run(
+            DictDeltaSource([f"c{s.contributor}" for s in subs], dicts),
+            lambda name, agg: out.__setitem__(name, agg.reshape(shapes[name])))
+    except NotRobustConfigError as exc:
+        t.error = f"publish {pub.version}: {exc}"
+        return
+    lr = cfg.server_lr if t.mode == "async" else 1.0
+    prev = t.versions[-1]
+    t.versions.append({k: prev[k] + lr * v if k in prev else lr * v for k, v in out.items()})
+    t.times.append(pub.time)
+    t.weights.append(w)
+    t.byzantine_weight.append(sum(r.weight for r, b in zip(report.contributors, is_byz) if b))
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def run(cfg: BenchConfig, *, workers: int = 1, cache_dir: pathlib.Path = DEFAULT_CACHE,
+        log=print) -> tuple[dict, list[Trajectory]]:
+    """Every trajectory, publish by publish in lockstep (so one batch of training serves all of
+    them); returns the JSON document and the trajectories (with every version's weights)."""
+    from safetensors.torch import load_file
+
+    _init_worker()
+    t_start = time.perf_counter()
+    base0 = load_file(str(tiny_model_dir() / "model.safetensors"))
+    evaluator = Evaluator(tiny_model_dir(), default_validation_examples(cfg.validation_examples))
+    base_loss = evaluator.loss()
+    times, byz = base_times(cfg), byzantine_ids(cfg)
+    sync = sync_schedule(cfg, times)
+    t_sync = sync.publishes[-1].time
+    horizon = cfg.async_horizon * t_sync
+    clean = async_schedule(cfg, times, until=horizon)
+    lying = async_schedule(cfg, times, until=horizon, liars=frozenset(byz)) if cfg.f else clean
+    attacks_run = [a for a in cfg.attacks if a != "none"] if cfg.f else []
+    trajs = [Trajectory("sync", r, "none", sync) for r in cfg.rules]
+    if cfg.sync_attacks:
+        trajs += [Trajectory("sync", r, a, sync) for r in cfg.rules for a in attacks_run]
+    trajs += [Trajectory("async", r, "none", clean) for r in cfg.rules]
+    trajs += [Trajectory("async", r, a, lying) for r in cfg.rules for a in attacks_run]
+    sha0 = _sha(base_bytes(base0, {}))
+    for t in trajs:
+        t.shas, t.losses = [sha0], [base_loss]
+    cache = DeltaCache(cache_dir, cfg, base0, workers=workers)
+    shapes: dict[str, torch.Size] = {}
+    try:
+        step = 0
+        while active := [(t, p) for t in trajs if (p := t.pending()) is not None]:
+            step += 1
+            needs = {}
+            for t, pub in active:
+                for s in pub.submissions:
+                    if t.attack == "none" or s.contributor not in byz:
+                        needs[(t.shas[s.base], s.contributor)] = t.versions[s.base]
+            cache.ensure(needs)
+            for t, pub in active:
+                deltas = [None if t.attack != "none" and s.contributor in byz
+                          else cache.load(t.shas[s.base], s.contributor) for s in pub.submissions]
+                if not shapes:  # LoRA merges keep only the changed weights: the same names each run
+                    shapes = {k: base0[k].shape for d in deltas if d for k in d}
+                merge(t, pub, deltas, cfg, shapes)
+                if t.error is None:
+                    t.shas.append(_sha(base_bytes(base0, t.versions[-1])))
+                    t.losses.append(evaluator.loss(t.versions[-1]))
+            log(f"step {step}: {len(active)} publishes, {cache.trained} trained, {cache.hits} cached, "
+                f"{time.perf_counter() - t_start:.0f} s", file=sys.stderr)
+    finally:
+        cache.close()
+    doc = report(cfg, trajs, times=times, byz=byz, base_loss=base_loss, t_sync=t_sync,
+                 horizon=horizon, cache=cache, seconds=time.perf_counter() - t_start)
+    return doc, trajs
+
+
+# ---- the JSON document and the plot --------------------------------------------------------------
+def _version(module: str) -> str:
+    from importlib.metadata import version
+
+    return version(module)
+
+
+def time_to(t: Trajectory, target: float) -> float | None:
+    """Simulated time of t's first version whose held-out loss is <= target (None: never)."""
+    return next((tm for tm, loss in zip(t.times, t.losses) if loss <= target), None)
+
+
+def report(cfg: BenchConfig, trajs: list[Trajectory], *, times: list[float], byz: tuple[int, ...],
+           base_loss: float, t_sync: float, horizon: float, cache: DeltaCache, seconds: float) -> dict:
+    by = {(t.mode, t.rule, t.attack): t for t in trajs}
+    runs = {}
+    for t in trajs:
+        sch = t.schedule
+        stale = [s.staleness for p in sch.publishes[:len(t.versions) - 1] for s in p.submissions]
+        cell = {"times": [round(x, 3) for x in t.times], "losses": [round(x, 5) for x in t.losses],
+                "final_loss": round(t.losses[-1], 5), "final_time": round(t.times[-1], 3),
+                "versions": len(t.versions) - 1, "error": t.error,
+                "wasted_compute_share": round(sch.waste_share, 4),
+                "refused_stale": sch.refused,
+                "staleness_histogram": {str(s): stale.count(s) for s in sorted(set(stale))}}
+        if t.mode == "async":
+            cell["staleness_weights"] = [[round(w, 4) for w in ws] for ws in t.weights]
+        if t.attack != "none":
+            cell["byzantine_per_publish"] = [sum(s.contributor in byz for s in p.submissions)
+                                             for p in sch.publishes[:len(t.versions) - 1]]
+            cell["byzantine_weight_per_publish"] = [round(x, 4) for x in t.byzantine_weight]
+            own = by.get((t.mode, t.rule, "none"))
+            if own is not None:
+                cell["ratio_to_own_clean"] = round(t.losses[-1] / own.losses[-1], 4)
+        if t.mode == "async" and t.attack == "none" and ("sync", t.rule, "none") in by:
+            target = by[("sync", t.rule, "none")].losses[-1]
+            reached = time_to(t, target)
+            cell["sync_final_loss"] = round(target, 5)
+            cell["time_to_sync_final_loss"] = None if reached is None else round(reached, 3)
+            cell["time_share_of_sync"] = None if reached is None else round(reached / t_sync, 4)
+        runs[t.name] = cell
+    robust = {r: {a: runs[f"async/{r}/{a}"].get("ratio_to_own_clean") for a in cfg.attacks if a != "none"}
+              for r in cfg.rules if r != "mean" and cfg.f}
+    mean_broken = {a: runs[f"async/mean/{a}"].get("ratio_to_own_clean")
+                   for a in ("sign_flip", "scaling") if f"async/mean/{a}" in runs}
+    shares = {r: runs[f"async/{r}/none"].get("time_share_of_sync") for r in cfg.rules}
+    async_waste = runs[f"async/{cfg.rules[0]}/none"]["wasted_compute_share"]
+    return {
+        "benchmark": "async",
+        "command": " ".join(["python", "benchmarks/async.py", *sys.argv[1:]]),
+        "protocol": {"text": (__doc__ or "").split("Protocol (also written into the JSON under "
+                                                   "\"protocol\"):")[1].split("Prints the JSON")[0].strip(),
+                     "config": asdict(cfg)},
+        "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                    **{m: _version(m) for m in ("transformers", "peft", "trl")},
+                    "cpu_count": os.cpu_count(), "workers": cache.workers},
+        "seconds": round(seconds, 1),
+        "trainings": cache.trained, "cache_hits": cache.hits,
+        "train_seconds_sum": round(cache.train_seconds, 1),
+        "compute_times": [round(x, 3) for x in times],
+        "byzantine_ids": list(byz),
+        "base_loss": round(base_loss, 5),
+        "sync_time": round(t_sync, 3), "async_horizon_time": round(horizon, 3),
+        "runs": runs,
+        "targets": {
+            "time_share_of_sync": shares,
+            "time_pass": {r: v is not None and v <= cfg.time_target for r, v in shares.items()},
+            "sync_wasted_compute_share": runs[f"sync/{cfg.rules[0]}/none"]["wasted_compute_share"],
+            "async_wasted_compute_share": async_waste,
+            "waste_pass": async_waste <= cfg.waste_target,
+            "robust_ratio_to_own_clean": robust,
+            "robust_pass": {r: all(v is not None and v <= 1 + cfg.tolerance for v in vs.values())
+                            for r, vs in robust.items()},
+            "mean_ratio_to_own_clean": mean_broken,
+            "mean_broken_pass": bool(mean_broken) and all(v is not None and v >= cfg.broken_ratio
+                                                          for v in mean_broken.values()),
+        },
+    }
+
+
+def plot(doc: dict, path: pathlib.Path) -> pathlib.Path:
+    """Held-out loss against simulated time: clean sync vs async (left), async under attack (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = doc["protocol"]["config"]
+    colors = dict(zip(RULES, ("tab:red", "tab:blue", "tab:green", "tab:purple")))
+    styles = {"none": "-", "sign_flip": "--", "alie": ":", "scaling": "-."}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
+    for name, run in doc["runs"].items():
+        mode, rule, attack = name.split("/")
+        if attack == "none":
+            axes[0].plot(run["times"], run["losses"], styles["none"] if mode == "async" else ":",
+                         marker="o" if mode == "sync" else ".", color=colors[rule], label=f"{mode} {rule}")
+        if mode == "async":
+            axes[1].plot(run["times"], run["losses"], styles[attack], color=colors[rule],
+                         label=f"{rule}, {attack.replace('none', 'no attack')}")
+    axes[0].axvline(doc["sync_time"] * cfg["time_target"], color="grey", lw=0.8, ls="--",
+                    label=f"{cfg['time_target']} x sync time")
+    axes[0].set_title(f"no attack: sync (dotted) vs async K={cfg['buffer_size']} (solid)")
+    axes[1].set_title(f"async, {cfg['f']} of {cfg['n']} Byzantine")
+    for ax in axes:
+        ax.set_xlabel("simulated wall-clock (fastest contributor's local run = 1)")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("held-out loss")
+    fig.suptitle(f"{cfg['n']} contributors, compute times spanning {cfg['speed_span']:g}x, "
+                 f"{cfg['dropout']:.0%} dropout per run", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: " + json.dumps(QUICK))
+    knobs = (("n", int), ("f", int), ("rounds", int), ("buffer-size", int), ("max-staleness", int),
+             ("staleness-exponent", float), ("server-lr", float), ("async-horizon", float),
+             ("max-versions", int), ("steps", int), ("trim-beta", float), ("seed", int))
+    for name, typ in knobs:
+        p.add_argument(f"--{name}", type=typ)
+    p.add_argument("--rules", nargs="+", choices=RULES)
+    p.add_argument("--attacks", nargs="+", choices=ATTACKS)
+    p.add_argument("--sync-attacks", action="store_true", help="also run sync rounds under attack")
+    p.add_argument("--workers", type=int, default=1, help="training processes (one thread each)")
+    p.add_argument("--cache-dir", type=pathlib.Path, default=DEFAULT_CACHE)
+    p.add_argument("--out", type=pathlib.Path, help="JSON path (default results/async.json; the PNG "
+                   "beside it; --quick writes nothing unless given)")
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args(argv)
+    kw: dict = dict(QUICK) if args.quick else {}
+    for name, _ in knobs:
+        key = name.replace("-", "_")
+        if getattr(args, key) is not None:
+            kw[key] = getattr(args, key)
+    if args.rules:
+        kw["rules"] = tuple(args.rules)
+    if args.attacks:
+        kw["attacks"] = tuple(args.attacks)
+    if args.sync_attacks:
+        kw["sync_attacks"] = True
+    try:
+        cfg = BenchConfig(**kw)
+    except BenchConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    doc, _ = run(cfg, workers=args.workers, cache_dir=args.cache_dir, log=print)
+    text = json.dumps(doc, indent=1)
+    print(text)
+    out = args.out if args.out else (None if args.quick else RESULTS / "async.json")
+    if out is not None and not args.no_write:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+        try:
+            plot(doc, out.with_suffix(".png"))
+        except ImportError:
+            print("matplotlib is not installed (pip install -e '.[dev]'): no PNG", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
