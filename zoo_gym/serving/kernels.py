@@ -1,20 +1,39 @@
 """Batched BitDelta linear: ``x W^T (+ bias) + per row b: (x_b S_v^T) * scale_v`` with packed signs.
 
-Plain torch reference (placeholder until the compiled kernels land): the signs are unpacked one tile
-of output rows at a time, so no dense per-variant copy of a weight ever exists.
+Liu et al., "BitDelta" (arXiv:2402.10193) serve many fine-tunes over one base as ``x W^T + x (s_v S_v)^T``;
+Punica / S-LoRA batch requests of different adapters into one forward and run the per-adapter part
+with a kernel that gathers each request's adapter. Here the base matmul ``x W^T`` is torch's (one dense
+GEMM for the whole batch) and the per-variant part is ours, on the packed signs (uint8
+(out, ceil(in/8)), bit 1 = +scale, little bit order, groups start on byte boundaries; see
+zoo_gym/codec/bitdelta.py). No dense per-variant copy of a weight exists at any time.
+
+CPU (numba, zoo_gym/serving/kernels_cpu.py): ``sum_i x_i sign(o, i) = 2 S_set - S_all`` per group, with
+``S_set`` one masked vector add per 16 packed sign bits, read straight from the packed bytes, in
+parallel over (variant, block of outputs). A variant with many tokens at once (a long prompt) instead
+unpacks a tile of rows at a time and uses torch's matmul, which is faster there.
+
+CUDA: a Triton kernel (zoo_gym/serving/kernels_triton.py) that unpacks a tile of signs inside the
+matmul's K loop, used when the input is on a CUDA device.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from zoo_gym.aggregation.packed_kernels import in_group_ranges
+from zoo_gym.serving import kernels_cpu
+
+__all__ = ["bitdelta_linear", "bitdelta_linear_reference", "unpack_rows", "warm_up"]
+
 _BITS = torch.arange(8, dtype=torch.uint8)
-_TILE_ROWS = 256
+_TILE_ROWS = 256  # rows unpacked at a time on the dense-tile path
+_LUT_MAX_TOKENS = 48  # tokens of one variant above which the dense-tile + torch matmul path wins
 
 
 def unpack_rows(signs: Tensor, scales: Tensor, *, cols: int, group_size: int) -> Tensor:
-    """float32 (r, cols) = scale * sign of a few packed rows (uint8 (r, ceil(cols/8)), scales (r, n_groups))."""
+    """float32 (r, cols) = scale * sign of a few packed rows (uint8 (r, ceil(cols/8)), scales (r or 1, n_groups))."""
     bits = (signs.unsqueeze(-1) >> _BITS.to(signs.device)) & 1  # (r, nbytes, 8)
     s = bits.reshape(signs.shape[0], -1)[:, :cols].to(torch.float32) * 2 - 1  # (r, cols) +-1
     if scales.shape[1] == 1:
@@ -22,9 +41,21 @@ def unpack_rows(signs: Tensor, scales: Tensor, *, cols: int, group_size: int) ->
     return s * scales.repeat_interleave(group_size, dim=1)[:, :cols]
 
 
-def bitdelta_linear(x: Tensor, weight: Tensor, bias: Tensor | None, signs: list[Tensor], scales: list[Tensor],
-                    group_size: int, variant_of_row: Tensor) -> Tensor:
-    """x (B, T, in), weight (out, in) -> (B, T, out); variant_of_row (B,) indexes signs/scales (-1: base only)."""
+def _tile_delta(xv: Tensor, signs: Tensor, scales: Tensor, *, out_f: int, in_f: int, group_size: int) -> Tensor:
+    """float32 (..., out) = xv (..., in) float32 @ (S * scale)^T, unpacking _TILE_ROWS rows at a time."""
+    dv = torch.empty(xv.shape[:-1] + (out_f,), dtype=torch.float32, device=xv.device)
+    per_tensor = scales.shape[0] == 1
+    for r0 in range(0, out_f, _TILE_ROWS):
+        r1 = min(out_f, r0 + _TILE_ROWS)
+        sc = scales if per_tensor else scales[r0:r1]
+        tile = unpack_rows(signs[r0:r1], sc, cols=in_f, group_size=group_size)  # (tile, in)
+        dv[..., r0:r1] = xv @ tile.T
+    return dv
+
+
+def bitdelta_linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None, signs: list[Tensor],
+                              scales: list[Tensor], group_size: int, variant_of_row: Tensor) -> Tensor:
+    """Plain torch version of :func:`bitdelta_linear` (tiles of unpacked rows): the tests' second opinion."""
     y = torch.nn.functional.linear(x, weight, bias)  # (B, T, out)
     out_f, in_f = weight.shape
     for v in torch.unique(variant_of_row).tolist():
@@ -32,10 +63,80 @@ def bitdelta_linear(x: Tensor, weight: Tensor, bias: Tensor | None, signs: list[
             continue
         rows = (variant_of_row == v).nonzero().squeeze(1)
         xv = x.index_select(0, rows).to(torch.float32)  # (n, T, in)
-        dv = torch.empty(xv.shape[:-1] + (out_f,), dtype=torch.float32, device=x.device)
-        for r0 in range(0, out_f, _TILE_ROWS):
-            r1 = min(out_f, r0 + _TILE_ROWS)
-            tile = unpack_rows(signs[v][r0:r1], scales[v][r0:r1], cols=in_f, group_size=group_size)  # (tile, in)
-            dv[..., r0:r1] = xv @ tile.T
+        dv = _tile_delta(xv, signs[v], scales[v], out_f=out_f, in_f=in_f, group_size=group_size)
         y.index_add_(0, rows, dv.to(y.dtype))
     return y
+
+
+def _cpu_delta(xs: Tensor, tok_start: np.ndarray, signs: list[Tensor], scales: list[Tensor], *, out_f: int,
+               group_size: int) -> Tensor:
+    """float32 (n_tok, out) deltas of the tokens xs (n_tok, in) float32, grouped by variant slot (tok_start)."""
+    n_tok, in_f = xs.shape
+    nbytes = -(-in_f // 8)
+    n_groups = scales[0].shape[1]
+    group_bytes = nbytes if n_groups == 1 else group_size // 8
+    sg = [s.contiguous() for s in signs]  # held until the kernel returns: it reads them by address
+    sc = [s.to(torch.float32).contiguous() for s in scales]
+    for s, c in zip(sg, sc):
+        if s.dtype != torch.uint8 or tuple(s.shape) != (out_f, nbytes) or c.shape[1] != n_groups \
+                or c.shape[0] not in (1, out_f) or -(-nbytes // group_bytes) != n_groups:
+            raise ValueError(f"packed signs {tuple(s.shape)} {s.dtype} / scales {tuple(c.shape)} do not fit a "
+                             f"({out_f}, {in_f}) weight with groups of {group_size}")
+    width = n_groups * group_bytes * 8  # x padded with zeros to whole groups
+    xp = np.zeros((n_tok, width), dtype=np.float32)
+    xp[:, :in_f] = xs.numpy()
+    gsum = np.empty((n_tok, n_groups), dtype=np.float32)
+    kernels_cpu.group_sums(xp, group_bytes * 8, gsum)
+    out = torch.empty((n_tok, out_f), dtype=torch.float32)
+    args = (xp, gsum, tok_start, np.array([s.data_ptr() for s in sg], dtype=np.int64),
+            np.array([c.data_ptr() for c in sc], dtype=np.int64), np.array([c.shape[0] for c in sc], dtype=np.int64),
+            out_f, nbytes, group_bytes)
+    on = out.numpy()
+    in_group_ranges(lambda i0, i1: kernels_cpu.delta_rows(*args, i0, i1, on),
+                    kernels_cpu.n_items(len(sg), out_f), torch.get_num_threads())
+    return out
+
+
+def bitdelta_linear(x: Tensor, weight: Tensor, bias: Tensor | None, signs: list[Tensor], scales: list[Tensor],
+                    group_size: int, variant_of_row: Tensor) -> Tensor:
+    """x (B, T, in), weight (out, in) -> (B, T, out); row b adds variant ``variant_of_row[b]``'s delta.
+
+    ``signs[v]`` uint8 (out, ceil(in/8)) and ``scales[v]`` float32 (out or 1, n_groups) with groups of
+    ``group_size`` inputs (a multiple of 8, or one group per row); ``variant_of_row`` int64 (B,), -1 for
+    a row served by the base alone. The delta is computed in float32 and added in x's dtype.
+    """
+    y = torch.nn.functional.linear(x, weight, bias)  # (B, T, out)
+    vr = variant_of_row.to("cpu", torch.long)
+    if not bool((vr >= 0).any()):
+        return y
+    out_f, in_f = weight.shape
+    if x.is_cuda:
+        from zoo_gym.serving.kernels_triton import triton_delta_add
+
+        return triton_delta_add(y, x, signs, scales, group_size, vr.to(x.device))
+    used = sorted(set(vr[vr >= 0].tolist()))
+    t_per_row = int(np.prod(x.shape[1:-1])) if x.dim() > 2 else 1
+    lut = [v for v in used if int((vr == v).sum()) * t_per_row <= _LUT_MAX_TOKENS]
+    for v in used:
+        if v in lut:
+            continue
+        rows = (vr == v).nonzero().squeeze(1)
+        dv = _tile_delta(x.index_select(0, rows).to(torch.float32), signs[v], scales[v], out_f=out_f, in_f=in_f,
+                         group_size=group_size)
+        y.index_add_(0, rows, dv.to(y.dtype))
+    if lut:
+        rows = torch.cat([(vr == v).nonzero().squeeze(1) for v in lut])  # batch rows, grouped by variant
+        counts = np.array([int((vr == v).sum()) * t_per_row for v in lut], dtype=np.int64)
+        tok_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        xs = x.index_select(0, rows).reshape(-1, in_f).to(torch.float32).contiguous()  # (n_tok, in)
+        d = _cpu_delta(xs, tok_start, [signs[v] for v in lut], [scales[v] for v in lut], out_f=out_f,
+                       group_size=group_size)
+        y.index_add_(0, rows, d.view(rows.numel(), *y.shape[1:]).to(y.dtype))
+    return y
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's on-disk cache) the CPU kernels: the first call otherwise pays it."""
+    x = torch.zeros(1, 1, 16)
+    bitdelta_linear(x, torch.zeros(8, 16), None, [torch.zeros(8, 2, dtype=torch.uint8)], [torch.ones(8, 1)], 16,
+                    torch.zeros(1, dtype=torch.long))
