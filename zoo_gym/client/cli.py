@@ -114,6 +114,8 @@ def join(
                                                    "for a server that admits new contributors by invitation."),
     threads: Optional[int] = typer.Option(None, help="CPU threads for training \\[default: torch's]."),
     no_wait: bool = typer.Option(False, "--no-wait", help="Exit right after the last upload."),
+    keep_variant: bool = typer.Option(False, "--keep-variant", help="Also keep each round's own delta as a personal "
+                                      "variant for gym-serve (WORKDIR/variants/ID-roundN.zgd)."),
     connect_timeout: float = typer.Option(60.0, "--connect-timeout", min=1.0,
                                           help="Seconds to keep trying an unreachable server at first contact."),
     log_level: str = typer.Option("WARNING", "--log-level", help="DEBUG, INFO, WARNING or ERROR: log messages of "
@@ -161,7 +163,7 @@ def join(
                        train_overrides=train_overrides, shard=shard, n_shards=n_shards, display_name=name,
                        wait_for_publish=not no_wait, progress=not quiet and sys.stderr.isatty(),
                        root_certificates=str(root_certificates) if root_certificates else None, insecure=insecure,
-                       invite=invite.strip(), connect_timeout=connect_timeout)
+                       invite=invite.strip(), connect_timeout=connect_timeout, keep_variant=keep_variant)
     try:
         summaries = run_join(opts, say=_say)
     except (JoinError, ServerUnreachable, SignatureError) as exc:
@@ -172,6 +174,56 @@ def join(
         _fail(str(exc), 2)
     if as_json:
         typer.echo(json.dumps(summaries, indent=2))
+
+
+@app.command()
+@with_train_options
+def personalize(
+    data: str = typer.Option(..., help="Your examples: a .json, .jsonl, .parquet or .csv file, a datasets "
+                                       "save_to_disk directory or a cached Hub dataset id (the formats of join), "
+                                       "or 'builtin'."),
+    base: str = typer.Option(..., help="The base: a Hugging Face directory, a hub id already in your cache, or "
+                                       "'tiny'. The variant is served only over these exact weights."),
+    out: Path = typer.Option(..., help="The variant file to write, NAME.zgd (NAME is its model id in gym-serve)."),
+    method: Optional[str] = typer.Option(None, help="lora, sft (full fine-tune) or grpo \\[default: lora].",
+                                         rich_help_panel="Training"),
+    distill_steps: int = typer.Option(50, min=0, help="Scale distillation steps (BitDelta's calibration); 0 = off."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads for training \\[default: torch's]."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
+    train_flags: dict = None,
+    train_config_file: Optional[Path] = None,
+) -> None:
+    """Train a personal variant locally (no server): 1-bit BitDelta signs with distilled group scales, for
+    gym-serve. Training flags and --config are join's."""
+    from zoo_gym.client.personalize import PersonalizeError, PersonalizeOptions
+    from zoo_gym.client.personalize import personalize as run_personalize
+    from zoo_gym.client.train_settings import resolve
+    from zoo_gym.gym_train.sources import FILE_SUFFIXES, looks_like_hub_id
+
+    if method is not None and method not in METHODS:
+        _fail(f"--method must be one of {', '.join(METHODS)}")
+    if data != "builtin" and not Path(data).exists() and not looks_like_hub_id(data):
+        _fail(f"--data {data}: no such file or directory (use a {'/'.join(FILE_SUFFIXES)} file, "
+              "a save_to_disk directory, a cached Hub dataset id or 'builtin')")
+    try:
+        method, train_overrides = resolve(train_flags or {}, train_config_file, method=method)
+    except ValueError as exc:
+        _fail(str(exc))
+    if method not in METHODS:
+        _fail(f"method must be one of {', '.join(METHODS)}, got {method!r} from --config")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    opts = PersonalizeOptions(data=data, base=base, out=out, method=method, train_overrides=train_overrides,
+                              distill_steps=distill_steps, progress=not quiet and sys.stderr.isatty())
+    try:
+        summary = run_personalize(opts, say=_say)
+    except (PersonalizeError, ValueError) as exc:  # bad data, settings, base or name
+        _fail(str(exc), 2)
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2))
 
 
 @app.command()

@@ -51,6 +51,7 @@ class JoinOptions:
     root_certificates: str | None = None  # PEM the server's certificate must chain to (None: system trust store)
     insecure: bool = False  # plaintext: only when asked for explicitly
     invite: str = ""  # `gym-server invite` token, for a server that admits new keys by invitation
+    keep_variant: bool = False  # also keep each round's own delta as a personal variant (workdir/variants/*.zgd)
 
 
 def _held_count(n: int) -> int:
@@ -159,6 +160,7 @@ def join(opts: JoinOptions, *, say: Callable[[str], None] = print) -> list[dict]
                                  eval_examples=held_ex, progress=opts.progress)
         payload = _payload(result, opts, feedback)
         metadata = result.metadata
+        kept = result.delta if opts.keep_variant else None  # written as a variant once the upload is done
         del result  # the delta is in the payload now; the model and trainer went with train()'s frame
         release_memory()  # hand the training peak back before the upload and the wait for the publish
         header = build_header(key=key, contributor_id=cid, round_id=info.round_id, base_sha256=info.base_sha256,
@@ -180,6 +182,13 @@ def join(opts: JoinOptions, *, say: Callable[[str], None] = print) -> list[dict]
         summaries.append(summary)
         say(f"round {info.round_id}: submitted {len(payload)} bytes; local held-out loss "
             f"{summary['loss_before']:.4f} -> {summary['loss_after']:.4f}")
+        if kept is not None:
+            from zoo_gym.client.personalize import keep_round_variant
+
+            summary["variant"] = keep_round_variant(kept, model_dir, out=opts.workdir / "variants" / (
+                f"{cid[:8]}-round{info.round_id}.zgd"), checkpoint_sha256=info.base_sha256, calib_examples=train_ex,
+                say=say)["path"]
+            del kept
         if len(summaries) < opts.rounds or opts.wait_for_publish:
             _wait_for_round_after(stub, info.round_id, retry, say, opts, server_key=server_key)
     channel.close()

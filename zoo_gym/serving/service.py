@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import pathlib
 from dataclasses import dataclass
 
 import torch
@@ -11,27 +10,9 @@ import torch
 from zoo_gym.serving.batcher import Batcher
 from zoo_gym.serving.model import MultiVariantModel
 from zoo_gym.serving.registry import VariantRegistry
-from zoo_gym.serving.variant import VariantError, weights_sha256
+from zoo_gym.serving.variant import resolve_base_dir, weights_sha256
 
 log = logging.getLogger("zoo_gym.serving")
-
-
-def resolve_base_dir(base: str) -> pathlib.Path:
-    """'tiny', a local Hugging Face directory, or a hub id already in the local cache (never downloaded)."""
-    if base == "tiny":
-        from zoo_gym.gym_train import tiny_model_dir
-
-        return tiny_model_dir()
-    path = pathlib.Path(base).expanduser()
-    if path.is_dir():
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-
-        return pathlib.Path(snapshot_download(base, local_files_only=True))
-    except Exception:  # noqa: BLE001 - any failure means "not available locally"
-        raise VariantError(f"base {base!r} is neither 'tiny', a local directory, nor a model in the local "
-                           "Hugging Face cache (nothing is downloaded)") from None
 
 
 @dataclass

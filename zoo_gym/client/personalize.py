@@ -1,0 +1,109 @@
+"""A personal variant: train on your own data with no server, distil the BitDelta scales, write ``NAME.zgd``.
+
+Training is ``gym-client join``'s (same TrainConfig, flags, ``--config`` file and data formats); the
+delta against the base is then coded as 1-bit signs with one scale per group of 128 along each row,
+and the scales are distilled (Liu et al., "BitDelta", 2024, Section 3.2: signs frozen, scales trained
+so the variant's logits match the fine-tuned model's on your examples). The file is a codec payload
+whose metadata names the base's weights sha256 (``zoo_gym.serving.variant``), so ``gym-serve`` refuses
+it over any other base.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from zoo_gym.serving.variant import SUFFIX, check_name, encode_variant, resolve_base_dir, weights_sha256, write_variant
+
+GROUP_SIZE = 128
+DEFAULT_DISTILL_STEPS = 50
+CALIBRATION_EXAMPLES = 64  # examples the scale distillation matches logits on
+
+
+class PersonalizeError(ValueError):
+    """The variant cannot be made; the message says why and what to do."""
+
+
+@dataclass
+class PersonalizeOptions:
+    data: str
+    base: str  # a Hugging Face directory, a hub id in the local cache, or 'tiny'
+    out: pathlib.Path
+    method: str = "lora"
+    train_overrides: dict = field(default_factory=dict)  # TrainConfig keywords
+    distill_steps: int = DEFAULT_DISTILL_STEPS  # 0: keep the mean-|delta| scales
+    progress: bool = False
+
+
+def variant_name(out: pathlib.Path) -> str:
+    if out.suffix != SUFFIX:
+        raise PersonalizeError(f"--out {out}: a variant file is NAME{SUFFIX}")
+    return check_name(out.name.removesuffix(SUFFIX))
+
+
+def save_variant(base_dir: pathlib.Path, delta: dict, out: pathlib.Path, *, calib_examples: list[dict],
+                 distill_steps: int, info: dict) -> dict:
+    """Distil the scales (when ``distill_steps``) and write the variant; return its summary."""
+    from zoo_gym.gym_train.distill import distill_bitdelta_scales
+    from zoo_gym.gym_train.evaluate import dense_delta
+
+    t0 = time.perf_counter()
+    if distill_steps > 0:
+        delta = distill_bitdelta_scales(base_dir, delta, group_size=GROUP_SIZE, steps=distill_steps,
+                                        calib_examples=calib_examples[:CALIBRATION_EXAMPLES])
+    else:
+        delta = {k: dense_delta(v) for k, v in delta.items()}
+    sha = weights_sha256(base_dir)
+    payload = encode_variant(delta, base_sha256=sha, group_size=GROUP_SIZE,
+                             info={**info, "distill_steps": distill_steps, "group_size": GROUP_SIZE})
+    write_variant(out, payload)
+    return {"variant": out.name.removesuffix(SUFFIX), "path": str(out), "bytes": len(payload), "base_sha256": sha,
+            "distill_seconds": round(time.perf_counter() - t0, 3)}
+
+
+def keep_round_variant(delta: dict, model_dir: pathlib.Path, *, out: pathlib.Path, checkpoint_sha256: str,
+                       calib_examples: list[dict], say: Callable[[str], None] = print,
+                       distill_steps: int = DEFAULT_DISTILL_STEPS) -> dict:
+    """`join --keep-variant`: a contributor's own round delta as a variant over the round's base."""
+    summary = save_variant(model_dir, delta, out, calib_examples=calib_examples, distill_steps=distill_steps,
+                           info={"base": "federation checkpoint", "checkpoint_sha256": checkpoint_sha256})
+    say(f"kept this round's delta as variant {out} ({summary['bytes']} bytes)")
+    return summary
+
+
+def personalize(opts: PersonalizeOptions, *, say: Callable[[str], None] = print) -> dict:
+    """Train, distil and write ``opts.out``; return a summary dict."""
+    from zoo_gym import gym_train
+    from zoo_gym.client.train_settings import check_round
+
+    name = variant_name(opts.out)
+    if opts.distill_steps < 0:
+        raise PersonalizeError("--distill-steps must be >= 0")
+    try:
+        base_dir = resolve_base_dir(opts.base)
+    except ValueError as exc:
+        raise PersonalizeError(f"--base: {exc}") from None
+    config = gym_train.TrainConfig(method=opts.method, **opts.train_overrides)
+    if opts.data == "builtin":
+        examples = gym_train.builtin_examples("grpo" if opts.method == "grpo" else "default", shard=0, n_shards=1,
+                                              n=256)
+    else:
+        examples = gym_train.load_examples(opts.data, allow_text=True)
+    if len(examples) < 2:
+        raise PersonalizeError(f"{opts.data}: {len(examples)} example(s); at least 2 are needed")
+    config = check_round(config, n_train=len(examples))
+    sha = weights_sha256(base_dir)
+    say(f"training {name} ({config.method}, {config.max_steps} steps) on {len(examples)} examples over base "
+        f"{base_dir} (weights {sha[:12]})")
+    result = gym_train.train(base_dir, examples, config, base_sha256=sha, progress=opts.progress)
+    meta = result.metadata
+    say(f"trained in {meta.get('train_seconds')} s; distilling the 1-bit scales ({opts.distill_steps} steps)")
+    summary = save_variant(base_dir, result.delta, opts.out, calib_examples=examples,
+                           distill_steps=opts.distill_steps,
+                           info={"base": str(opts.base), "training": {k: meta.get(k) for k in (
+                               "method", "steps", "loss_before", "loss_after", "seed")}})
+    summary.update(loss_before=meta.get("loss_before"), loss_after=meta.get("loss_after"), steps=meta.get("steps"))
+    say(f"wrote {opts.out} ({summary['bytes']} bytes) for base weights {sha[:12]}")
+    return summary
