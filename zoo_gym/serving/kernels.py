@@ -12,7 +12,7 @@ CPU (numba, zoo_gym/serving/kernels_cpu.py): ``sum_i x_i sign(o, i) = 2 S_set - 
 parallel over (variant, block of outputs). A variant with many tokens at once (a long prompt) instead
 unpacks a tile of rows at a time and uses torch's matmul, which is faster there.
 
-CUDA: a Triton kernel (zoo_gym/serving/kernels_triton.py) that unpacks a tile of signs inside the
+CUDA: a Triton kernel (zoo_gym/serving/kernels_triton.py, imported only then) that unpacks a tile of signs inside the
 matmul's K loop, used when the input is on a CUDA device.
 """
 
@@ -29,7 +29,7 @@ __all__ = ["bitdelta_linear", "bitdelta_linear_reference", "unpack_rows", "warm_
 
 _BITS = torch.arange(8, dtype=torch.uint8)
 _TILE_ROWS = 256  # rows unpacked at a time on the dense-tile path
-_LUT_MAX_TOKENS = 48  # tokens of one variant above which the dense-tile + torch matmul path wins
+_KERNEL_MAX_TOKENS = 256  # tokens of one variant above which the tile + torch matmul path wins (measured)
 
 
 def unpack_rows(signs: Tensor, scales: Tensor, *, cols: int, group_size: int) -> Tensor:
@@ -68,6 +68,20 @@ def bitdelta_linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None, si
     return y
 
 
+def _check_packed(signs: list[Tensor], scales: list[Tensor], *, out_f: int, in_f: int, group_size: int) -> None:
+    """ValueError unless every variant's signs/scales fit an (out_f, in_f) weight with one group layout."""
+    nbytes = -(-in_f // 8)
+    n_groups = scales[0].shape[1] if scales and scales[0].dim() == 2 else -1
+    for s, c in zip(signs, scales):
+        ok = (s.dtype == torch.uint8 and tuple(s.shape) == (out_f, nbytes) and c.dim() == 2
+              and c.shape[1] == n_groups and c.shape[0] in (1, out_f) and s.device == c.device)
+        if ok and n_groups > 1:
+            ok = group_size > 0 and group_size % 8 == 0 and -(-in_f // group_size) == n_groups
+        if not ok:
+            raise ValueError(f"packed signs {tuple(s.shape)} {s.dtype} / scales {tuple(c.shape)} do not fit a "
+                             f"({out_f}, {in_f}) weight with groups of {group_size}")
+
+
 def _cpu_delta(xs: Tensor, tok_start: np.ndarray, signs: list[Tensor], scales: list[Tensor], *, out_f: int,
                group_size: int) -> Tensor:
     """float32 (n_tok, out) deltas of the tokens xs (n_tok, in) float32, grouped by variant slot (tok_start)."""
@@ -77,11 +91,6 @@ def _cpu_delta(xs: Tensor, tok_start: np.ndarray, signs: list[Tensor], scales: l
     group_bytes = nbytes if n_groups == 1 else group_size // 8
     sg = [s.contiguous() for s in signs]  # held until the kernel returns: it reads them by address
     sc = [s.to(torch.float32).contiguous() for s in scales]
-    for s, c in zip(sg, sc):
-        if s.dtype != torch.uint8 or tuple(s.shape) != (out_f, nbytes) or c.shape[1] != n_groups \
-                or c.shape[0] not in (1, out_f) or -(-nbytes // group_bytes) != n_groups:
-            raise ValueError(f"packed signs {tuple(s.shape)} {s.dtype} / scales {tuple(c.shape)} do not fit a "
-                             f"({out_f}, {in_f}) weight with groups of {group_size}")
     width = n_groups * group_bytes * 8  # x padded with zeros to whole groups
     xp = np.zeros((n_tok, width), dtype=np.float32)
     xp[:, :in_f] = xs.numpy()
@@ -110,26 +119,28 @@ def bitdelta_linear(x: Tensor, weight: Tensor, bias: Tensor | None, signs: list[
     if not bool((vr >= 0).any()):
         return y
     out_f, in_f = weight.shape
+    used = sorted(set(vr[vr >= 0].tolist()))
+    _check_packed([signs[v] for v in used], [scales[v] for v in used], out_f=out_f, in_f=in_f,
+                  group_size=group_size)
     if x.is_cuda:
         from zoo_gym.serving.kernels_triton import triton_delta_add
 
-        return triton_delta_add(y, x, signs, scales, group_size, vr.to(x.device))
-    used = sorted(set(vr[vr >= 0].tolist()))
+        return triton_delta_add(y, x, signs, scales, group_size, vr)
     t_per_row = int(np.prod(x.shape[1:-1])) if x.dim() > 2 else 1
-    lut = [v for v in used if int((vr == v).sum()) * t_per_row <= _LUT_MAX_TOKENS]
+    fast = [v for v in used if int((vr == v).sum()) * t_per_row <= _KERNEL_MAX_TOKENS]
     for v in used:
-        if v in lut:
+        if v in fast:
             continue
         rows = (vr == v).nonzero().squeeze(1)
         dv = _tile_delta(x.index_select(0, rows).to(torch.float32), signs[v], scales[v], out_f=out_f, in_f=in_f,
                          group_size=group_size)
         y.index_add_(0, rows, dv.to(y.dtype))
-    if lut:
-        rows = torch.cat([(vr == v).nonzero().squeeze(1) for v in lut])  # batch rows, grouped by variant
-        counts = np.array([int((vr == v).sum()) * t_per_row for v in lut], dtype=np.int64)
+    if fast:
+        rows = torch.cat([(vr == v).nonzero().squeeze(1) for v in fast])  # batch rows, grouped by variant
+        counts = np.array([int((vr == v).sum()) * t_per_row for v in fast], dtype=np.int64)
         tok_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         xs = x.index_select(0, rows).reshape(-1, in_f).to(torch.float32).contiguous()  # (n_tok, in)
-        d = _cpu_delta(xs, tok_start, [signs[v] for v in lut], [scales[v] for v in lut], out_f=out_f,
+        d = _cpu_delta(xs, tok_start, [signs[v] for v in fast], [scales[v] for v in fast], out_f=out_f,
                        group_size=group_size)
         y.index_add_(0, rows, d.view(rows.numel(), *y.shape[1:]).to(y.dtype))
     return y

@@ -1,0 +1,94 @@
+"""CUDA kernel of ``bitdelta_linear``'s per-variant part (Triton), used when the input is on a GPU.
+
+One program per (variant slot, block of BLOCK_N outputs, block of BLOCK_M of that variant's tokens),
+as in Punica's / S-LoRA's gathered adapter kernels: the variant's packed signs and scales are reached
+through a table of addresses (no stacking, no copy). Inside the K loop a (BLOCK_K, BLOCK_N) tile of
+sign bits is unpacked in registers to ``+-scale`` (bit k of byte j = input 8 j + k, bit 1 = +scale; see
+zoo_gym/codec/bitdelta.py) and multiplied with the tokens' x tile by ``tl.dot`` in float32 (IEEE, not
+TF32, so it matches the CPU path); the result is added to the base output in place. This follows
+BitDelta's own Triton kernel (FasterDecoding/BitDelta, packed signs unpacked per tile before
+``tl.dot``), with one scale per group instead of one per matrix.
+
+Not run on the development machine (no GPU): tests/serving/test_kernels.py compares it with the CPU
+path whenever CUDA is present.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
+
+
+@triton.jit
+def _delta_add_kernel(x_ptr, y_ptr, tok_ptr, tok_start_ptr, sign_addr_ptr, scale_addr_ptr, scale_rows_ptr,
+                      n_out, n_in, nbytes, n_groups, group_size,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    v = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    t0 = tl.load(tok_start_ptr + v)
+    t1 = tl.load(tok_start_ptr + v + 1)
+    m0 = t0 + pid_m * BLOCK_M
+    if m0 < t1:
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < t1
+        toks = tl.load(tok_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)  # rows of x / y (flattened)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < n_out
+        signs = tl.load(sign_addr_ptr + v).to(tl.pointer_type(tl.uint8))
+        scales = tl.load(scale_addr_ptr + v).to(tl.pointer_type(tl.float32))
+        srow = tl.where(tl.load(scale_rows_ptr + v) > 1, offs_n, 0).to(tl.int64)  # (N,) one row: per tensor
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, n_in, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < n_in
+            xt = tl.load(x_ptr + toks[:, None] * n_in + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                         other=0.0).to(tl.float32)  # (M, K)
+            mk = mask_k[:, None] & mask_n[None, :]
+            byte = tl.load(signs + offs_n[None, :].to(tl.int64) * nbytes + (offs_k // 8)[:, None], mask=mk,
+                           other=0).to(tl.int32)  # (K, N)
+            bit = (byte >> (offs_k % 8)[:, None]) & 1
+            sc = tl.load(scales + srow[None, :] * n_groups + (offs_k // group_size)[:, None], mask=mk, other=0.0)
+            acc += tl.dot(xt, tl.where(bit != 0, sc, -sc), input_precision="ieee")
+        yp = y_ptr + toks[:, None] * n_out + offs_n[None, :]
+        my = mask_m[:, None] & mask_n[None, :]
+        y = tl.load(yp, mask=my, other=0.0).to(tl.float32)
+        tl.store(yp, (y + acc).to(y_ptr.dtype.element_ty), mask=my)
+
+
+def triton_delta_add(y: Tensor, x: Tensor, signs: list[Tensor], scales: list[Tensor], group_size: int,
+                     variant_of_row: Tensor) -> Tensor:
+    """y (B, ..., out) += each row's variant delta of x (B, ..., in), in place on the GPU; returns y.
+
+    ``variant_of_row`` int64 (B,) on the CPU (the grouping of rows by variant is done there).
+    """
+    out_f, in_f = y.shape[-1], x.shape[-1]
+    x2 = x.reshape(-1, in_f).contiguous()
+    y2 = y.view(-1, out_f)
+    per_row = x2.shape[0] // x.shape[0]
+    used = sorted(set(variant_of_row[variant_of_row >= 0].tolist()))
+    toks, counts = [], [0]
+    for v in used:
+        rows = (variant_of_row == v).nonzero().squeeze(1)
+        t = (rows[:, None] * per_row + torch.arange(per_row)).reshape(-1)
+        toks.append(t)
+        counts.append(counts[-1] + t.numel())
+    dev = x.device
+    sg = [signs[v].contiguous() for v in used]  # held until the kernel is queued: read by address
+    sc = [scales[v].to(torch.float32).contiguous() for v in used]
+    n_groups = sc[0].shape[1]
+    gs = group_size if n_groups > 1 else in_f + 8  # one group per row: every column in group 0
+    tok = torch.cat(toks).to(dev)
+    tok_start = torch.tensor(counts, dtype=torch.int64, device=dev)
+    sign_addr = torch.tensor([s.data_ptr() for s in sg], dtype=torch.int64, device=dev)
+    scale_addr = torch.tensor([c.data_ptr() for c in sc], dtype=torch.int64, device=dev)
+    scale_rows = torch.tensor([c.shape[0] for c in sc], dtype=torch.int64, device=dev)
+    max_tok = max(b - a for a, b in zip(counts, counts[1:]))
+    grid = (len(used), triton.cdiv(out_f, BLOCK_N), triton.cdiv(max_tok, BLOCK_M))
+    _delta_add_kernel[grid](x2, y2, tok, tok_start, sign_addr, scale_addr, scale_rows, out_f, in_f,
+                            sg[0].shape[1], n_groups, gs, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    return y
