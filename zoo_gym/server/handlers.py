@@ -354,8 +354,8 @@ def submit_delta(header: SubmitHeader, chunks: Iterable[bytes], *, state: Server
         meta = json.loads(header.metadata_json or "{}")
         if not isinstance(meta, dict):
             raise ValueError("not an object")
-    except ValueError as exc:
-        raise InvalidArgument(f"metadata_json must be a JSON object: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # unsigned bytes: "[" * 10**5 exhausts the parser's recursion
+        raise InvalidArgument(f"metadata_json must be a JSON object: {str(exc)[:200]}") from exc
     base = base_manifest(state, rnd.base_sha256)
     with gate.hold(header.contributor_id), state.blobs.writer() as w:
         for chunk in chunks:

@@ -25,6 +25,7 @@ from zoo_gym.server.rounds import RoundManager
 from zoo_gym.server.signed_state import ledger_head, sign_round_info
 from zoo_gym.server.state import ServerState
 from zoo_gym.server.streams import BoundedStream
+from zoo_gym.server.wire import MalformedRequests
 from zoo_gym.server.first_message import FirstMessageDeadline, PendingSlots
 from zoo_gym.server.upload_slots import UploadSlots
 
@@ -230,9 +231,10 @@ def build_server(state: ServerState, config: ServerConfig) -> tuple[grpc.Server,
     pending = PendingSlots(total=config.max_pending_headers, per_peer=config.max_pending_headers_per_peer)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gym-rpc"),
                          options=options,
-                         # outermost first: a unary call's request must arrive in time (first_message.py)
+                         # outermost first: a unary call's request must arrive in time (first_message.py);
+                         # bytes that do not parse are INVALID_ARGUMENT (wire.py), not INTERNAL
                          interceptors=[FirstMessageDeadline(pending, timeout=config.header_timeout),
-                                       rounds.metrics.interceptor])  # metrics and the RPC log lines
+                                       MalformedRequests(), rounds.metrics.interceptor])  # then metrics and logs
     gym_pb2_grpc.add_GymServicer_to_server(GymServicer(state, config, rounds, pending=pending), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
