@@ -1,8 +1,8 @@
 """gym-serve's model path equals the merged models (base + decoded delta), for mixed batches of variants.
 
 For each base (the built-in tiny Qwen3, random-init Llama and GPT-2 with Conv1D weights stored (in, out)
-and tied embeddings) three variants change every tensor of the base (Linear/Conv1D weights, embeddings,
-position embeddings, norms, biases) and are served together in one batch with a base-only row: every
+and tied embeddings) three variants (groups of 128, and one of 64) change every tensor of the base (Linear/Conv1D weights,
+embeddings, position embeddings, norms, biases) and are served together in one batch with a base-only row: every
 row's logits agree with its own merged model, and greedy generations are identical token for token.
 """
 
@@ -43,7 +43,8 @@ def _greedy_alone(model, prompt: list[int], n: int) -> list[int]:
 
 def test_mixed_batch_equals_merged_models(base_dir):
     sha = weights_sha256(base_dir)
-    payloads = [random_variant_payload(base_dir, seed=s) for s in (1, 2, 3)]
+    # the third has groups of 64: two group sizes in one batch
+    payloads = [random_variant_payload(base_dir, seed=s, group_size=g) for s, g in ((1, 128), (2, 128), (3, 64))]
     variants = [variant_from_payload(p, name=f"v{i}", base_sha256=sha) for i, p in enumerate(payloads)]
     serving = MultiVariantModel.from_dir(base_dir)
     for v in variants:

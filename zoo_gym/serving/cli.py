@@ -44,7 +44,7 @@ def serve(
     from zoo_gym.serving.service import ServeOptions, Service
     from zoo_gym.serving.variant import VariantError
 
-    logging.basicConfig(level=logging.INFO, format="gym-serve: %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format="gym-serve: %(message)s", stream=sys.stderr, force=True)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # no "Loading weights" bar in the server's log
