@@ -41,6 +41,15 @@ scores, selection) in the SoupReport are NOT private and must stay on the server
 (4) Adaptive clipping spends privacy on the noised clipped-count too; following Andrew et al. 2021
 the update noise multiplier is reduced so the TOTAL stays z (see `clipping.py`).
 
+Asynchronous rounds (`gym-server serve --mode async`, zoo_gym/server/async_rounds.py): each buffer
+flush is ONE release of this mechanism, accounted exactly like a synchronous round (one step, q = 1),
+and the accountant composes the flushes; the budget check runs before each one. The buffer's rows are
+staleness-weighted, w(s) = (1 + s)^-a <= 1, BEFORE clipping, so a weighted delta is never longer than
+the one submitted and one contributor still moves the noised sum by at most C; server_lr x the noised
+aggregate is post-processing. One contributor holds at most one delta per buffer; a contributor whose
+deltas enter many flushes is charged by every one of them (as every published round is charged to
+everyone), so staleness neither hides a delta from the accountant nor spends less for it.
+
 Composition with robust aggregators: the sensitivity argument (one user moves the noised SUM by
 at most C) holds exactly for the mean with fixed denominator (`aggregator="mean"`). For other
 rules the same noise N(0, (zC/m)^2) is added to their output, but their output can move by more

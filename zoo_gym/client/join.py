@@ -147,6 +147,19 @@ def join(opts: JoinOptions, *, say: Callable[[str], None] = print) -> list[dict]
     feedback = None
     if opts.error_feedback and opts.codec not in ("fp16", "bf16", "fp32", "lora"):
         feedback = gym_train.ErrorFeedback(opts.workdir / f"error_feedback-{cid}.safetensors")
+    from zoo_gym.client import join_async
+
+    first = _verified(retry(lambda: stub.GetRound(gym_pb2.GetRoundRequest(), timeout=30), "get round"),
+                      server_key, opts)
+    if join_async.is_async(first):  # buffered rounds: train continuously, no round boundaries (join_async.py)
+        contributor = join_async.Contributor(stub, cid, key, retry, lambda info: _verified(info, server_key, opts),
+                                             lambda result: _payload(result, opts, feedback), say, server_key)
+        try:
+            return join_async.train_continuously(contributor, opts, config=config, train_ex=train_ex, held_ex=held_ex)
+        except join_async.AsyncStop as exc:
+            raise JoinError(str(exc)) from None
+        finally:
+            channel.close()
     summaries: list[dict] = []
     while len(summaries) < opts.rounds:
         info = _wait_for_open_round(stub, cid, retry, say, opts, server_key=server_key, key=key)

@@ -3,8 +3,10 @@
 A round closes when `quorum` submissions are in, or when its deadline has passed with at least
 `min_contributors`; at the deadline with fewer, it closes with whoever submitted when the robust rule can
 aggregate that many (`config.rule_minimum`), and otherwise reopens for another `round_timeout` with a
-message. In async mode (async_rounds.py) a round is a buffer and closes at `buffer_size` deltas. Closing commits AGGREGATING together with the round's inputs (reputations, clip norm,
-population: RoundInputs); publishing commits the ledger entries, reputations, checkpoint row, the round's
+message. In async mode (async_rounds.py) a round is a buffer and closes at `buffer_size` deltas.
+
+Closing commits AGGREGATING together with the round's inputs (reputations, clip norm, population,
+async staleness: RoundInputs); publishing commits the ledger entries, reputations, checkpoint row, the round's
 report and the next OPEN round in one transaction, so a crash anywhere in between is recovered by
 aggregating again on restart from the same stored inputs, with the same result (blobs are
 content-addressed, so nothing is duplicated).

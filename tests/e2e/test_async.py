@@ -1,0 +1,144 @@
+"""Asynchronous rounds end to end with real processes (issue 16 item 6): one `gym-server serve` in async mode
+over TLS (its settings from a config file) and three `gym-client join` processes, one of them 5x slower (5x
+the training steps).
+
+The two fast clients train continuously and publish version after version without waiting for the slow
+one; the slow client's delta, trained on an older version, is accepted within max_staleness into a later
+buffer, weighted and paid less for its staleness (its ledger entry says so), and the ledger verifies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from zoo_gym.proto.tls import make_certificates
+
+FAST_STEPS, SLOW_STEPS = 10, 50  # the slow client trains 5x as many steps per delta
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _server(*args: str) -> list[str]:
+    return [sys.executable, "-m", "zoo_gym.server", *args]
+
+
+def _client(root: Path, name: str, port: int, *, rounds: int, steps: int, shard: int) -> subprocess.Popen:
+    work = root / name
+    work.mkdir(exist_ok=True)
+    cmd = [sys.executable, "-m", "zoo_gym.client", "join", "--server", f"127.0.0.1:{port}",
+           "--root-certificates", str(root / "tls" / "ca.pem"), "--rounds", str(rounds),
+           "--shard", str(shard), "--n-shards", "8", "--workdir", str(work), "--key", str(work / "key.pem"),
+           "--max-steps", str(steps), "--threads", "1", "--quiet", "--json", "--name", name]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(work / "client.log", "w"), env=ENV, text=True)
+
+
+def _status(state_dir: Path) -> dict:
+    out = subprocess.run(_server("status", "--state-dir", str(state_dir), "--json"), capture_output=True, text=True,
+                         check=True, env=ENV)
+    return json.loads(out.stdout)
+
+
+def _wait(predicate, *, timeout: float, what: str, procs=()):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        for p in procs:
+            if p.poll() not in (None, 0):
+                raise AssertionError(f"a process exited with {p.returncode} while waiting for {what}")
+        time.sleep(1.0)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("async")
+    state_dir = root / "server"
+    subprocess.run(_server("init", "--state-dir", str(state_dir), "--base-model", "tiny"), check=True, env=ENV,
+                   capture_output=True)
+    tls = make_certificates(root / "tls", hosts=("127.0.0.1", "localhost"))
+    config = root / "fed.toml"
+    config.write_text('mode = "async"\nbuffer-size = 2\nmax-staleness = 20\nstaleness-exponent = 0.5\n'
+                      'server-lr = 1.0\naggregator = "median"\nmin-quality = 0.0\n')
+    port_file = root / "port"
+    server = subprocess.Popen(_server("serve", "--state-dir", str(state_dir), "--port", "0", "--port-file",
+                                      str(port_file), "--config", str(config), "--ssl-certfile", str(tls.cert),
+                                      "--ssl-keyfile", str(tls.key)),
+                              stderr=open(root / "server.log", "w"), env=ENV)
+    clients = []
+    try:
+        port = _wait(lambda: port_file.exists() and port_file.read_text().strip() and int(port_file.read_text()),
+                     timeout=120, what="the server to listen", procs=[server])
+        slow = _client(root, "slow", port, rounds=1, steps=SLOW_STEPS, shard=2)
+        fast = [_client(root, name, port, rounds=50, steps=FAST_STEPS, shard=i) for i, name in enumerate("AB")]
+        clients = [slow, *fast]
+        out, _ = slow.communicate(timeout=1200)
+        assert slow.returncode == 0, (root / "slow" / "client.log").read_text()[-3000:]
+        slow_summary = json.loads(out)[0]
+        cid = slow_summary["contributor"]
+
+        def flushed_with_slow():
+            ckpts = _status(state_dir)["checkpoints"]
+            return next((c for c in ckpts if cid in c["lineage"].get("contributors", [])), None)
+
+        flush = _wait(flushed_with_slow, timeout=900, what="the slow client's delta to be flushed",
+                      procs=[server, *fast])
+        _stop(fast)
+        ledger = subprocess.run(_server("ledger", "show", "--state-dir", str(state_dir), "--limit", "100000",
+                                        "--json"), capture_output=True, text=True, check=True, env=ENV)
+        verify = subprocess.run(_server("ledger", "verify", "--state-dir", str(state_dir)), capture_output=True,
+                                text=True, env=ENV)
+        yield {"root": root, "slow": slow_summary, "flush": flush, "status": _status(state_dir),
+               "ledger": json.loads(ledger.stdout), "verify": verify, "server": server}
+    finally:
+        _stop([*clients, server])
+
+
+def test_versions_publish_without_waiting_for_the_slow_client(run):
+    slow, flush = run["slow"], run["flush"]
+    assert slow["staleness"] >= 1, slow  # versions were published while it trained
+    assert slow["round"] == slow["trained_on_round"] + slow["staleness"]
+    earlier = [c for c in run["status"]["checkpoints"] if 0 < c["round"] < flush["round"]]
+    assert len(earlier) >= slow["staleness"]
+    assert all(slow["contributor"] not in c["lineage"]["contributors"] for c in earlier)  # none waited for it
+    assert all(len(c["lineage"]["contributors"]) == 2 for c in earlier)  # buffer-size 2, f counted per buffer
+    assert run["server"].poll() is None  # still serving
+
+
+def test_stale_delta_is_accepted_within_s_and_paid_less(run):
+    slow, flush = run["slow"], run["flush"]
+    cid = slow["contributor"]
+    record = flush["lineage"]["async"]["contributors"][cid]
+    assert record["staleness"] == slow["staleness"] and record["base_round"] == slow["trained_on_round"]
+    assert record["weight"] == pytest.approx((1 + slow["staleness"]) ** -0.5) and record["weight"] < 1
+    assert next(s for s in flush["lineage"]["submissions"] if s["contributor"] == cid)["accepted"]
+    entry = next(e for e in run["ledger"] if e["contributor_id"] == cid)
+    assert entry["round_id"] == flush["round"] and entry["kind"] == "reward", entry
+    assert f"staleness {slow['staleness']}" in entry["reason"] and f"flush of version {flush['round']}" in entry["reason"]
+    raw = int(re.search(r"gave (\d+), x staleness weight", entry["reason"]).group(1))
+    assert raw >= 1 and entry["amount"] == int(raw * record["weight"]) < raw  # paid less than undiscounted
+
+
+def test_ledger_verifies(run):
+    assert run["verify"].returncode == 0, run["verify"].stdout + run["verify"].stderr
+    assert "ledger OK" in run["verify"].stdout
