@@ -193,3 +193,41 @@ def test_flush_interrupted_after_its_blob_is_redone_identically(federation_with,
         assert verify_ledger(reopened)["ok"]
     finally:
         reopened.engine.dispose()
+
+
+def test_each_flush_is_one_dp_release_composed_by_the_accountant(federation_with):
+    from zoo_gym.aggregation.privacy import rdp_epsilon
+
+    fed = federation_with(**{**ASYNC, "max_staleness": 2}, validation_examples=0, dp_noise_multiplier=1.0,
+                          dp_clip=0.05)
+    (ka, ca), (kb, cb), (kc, cc) = (fed.register() for _ in range(3))
+    base0 = fed.round().base_sha256
+    fed.submit(ka, ca, codec.encode(fed.small_delta(seed=1), codec="fp16"), round_id=1)
+    fed.submit(kb, cb, codec.encode(fed.small_delta(seed=2), codec="fp16"), round_id=1)
+    r1 = _wait_published(fed, 1)
+    fed.submit(kc, cc, codec.encode(fed.small_delta(seed=3), codec="fp16"), round_id=1, base_sha256=base0)  # stale
+    fed.submit(ka, ca, codec.encode(fed.small_delta(seed=4), codec="fp16"), round_id=2)
+    r2 = _wait_published(fed, 2)
+    delta = fed.round().dp_delta
+    assert r1.dp_epsilon_total == pytest.approx(rdp_epsilon([(1.0, 1.0, 1)], delta=delta))
+    assert r2.dp_epsilon_total == pytest.approx(rdp_epsilon([(1.0, 1.0, 2)], delta=delta))  # two flushes, two steps
+    assert r2.dp_epsilon_round == pytest.approx(r1.dp_epsilon_round)
+    assert fed.round().dp_epsilon_spent == pytest.approx(r2.dp_epsilon_total)
+
+
+def test_serve_refuses_async_settings_that_cannot_work(tmp_path):
+    from typer.testing import CliRunner
+
+    from zoo_gym.server.cli import app
+    from zoo_gym.server.config import ConfigError, build_config
+
+    res = CliRunner().invoke(app, ["serve", "--state-dir", str(tmp_path / "none"), "--insecure", "--mode", "async",
+                                   "--buffer-size", "2", "--aggregator", "krum", "--byzantine-f", "1"])
+    assert res.exit_code != 0 and "--buffer-size 2 is too few for --aggregator krum" in res.output
+    assert len(res.output.strip().splitlines()) == 1
+    for bad, named in (({"mode": "asynch"}, "`mode`"), ({"max_staleness": -1}, "`max_staleness`"),
+                       ({"server_lr": 0.0}, "`server_lr`"), ({"buffer_size": 0}, "`buffer_size`"),
+                       ({"staleness_exponent": -0.5}, "`staleness_exponent`")):
+        with pytest.raises(ConfigError, match=named):
+            build_config({}, **bad)
+    assert build_config({"mode": "async", "buffer-size": 4, "max-staleness": 2}).buffer_size == 4  # file keys
