@@ -174,6 +174,9 @@ def test_errors_have_openai_shape(served):
         assert err["type"] == "invalid_request_error" and err["message"]
     r = client.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
+    r = client.post("/v1/variants", json={"path": "/etc/passwd"})  # only NAME.zgd files are read
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_variant"
+    assert client.post("/v1/variants", json={}).status_code == 400
 
 
 def test_variant_for_another_base_is_refused(served):

@@ -80,3 +80,18 @@ def test_mixed_batch_equals_merged_models(base_dir):
     for i, p in enumerate(prompts):
         tokens = [s[i] for s in steps if s[i] is not None]
         assert tokens == _greedy_alone(merged[which[i]], p, N_NEW), f"row {i}"
+
+
+def test_nucleus_of_one_token_is_greedy(base_dir):
+    """top_p so small that only the most likely token is left: sampling at temperature 1 is greedy."""
+    sha = weights_sha256(base_dir)
+    v = variant_from_payload(random_variant_payload(base_dir, seed=5), name="v", base_sha256=sha)
+    serving = MultiVariantModel.from_dir(base_dir)
+    prompts = _prompts(serving.model.config.vocab_size)[:2]
+    rows = [v, None]
+
+    def run(**kw):
+        return list(serving.generate(rows, prompts, max_new_tokens=[6, 6], eos_ids=set(), pad_id=0, **kw))
+
+    greedy = run(temperature=[0.0, 0.0])
+    assert run(temperature=[1.0, 1.0], top_p=[1e-6, 1e-6], generator=torch.Generator().manual_seed(0)) == greedy

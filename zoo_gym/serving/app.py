@@ -46,6 +46,7 @@ class _Request(BaseModel):
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
     stream: bool = False
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -204,7 +205,7 @@ def create_app(service: Service) -> FastAPI:
             raise ApiError(400, f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({want}) exceeds the "
                                 f"model's context of {service.context} tokens", code="context_length_exceeded")
         return Job(prompt=prompt_ids, variant=variant, max_tokens=want, temperature=req.temperature,
-                   seed=req.seed, loop=asyncio.get_running_loop())
+                   seed=req.seed, top_p=req.top_p, loop=asyncio.get_running_loop())
 
     async def run(job: Job, detok: _Detok) -> AsyncIterator[tuple[str, str | None]]:
         """(text piece, None) ... then ("", finish_reason)."""

@@ -31,6 +31,7 @@ class Job:
     temperature: float
     loop: asyncio.AbstractEventLoop
     seed: int | None = None
+    top_p: float = 1.0
     out: asyncio.Queue = field(default_factory=asyncio.Queue)  # ("token", id) ... then ("done", reason) | ("error", msg)
 
     def emit(self, kind: str, value) -> None:
@@ -101,7 +102,8 @@ class Batcher:
         try:
             for step in self.model.generate(variants, [j.prompt for j in jobs],
                                             max_new_tokens=[j.max_tokens for j in jobs],
-                                            temperature=[j.temperature for j in jobs], eos_ids=self.eos_ids,
+                                            temperature=[j.temperature for j in jobs],
+                                            top_p=[j.top_p for j in jobs], eos_ids=self.eos_ids,
                                             pad_id=self.pad_id, generator=gen):
                 for i, tok in enumerate(step):
                     if tok is None:

@@ -66,6 +66,7 @@ def serve(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(2048)  # connections queue from now on, so a client may connect as soon as the line below is out
     except OSError as exc:
         _fail(f"cannot listen on {host}:{port}: {exc.strerror}", 1)
     bound = sock.getsockname()[1]

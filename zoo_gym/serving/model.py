@@ -70,7 +70,7 @@ class MultiVariantModel:
                             use_cache=False).logits
 
     def generate(self, variants: list[Variant | None], prompts: list[list[int]], *, max_new_tokens: list[int],
-                 temperature: list[float], eos_ids: set[int], pad_id: int,
+                 temperature: list[float], eos_ids: set[int], pad_id: int, top_p: list[float] | None = None,
                  generator: torch.Generator | None = None) -> Iterator[list[int | None]]:
         """Decode all rows together (left padding, KV cache); yield each step's token per row (None once a
         row stopped: EOS, which is yielded, or its own max_new_tokens)."""
@@ -84,6 +84,7 @@ class MultiVariantModel:
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         temps = torch.tensor(temperature, dtype=torch.float32, device=self.device)
+        top_ps = torch.tensor(top_p or [1.0] * b, dtype=torch.float32, device=self.device)
         done = [False] * b
         produced = [0] * b
         past = None
@@ -92,7 +93,7 @@ class MultiVariantModel:
             out = self.forward(variants, input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
                                past_key_values=past, use_cache=True)
             past = out.past_key_values
-            nxt = _pick(out.logits[:, -1, :].float(), temps, generator)  # (B,)
+            nxt = _pick(out.logits[:, -1, :].float(), temps, top_ps, generator)  # (B,)
             row = []
             for i in range(b):
                 if done[i]:
@@ -111,12 +112,17 @@ class MultiVariantModel:
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
 
 
-def _pick(logits: Tensor, temps: Tensor, generator: torch.Generator | None) -> Tensor:
-    """Greedy for rows at temperature 0, sampled from softmax(logits / t) otherwise."""
+def _pick(logits: Tensor, temps: Tensor, top_ps: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Greedy for rows at temperature 0; otherwise sampled from softmax(logits / t) restricted to the
+    smallest set of most likely tokens whose probability reaches top_p (nucleus sampling)."""
     greedy = logits.argmax(-1)
     if not bool((temps > 0).any()):
         return greedy
     t = temps.clamp(min=1e-5).unsqueeze(1)
-    probs = torch.softmax(logits / t, dim=-1)
+    probs = torch.softmax(logits / t, dim=-1)  # (B, V)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    outside = (sorted_p.cumsum(-1) - sorted_p) >= top_ps.unsqueeze(1)  # mass before a token already reaches p
+    sorted_p = sorted_p.masked_fill(outside, 0.0)
+    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     sampled = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(logits.device)
     return torch.where(temps > 0, sampled, greedy)

@@ -130,6 +130,8 @@ class VariantRegistry:
         with self._lock:
             if path is not None:
                 p = pathlib.Path(path)
+                if p.suffix != SUFFIX:
+                    raise VariantError(f"{p}: a variant file is NAME{SUFFIX}")
                 if not p.is_file():
                     raise UnknownVariant(f"no such file: {p}")
                 name = check_name(name or p.name.removesuffix(SUFFIX))
