@@ -13,7 +13,7 @@ Protocol (also written into the JSON under "protocol"):
     run index), so every rule sees the same clock.
   * A local run is `gym_train.train` (LoRA r=8 on all linear layers, `steps` steps of batch 8,
     lr 1e-2, merged dense delta, one CPU thread, training seed 0 for everyone as `gym-client join`
-    does) on `steps x 8` examples of the contributor's own disjoint shard of
+    does; 8 steps by default) on `steps x 8` examples of the contributor's own disjoint shard of
     `builtin_examples("default", n_shards=n)`, drawn with a seed taken from the base's sha256. So a
     delta is a function of (base sha256, contributor) and is cached on disk under that key (plus a
     hash of the training settings): reruns, and runs whose bases coincide (every run's first
@@ -27,7 +27,9 @@ Protocol (also written into the JSON under "protocol"):
     and its compute counted as wasted. Every K = buffer_size accepted deltas the buffer is merged:
     row_i = (1 + s_i)^-a x delta_i (FedAsync's polynomial weight, a = staleness_exponent), the
     robust rule runs over the K rows (f counted per buffer), the next version is base +
-    server_lr x aggregate. Async runs until `async_horizon` x the sync run's simulated time.
+    server_lr x aggregate. When the rule cannot run on the buffer (validation refused too many
+    rows for Krum's n >= 2f + 3), the buffer stays open for the next accepted delta, as the server
+    reopens a round. Async runs until `async_horizon` x the sync run's simulated time.
   * Byzantine (30%: 6 of 20, contributors spread across the speed range): they follow their
     clock like everyone but submit crafted deltas, computed when the round or buffer closes from
     the honest deltas in it (the strongest threat model: they see every honest delta). Sign flip
@@ -99,10 +101,10 @@ class BenchConfig:
     server_lr: float = 1.0           # eta
     async_horizon: float = 0.6       # async runs for this share of the sync run's simulated time
     max_versions: int = 12           # and publishes at most this many versions
-    steps: int = 3                   # optimizer steps per local run
+    steps: int = 8                   # optimizer steps per local run
     batch_size: int = 8
     learning_rate: float = 1e-2
-    warmup_steps: int = 1
+    warmup_steps: int = 2
     trim_beta: float = 0.4
     sync_f: int = 6                  # byzantine_f of multi-krum in a sync round
     buffer_f: int = 3                # byzantine_f of multi-krum per async buffer
@@ -125,6 +127,9 @@ class BenchConfig:
                      "validation_examples"):
             if getattr(self, name) < 1:
                 raise BenchConfigError(f"`{name}` must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise BenchConfigError(f"`warmup_steps` must be in [0, steps): the learning rate is 0 "
+                                   f"during warmup, got {self.warmup_steps} of {self.steps} steps")
         if not 0 <= self.f < self.n / 2:
             raise BenchConfigError(f"`f` must be in [0, n/2), got f={self.f}, n={self.n}")
         if not 0 <= self.dropout < 1 or self.jitter < 0 or self.speed_span < 1:
@@ -146,7 +151,7 @@ class BenchConfig:
 
 
 QUICK = dict(n=6, f=1, rounds=1, buffer_size=3, max_staleness=4, buffer_f=0, sync_f=1,
-             trim_beta=0.2, steps=2, validation_examples=32, max_versions=4,
+             trim_beta=0.2, steps=2, warmup_steps=1, validation_examples=32, max_versions=4,
              rules=("mean", "trimmed-mean"), attacks=("none", "sign_flip"))
 
 
@@ -224,40 +229,80 @@ def sync_schedule(cfg: BenchConfig, times: list[float]) -> Schedule:
     return Schedule(pubs, used, waited)
 
 
+class AsyncClock:
+    """FedBuff's clock, one flush attempt at a time: each contributor fetches the newest version
+    when it starts a local run and submits when done; a delta staler than max_staleness is refused
+    (its compute wasted). Once the open buffer holds K accepted deltas, `next_buffer` returns it; the
+    caller merges and says whether that published (`flushed(True)`) or the rule could not run on it
+    (`flushed(False)`: the buffer stays open and takes the next accepted delta too, as the server
+    reopens a round). `liars` claim the newest base (staleness 0). Ties go by contributor id.
+    Stops at simulated time `until` or after max_versions publishes."""
+
+    def __init__(self, cfg: BenchConfig, times: list[float], *, until: float,
+                 liars: frozenset[int] = frozenset()) -> None:
+        self.cfg, self.times, self.until, self.liars = cfg, times, until, liars
+        self.version, self.runs_done = 0, [0] * cfg.n
+        self.buffer: list[Submission] = []
+        self.publishes: list[Publish] = []
+        self.used = self.wasted = 0.0
+        self.refused = self.reopened = 0
+        self.events: list[tuple[float, int, float, int, bool]] = []  # (end, who, start, base, dropped)
+        self._waiting: tuple[int, float] | None = None  # the submitter whose delta filled the buffer
+        for i in range(cfg.n):
+            self._start(i, 0.0)
+
+    def _start(self, i: int, now: float) -> None:
+        d, dropped = local_run(self.cfg, self.times, i, self.runs_done[i])
+        self.runs_done[i] += 1
+        heapq.heappush(self.events, (now + d, i, now, self.version, dropped))
+
+    def next_buffer(self) -> Publish | None:
+        """The buffer to merge next, as the Publish it would make (None: past the horizon)."""
+        if self._waiting is not None:
+            raise RuntimeError("call flushed() first")
+        if len(self.publishes) >= self.cfg.max_versions:
+            return None
+        while self.events:
+            end, i, begun, base, dropped = heapq.heappop(self.events)
+            if end > self.until:
+                self.events.clear()
+                return None
+            if not dropped:
+                s = 0 if i in self.liars else self.version - base
+                if s > self.cfg.max_staleness:
+                    self.wasted += end - begun
+                    self.refused += 1
+                else:
+                    self.used += end - begun
+                    self.buffer.append(Submission(i, base, s, begun, end))
+                    if len(self.buffer) >= self.cfg.buffer_size:
+                        self._waiting = (i, end)
+                        return Publish(self.version + 1, end, list(self.buffer))
+            self._start(i, end)
+        return None
+
+    def flushed(self, published: bool) -> None:
+        i, now = self._waiting
+        self._waiting = None
+        if published:
+            self.version += 1
+            self.publishes.append(Publish(self.version, now, self.buffer))
+            self.buffer = []
+        else:
+            self.reopened += 1
+        self._start(i, now)  # fetches the newest version, after this flush
+
+    def schedule(self) -> Schedule:
+        return Schedule(self.publishes, self.used, self.wasted, self.refused)
+
+
 def async_schedule(cfg: BenchConfig, times: list[float], *, until: float,
                    liars: frozenset[int] = frozenset()) -> Schedule:
-    """FedBuff's clock up to simulated time `until` (or max_versions publishes). `liars` claim
-    the newest base (staleness 0). Ties are broken by contributor id."""
-    version, runs_done, buffer, pubs = 0, [0] * cfg.n, [], []
-    used = wasted = 0.0
-    refused = 0
-    events: list[tuple[float, int, float, int, bool]] = []  # (end, contributor, start, base, dropped)
-
-    def start(i: int, now: float) -> None:
-        d, dropped = local_run(cfg, times, i, runs_done[i])
-        runs_done[i] += 1
-        heapq.heappush(events, (now + d, i, now, version, dropped))
-
-    for i in range(cfg.n):
-        start(i, 0.0)
-    while events and len(pubs) < cfg.max_versions:
-        end, i, begun, base, dropped = heapq.heappop(events)
-        if end > until:
-            break
-        if not dropped:
-            s = 0 if i in liars else version - base
-            if s > cfg.max_staleness:
-                wasted += end - begun
-                refused += 1
-            else:
-                used += end - begun
-                buffer.append(Submission(i, base, s, begun, end))
-                if len(buffer) == cfg.buffer_size:
-                    version += 1
-                    pubs.append(Publish(version, end, buffer))
-                    buffer = []
-        start(i, end)  # fetches the newest version (after this submission's flush, if any)
-    return Schedule(pubs, used, wasted, refused)
+    """The clock when every flush publishes (the rule always runs)."""
+    clock = AsyncClock(cfg, times, until=until, liars=liars)
+    while clock.next_buffer() is not None:
+        clock.flushed(True)
+    return clock.schedule()
 
 
 def staleness_weight(staleness: int, *, exponent: float) -> float:
@@ -368,23 +413,43 @@ class Trajectory:
     mode: str                  # "sync" | "async"
     rule: str
     attack: str
-    schedule: Schedule
+    schedule: Schedule | None          # sync: fixed in advance
+    clock: AsyncClock | None = None    # async: advanced flush by flush
     versions: list[dict[str, torch.Tensor]] = field(default_factory=lambda: [{}])  # cum per version
     shas: list[str] = field(default_factory=list)
     times: list[float] = field(default_factory=lambda: [0.0])
     losses: list[float] = field(default_factory=list)
     weights: list[list[float]] = field(default_factory=list)      # staleness weight per row
     byzantine_weight: list[float] = field(default_factory=list)   # attackers' share of the aggregate
+    reopened: list[str] = field(default_factory=list)             # async flushes the rule refused
     error: str | None = None
+    _candidate: Publish | None = None
 
     @property
     def name(self) -> str:
         return f"{self.mode}/{self.rule}/{self.attack}"
 
     def pending(self) -> Publish | None:
+        """The next publish to attempt (the same one until `resolve` is called)."""
+        if self.error:
+            return None
+        if self.clock is not None:
+            if self._candidate is None:
+                self._candidate = self.clock.next_buffer()
+            return self._candidate
         done = len(self.versions) - 1
-        return None if self.error or done >= len(self.schedule.publishes) else \
-            self.schedule.publishes[done]
+        return self.schedule.publishes[done] if done < len(self.schedule.publishes) else None
+
+    def resolve(self, refusal: str | None) -> None:
+        """After a merge attempt: async reopens the buffer on a refusal, sync stops."""
+        if self.clock is not None:
+            self._candidate = None
+            self.clock.flushed(refusal is None)
+            self.schedule = self.clock.schedule()
+            if refusal is not None:
+                self.reopened.append(refusal)
+        elif refusal is not None:
+            self.error = refusal
 
 
 def soup_config(cfg: BenchConfig, rule: str, mode: str) -> SoupConfig:
@@ -404,7 +469,7 @@ def craft(attack: str, honest: torch.Tensor, *, n_byzantine: int, cfg: BenchConf
 
 
 def merge(t: Trajectory, pub: Publish, deltas: list[dict[str, torch.Tensor] | None],
-          cfg: BenchConfig, shapes: dict[str, torch.Size]) -> None:
+          cfg: BenchConfig, shapes: dict[str, torch.Size]) -> str | None:
     """Publish the next version of `t` from `pub`'s honest `deltas` (None: a Byzantine row, crafted
     here from the honest ones): row_i = w(s_i) x delta_i, DeltaSoup's rule over the rows, then
     base + server_lr x aggregate."""
@@ -431,15 +496,15 @@ def merge(t: Trajectory, pub: Publish, deltas: list[dict[str, torch.Tensor] | No
         report = DeltaSoup(soup_config(cfg, t.rule, t.mode)).run(
             DictDeltaSource([f"c{s.contributor}" for s in subs], dicts),
             lambda name, agg: out.__setitem__(name, agg.reshape(shapes[name])))
-    except NotRobustConfigError as exc:
-        t.error = f"publish {pub.version}: {exc}"
-        return
+    except NotRobustConfigError as exc:  # the server reopens the round and waits for more
+        return f"publish {pub.version} with {len(subs)} deltas at t={pub.time:.3f}: {exc}"
     lr = cfg.server_lr if t.mode == "async" else 1.0
     prev = t.versions[-1]
     t.versions.append({k: prev[k] + lr * v if k in prev else lr * v for k, v in out.items()})
     t.times.append(pub.time)
     t.weights.append(w)
     t.byzantine_weight.append(sum(r.weight for r, b in zip(report.contributors, is_byz) if b))
+    return None
 
 
 def _sha(data: bytes) -> str:
@@ -461,14 +526,13 @@ def run(cfg: BenchConfig, *, workers: int = 1, cache_dir: pathlib.Path = DEFAULT
     sync = sync_schedule(cfg, times)
     t_sync = sync.publishes[-1].time
     horizon = cfg.async_horizon * t_sync
-    clean = async_schedule(cfg, times, until=horizon)
-    lying = async_schedule(cfg, times, until=horizon, liars=frozenset(byz)) if cfg.f else clean
     attacks_run = [a for a in cfg.attacks if a != "none"] if cfg.f else []
     trajs = [Trajectory("sync", r, "none", sync) for r in cfg.rules]
     if cfg.sync_attacks:
         trajs += [Trajectory("sync", r, a, sync) for r in cfg.rules for a in attacks_run]
-    trajs += [Trajectory("async", r, "none", clean) for r in cfg.rules]
-    trajs += [Trajectory("async", r, a, lying) for r in cfg.rules for a in attacks_run]
+    trajs += [Trajectory("async", r, a, None, AsyncClock(
+        cfg, times, until=horizon, liars=frozenset(byz) if a != "none" else frozenset()))
+        for r in cfg.rules for a in ("none", *attacks_run)]
     sha0 = _sha(base_bytes(base0, {}))
     for t in trajs:
         t.shas, t.losses = [sha0], [base_loss]
@@ -489,8 +553,9 @@ def run(cfg: BenchConfig, *, workers: int = 1, cache_dir: pathlib.Path = DEFAULT
                           else cache.load(t.shas[s.base], s.contributor) for s in pub.submissions]
                 if not shapes:  # LoRA merges keep only the changed weights: the same names each run
                     shapes = {k: base0[k].shape for d in deltas if d for k in d}
-                merge(t, pub, deltas, cfg, shapes)
-                if t.error is None:
+                refusal = merge(t, pub, deltas, cfg, shapes)
+                t.resolve(refusal)
+                if refusal is None:
                     t.shas.append(_sha(base_bytes(base0, t.versions[-1])))
                     t.losses.append(evaluator.loss(t.versions[-1]))
             log(f"step {step}: {len(active)} publishes, {cache.trained} trained, {cache.hits} cached, "
@@ -519,13 +584,13 @@ def report(cfg: BenchConfig, trajs: list[Trajectory], *, times: list[float], byz
     by = {(t.mode, t.rule, t.attack): t for t in trajs}
     runs = {}
     for t in trajs:
-        sch = t.schedule
+        sch = t.schedule if t.schedule is not None else t.clock.schedule()
         stale = [s.staleness for p in sch.publishes[:len(t.versions) - 1] for s in p.submissions]
         cell = {"times": [round(x, 3) for x in t.times], "losses": [round(x, 5) for x in t.losses],
                 "final_loss": round(t.losses[-1], 5), "final_time": round(t.times[-1], 3),
                 "versions": len(t.versions) - 1, "error": t.error,
                 "wasted_compute_share": round(sch.waste_share, 4),
-                "refused_stale": sch.refused,
+                "refused_stale": sch.refused, "reopened": t.reopened,
                 "staleness_histogram": {str(s): stale.count(s) for s in sorted(set(stale))}}
         if t.mode == "async":
             cell["staleness_weights"] = [[round(w, 4) for w in ws] for ws in t.weights]
