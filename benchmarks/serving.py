@@ -118,13 +118,13 @@ def decode(model, ids: torch.Tensor, steps: int, **kw) -> tuple[float, float, to
     """Greedy: (prefill s, decode wall s for `steps` more tokens, tokens (B, steps + 1), decode CPU s)."""
     t0 = time.perf_counter()
     out = model(input_ids=ids, use_cache=True, **kw)
-    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    nxt = out.logits[:, -1].float().argmax(-1, keepdim=True)
     t1, c1 = time.perf_counter(), time.process_time()
     toks, past = [nxt], out.past_key_values
     for _ in range(steps):
         out = model(input_ids=nxt, past_key_values=past, use_cache=True, **kw)
         past = out.past_key_values
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        nxt = out.logits[:, -1].float().argmax(-1, keepdim=True)
         toks.append(nxt)
     return t1 - t0, time.perf_counter() - t1, torch.cat(toks, 1), time.process_time() - c1
 

@@ -90,7 +90,7 @@ def _cpu_delta(xs: Tensor, tok_start: np.ndarray, signs: list[Tensor], scales: l
     n_groups = scales[0].shape[1]
     group_bytes = nbytes if n_groups == 1 else group_size // 8
     sg = [s.contiguous() for s in signs]  # held until the kernel returns: it reads them by address
-    sc = [s.to(torch.float32).contiguous() for s in scales]
+    sc = [(s if s.dtype == torch.float32 else s.float()).contiguous() for s in scales]
     width = n_groups * group_bytes * 8  # x padded with zeros to whole groups
     xp = np.zeros((n_tok, width), dtype=np.float32)
     xp[:, :in_f] = xs.numpy()
@@ -115,32 +115,36 @@ def bitdelta_linear(x: Tensor, weight: Tensor, bias: Tensor | None, signs: list[
     a row served by the base alone. The delta is computed in float32 and added in x's dtype.
     """
     y = torch.nn.functional.linear(x, weight, bias)  # (B, T, out)
-    vr = variant_of_row.to("cpu", torch.long)
-    if not bool((vr >= 0).any()):
+    vr = variant_of_row.to("cpu", torch.long).numpy()
+    sel = np.flatnonzero(vr >= 0)
+    if not sel.size:
         return y
     out_f, in_f = weight.shape
-    used = sorted(set(vr[vr >= 0].tolist()))
+    order = sel[np.argsort(vr[sel], kind="stable")]  # batch rows with a variant, grouped by variant
+    used, counts = np.unique(vr[order], return_counts=True)
+    used = used.tolist()
     _check_packed([signs[v] for v in used], [scales[v] for v in used], out_f=out_f, in_f=in_f,
                   group_size=group_size)
     if x.is_cuda:
         from zoo_gym.serving.kernels_triton import triton_delta_add
 
-        return triton_delta_add(y, x, signs, scales, group_size, vr)
-    t_per_row = int(np.prod(x.shape[1:-1])) if x.dim() > 2 else 1
-    fast = [v for v in used if int((vr == v).sum()) * t_per_row <= _KERNEL_MAX_TOKENS]
-    for v in used:
-        if v in fast:
-            continue
-        rows = (vr == v).nonzero().squeeze(1)
+        return triton_delta_add(y, x, signs, scales, group_size, torch.from_numpy(vr))
+    t_per_row = x[0].numel() // in_f  # tokens per batch row
+    fast = counts * t_per_row <= _KERNEL_MAX_TOKENS
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    for i in np.flatnonzero(~fast).tolist():  # long prompts: unpacked tiles + torch matmul
+        rows = torch.from_numpy(order[starts[i]:starts[i + 1]])
+        v = used[i]
         dv = _tile_delta(x.index_select(0, rows).to(torch.float32), signs[v], scales[v], out_f=out_f, in_f=in_f,
                          group_size=group_size)
         y.index_add_(0, rows, dv.to(y.dtype))
-    if fast:
-        rows = torch.cat([(vr == v).nonzero().squeeze(1) for v in fast])  # batch rows, grouped by variant
-        counts = np.array([int((vr == v).sum()) * t_per_row for v in fast], dtype=np.int64)
-        tok_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    if fast.any():
+        keep = np.repeat(fast, counts)
+        rows = torch.from_numpy(order[keep])
+        tok_start = np.concatenate([[0], np.cumsum(counts[fast] * t_per_row)]).astype(np.int64)
         xs = x.index_select(0, rows).reshape(-1, in_f).to(torch.float32).contiguous()  # (n_tok, in)
-        d = _cpu_delta(xs, tok_start, [signs[v] for v in fast], [scales[v] for v in fast], out_f=out_f,
+        fv = [used[i] for i in np.flatnonzero(fast).tolist()]
+        d = _cpu_delta(xs, tok_start, [signs[v] for v in fv], [scales[v] for v in fv], out_f=out_f,
                        group_size=group_size)
         y.index_add_(0, rows, d.view(rows.numel(), *y.shape[1:]).to(y.dtype))
     return y

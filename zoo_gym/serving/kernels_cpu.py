@@ -1,4 +1,4 @@
-"""CPU kernel of ``bitdelta_linear``'s per-variant part: ``d[t, o] = sum_g scale[o, g] sum_{i in g} x[t, i] sign(o, i)``.
+"""CPU kernel of bitdelta_linear's per-variant part: ``d[t, o] = sum_g scale[o, g] sum_{i in g} x[t, i] sign(o, i)``.
 
 Read straight from the packed signs (uint8 (out, ceil(in/8)), bit k of byte j = input 8 j + k, bit 1 =
 +scale; zoo_gym/codec/bitdelta.py), never unpacked to a float tile. With b the sign bits,
