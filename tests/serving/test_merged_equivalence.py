@@ -1,9 +1,10 @@
 """gym-serve's model path equals the merged models (base + decoded delta), for mixed batches of variants.
 
-For each base (the built-in tiny Qwen3, random-init Llama and GPT-2 with Conv1D weights stored (in, out)
-and tied embeddings) three variants (groups of 128, and one of 64) change every tensor of the base (Linear/Conv1D weights,
-embeddings, position embeddings, norms, biases) and are served together in one batch with a base-only row: every
-row's logits agree with its own merged model, and greedy generations are identical token for token.
+For each base (the built-in tiny Qwen3; random-init Llama; GPT-2, with Conv1D weights stored (in, out) and
+tied embeddings; Gemma, whose looked-up embeddings are scaled and whose norms use 1 + w) three variants
+(groups of 128, and one of 64) change every tensor of the base (Linear/Conv1D weights, embeddings,
+position embeddings, norms, biases) and are served together in one batch with a base-only row: every row's
+logits agree with its own merged model, and greedy generations are identical token for token.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from zoo_gym.serving.variant import variant_from_payload, weights_sha256
 N_NEW = 12
 
 
-@pytest.fixture(scope="module", params=["tiny", "llama", "gpt2"])
+@pytest.fixture(scope="module", params=["tiny", "llama", "gpt2", "gemma"])
 def base_dir(request, tmp_path_factory):
     if request.param == "tiny":
         return tiny_model_dir()

@@ -134,6 +134,9 @@ class PackedEmbedding(_Patched):
             parts = [unpack_rows(pw.signs[flat[i:i + _TILE]], pw.scales[flat[i:i + _TILE]], cols=pw.shape[1],
                                  group_size=pw.group_size) for i in range(0, flat.numel(), _TILE)]
             d = torch.cat(parts).reshape(rows.numel(), *ids.shape[1:], pw.shape[1])
+            scale = getattr(self.base, "embed_scale", None)  # Gemma scales what it looks up by sqrt(hidden)
+            if scale is not None:
+                d = d * scale.to(d.dtype) if isinstance(scale, Tensor) else d * scale
             y.index_add_(0, rows, d.to(y.dtype))
         return y
 
