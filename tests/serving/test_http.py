@@ -211,3 +211,19 @@ def test_variants_removed_added_and_evicted(served):
     assert "late" in [m["id"] for m in client.get("/v1/models").json()["data"]]
     assert _chat(client, "late").json()["choices"][0]["message"]["content"] == \
         _chat(client, "user1").json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--base", "tiny", "--variants", "/no/such/dir"], "--variants"),
+    (["--base", "no/such-model-here"], "neither 'tiny'"),
+    (["--base", "tiny", "--dtype", "int3"], "--dtype"),
+])
+def test_bad_serve_options_exit_2_with_one_line(args, message):
+    from typer.testing import CliRunner
+
+    from zoo_gym.serving.cli import app
+
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2, r.output
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], r.stderr
