@@ -5,6 +5,7 @@ bound how long a broken server may take."""
 
 from __future__ import annotations
 
+import json
 import time
 
 from zoo_gym import codec
@@ -36,8 +37,6 @@ def test_round_closes_at_timeout_with_fewer_than_min_when_the_rule_can_run(feder
         submitted.append(cid)
     r1 = _wait(lambda: (r := _round(fed, 1)).state == RoundState.PUBLISHED and r)
     assert r1.published_sha256 and fed.round().round_id == 2
-    import json
-
     report = json.loads(r1.report_json)["soup"]
     assert sorted(c["contributor"] for c in report["contributors"]) == sorted(submitted)
 
