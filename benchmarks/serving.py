@@ -200,6 +200,7 @@ def rss_child(size: str, n: int, codec_variants: int, prompt: int, steps: int) -
     ids = torch.randint(0, model.config.vocab_size, (BATCH, prompt), generator=torch.Generator().manual_seed(5))
     decode(model, ids, steps)
     settle()
+    base_rss = status("VmRSS:")
     decode(model, ids, steps)
     base = status("VmHWM:")
     variants, _ = make_variants(model, n, codec_variants=min(n, codec_variants))
@@ -213,7 +214,8 @@ def rss_child(size: str, n: int, codec_variants: int, prompt: int, steps: int) -
     decode(model, ids, steps)
     peak = status("VmHWM:")
     limit = base + 1.2 * n * vbytes
-    return {"variants": n, "base_peak_rss": base, "variant_bytes": vbytes, "rss_with_variants_loaded": loaded,
+    return {"variants": n, "base_rss": base_rss, "base_peak_rss": base, "variant_bytes": vbytes,
+            "rss_with_variants_loaded": loaded,
             "peak_rss": peak, "limit_base_plus_1.2x_variants": int(limit), "within": peak <= limit}
 
 

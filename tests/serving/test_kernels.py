@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from zoo_gym import codec
-from zoo_gym.serving.kernels import bitdelta_linear, bitdelta_linear_reference
+from zoo_gym.serving.kernels import bitdelta_linear, bitdelta_linear_reference, log8_scale_codes
 
 
 def _variants(out_f: int, in_f: int, n: int, *, group_size: int | None, seed: int = 0):
@@ -94,6 +94,30 @@ def test_long_prompt_takes_the_tile_path_and_agrees():
     y = bitdelta_linear(x, weight, None, signs, scales, gs, variant_of_row)
 
     torch.testing.assert_close(y.double(), _merged(x, weight, None, dense, variant_of_row), rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("tokens", [2, 300])  # the kernel path and the tile path
+def test_log8_codes_in_memory_give_the_same_outputs_as_float32_scales(tokens):
+    """Scales kept as the codec's 1-byte log8 codes (plus one reference per tensor) compute the same thing."""
+    dense, signs, scales, gs = _variants(72, 300, 3, group_size=128)  # codec default for groups: log8
+    coded = [log8_scale_codes(c) for c in scales]
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(72, 300, generator=g)
+    x = torch.randn(4, tokens, 300, generator=g)
+    variant_of_row = torch.tensor([1, -1, 0, 2])
+
+    y = bitdelta_linear(x, weight, None, signs, [c for c, _ in coded], gs, variant_of_row,
+                        scale_refs=[r for _, r in coded])
+
+    assert all(c.dtype == torch.uint8 and c.shape == s.shape for (c, _), s in zip(coded, scales))
+    torch.testing.assert_close(y, bitdelta_linear(x, weight, None, signs, scales, gs, variant_of_row),
+                               rtol=0, atol=1e-5)
+    want = _merged(x, weight, None, dense, variant_of_row)
+    torch.testing.assert_close(y.double(), want, rtol=0, atol=2e-4 * want.abs().max().item())
+    off_grid = scales[0].clone()
+    off_grid[0, 0] *= 1.01  # grid steps are 4.4% apart
+    with pytest.raises(ValueError, match="not log8"):
+        log8_scale_codes(off_grid)
 
 
 def test_base_only_batch_is_the_plain_linear():

@@ -137,13 +137,16 @@ def group_sums(x, group_len, out):
 
 
 @njit(nogil=True, cache=True)
-def delta_rows(x, gsum, tok_start, sign_addrs, scale_addrs, scale_rows, out_f, nbytes, group_bytes, i0, i1, out):
+def delta_rows(x, gsum, tok_start, sign_addrs, scale_addrs, log8_refs, log8_mult, scale_rows, out_f, nbytes,
+               group_bytes, i0, i1, out):
     """out[t, o] = sum_g scale_v[o, g] sum_{i in g} x[t, i] (+1 if bit i of s_v[o] else -1).
 
     x float32 (n_tok, W) zero past the row, W >= ceil(in / group) * group bytes * 8; gsum float32
     (n_tok, n_groups) its group sums. Tokens tok_start[v]:tok_start[v + 1] use variant slot v: signs
-    uint8 C-contiguous (out_f, nbytes) at address sign_addrs[v], scales float32 C-contiguous
-    (scale_rows[v] in (1, out_f), n_groups) at scale_addrs[v]. out float32 (n_tok, out_f) C-contiguous.
+    uint8 C-contiguous (out_f, nbytes) at address sign_addrs[v], scales C-contiguous (scale_rows[v] in
+    (1, out_f), n_groups) at scale_addrs[v]: float32 when log8_refs[v] < 0, else uint8 log8 codes c
+    meaning float32(log8_refs[v] * log8_mult[c]) as the codec decodes them (one block's scales are
+    decoded into a small buffer per work item). out float32 (n_tok, out_f) C-contiguous.
     Groups of `group_bytes` bytes; a short last group reads on into the next row's bytes, over x's zeros
     (no effect), and the array's very last row is read from a zero-padded copy. Work items
     i0:i1 of the n_var * ceil(out_f / OUT_BLOCK) (variant, output block) items, variant-major.
@@ -162,8 +165,18 @@ def delta_rows(x, gsum, tok_start, sign_addrs, scale_addrs, scale_rows, out_f, n
         o1 = min(out_f, o0 + OUT_BLOCK)
         t0, t1 = tok_start[v], tok_start[v + 1]
         sr = scale_rows[v]
-        scales = carray(_f32_at(scale_addrs[v]), (sr, n_groups))
+        b0, nb = (o0, o1 - o0) if sr > 1 else (0, 1)  # scale rows of this block
+        blk = np.empty((nb, n_groups), dtype=np.float32)  # this block's scales, float32
+        ref = log8_refs[v]
+        if ref < 0:
+            blk[:, :] = carray(_f32_at(scale_addrs[v] + b0 * n_groups * 4), (nb, n_groups))
+        else:
+            codes = carray(_u8_at(scale_addrs[v] + b0 * n_groups), (nb, n_groups))
+            for r in range(nb):
+                for g in range(n_groups):
+                    blk[r, g] = ref * log8_mult[codes[r, g]]
         sc_st = n_groups if sr > 1 else 0  # floats between scale rows
+        ba = blk.ctypes.data
         last = np.zeros(span, dtype=np.uint8)
         if safe_rows < o1:
             src = carray(_u8_at(sign_addrs[v] + safe_rows * nbytes), (nbytes,))
@@ -173,7 +186,7 @@ def delta_rows(x, gsum, tok_start, sign_addrs, scale_addrs, scale_rows, out_f, n
             oa = out.ctypes.data + (t * out_f) * 4
             o = o0
             while o + 4 <= min(o1, safe_rows):
-                sa, ca = sign_addrs[v] + o * nbytes, scale_addrs[v] + o * sc_st * 4
+                sa, ca = sign_addrs[v] + o * nbytes, ba + (o - o0) * sc_st * 4
                 if even:
                     _set16x4(xa, sa, nbytes, wpg, n_groups, ca, sc_st, oa + o * 4, 1)
                 else:
@@ -181,15 +194,15 @@ def delta_rows(x, gsum, tok_start, sign_addrs, scale_addrs, scale_rows, out_f, n
                 o += 4
             while o < o1:
                 sa = sign_addrs[v] + o * nbytes if o < safe_rows else last.ctypes.data
-                ca = scale_addrs[v] + o * sc_st * 4
+                ca = ba + (o - o0) * sc_st * 4
                 if even:
                     _set16x1(xa, sa, nbytes, wpg, n_groups, ca, 0, oa + o * 4, 1)
                 else:
                     _set8x1(xa, sa, nbytes, wpg, n_groups, ca, 0, oa + o * 4, 1)
                 o += 1
             for o in range(o0, o1):  # d = 2 S_set - sum_g scale_g S_all,g
-                srow = o if sr > 1 else 0
+                srow = o - o0 if sr > 1 else 0
                 corr = np.float32(0.0)
                 for g in range(n_groups):
-                    corr += scales[srow, g] * gsum[t, g]
+                    corr += blk[srow, g] * gsum[t, g]
                 out[t, o] = 2 * out[t, o] - corr
