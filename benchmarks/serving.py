@@ -4,8 +4,9 @@ throughput against three baselines measured in the same run, time to first token
 Model: a bf16 Qwen3 with the tiny model's or Qwen3-0.6B's dimensions (benchmarks/scale.py's SIZES),
 random weights, built in memory. Variants: random deltas (RMS 0.01) of every decoder Linear weight
 (q/k/v/o/gate/up/down), encoded with zoo_gym.codec (bitdelta, groups of 128, log8 scales) and held as
-the server holds them: packed signs (uint8) + float32 scales. `--codec-variants K` (default: all; the
-0.6B run uses 16) are encoded with the codec; past K, a variant is fresh random sign bytes with the
+packed signs (uint8) + the codec's log8 scale codes (1 byte per group, one float32 reference per
+tensor; `bitdelta_linear(scale_refs=)`). `--codec-variants K` (default: all; the
+0.6B run used 4) are encoded with the codec; past K, a variant is fresh random sign bytes with the
 scales of variant i mod K (encoding 100 random 0.6B deltas takes ~10 min; the bytes are the same).
 
 Each linear is patched here with a small module calling `zoo_gym.serving.kernels.bitdelta_linear` with
@@ -32,6 +33,7 @@ development machine is shared: CPU seconds are the steadier figure).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -50,7 +52,8 @@ from scale import LINEAR, SIZES  # noqa: E402
 from zoo_gym import codec  # noqa: E402
 from zoo_gym.codec.bitdelta import unpack_bitdelta  # noqa: E402
 from zoo_gym.codec.layout import Groups  # noqa: E402
-from zoo_gym.serving.kernels import bitdelta_linear, warm_up  # noqa: E402
+from zoo_gym.codec.logscale import log8_scales  # noqa: E402
+from zoo_gym.serving.kernels import bitdelta_linear, log8_scale_codes, warm_up  # noqa: E402
 
 BATCH = 16
 GROUP = 128
@@ -70,7 +73,7 @@ def linears(model) -> dict[str, nn.Linear]:
 
 
 def make_variants(model, n: int, *, codec_variants: int, seed: int = 1):
-    """n variants {linear name: (signs uint8, scales float32)} and the codec payload bytes of one."""
+    """n variants {linear name: (signs uint8, log8 scale codes uint8, reference)} and one's payload bytes."""
     lin = linears(model)
     out, disk = [], []
     for i in range(n):
@@ -81,14 +84,19 @@ def make_variants(model, n: int, *, codec_variants: int, seed: int = 1):
                 d = torch.randn(m.weight.shape, generator=g) * 0.01
                 payload = codec.encode({"w": d}, codec="bitdelta", group_size=GROUP, scale_dtype="log8")
                 p = codec.read_bitdelta(payload, "w")
-                v[name] = (p.signs.clone(), p.scales.clone())
+                v[name] = (p.signs.clone(), *log8_scale_codes(p.scales))
                 nbytes += len(payload)
             else:
-                s0, c0 = out[i % codec_variants][name]
-                v[name] = (torch.randint(0, 256, s0.shape, dtype=torch.uint8, generator=g), c0.clone())
+                s0, c0, r0 = out[i % codec_variants][name]
+                v[name] = (torch.randint(0, 256, s0.shape, dtype=torch.uint8, generator=g), c0.clone(), r0)
         out.append(v)
         disk.append(nbytes)
     return out, (disk[0] if disk else 0)
+
+
+def variant_bytes(v: dict) -> int:
+    """Resident bytes of one variant: sign bytes, one log8 code per group, one float32 reference per tensor."""
+    return sum(s.numel() + c.numel() + 4 for s, c, _ in v.values())
 
 
 class BitDeltaLinear(nn.Module):
@@ -104,7 +112,7 @@ class BitDeltaLinear(nn.Module):
             return self.base(x)
         packs = [v[self.name] for v in st["variants"]]
         return bitdelta_linear(x, self.base.weight, self.base.bias, [p[0] for p in packs], [p[1] for p in packs],
-                               GROUP, st["rows"])
+                               GROUP, st["rows"], scale_refs=[p[2] for p in packs])
 
 
 def patch(model, state: dict) -> None:
@@ -146,9 +154,9 @@ def merge_swap(model, variants, ids, steps: int, n_req: int) -> dict:
         ts = time.perf_counter()
         with torch.no_grad():
             for n, m in lin.items():
-                s, c = v[n]
+                s, c, ref = v[n]
                 rows, cols = m.weight.shape
-                d = unpack_bitdelta(s.numpy(), c.numpy(), cols=cols,
+                d = unpack_bitdelta(s.numpy(), log8_scales(np.float32(ref), c.numpy()), cols=cols,
                                     groups=Groups(size=GROUP, n_groups=c.shape[1], scale_rows=rows))
                 m.weight.copy_(saved[n]).add_(torch.from_numpy(d).to(torch.bfloat16))
         sw = time.perf_counter() - ts
@@ -183,7 +191,6 @@ def rss_child(size: str, n: int, codec_variants: int, prompt: int, steps: int) -
     """Peak RSS of a base-only batch, then of the mixed batch with n variants loaded (peaks reset before each
     batch; the variants' build temporaries are released first: a server reads them packed from disk)."""
     import ctypes
-    import gc
 
     def status(key):
         with open("/proc/self/status") as f:
@@ -204,7 +211,7 @@ def rss_child(size: str, n: int, codec_variants: int, prompt: int, steps: int) -
     decode(model, ids, steps)
     base = status("VmHWM:")
     variants, _ = make_variants(model, n, codec_variants=min(n, codec_variants))
-    vbytes = sum(s.numel() + c.numel() * 4 for s, c in variants[0].values())
+    vbytes = variant_bytes(variants[0])
     state = {"rows": None, "variants": variants[:BATCH]}
     patch(model, state)
     state["rows"] = torch.arange(BATCH) % min(n, BATCH)
@@ -228,7 +235,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="decode runs per method; the fastest is reported")
     ap.add_argument("--swap-requests", type=int, default=BATCH)
     ap.add_argument("--codec-variants", type=int, default=100)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch and kernel threads (1: CPU seconds are comparable)")
     ap.add_argument("--skip-peft", action="store_true")
     ap.add_argument("--rss-child", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
@@ -257,14 +264,17 @@ def main() -> None:
     t = time.perf_counter()
     variants, disk_bytes = make_variants(model, max(ns), codec_variants=min(max(ns), a.codec_variants))
     res["variant_build_seconds"] = time.perf_counter() - t
-    mem_bytes = sum(s.numel() + c.numel() * 4 for s, c in variants[0].values())
+    mem_bytes = variant_bytes(variants[0])
+    f32_bytes = sum(s.numel() + c.numel() * 4 for s, c, _ in variants[0].values())
     lora16 = sum(16 * (m.in_features + m.out_features) * 2 for m in lin.values())
     res["memory_per_variant"] = {
         "bitdelta_in_memory_bytes": mem_bytes, "bitdelta_payload_bytes_log8": disk_bytes,
+        "bitdelta_in_memory_bytes_float32_scales": f32_bytes,
         "bf16_copy_of_adapted_linears_bytes": n_lin * 2, "bf16_copy_of_model_bytes": n_all * 2,
         "lora_r16_bf16_bytes": lora16,
         "bf16_linears_over_payload": n_lin * 2 / disk_bytes, "bf16_linears_over_in_memory": n_lin * 2 / mem_bytes,
-        "target_payload_le_1_15_of_bf16": disk_bytes * 15 <= n_lin * 2,
+        "bf16_linears_over_in_memory_float32_scales": n_lin * 2 / f32_bytes,
+        "target_in_memory_le_1_15_of_bf16": mem_bytes * 15 <= n_lin * 2,
         "equal_memory_lora_rank": round(16 * mem_bytes / lora16)}
 
     merge_ids = ids
@@ -287,6 +297,7 @@ def main() -> None:
         res["bitdelta"].append(row)
         print(json.dumps(row), flush=True)
     del variants, model, state
+    gc.collect()
 
     if not a.skip_peft:
         res["peft"] = [peft_batch(a.size, r, ids, a.steps, a.repeats)
