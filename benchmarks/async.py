@@ -607,6 +607,10 @@ def report(cfg: BenchConfig, trajs: list[Trajectory], *, times: list[float], byz
             cell["sync_final_loss"] = round(target, 5)
             cell["time_to_sync_final_loss"] = None if reached is None else round(reached, 3)
             cell["time_share_of_sync"] = None if reached is None else round(reached / t_sync, 4)
+            sync_t = by[("sync", t.rule, "none")]  # the same for each of sync's earlier rounds
+            cell["time_share_to_sync_round_loss"] = {
+                f"round {r}": None if (x := time_to(t, loss)) is None else round(x / sync_t.times[r], 4)
+                for r, loss in enumerate(sync_t.losses[1:], start=1)}
         runs[t.name] = cell
     robust = {r: {a: runs[f"async/{r}/{a}"].get("ratio_to_own_clean") for a in cfg.attacks if a != "none"}
               for r in cfg.rules if r != "mean" and cfg.f}
@@ -657,7 +661,7 @@ def plot(doc: dict, path: pathlib.Path) -> pathlib.Path:
     cfg = doc["protocol"]["config"]
     colors = dict(zip(RULES, ("tab:red", "tab:blue", "tab:green", "tab:purple")))
     styles = {"none": "-", "sign_flip": "--", "alie": ":", "scaling": "-."}
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     for name, run in doc["runs"].items():
         mode, rule, attack = name.split("/")
         if attack == "none":
@@ -665,14 +669,21 @@ def plot(doc: dict, path: pathlib.Path) -> pathlib.Path:
                          marker="o" if mode == "sync" else ".", color=colors[rule], label=f"{mode} {rule}")
         if mode == "async":
             axes[1].plot(run["times"], run["losses"], styles[attack], color=colors[rule],
-                         label=f"{rule}, {attack.replace('none', 'no attack')}")
+                         label=f"{rule}, {attack.replace('none', 'no attack')} (ends {run['final_loss']:.3g})")
+    # zoom on the plateau: the base loss and a broken mean run leave the axes (their ends are labelled)
+    finals = [r["final_loss"] for r in doc["runs"].values()]
+    axes[0].set_ylim(min(finals) - 0.05, 1.6 * min(finals))
+    for rule in cfg["rules"]:
+        if f"sync/{rule}/none" in doc["runs"]:
+            axes[0].axhline(doc["runs"][f"sync/{rule}/none"]["final_loss"], color=colors[rule], lw=0.6,
+                            ls=(0, (1, 4)))
     axes[0].axvline(doc["sync_time"] * cfg["time_target"], color="grey", lw=0.8, ls="--",
                     label=f"{cfg['time_target']} x sync time")
-    axes[0].set_title(f"no attack: sync (dotted) vs async K={cfg['buffer_size']} (solid)")
+    axes[0].set_title(f"no attack: sync (dotted; its final loss: thin lines) vs async K={cfg['buffer_size']}",
+                      fontsize=10)
     axes[1].set_title(f"async, {cfg['f']} of {cfg['n']} Byzantine")
     for ax in axes:
         ax.set_xlabel("simulated wall-clock (fastest contributor's local run = 1)")
-        ax.set_yscale("log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     axes[0].set_ylabel("held-out loss")
