@@ -137,6 +137,9 @@ def serve(
                                                               "before it is dropped \\[default: 10]."),
     max_uploads: Optional[int] = typer.Option(None, help="Uploads in progress at once; past it RESOURCE_EXHAUSTED "
                                                          "(\"server busy\", the client retries) \\[default: 32]."),
+    max_downloads: Optional[int] = typer.Option(None, help="Checkpoint downloads and ledger streams in progress "
+                                                           "at once; past it RESOURCE_EXHAUSTED (\"server busy\", "
+                                                           "the client retries) \\[default: 32]."),
     max_pending_headers: Optional[int] = typer.Option(None, help="Calls at once still waiting for their first "
                                                                  "message (an upload's verified header) "
                                                                  "\\[default: 64; 8 per address]."),
@@ -181,7 +184,7 @@ def serve(
                            trim_beta=trim_beta, dp_noise_multiplier=dp_noise_multiplier, dp_clip=dp_clip,
                            dp_target_epsilon=dp_target_epsilon, reward_pool=reward_pool,
                            max_norm_ratio=max_norm_ratio, upload_idle_timeout=upload_idle_timeout,
-                           header_timeout=header_timeout, max_uploads=max_uploads,
+                           header_timeout=header_timeout, max_uploads=max_uploads, max_downloads=max_downloads,
                            max_pending_headers=max_pending_headers,
                            ssl_certfile=str(ssl_certfile) if ssl_certfile else None,
                            ssl_keyfile=str(ssl_keyfile) if ssl_keyfile else None,

@@ -45,7 +45,12 @@ class ServerConfig:
         "help": "seconds a call may take to send its first message (an upload's signed header) before it is "
                 "dropped"})
     query_workers: int = field(default=16, metadata={
-        "help": "threads kept for everything but uploads (health, GetRound, Register, balance, ledger, download)"})
+        "help": "threads kept for everything but uploads and downloads (health, GetRound, Register, balance)"})
+    # Server-streamed calls (zoo_gym/server/download_slots.py) have their own slots and threads on top.
+    max_downloads: int = field(default=32, metadata={
+        "help": "checkpoint downloads and ledger streams in progress at once (then RESOURCE_EXHAUSTED)"})
+    download_idle_timeout: float = field(default=60.0, metadata={
+        "help": "seconds a download's reader may take nothing before the download is cancelled"})
     ssl_certfile: str | None = field(default=None, metadata={"help": "PEM certificate (chain) the server presents"})
     ssl_keyfile: str | None = field(default=None, metadata={"help": "PEM private key of ssl_certfile"})
     ssl_ca_certfile: str | None = field(default=None, metadata={"help": "PEM CA certificate sent with the chain"})
@@ -102,11 +107,14 @@ class ServerConfig:
             raise ConfigError("`upload_idle_timeout` must be > 0 seconds")
         if self.upload_min_bytes_per_s < 1:
             raise ConfigError("`upload_min_bytes_per_s` must be >= 1 byte per second")
-        for name in ("max_uploads", "max_pending_headers", "max_pending_headers_per_peer", "query_workers"):
+        for name in ("max_uploads", "max_pending_headers", "max_pending_headers_per_peer", "query_workers",
+                     "max_downloads"):
             if not 1 <= getattr(self, name) <= 4096:
                 raise ConfigError(f"`{name}` must be in [1, 4096]")
         if not self.header_timeout > 0:
             raise ConfigError("`header_timeout` must be > 0 seconds")
+        if not self.download_idle_timeout > 0:
+            raise ConfigError("`download_idle_timeout` must be > 0 seconds")
         if self.admission not in ("open", "invite"):
             raise ConfigError(f"`admission` must be open or invite, got {self.admission!r}")
         for name in ("register_rate_per_peer", "register_rate_global"):

@@ -19,6 +19,7 @@ from zoo_gym.proto import gym_pb2, gym_pb2_grpc
 from zoo_gym.server import handlers
 from zoo_gym.server.admission import Admission
 from zoo_gym.server.config import ServerConfig
+from zoo_gym.server.download_slots import DownloadSlots
 from zoo_gym.server.errors import GymError, InvalidArgument
 from zoo_gym.server.models import RoundState
 from zoo_gym.server.rounds import RoundManager
@@ -83,6 +84,8 @@ class GymServicer(gym_pb2_grpc.GymServicer):
                                           per_peer=config.max_pending_headers_per_peer)
         self.upload_slots = UploadSlots(max_uploads=config.max_uploads, pending=pending, gate=handlers.UploadGate())
         self.admission = Admission.from_config(config, server_public_key=state.public_key)
+        self.download_slots = DownloadSlots(max_streams=config.max_downloads,
+                                            idle_timeout=config.download_idle_timeout)
 
     @_guard
     def Register(self, request, context):
@@ -115,8 +118,8 @@ class GymServicer(gym_pb2_grpc.GymServicer):
     @_guard_stream
     def DownloadCheckpoint(self, request, context):
         sha = request.checkpoint_sha256
-        for offset, data, total in handlers.download(sha256=sha, offset=request.offset, state=self.state,
-                                                     config=self.config):
+        chunks = handlers.download(sha256=sha, offset=request.offset, state=self.state, config=self.config)
+        for offset, data, total in self.download_slots.stream(context, chunks):
             yield gym_pb2.CheckpointChunk(offset=offset, data=data, total_size=total, sha256=sha)
 
     @_guard
@@ -161,8 +164,9 @@ class GymServicer(gym_pb2_grpc.GymServicer):
         from zoo_gym.server.settlement import ledger_entries
 
         handlers.check_ledger_query(contributor_id=request.contributor_id, since_seq=request.since_seq)
-        for e in ledger_entries(self.state, contributor=request.contributor_id or None,
-                                since_seq=request.since_seq, limit=request.limit or None):
+        entries = ledger_entries(self.state, contributor=request.contributor_id or None,
+                                 since_seq=request.since_seq, limit=request.limit or None)
+        for e in self.download_slots.stream(context, iter(entries), what="ledger stream"):
             yield gym_pb2.LedgerEntry(**e)
 
     @_guard
@@ -224,10 +228,12 @@ def build_server(state: ServerState, config: ServerConfig) -> tuple[grpc.Server,
     # call's request, within header_timeout: first_message.py), an upload slot while it uploads
     # (upload_slots.py). So calls waiting for their first message and uploads hold at most max_pending_headers
     # + max_uploads threads (a refused call only for the moment its refusal takes), and the query_workers
-    # left over always answer health, GetRound, Register, balance, ledger (and downloads).
+    # left over always answer health, GetRound, Register and balance queries. Server-streamed calls (downloads,
+    # ledger streams) hold max_downloads slots and threads of their own (download_slots.py): an unread stream
+    # blocks its thread in grpcio's send until its reader stalls past download_idle_timeout.
     # `maximum_concurrent_rpcs` is left unset on purpose: it is one counter over all methods, so reaching it
     # would refuse health checks and GetRound too.
-    workers = config.max_uploads + config.max_pending_headers + config.query_workers
+    workers = config.max_uploads + config.max_pending_headers + config.max_downloads + config.query_workers
     pending = PendingSlots(total=config.max_pending_headers, per_peer=config.max_pending_headers_per_peer)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gym-rpc"),
                          options=options,
