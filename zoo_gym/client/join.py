@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -104,12 +104,31 @@ def _examples(opts: JoinOptions, contributor_id: str, user_examples: list[dict] 
     return examples[n_held:], examples[:n_held], desc
 
 
+class EncodeProgress(Mapping):
+    """A delta that `codec.encode` reads tensor by tensor through a progress bar: the encode phase gets its
+    own bar beside download, train and upload (a 0.6B-sized full delta takes tens of seconds to encode)."""
+
+    def __init__(self, delta: Mapping, *, progress: bool) -> None:
+        self._delta, self._progress = delta, progress
+
+    def __getitem__(self, name):
+        return self._delta[name]
+
+    def __len__(self) -> int:
+        return len(self._delta)
+
+    def __iter__(self):
+        from tqdm import tqdm
+
+        return iter(tqdm(self._delta, desc="encode", unit="tensor", disable=not self._progress, leave=False))
+
+
 def _payload(result, opts: JoinOptions, feedback) -> bytes:
     delta = result.delta
     if feedback is not None:
         delta = feedback.add_to(delta)
-    payload = codec.encode(delta, codec=opts.codec, group_size=opts.group_size,
-                           metadata={"base_sha256": result.base_sha256, **result.metadata})
+    payload = codec.encode(EncodeProgress(delta, progress=opts.progress), codec=opts.codec,
+                           group_size=opts.group_size, metadata={"base_sha256": result.base_sha256, **result.metadata})
     if feedback is not None:
         feedback.update(delta, codec.decode(payload))
     return payload
