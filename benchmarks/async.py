@@ -22,7 +22,8 @@ Protocol (also written into the JSON under "protocol"):
     as its slowest present contributor. The present contributors' deltas are merged with DeltaSoup
     (the server's aggregation code, in process) and the next version is published. `rounds` rounds.
   * Async (FedBuff, Nguyen et al. 2022; the same rule as zoo_gym/server/async_rounds.py): each
-    contributor fetches the newest version when it starts a local run and submits when done. Its
+    contributor fetches the newest version when it starts a local run and submits when done (one
+    delta per contributor per buffer: a second waits for the flush, as the client does). Its
     staleness s is the number of versions published since its base; s > max_staleness is refused
     and its compute counted as wasted. Every K = buffer_size accepted deltas the buffer is merged:
     row_i = (1 + s_i)^-a x delta_i (FedAsync's polynomial weight, a = staleness_exponent), the
@@ -43,8 +44,9 @@ Protocol (also written into the JSON under "protocol"):
     every publish.
   * Measured: simulated time until async's held-out loss is <= the sync run's final loss (same
     rule), as a share of sync's time; each run's final loss; wasted compute: sync, the share of
-    present contributors' time spent waiting for the round's slowest; async, the share of finished
-    local runs' compute refused as stale. Targets: time share <= 0.5, async waste <= 10%, every
+    present contributors' time spent waiting for the round's slowest; async, the time contributors
+    spent holding a finished delta while the buffer had their previous one, plus the compute of
+    deltas refused as stale, as a share of finished runs' compute plus that waiting. Targets: time share <= 0.5, async waste <= 10%, every
     robust rule under every attack in async ends within 5% of its own clean async loss, and mean
     under sign flip or scaling is >= 1.25x its clean loss (visibly broken).
 Prints the JSON document; writes it and the PNG unless --no-write (--quick writes only with --out).
@@ -204,8 +206,9 @@ class Publish:
 class Schedule:
     publishes: list[Publish]
     compute_used: float      # contributor time spent on runs that counted
-    compute_wasted: float    # waiting (sync) or refused as stale (async)
+    compute_wasted: float    # waiting (sync; async: held while the buffer had one's delta) + refused
     refused: int = 0
+    waiting: float = 0.0     # the waiting part of compute_wasted
 
     @property
     def waste_share(self) -> float:
@@ -226,7 +229,7 @@ def sync_schedule(cfg: BenchConfig, times: list[float]) -> Schedule:
         pubs.append(Publish(r + 1, now + length,
                             [Submission(i, r, 0, now, now + d) for i, d in present]))
         now += length
-    return Schedule(pubs, used, waited)
+    return Schedule(pubs, used, waited, 0, waited)
 
 
 class AsyncClock:
@@ -235,8 +238,11 @@ class AsyncClock:
     (its compute wasted). Once the open buffer holds K accepted deltas, `next_buffer` returns it; the
     caller merges and says whether that published (`flushed(True)`) or the rule could not run on it
     (`flushed(False)`: the buffer stays open and takes the next accepted delta too, as the server
-    reopens a round). `liars` claim the newest base (staleness 0). Ties go by contributor id.
-    Stops at simulated time `until` or after max_versions publishes."""
+    reopens a round). A buffer takes one delta per contributor: one who finishes while the buffer
+    holds its previous delta waits, idle, until that buffer flushes, then submits (its staleness
+    counted then) and starts its next run, as `gym-client join` does in async mode. `liars` claim
+    the newest base (staleness 0). Ties go by contributor id. Stops at simulated time `until` or
+    after max_versions publishes."""
 
     def __init__(self, cfg: BenchConfig, times: list[float], *, until: float,
                  liars: frozenset[int] = frozenset()) -> None:
@@ -244,10 +250,12 @@ class AsyncClock:
         self.version, self.runs_done = 0, [0] * cfg.n
         self.buffer: list[Submission] = []
         self.publishes: list[Publish] = []
-        self.used = self.wasted = 0.0
+        self.used = self.wasted = self.idle = 0.0  # compute merged, refused as stale; time held idle
         self.refused = self.reopened = 0
+        self._need = cfg.buffer_size  # accepted deltas the open buffer must hold to be merged
+        self.held: list[tuple[int, float, int, float]] = []  # (who, start, base, end) waiting to submit
         self.events: list[tuple[float, int, float, int, bool]] = []  # (end, who, start, base, dropped)
-        self._waiting: tuple[int, float] | None = None  # the submitter whose delta filled the buffer
+        self._waiting: tuple[int | None, float] | None = None  # who filled the buffer (to restart), when
         for i in range(cfg.n):
             self._start(i, 0.0)
 
@@ -262,11 +270,17 @@ class AsyncClock:
             raise RuntimeError("call flushed() first")
         if len(self.publishes) >= self.cfg.max_versions:
             return None
+        if len(self.buffer) >= self._need:  # filled by deltas held through the last flush
+            self._waiting = (None, self.buffer[-1].end)
+            return Publish(self.version + 1, self.buffer[-1].end, list(self.buffer))
         while self.events:
             end, i, begun, base, dropped = heapq.heappop(self.events)
             if end > self.until:
                 self.events.clear()
                 return None
+            if not dropped and any(b.contributor == i for b in self.buffer):
+                self.held.append((i, begun, base, end))  # one delta per contributor per buffer
+                continue
             if not dropped:
                 s = 0 if i in self.liars else self.version - base
                 if s > self.cfg.max_staleness:
@@ -275,7 +289,7 @@ class AsyncClock:
                 else:
                     self.used += end - begun
                     self.buffer.append(Submission(i, base, s, begun, end))
-                    if len(self.buffer) >= self.cfg.buffer_size:
+                    if len(self.buffer) >= self._need:
                         self._waiting = (i, end)
                         return Publish(self.version + 1, end, list(self.buffer))
             self._start(i, end)
@@ -288,12 +302,27 @@ class AsyncClock:
             self.version += 1
             self.publishes.append(Publish(self.version, now, self.buffer))
             self.buffer = []
-        else:
+            self._need = self.cfg.buffer_size
+        else:  # reopened: merged again once one more delta is accepted
             self.reopened += 1
-        self._start(i, now)  # fetches the newest version, after this flush
+            self._need = len(self.buffer) + 1
+        if i is not None:
+            self._start(i, now)  # fetches the newest version, after this flush
+        if published:
+            held, self.held = self.held, []
+            for j, begun, base, end in held:  # they submit now, then start their next run
+                self.idle += now - end
+                s = 0 if j in self.liars else self.version - base
+                if s > self.cfg.max_staleness:
+                    self.wasted += end - begun
+                    self.refused += 1
+                else:
+                    self.used += end - begun
+                    self.buffer.append(Submission(j, base, s, begun, now))
+                self._start(j, now)
 
     def schedule(self) -> Schedule:
-        return Schedule(self.publishes, self.used, self.wasted, self.refused)
+        return Schedule(self.publishes, self.used, self.wasted + self.idle, self.refused, self.idle)
 
 
 def async_schedule(cfg: BenchConfig, times: list[float], *, until: float,
@@ -590,6 +619,7 @@ def report(cfg: BenchConfig, trajs: list[Trajectory], *, times: list[float], byz
                 "final_loss": round(t.losses[-1], 5), "final_time": round(t.times[-1], 3),
                 "versions": len(t.versions) - 1, "error": t.error,
                 "wasted_compute_share": round(sch.waste_share, 4),
+                "waiting_share": round(sch.waiting / max(sch.compute_used + sch.compute_wasted, 1e-12), 4),
                 "refused_stale": sch.refused, "reopened": t.reopened,
                 "staleness_histogram": {str(s): stale.count(s) for s in sorted(set(stale))}}
         if t.mode == "async":

@@ -94,6 +94,39 @@ def test_a_delta_older_than_max_staleness_is_refused_and_its_compute_wasted() ->
     assert sched.waste_share == pytest.approx(2.5 / 8.5)
 
 
+def test_a_second_delta_waits_for_the_flush_and_its_wait_is_wasted() -> None:
+    # A (t=1) finishes twice before B (t=3) fills the first buffer of K=2: its second delta waits
+    # from t=2 to t=3, goes into the next buffer with staleness 1, and A restarts only then
+    cfg = bench.BenchConfig(**{**TINY, "speeds": (1.0, 3.0, 3.5, 10.0), "max_versions": 2},
+                            max_staleness=4)
+    sched = bench.async_schedule(cfg, bench.base_times(cfg), until=100.0)
+    assert [[(s.contributor, s.base, s.staleness) for s in p.submissions] for p in sched.publishes] == \
+        [[(0, 0, 0), (1, 0, 0)], [(0, 0, 1), (2, 0, 1)]]
+    assert [p.time for p in sched.publishes] == [3.0, 3.5]
+    assert sched.waiting == pytest.approx(1.0)
+    # merged compute: A 1 + 1, B 3, C 3.5; wasted: A's 1 idle
+    assert sched.waste_share == pytest.approx(1.0 / 9.5)
+
+
+def test_a_buffer_the_rule_refused_stays_open_for_one_more_delta() -> None:
+    cfg = bench.BenchConfig(**TINY, max_staleness=4)
+    clock = bench.AsyncClock(cfg, bench.base_times(cfg), until=100.0)
+    first = clock.next_buffer()
+    assert [s.contributor for s in first.submissions] == [0, 1]
+    clock.flushed(False)  # e.g. validation refused rows and Krum's n >= 2f + 3 failed
+    again = clock.next_buffer()
+    # A's and B's second deltas (t=2) wait: the buffer holds theirs; C's (t=2.5) joins
+    assert [s.contributor for s in again.submissions] == [0, 1, 2]
+    assert again.version == 1 and again.time == 2.5 and clock.reopened == 1
+    clock.flushed(True)
+    assert clock.version == 1 and [p.time for p in clock.publishes] == [2.5]
+    # the held pair submit at the flush, one version stale, and fill the next buffer at once
+    nxt = clock.next_buffer()
+    assert [(s.contributor, s.base, s.staleness, s.end) for s in nxt.submissions] == \
+        [(0, 0, 1, 2.5), (1, 0, 1, 2.5)]
+    assert clock.idle == pytest.approx(1.0)
+
+
 def test_liars_claim_the_newest_base_and_are_never_refused() -> None:
     cfg = bench.BenchConfig(**TINY, max_staleness=1)
     sched = bench.async_schedule(cfg, bench.base_times(cfg), until=100.0, liars=frozenset({2}))
