@@ -85,7 +85,7 @@ def main(
     rounds: int = typer.Option(2, min=1, help="Federated rounds."),
     method: str = typer.Option("lora", help="lora, sft or grpo."),
     aggregator: Optional[str] = typer.Option(None, help="DeltaSoup aggregator (trimmed-mean, multi-krum, mean, "
-                                                        "...) [default: the server's, trimmed-mean]."),
+                                                        "...) \\[default: the server's, trimmed-mean]."),
     workdir: Optional[Path] = typer.Option(None, help="Keep state here (default: a temporary directory)."),
     max_steps: Optional[int] = typer.Option(None, help="Training steps per client per round."),
     dashboard_port: Optional[int] = typer.Option(None, help="Port of the web dashboard; 0 = off \\[default: a "
