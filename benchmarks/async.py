@@ -139,6 +139,10 @@ class BenchConfig:
         if self.max_staleness < 0 or self.staleness_exponent < 0 or self.server_lr <= 0:
             raise BenchConfigError("`max_staleness` and `staleness_exponent` must be >= 0, "
                                    "`server_lr` > 0")
+        if self.sync_f < 0 or self.buffer_f < 0:
+            raise BenchConfigError(f"`sync_f` and `buffer_f` must be >= 0, got {self.sync_f}, {self.buffer_f}")
+        if not 0 <= self.trim_beta < 0.5:
+            raise BenchConfigError(f"`trim_beta` must be in [0, 0.5), got {self.trim_beta}")
         if self.async_horizon <= 0:
             raise BenchConfigError(f"`async_horizon` must be > 0, got {self.async_horizon}")
         if not self.rules or any(r not in RULES for r in self.rules):
