@@ -48,7 +48,7 @@ Protocol (also written into the JSON under "protocol"):
     spent holding a finished delta while the buffer had their previous one, plus the compute of
     deltas refused as stale, as a share of finished runs' compute plus that waiting. Targets: time share <= 0.5, async waste <= 10%, every
     robust rule under every attack in async ends within 5% of its own clean async loss, and mean
-    under sign flip or scaling is >= 1.25x its clean loss (visibly broken).
+    under sign flip and under scaling is >= 1.25x its clean loss (visibly broken).
 Prints the JSON document; writes it and the PNG unless --no-write (--quick writes only with --out).
 """
 
