@@ -35,15 +35,20 @@ def _status(state_dir: Path) -> dict:
     return json.loads(out.stdout)
 
 
-def _wait_port(port_file: Path, server: subprocess.Popen, timeout: float = 120.0) -> int:
+def _wait_port(port_file: Path, server: subprocess.Popen, log: Path, timeout: float = 120.0) -> int:
+    """The port gym-server serves on; if it exits first, end the demo with its one-line reason."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if port_file.exists() and port_file.read_text().strip():
             return int(port_file.read_text())
         if server.poll() is not None:
-            raise RuntimeError(f"gym-server exited with code {server.returncode} before serving")
+            lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()] if log.exists() else []
+            reason = lines[-1] if lines else f"exit code {server.returncode}"
+            typer.echo(f"error: gym-server did not start: {reason.removeprefix('error: ')}", err=True)
+            raise typer.Exit(2)
         time.sleep(0.2)
-    raise RuntimeError("gym-server did not start within 120 s")
+    typer.echo(f"error: gym-server did not start within {timeout:.0f} s; see {log}", err=True)
+    raise typer.Exit(2)
 
 
 def _print_round(status: dict, round_id: int) -> None:
@@ -108,6 +113,10 @@ def main(
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if dashboard_port is None:
         dashboard_port = _free_port()
+    if aggregator is None and clients < 3:  # the robust default trims one delta from each side: it needs 3
+        aggregator = "mean"
+        typer.echo(f"{clients} contributor(s): too few for the robust default (trimmed-mean needs 3); merging with "
+                   "the plain mean")
     server = subprocess.Popen(
         _server_cmd("serve", "--state-dir", str(state_dir), "--port", "0", "--port-file", str(port_file),
                     "--min-contributors", str(clients), "--round-timeout", "600",
@@ -116,7 +125,7 @@ def main(
         stderr=open(logs / "server.log", "w"), env=env)
     procs = []
     try:
-        port = _wait_port(port_file, server)
+        port = _wait_port(port_file, server, logs / "server.log")
         typer.echo(f"gym-server on 127.0.0.1:{port} over TLS (private CA {tls.ca}); starting {clients} "
                    f"contributors for {rounds} rounds "
                    f"({method}); logs in {logs}")
