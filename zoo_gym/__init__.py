@@ -5,3 +5,11 @@ aggregation (DeltaSoup), rewards (scores, reputation, ledger), server, client.
 """
 
 __version__ = "0.1.0"
+
+import logging as _logging
+
+# bitsandbytes (extra `qlora`), imported by transformers whenever it is installed, warns on every start on
+# AVX512-BF16 CPUs that it could not fetch an optional kernel from the Hugging Face Hub ("Failed to load
+# CPU gemm_4bit_forward from kernels-community"). Zoo Gym never downloads code at run time and its QLoRA
+# check (gym_train/qlora.py) says plainly whether 4-bit training works, so that line is only noise.
+_logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
