@@ -10,52 +10,16 @@ buffer, weighted and paid less for its staleness (its ledger entry says so), and
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
+from e2e_processes import ENV, client, status as _status, wait_for as _wait
+from e2e_processes import server_cmd as _server
 from zoo_gym.proto.tls import make_certificates
 
 FAST_STEPS, SLOW_STEPS = 10, 50  # the slow client trains 5x as many steps per delta
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def _server(*args: str) -> list[str]:
-    return [sys.executable, "-m", "zoo_gym.server", *args]
-
-
-def _client(root: Path, name: str, port: int, *, rounds: int, steps: int, shard: int) -> subprocess.Popen:
-    work = root / name
-    work.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "zoo_gym.client", "join", "--server", f"127.0.0.1:{port}",
-           "--root-certificates", str(root / "tls" / "ca.pem"), "--rounds", str(rounds),
-           "--shard", str(shard), "--n-shards", "8", "--workdir", str(work), "--key", str(work / "key.pem"),
-           "--max-steps", str(steps), "--threads", "1", "--quiet", "--json", "--name", name]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(work / "client.log", "w"), env=ENV, text=True)
-
-
-def _status(state_dir: Path) -> dict:
-    out = subprocess.run(_server("status", "--state-dir", str(state_dir), "--json"), capture_output=True, text=True,
-                         check=True, env=ENV)
-    return json.loads(out.stdout)
-
-
-def _wait(predicate, *, timeout: float, what: str, procs=()):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        for p in procs:
-            if p.poll() not in (None, 0):
-                raise AssertionError(f"a process exited with {p.returncode} while waiting for {what}")
-        time.sleep(1.0)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def _stop(procs) -> None:
@@ -89,8 +53,8 @@ def run(tmp_path_factory):
     try:
         port = _wait(lambda: port_file.exists() and port_file.read_text().strip() and int(port_file.read_text()),
                      timeout=120, what="the server to listen", procs=[server])
-        slow = _client(root, "slow", port, rounds=1, steps=SLOW_STEPS, shard=2)
-        fast = [_client(root, name, port, rounds=50, steps=FAST_STEPS, shard=i) for i, name in enumerate("AB")]
+        slow = client(root, "slow", port, rounds=1, steps=SLOW_STEPS, shard=2)
+        fast = [client(root, name, port, rounds=50, steps=FAST_STEPS, shard=i) for i, name in enumerate("AB")]
         clients = [slow, *fast]
         out, _ = slow.communicate(timeout=1200)
         assert slow.returncode == 0, (root / "slow" / "client.log").read_text()[-3000:]

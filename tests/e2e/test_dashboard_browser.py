@@ -10,10 +10,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -21,10 +19,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from e2e_processes import ENV, free_port, wait_for
 from zoo_gym.proto.tls import make_certificates
 
 STEPS = os.environ.get("ZOO_GYM_E2E_STEPS_DASHBOARD", "8")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 NAMES = ("ada", "bob", "cy")
 
 
@@ -35,25 +33,6 @@ def _chromium() -> str:
             pytest.fail("chromium is not installed: .ci/run installs Debian's chromium package for this test")
         pytest.skip("chromium is not installed (apt-get install chromium)")
     return found
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(predicate, *, timeout: float, what: str, procs=()):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        for p in procs:
-            if p.poll() not in (None, 0):
-                raise AssertionError(f"a process exited with {p.returncode} while waiting for {what}")
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 class Tables(HTMLParser):
@@ -97,16 +76,16 @@ def served_round(tmp_path_factory):
     server_cmd = [sys.executable, "-m", "zoo_gym.server"]
     subprocess.run([*server_cmd, "init", "--state-dir", str(state_dir)], check=True, env=ENV, capture_output=True)
     tls = make_certificates(root / "tls", hosts=("127.0.0.1", "localhost"))
-    dash_port, port_file, log = _free_port(), root / "port", root / "server.log"
+    dash_port, port_file, log = free_port(), root / "port", root / "server.log"
     server = subprocess.Popen([*server_cmd, "serve", "--state-dir", str(state_dir), "--port", "0", "--port-file",
                                str(port_file), "--min-contributors", "3", "--round-timeout", "900",
                                "--ssl-certfile", str(tls.cert), "--ssl-keyfile", str(tls.key),
                                "--dashboard-port", str(dash_port)], stderr=open(log, "w"), env=ENV)
     clients = []
     try:
-        port = _wait(lambda: port_file.exists() and port_file.read_text().strip() and int(port_file.read_text()),
-                     timeout=120, what="the server to listen", procs=[server])
-        _wait(lambda: "dashboard at https://" in log.read_text(), timeout=30, what="the dashboard", procs=[server])
+        port = wait_for(lambda: port_file.exists() and port_file.read_text().strip() and int(port_file.read_text()),
+                        timeout=120, what="the server to listen", procs=[server])
+        wait_for(lambda: "dashboard at https://" in log.read_text(), timeout=30, what="the dashboard", procs=[server])
         for shard, name in enumerate(NAMES):
             work = root / name
             work.mkdir()

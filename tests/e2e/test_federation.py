@@ -15,13 +15,14 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from e2e_processes import ENV, client, status as _status, wait_for as _wait
+from e2e_processes import server_cmd as _server
 from zoo_gym import codec
 from zoo_gym.client.download import fetch_checkpoint
 from zoo_gym.client.upload import build_header, register_request, request_stream
@@ -30,41 +31,10 @@ from zoo_gym.proto.tls import channel_credentials, make_certificates
 
 STEPS = os.environ.get("ZOO_GYM_E2E_STEPS", "60")
 DATABASES = ("sqlite", "postgresql")  # the whole module runs on each (tests/conftest.py)
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def _server(*args: str) -> list[str]:
-    return [sys.executable, "-m", "zoo_gym.server", *args]
 
 
 def _client(root: Path, name: str, port: int, rounds: int, shard: int) -> subprocess.Popen:
-    """A contributor over TLS: it trusts the federation's private CA (root/tls/ca.pem)."""
-    work = root / name
-    work.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "zoo_gym.client", "join", "--server", f"127.0.0.1:{port}",
-           "--root-certificates", str(root / "tls" / "ca.pem"), "--rounds", str(rounds),
-           "--shard", str(shard), "--n-shards", "8", "--workdir", str(work), "--key", str(work / "key.pem"),
-           "--max-steps", STEPS, "--threads", "1", "--quiet", "--json", "--name", name]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(work / "client.log", "w"), env=ENV, text=True)
-
-
-def _status(state_dir: Path) -> dict:
-    out = subprocess.run(_server("status", "--state-dir", str(state_dir), "--json"), capture_output=True, text=True,
-                         check=True, env=ENV)
-    return json.loads(out.stdout)
-
-
-def _wait(predicate, *, timeout: float, what: str, procs=()):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        for p in procs:
-            if p.poll() not in (None, 0):
-                raise AssertionError(f"a process exited with {p.returncode} while waiting for {what}")
-        time.sleep(1.0)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    return client(root, name, port, rounds=rounds, steps=STEPS, shard=shard)
 
 
 @pytest.fixture(scope="module")

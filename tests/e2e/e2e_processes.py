@@ -1,0 +1,55 @@
+"""Real gym-server and gym-client processes for the end-to-end tests: one way to start them, read the
+server's status and wait on a condition, so every e2e module runs the programs the same way a user does."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def server_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "zoo_gym.server", *args]
+
+
+def client(root: Path, name: str, port: int, *, rounds: int, steps: int | str, shard: int) -> subprocess.Popen:
+    """A contributor over TLS: it trusts the federation's private CA (root/tls/ca.pem)."""
+    work = root / name
+    work.mkdir(exist_ok=True)
+    cmd = [sys.executable, "-m", "zoo_gym.client", "join", "--server", f"127.0.0.1:{port}",
+           "--root-certificates", str(root / "tls" / "ca.pem"), "--rounds", str(rounds),
+           "--shard", str(shard), "--n-shards", "8", "--workdir", str(work), "--key", str(work / "key.pem"),
+           "--max-steps", str(steps), "--threads", "1", "--quiet", "--json", "--name", name]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(work / "client.log", "w"), env=ENV, text=True)
+
+
+def status(state_dir: Path) -> dict:
+    out = subprocess.run(server_cmd("status", "--state-dir", str(state_dir), "--json"), capture_output=True,
+                         text=True, check=True, env=ENV)
+    return json.loads(out.stdout)
+
+
+def wait_for(predicate, *, timeout: float, what: str, procs=(), poll: float = 1.0):
+    """predicate()'s first truthy value; AssertionError when a process in `procs` fails or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        for p in procs:
+            if p.poll() not in (None, 0):
+                raise AssertionError(f"a process exited with {p.returncode} while waiting for {what}")
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
