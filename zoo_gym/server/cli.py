@@ -312,22 +312,34 @@ def migrate(
 
 @app.command()
 def status(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--json", help="Machine-readable.")) -> None:
-    """Current round, its submissions, and the published checkpoints."""
-    from zoo_gym.server.models import Checkpoint, Round, Submission
+    """Current round (who submitted, when it closes, the rule), contributors, privacy spent, checkpoints."""
+    import time
+
+    from sqlmodel import func
+
+    from zoo_gym.server.models import Checkpoint, Contributor, Round, Submission
 
     with _one_line_errors():
         state = open_state(state_dir)
         with state.session() as s:
             rnd = state.current_round(s)
-            subs = list(s.exec(select(Submission).where(Submission.round_id == rnd.id))) if rnd else []
+            subs = list(s.exec(select(Submission, Contributor.display_name)
+                               .join(Contributor, Contributor.id == Submission.contributor_id, isouter=True)
+                               .where(Submission.round_id == rnd.id))) if rnd else []
             ckpts = list(s.exec(select(Checkpoint).order_by(Checkpoint.round_id)))
             rounds = list(s.exec(select(Round).order_by(Round.id)))
+            contributors = int(s.exec(select(func.count()).select_from(Contributor)).one())
     if rnd is None:
         _fail(f"the database of {state_dir} holds no rounds: it is not the one `gym-server init` made")
+    spent = next((r.dp_epsilon_total for r in reversed(rounds) if r.dp_epsilon_total is not None), None)
     doc = {
         "round": {"id": rnd.id, "state": rnd.state.value, "base_sha256": rnd.base_sha256, "message": rnd.message,
-                  "submissions": [{"contributor": x.contributor_id, "payload_sha256": x.payload_sha256,
-                                   "bytes": x.payload_size, "codecs": x.codecs} for x in subs]} if rnd else None,
+                  "deadline_unix": rnd.deadline_unix, "aggregator": rnd.aggregator,
+                  "submissions": [{"contributor": x.contributor_id, "display_name": name or "",
+                                   "payload_sha256": x.payload_sha256, "bytes": x.payload_size, "codecs": x.codecs,
+                                   "received_at": x.received_at.isoformat()} for x, name in subs]},
+        "contributors": contributors,
+        "dp_epsilon_spent": spent,
         "rounds": [{"id": r.id, "state": r.state.value, "published_sha256": r.published_sha256,
                     "aggregator": r.aggregator, "dp_epsilon_total": r.dp_epsilon_total,
                     "report": json.loads(r.report_json)} for r in rounds],
@@ -339,8 +351,17 @@ def status(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--js
         typer.echo(json.dumps(doc, indent=2))
         return
     r = doc["round"]
-    typer.echo(f"round {r['id']}: {r['state']} on base {r['base_sha256'][:12]}, {len(r['submissions'])} submissions"
-               + (f" ({r['message']})" if r["message"] else ""))
+    n = len(r["submissions"])
+    when = ""
+    if r["state"] == "open":
+        when = (f", closes at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(r['deadline_unix']))}"
+                if r["deadline_unix"] else ", no deadline yet (the clock starts with the server)")
+    typer.echo(f"round {r['id']}: {r['state']} on base {r['base_sha256'][:12]}, {n} submission{'s' if n != 1 else ''}"
+               f"{when}, aggregator {r['aggregator']}" + (f" ({r['message']})" if r["message"] else ""))
+    for x in r["submissions"]:
+        typer.echo(f"  {x['display_name'] or '-':<24} {x['contributor'][:12]}  {x['bytes']:>10} bytes  {x['codecs']}")
+    typer.echo(f"contributors: {contributors} registered")
+    typer.echo("privacy: off (no differential privacy spent)" if spent is None else f"privacy: epsilon {spent:.4g} spent")
     typer.echo("published checkpoints:")
     for c in doc["checkpoints"]:
         loss = f"{c['heldout_loss']:.4f}" if c["heldout_loss"] is not None else "-"

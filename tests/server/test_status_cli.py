@@ -1,0 +1,41 @@
+"""`gym-server status` tells an operator what the round is waiting for: who submitted (by name), when it
+closes, which rule merges it, how many contributors there are and the privacy spent (issue 15: status hid
+names, deadlines and epsilon)."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from zoo_gym import codec
+from zoo_gym.client.upload import register_request
+from zoo_gym.server.cli import app
+
+runner = CliRunner()
+
+
+def test_status_names_submitters_deadline_rule_contributors_and_privacy(federation_with):
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    fed = federation_with(min_contributors=2, round_timeout=900)
+    key = Ed25519PrivateKey.generate()
+    cid = fed.stub.Register(register_request(key, "alice-lab")).contributor_id
+    fed.register()  # a second contributor who has not submitted
+    fed.submit(key, cid, codec.encode(fed.small_delta(), codec="fp16"))
+    state_dir = str(fed.state.root)  # status reads beside the live server
+
+    text = runner.invoke(app, ["status", "--state-dir", state_dir])
+    assert text.exit_code == 0, text.output
+    out = text.output
+    assert "alice-lab" in out and cid[:12] in out  # who submitted, by name
+    assert "1 submission," in out
+    assert "closes at" in out and "UTC" in out  # the deadline, once the first submission started the clock
+    assert "aggregator mean" in out
+    assert "contributors: 2 registered" in out
+    assert "privacy: off" in out  # no DP configured: said, not hidden
+
+    doc = json.loads(runner.invoke(app, ["status", "--state-dir", state_dir, "--json"]).output)
+    sub = doc["round"]["submissions"][0]
+    assert sub["display_name"] == "alice-lab" and doc["round"]["deadline_unix"] > 0
+    assert doc["contributors"] == 2 and doc["dp_epsilon_spent"] is None
