@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import signal
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
