@@ -106,3 +106,34 @@ def test_join_keep_variant_keeps_the_round_delta(tmp_path):
     v = load_variant(path, base_sha256=weights_sha256(base_dir))
     MultiVariantModel.from_dir(base_dir).check(v)
     assert v.packed
+
+
+def test_join_keep_variant_in_async_mode_keeps_each_submitted_delta(tmp_path):
+    from zoo_gym.client.join import JoinOptions, join
+    from zoo_gym.server.config import build_config
+    from zoo_gym.server.servicer import build_server
+    from zoo_gym.server.state import init_state
+
+    state = init_state(tmp_path / "state", base_model="tiny")
+    # a buffer of 2: the one delta stays in the buffer, so no flush runs in this process while the client distils
+    config = build_config({}, port=0, insecure=True, mode="async", buffer_size=2, min_contributors=2,
+                          aggregator="mean", round_timeout=600)
+    server, port, rounds = build_server(state, config)
+    server.start()
+    rounds.start()
+    try:
+        opts = JoinOptions(server=f"127.0.0.1:{port}", workdir=tmp_path / "home", key_path=tmp_path / "k.pem",
+                           data=str(_data(tmp_path / "mine.jsonl", 16)), max_steps=2, insecure=True,
+                           train_overrides={"warmup_steps": 0}, wait_for_publish=False, progress=False,
+                           keep_variant=True, max_wait=60)
+        summaries = join(opts, say=lambda _m: None)
+    finally:
+        server.stop(grace=None)
+        rounds.stop()
+    assert summaries[0]["staleness"] == 0
+    path = summaries[0]["variant"]
+    assert path.endswith("-version0.zgd")
+    meta = codec.read_manifest(open(path, "rb").read()).metadata
+    base_dir = state.checkpoint_dir(meta["checkpoint_sha256"])
+    v = load_variant(path, base_sha256=weights_sha256(base_dir))
+    MultiVariantModel.from_dir(base_dir).check(v)

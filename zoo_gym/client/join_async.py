@@ -74,11 +74,19 @@ def train_continuously(c: Contributor, opts, *, config, train_ex: list[dict], he
                                  progress=opts.progress)
         payload = c.make_payload(result)
         metadata = result.metadata
+        kept = result.delta if opts.keep_variant else None  # written as a variant once the delta is taken
         del result
         release_memory()
         summary = _submit(c, opts, info, payload, metadata)
         if summary is not None:
             summaries.append(summary)
+            if kept is not None:
+                from zoo_gym.client.personalize import keep_round_variant
+
+                summary["variant"] = keep_round_variant(
+                    kept, model_dir, out=opts.workdir / "variants" / f"{c.cid[:8]}-version{info.round_id - 1}.zgd",
+                    checkpoint_sha256=info.base_sha256, calib_examples=train_ex, say=c.say)["path"]
+        del kept
     return summaries
 
 
