@@ -27,7 +27,8 @@ class ConfigError(ValueError):
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
-    min_contributors: int = field(default=3, metadata={"help": "a round never closes with fewer submissions"})
+    min_contributors: int = field(default=3, metadata={
+        "help": "submissions a round waits for until its timeout; then it closes with fewer if the rule can run"})
     quorum: int | None = field(default=None, metadata={"help": "close as soon as this many are in (default: min)"})
     round_timeout: float = field(default=600.0, metadata={"help": "seconds; then close once min_contributors are in"})
     max_payload_bytes: int = 2048 * MiB
