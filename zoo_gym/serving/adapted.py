@@ -3,11 +3,12 @@
 Every ``nn.Linear`` / GPT-2 ``Conv1D`` / ``nn.Embedding`` of the base, and every other module that owns
 1-D parameters (norms), is wrapped once when the server starts. A forward reads the batch's
 ``variant_of_row`` from a shared :class:`BatchContext`; rows whose variant has no delta for a module get
-the base output alone. Weight deltas stay packed (1 bit per weight + group scales): Linear layers call
-``kernels.bitdelta_linear``; Conv1D (weight stored (in, out), so the groups run along the output
-dimension) and Embedding rows are unpacked one tile at a time here. 1-D deltas (norm weights, biases)
-are small and kept dense: a norm recomputes its output for the rows of each variant with the merged
-parameter, which is exactly what the merged model computes.
+the base output alone. Weight deltas stay packed (1 bit per weight + group scales, log8 codes where the
+payload has them): Linear layers call ``kernels.bitdelta_linear`` (codes through ``scale_refs=``);
+Conv1D (weight stored (in, out), so the groups run along the output dimension) and Embedding rows are
+unpacked one tile at a time here, the tile's codes decoded to float32 for that tile only. 1-D deltas
+(norm weights, biases) are small and kept dense: a norm recomputes its output for the rows of each
+variant with the merged parameter, which is exactly what the merged model computes.
 """
 
 from __future__ import annotations
@@ -70,22 +71,26 @@ class PackedLinear(_Patched):
         groups = self.ctx.groups(lambda v: wname in v.packed or (bname is not None and bname in v.dense))
         if not groups:
             return self.base(x)
-        by_size: dict[int, list[tuple[Variant, Tensor]]] = {}
+        # one kernel call per (group size, log8 codes or float32 scales): codes are never decoded here
+        by_size: dict[tuple[int, bool], list[tuple[Variant, Tensor]]] = {}
         for v, rows in groups:
-            if wname in v.packed:
-                by_size.setdefault(v.packed[wname].group_size, []).append((v, rows))
+            pw = v.packed.get(wname)
+            if pw is not None:
+                by_size.setdefault((pw.group_size, pw.scale_ref is not None), []).append((v, rows))
         y = None
-        for gs, members in by_size.items():
+        for (gs, log8), members in by_size.items():
             vr = torch.full((x.shape[0],), -1, dtype=torch.long, device=x.device)
             for i, (_, rows) in enumerate(members):
                 vr[rows] = i
-            signs = [v.packed[wname].signs for v, _ in members]
-            scales = [v.packed[wname].scales for v, _ in members]
+            pws = [v.packed[wname] for v, _ in members]
+            signs = [pw.signs for pw in pws]
+            scales = [pw.scales for pw in pws]  # uint8 log8 codes (decoded inside the kernel) or float32
+            refs = [pw.scale_ref for pw in pws] if log8 else None
             if y is None:
-                y = bitdelta_linear(x, self.base.weight, self.base.bias, signs, scales, gs, vr)
-            else:  # a second group size in one batch (rare): the delta part only
+                y = bitdelta_linear(x, self.base.weight, self.base.bias, signs, scales, gs, vr, scale_refs=refs)
+            else:  # a second group size or scale kind in one batch (rare): the delta part only
                 zero = self.base.weight.new_zeros(()).expand_as(self.base.weight)
-                y = y + bitdelta_linear(x, zero, None, signs, scales, gs, vr)
+                y = y + bitdelta_linear(x, zero, None, signs, scales, gs, vr, scale_refs=refs)
         if y is None:
             y = self.base(x)
         _add_bias(y, groups, bname)
@@ -107,7 +112,8 @@ class PackedConv1D(_Patched):
             dv = torch.zeros(*xv.shape[:-1], pw.shape[1], dtype=torch.float32, device=x.device)
             for r0 in range(0, pw.shape[0], _TILE):
                 r1 = min(pw.shape[0], r0 + _TILE)
-                tile = unpack_rows(pw.signs[r0:r1], pw.scales[r0:r1], cols=pw.shape[1], group_size=pw.group_size)
+                tile = unpack_rows(pw.signs[r0:r1], pw.scales_f32(slice(r0, r1)), cols=pw.shape[1],
+                                   group_size=pw.group_size)
                 dv += xv[..., r0:r1] @ tile  # (n, T, out)
             y.index_add_(0, rows, dv.to(y.dtype))
         _add_bias(y, groups, bname)
@@ -131,8 +137,8 @@ class PackedEmbedding(_Patched):
         for v, rows in groups:
             pw = v.packed[wname]
             flat = ids.index_select(0, rows).reshape(-1)  # (n*T,)
-            parts = [unpack_rows(pw.signs[flat[i:i + _TILE]], pw.scales[flat[i:i + _TILE]], cols=pw.shape[1],
-                                 group_size=pw.group_size) for i in range(0, flat.numel(), _TILE)]
+            parts = [unpack_rows(pw.signs[flat[i:i + _TILE]], pw.scales_f32(flat[i:i + _TILE]),
+                                 cols=pw.shape[1], group_size=pw.group_size) for i in range(0, flat.numel(), _TILE)]
             d = torch.cat(parts).reshape(rows.numel(), *ids.shape[1:], pw.shape[1])
             scale = getattr(self.base, "embed_scale", None)  # Gemma scales what it looks up by sqrt(hidden)
             if scale is not None:

@@ -11,9 +11,12 @@ this is ``sha256sum model.safetensors``). It does not change when a tokenizer or
 edited, and it is the same for a federation checkpoint and the directory it unpacks to. A variant is
 served only over a base with that sha256 (:class:`VariantMismatch` otherwise).
 
-In memory (:class:`Variant`) the signs stay packed: uint8 (rows, ceil(cols/8)) plus float32 scales
-(rows, n_groups), i.e. 1 bit per weight plus 4 bytes per group; 1-D deltas are kept dense (they are a
-few KiB).
+In memory (:class:`Variant`) the signs stay packed: uint8 (rows, ceil(cols/8)) plus the scales as the
+payload coded them: for ``log8`` (what :func:`encode_variant` writes) the uint8 codes (rows, n_groups)
+and one float32 reference per tensor, i.e. 1 bit per weight plus 1 byte per group (1/15.06 of bf16 at
+groups of 128); other scale dtypes as float32 (rows, n_groups). Codes become float32 scales only inside
+the kernels, a tile of rows at a time (:meth:`PackedWeight.scales_f32`). 1-D deltas are kept dense,
+float32 (they are a few KiB). :attr:`Variant.nbytes` counts the bytes of these tensors.
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ from dataclasses import dataclass, field
 import torch
 
 from zoo_gym import codec
+from zoo_gym.codec.logscale import LOG8_MULT
 
 FORMAT = 1
 SUFFIX = ".zgd"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _READ_CHUNK = 8 << 20
+_LOG8_MULT = torch.from_numpy(LOG8_MULT)  # float32 (256,): the log8 grid multiplier of each code
 
 
 class VariantError(ValueError):
@@ -112,16 +117,31 @@ def read_manifest(payload) -> dict:
 
 @dataclass
 class PackedWeight:
-    """One 2-D bitdelta delta, packed: ``delta[r, c] = scales[r, c // group_size] * (+1 if bit else -1)``."""
+    """One 2-D bitdelta delta, packed: ``delta[r, c] = scale[r, c // group_size] * (+1 if bit else -1)``.
+
+    ``scale`` is ``scales`` (float32) when ``scale_ref`` is None, else ``float32(scale_ref *
+    LOG8_MULT[scales])`` with ``scales`` the uint8 log8 codes: bit for bit what the codec decodes.
+    """
 
     shape: tuple[int, int]  # (rows, cols) as stored in the base (a Conv1D's is (in, out))
     signs: torch.Tensor  # uint8 (rows, ceil(cols/8)), little bit order
-    scales: torch.Tensor  # float32 (rows, n_groups)
+    scales: torch.Tensor  # uint8 log8 codes (scale_ref set) or float32, (rows, n_groups)
     group_size: int
+    scale_ref: float | None = None  # the tensor's log8 reference (a float32 value), None for float32 scales
 
     @property
     def nbytes(self) -> int:
-        return self.signs.numel() + self.scales.numel() * 4
+        """Bytes resident: the packed signs, the scales as held, and 4 for a float32 log8 reference."""
+        return (self.signs.numel() * self.signs.element_size() + self.scales.numel() * self.scales.element_size()
+                + (4 if self.scale_ref is not None else 0))
+
+    def scales_f32(self, rows=slice(None)) -> torch.Tensor:
+        """float32 scales of ``rows`` (a slice or an index tensor): decoded here for those rows only."""
+        sc = self.scales[rows]
+        if self.scale_ref is None:
+            return sc
+        mult = _LOG8_MULT.to(sc.device)[sc.long()]
+        return torch.tensor(self.scale_ref, dtype=torch.float32, device=sc.device) * mult
 
 
 @dataclass
@@ -134,7 +154,8 @@ class Variant:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.packed.values()) + sum(t.numel() * 4 for t in self.dense.values())
+        return (sum(p.nbytes for p in self.packed.values())
+                + sum(t.numel() * t.element_size() for t in self.dense.values()))
 
 
 def load_variant(path: str | pathlib.Path, *, base_sha256: str, name: str | None = None) -> Variant:
@@ -148,6 +169,18 @@ def load_variant(path: str | pathlib.Path, *, base_sha256: str, name: str | None
     return variant_from_payload(payload, name=name, base_sha256=base_sha256)
 
 
+def _held_scales(scales: torch.Tensor, scale_dtype: str) -> tuple[torch.Tensor, float | None]:
+    """(what a PackedWeight keeps, its log8 reference): the uint8 codes of log8-coded scales, else float32."""
+    if scale_dtype == "log8":
+        from zoo_gym.serving.kernels import log8_scale_codes  # numba: imported when serving only
+
+        try:
+            return log8_scale_codes(scales)  # exact: float32(ref * LOG8_MULT[codes]) == scales
+        except ValueError:  # not on one grid (cannot happen for a payload the codec checked): stay float32
+            pass
+    return scales.clone(), None
+
+
 def variant_from_payload(payload, *, name: str, base_sha256: str) -> Variant:
     meta = read_manifest(payload)
     if meta["base_sha256"] != base_sha256:
@@ -159,8 +192,9 @@ def variant_from_payload(payload, *, name: str, base_sha256: str) -> Variant:
         for e in manifest.entries:
             if e.codec == "bitdelta" and len(e.shape) == 2:
                 p = codec.read_bitdelta(payload, e.name, manifest=manifest)
-                v.packed[e.name] = PackedWeight(shape=(p.rows, p.cols), signs=p.signs.clone(),
-                                                scales=p.scales.clone(), group_size=p.group_size)
+                scales, ref = _held_scales(p.scales, e.scale_dtype)
+                v.packed[e.name] = PackedWeight(shape=(p.rows, p.cols), signs=p.signs.clone(), scales=scales,
+                                                group_size=p.group_size, scale_ref=ref)
             elif len(e.shape) == 1:
                 v.dense[e.name] = codec.decode_tensor(payload, e.name, manifest=manifest).float().clone()
             else:
