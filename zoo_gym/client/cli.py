@@ -85,6 +85,30 @@ def _say(message: str) -> None:
     typer.echo(message, err=True)
 
 
+def _training(*, method, data: str, train_flags, train_config_file, threads) -> tuple[str, dict]:
+    """join's and personalize's shared checks, before any work: (method, TrainConfig overrides) from the
+    flags and --config, a --data that exists, and torch's thread count."""
+    from zoo_gym.client.train_settings import resolve
+    from zoo_gym.gym_train.sources import FILE_SUFFIXES, looks_like_hub_id
+
+    if method is not None and method not in METHODS:
+        _fail(f"--method must be one of {', '.join(METHODS)}")
+    if data != "builtin" and not Path(data).exists() and not looks_like_hub_id(data):
+        _fail(f"--data {data}: no such file or directory (use 'builtin', a {'/'.join(FILE_SUFFIXES)} file, "
+              "a save_to_disk directory or a cached Hub dataset id)")
+    try:
+        method, train_overrides = resolve(train_flags or {}, train_config_file, method=method)
+    except ValueError as exc:
+        _fail(str(exc))
+    if method not in METHODS:
+        _fail(f"method must be one of {', '.join(METHODS)}, got {method!r} from --config")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    return method, train_overrides
+
+
 @app.command()
 @with_train_options
 def join(
@@ -134,29 +158,13 @@ def join(
     from zoo_gym.client.join import join as run_join
     from zoo_gym.proto.signing import SignatureError
 
-    from zoo_gym.client.train_settings import resolve
-    from zoo_gym.gym_train.sources import FILE_SUFFIXES, looks_like_hub_id
-
     _check_roots(root_certificates, insecure)
     _check_server(server)
     _set_log_level(log_level)
-    if method is not None and method not in METHODS:
-        _fail(f"--method must be one of {', '.join(METHODS)}")
     if codec not in CODECS:
         _fail(f"--codec must be one of {', '.join(CODECS)}")
-    if data != "builtin" and not Path(data).exists() and not looks_like_hub_id(data):
-        _fail(f"--data {data}: no such file or directory (use 'builtin', a {'/'.join(FILE_SUFFIXES)} file, "
-              "a save_to_disk directory or a cached Hub dataset id)")
-    try:
-        method, train_overrides = resolve(train_flags or {}, train_config_file, method=method)
-    except ValueError as exc:
-        _fail(str(exc))
-    if method not in METHODS:
-        _fail(f"method must be one of {', '.join(METHODS)}, got {method!r} from --config")
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
+    method, train_overrides = _training(method=method, data=data, train_flags=train_flags,
+                                        train_config_file=train_config_file, threads=threads)
     home = workdir or DEFAULT_HOME
     opts = JoinOptions(server=server, workdir=home, key_path=key or DEFAULT_HOME / "contributor.pem", rounds=rounds,
                        data=data, method=method, codec=codec, group_size=(None if group_size == 0 else group_size),
@@ -198,24 +206,9 @@ def personalize(
     gym-serve. Training flags and --config are join's."""
     from zoo_gym.client.personalize import PersonalizeError, PersonalizeOptions
     from zoo_gym.client.personalize import personalize as run_personalize
-    from zoo_gym.client.train_settings import resolve
-    from zoo_gym.gym_train.sources import FILE_SUFFIXES, looks_like_hub_id
 
-    if method is not None and method not in METHODS:
-        _fail(f"--method must be one of {', '.join(METHODS)}")
-    if data != "builtin" and not Path(data).exists() and not looks_like_hub_id(data):
-        _fail(f"--data {data}: no such file or directory (use a {'/'.join(FILE_SUFFIXES)} file, "
-              "a save_to_disk directory, a cached Hub dataset id or 'builtin')")
-    try:
-        method, train_overrides = resolve(train_flags or {}, train_config_file, method=method)
-    except ValueError as exc:
-        _fail(str(exc))
-    if method not in METHODS:
-        _fail(f"method must be one of {', '.join(METHODS)}, got {method!r} from --config")
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
+    method, train_overrides = _training(method=method, data=data, train_flags=train_flags,
+                                        train_config_file=train_config_file, threads=threads)
     opts = PersonalizeOptions(data=data, base=base, out=out, method=method, train_overrides=train_overrides,
                               distill_steps=distill_steps, progress=not quiet and sys.stderr.isatty())
     try:
