@@ -24,23 +24,9 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from zoo_gym.aggregation.packed_kernels import _pointer_intrinsic  # address -> pointer, shared
+
 __all__ = ["OUT_BLOCK", "delta_rows", "group_sums", "n_items"]
-
-
-def _pointer_intrinsic(element):
-    """An intrinsic turning an integer address into a pointer to `element` (for `numba.carray`)."""
-    ptr = types.CPointer(element)
-
-    def at(typingctx, addr):
-        if not isinstance(addr, types.Integer):
-            return None
-
-        def codegen(context, builder, signature, args):
-            return builder.inttoptr(args[0], context.get_value_type(ptr))
-
-        return ptr(addr), codegen
-
-    return intrinsic(at)
 
 
 _u8_at = _pointer_intrinsic(types.uint8)
@@ -151,7 +137,6 @@ def delta_rows(x, gsum, tok_start, sign_addrs, scale_addrs, log8_refs, log8_mult
     (no effect), and the array's very last row is read from a zero-padded copy. Work items
     i0:i1 of the n_var * ceil(out_f / OUT_BLOCK) (variant, output block) items, variant-major.
     """
-    n_var = tok_start.shape[0] - 1
     n_groups = gsum.shape[1]
     n_blocks = (out_f + OUT_BLOCK - 1) // OUT_BLOCK
     even = group_bytes % 2 == 0
