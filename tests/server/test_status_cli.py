@@ -39,3 +39,35 @@ def test_status_names_submitters_deadline_rule_contributors_and_privacy(federati
     sub = doc["round"]["submissions"][0]
     assert sub["display_name"] == "alice-lab" and doc["round"]["deadline_unix"] > 0
     assert doc["contributors"] == 2 and doc["dp_epsilon_spent"] is None
+
+
+def test_status_shows_the_serve_mode_as_the_latest_closed_round_recorded_it(federation_with):
+    """Issue 16: status hid whether the federation runs sync or async rounds and with which buffer, since the
+    mode is serve configuration; it is shown from what the latest closed round recorded."""
+    import time
+
+    from zoo_gym.server.models import Round, RoundState
+
+    fed = federation_with(mode="async", buffer_size=2, max_staleness=3, server_lr=0.5, staleness_exponent=1.0,
+                          aggregator="mean", validation_examples=0)
+    state_dir = str(fed.state.root)
+    before = runner.invoke(app, ["status", "--state-dir", state_dir])
+    assert before.exit_code == 0, before.output
+    assert "mode: not recorded yet" in before.output  # nothing closed yet: said, not guessed
+
+    for seed in range(2):  # a full buffer of K = 2 flushes version 1
+        key, cid = fed.register()
+        fed.submit(key, cid, codec.encode(fed.small_delta(seed=seed), codec="fp32"))
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        with fed.state.session() as s:
+            if s.get(Round, 1).state == RoundState.PUBLISHED:
+                break
+        time.sleep(0.2)
+
+    out = runner.invoke(app, ["status", "--state-dir", state_dir]).output
+    assert "mode: async, buffer size 2, max staleness 3, server lr 0.5, staleness weight (1+s)^-1 (as round 1 " \
+           "closed)" in out
+    doc = json.loads(runner.invoke(app, ["status", "--state-dir", state_dir, "--json"]).output)
+    assert doc["mode"] == {"mode": "async", "as_of_round": 1, "buffer_size": 2, "max_staleness": 3,
+                           "server_lr": 0.5, "staleness_exponent": 1.0}

@@ -42,7 +42,7 @@ from sqlmodel import select
 
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.errors import FailedPrecondition
-from zoo_gym.server.models import Round, RoundState, Submission
+from zoo_gym.server.models import Round, RoundInputs, RoundState, Submission
 
 
 def staleness_weight(staleness: int, *, exponent: float) -> float:
@@ -77,8 +77,9 @@ def check_base(s, current: Round | None, *, round_id: int, base_sha256: str, max
 
 
 def record_staleness(session, round_id: int, config: ServerConfig) -> str:
-    """The JSON recorded in RoundInputs.staleness_json when a buffer closes: its server learning rate and
-    exponent, and per contributor the round its base came from, its staleness and its weight."""
+    """The JSON recorded in RoundInputs.staleness_json when a buffer closes: the serve mode's settings (buffer
+    size, max staleness, server learning rate, exponent; `gym-server status` shows them) and per contributor
+    the round its base came from, its staleness and its weight."""
     subs = list(session.exec(select(Submission).where(Submission.round_id == round_id).order_by(Submission.id)))
     contributors = {}
     for sub in subs:
@@ -87,12 +88,40 @@ def record_staleness(session, round_id: int, config: ServerConfig) -> str:
         staleness = round_id - (base_round if base_round is not None else round_id)
         contributors[sub.contributor_id] = {"base_round": base_round, "staleness": staleness,
                                             "weight": staleness_weight(staleness, exponent=config.staleness_exponent)}
-    return json.dumps({"server_lr": config.server_lr, "staleness_exponent": config.staleness_exponent,
+    return json.dumps({"buffer_size": config.buffer_size, "max_staleness": config.max_staleness,
+                       "server_lr": config.server_lr, "staleness_exponent": config.staleness_exponent,
                        "contributors": contributors}, sort_keys=True)
 
 
 def parse(staleness_json: str | None) -> dict | None:
     return json.loads(staleness_json) if staleness_json else None
+
+
+def recorded_mode(session) -> dict:
+    """The serve mode as the latest closed round recorded it (for `gym-server status`): {"mode": "sync" |
+    "async" | None (no round closed yet), "as_of_round", and in async the buffer size, max staleness, server
+    learning rate and staleness exponent (None where a round closed by an older version did not record it)}."""
+    inputs = session.exec(select(RoundInputs).order_by(RoundInputs.round_id.desc())).first()
+    if inputs is None:
+        return {"mode": None, "as_of_round": None}
+    recorded = parse(inputs.staleness_json)
+    if recorded is None:
+        return {"mode": "sync", "as_of_round": inputs.round_id}
+    keys = ("buffer_size", "max_staleness", "server_lr", "staleness_exponent")
+    return {"mode": "async", "as_of_round": inputs.round_id, **{k: recorded.get(k) for k in keys}}
+
+
+def describe_mode(mode: dict) -> str:
+    """One line for `gym-server status` from `recorded_mode`."""
+    if mode["mode"] is None:
+        return "mode: not recorded yet (a round records the serve mode when it closes)"
+    when = f"as round {mode['as_of_round']} closed"
+    if mode["mode"] == "sync":
+        return f"mode: sync ({when})"
+    shown = lambda v: "not recorded" if v is None else f"{v:g}"  # noqa: E731
+    return (f"mode: async, buffer size {shown(mode['buffer_size'])}, max staleness {shown(mode['max_staleness'])}, "
+            f"server lr {shown(mode['server_lr'])}, staleness weight (1+s)^-{shown(mode['staleness_exponent'])} "
+            f"({when})")
 
 
 class StalenessScaled:

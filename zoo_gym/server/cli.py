@@ -316,6 +316,7 @@ def status(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--js
 
     from sqlmodel import func
 
+    from zoo_gym.server import async_rounds
     from zoo_gym.server.models import Checkpoint, Contributor, Round, Submission
 
     with _one_line_errors():
@@ -328,6 +329,7 @@ def status(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--js
             ckpts = list(s.exec(select(Checkpoint).order_by(Checkpoint.round_id)))
             rounds = list(s.exec(select(Round).order_by(Round.id)))
             contributors = int(s.exec(select(func.count()).select_from(Contributor)).one())
+            mode = async_rounds.recorded_mode(s)
     if rnd is None:
         _fail(f"the database of {state_dir} holds no rounds: it is not the one `gym-server init` made")
     spent = next((r.dp_epsilon_total for r in reversed(rounds) if r.dp_epsilon_total is not None), None)
@@ -337,6 +339,7 @@ def status(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--js
                   "submissions": [{"contributor": x.contributor_id, "display_name": name or "",
                                    "payload_sha256": x.payload_sha256, "bytes": x.payload_size, "codecs": x.codecs,
                                    "received_at": x.received_at.isoformat()} for x, name in subs]},
+        "mode": mode,  # as the latest closed round recorded it: serve's --mode is not stored elsewhere
         "contributors": contributors,
         "dp_epsilon_spent": spent,
         "rounds": [{"id": r.id, "state": r.state.value, "published_sha256": r.published_sha256,
@@ -359,6 +362,7 @@ def status(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--js
                f"{when}, aggregator {r['aggregator']}" + (f" ({r['message']})" if r["message"] else ""))
     for x in r["submissions"]:
         typer.echo(f"  {x['display_name'] or '-':<24} {x['contributor'][:12]}  {x['bytes']:>10} bytes  {x['codecs']}")
+    typer.echo(async_rounds.describe_mode(mode))
     typer.echo(f"contributors: {contributors} registered")
     typer.echo("privacy: off (no differential privacy spent)" if spent is None else f"privacy: epsilon {spent:.4g} spent")
     typer.echo("published checkpoints:")
