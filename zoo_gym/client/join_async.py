@@ -5,7 +5,9 @@ end. The base changes only between local runs: each run trains on the version it
 names that version's round (SubmitHeader.round_id), which the server accepts while it is at most
 RoundInfo.max_staleness versions old. A delta can wait before it is sent only while the server's
 buffer already holds this contributor's previous one (one per buffer) or is being flushed; one that
-grew too stale meanwhile is dropped, and the next run trains on the latest version.
+grew too stale meanwhile is dropped, and the next run trains on the latest version. A run never starts on
+the version the previous one trained on: it waits for the next (one delta per contributor per version, as in
+a synchronous round; a second one on the same base would repeat the same step).
 """
 
 from __future__ import annotations
@@ -58,10 +60,11 @@ def train_continuously(c: Contributor, opts, *, config, train_ex: list[dict], he
     from zoo_gym import gym_train
 
     summaries: list[dict] = []
-    runs = 0
+    runs, trained_round = 0, None
     while len(summaries) < opts.rounds and runs < 4 * opts.rounds:  # bounded: a delta dropped is trained again
         runs += 1
-        info = _latest(c)
+        info = _next_version(c, opts, trained_round)
+        trained_round = info.round_id
         try:  # the sha256 is from the signed RoundInfo; the lineage's own signature is checked after unpacking
             model_dir = fetch_checkpoint(c.stub, info.base_sha256, info.base_size, opts.workdir,
                                          progress=opts.progress, retry=lambda fn: c.retry(fn, "download"),
@@ -88,6 +91,23 @@ def train_continuously(c: Contributor, opts, *, config, train_ex: list[dict], he
                     checkpoint_sha256=info.base_sha256, calib_examples=train_ex, say=c.say)["path"]
         del kept
     return summaries
+
+
+def _next_version(c: Contributor, opts, trained_round: int | None) -> gym_pb2.RoundInfo:
+    """The latest version once it is not the one the previous run trained on. A second run on the same base
+    trains the same examples from the same weights: its delta lands in the next buffer as a stale copy of the
+    last one and applies that step twice (benchmarks/async.py: the main reason async was slow, issue 16)."""
+    info = _latest(c)
+    if info.round_id != trained_round:
+        return info
+    c.say(f"already trained on version {info.round_id - 1}; waiting for the next version")
+    deadline = time.monotonic() + opts.max_wait
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        info = _latest(c)
+        if info.round_id != trained_round:
+            return info
+    raise AsyncStop(f"no version after {trained_round - 1} was published within {opts.max_wait:.0f} s")
 
 
 def _submit(c: Contributor, opts, trained: gym_pb2.RoundInfo, payload: bytes, metadata: dict) -> dict | None:
