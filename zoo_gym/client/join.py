@@ -1,7 +1,13 @@
-"""The contributor's loop: register, then each round fetch the base, train, encode, sign, upload, wait."""
+"""The contributor's loop: register, then each round fetch the base, train, encode, sign, upload, wait.
+
+Training and encoding run in a child process (train_process.py): this one, which uploads and waits for the
+publish, never holds the model.
+"""
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -13,8 +19,8 @@ import grpc
 from zoo_gym import codec
 from zoo_gym.client.connection import ServerUnreachable, open_stub, with_retries
 from zoo_gym.client.download import DownloadError, fetch_checkpoint
+from zoo_gym.client.train_process import run_in_child
 from zoo_gym.client.upload import build_header, get_round_request, register_request, request_stream
-from zoo_gym.gym_train.memory import release_memory
 from zoo_gym.proto import gym_pb2, signing
 
 if TYPE_CHECKING:
@@ -134,6 +140,72 @@ def _payload(result, opts: JoinOptions, feedback) -> bytes:
     return payload
 
 
+def _train_and_encode(model_dir: Path, opts: JoinOptions, config, feedback, train_ex: list[dict],
+                      held_ex: list[dict], *, base_sha256: str, payload_path: Path, delta_path: Path | None) -> dict:
+    """In the training process: train, write the payload to `payload_path` (and, for --keep-variant, the
+    delta itself to `delta_path`); return the training metadata to sign."""
+    import torch
+
+    from zoo_gym import gym_train
+
+    result = gym_train.train(model_dir, train_ex, config, base_sha256=base_sha256, eval_examples=held_ex,
+                             progress=opts.progress)
+    payload_path.write_bytes(_payload(result, opts, feedback))
+    if delta_path is not None:
+        torch.save(result.delta, delta_path)
+    return result.metadata
+
+
+def _keep_variant(delta_path: Path, model_dir: Path, *, out: Path, checkpoint_sha256: str,
+                  calib_examples: list[dict]) -> dict:
+    """In a training process: the delta that `_train_and_encode` saved, distilled into a variant at `out`."""
+    import torch
+
+    from zoo_gym.client.personalize import keep_round_variant
+    from zoo_gym.codec import LoraFactors
+
+    with torch.serialization.safe_globals([LoraFactors]):
+        delta = torch.load(delta_path, weights_only=True)
+    return keep_round_variant(delta, model_dir, out=out, checkpoint_sha256=checkpoint_sha256,
+                              calib_examples=calib_examples, say=lambda _m: None)
+
+
+@dataclass
+class RoundTrainer:
+    """Trains a round in a child process; the model never enters this one. Shared by the sync and async loops."""
+
+    opts: JoinOptions
+    config: object  # TrainConfig
+    feedback: object  # gym_train.ErrorFeedback or None
+    train_ex: list[dict]
+    held_ex: list[dict]
+    say: Callable[[str], None]
+
+    def train(self, model_dir: Path, base_sha256: str) -> tuple[bytes, dict, Path | None]:
+        """(payload, metadata to sign, the delta's file for `keep_variant` or None)."""
+        fd, name = tempfile.mkstemp(dir=self.opts.workdir, prefix="payload-", suffix=".zgd")
+        os.close(fd)
+        payload_path = Path(name)
+        delta_path = payload_path.with_suffix(".delta.pt") if self.opts.keep_variant else None
+        try:
+            metadata = run_in_child(_train_and_encode, model_dir, self.opts, self.config, self.feedback,
+                                    self.train_ex, self.held_ex, base_sha256=base_sha256, payload_path=payload_path,
+                                    delta_path=delta_path)
+            return payload_path.read_bytes(), metadata, delta_path
+        finally:
+            payload_path.unlink(missing_ok=True)
+
+    def keep_variant(self, delta_path: Path, model_dir: Path, *, out: Path, checkpoint_sha256: str) -> str:
+        """`--keep-variant`: the round's delta (from `train`) as a personal variant at `out`; its path."""
+        try:
+            summary = run_in_child(_keep_variant, delta_path, model_dir, out=out, checkpoint_sha256=checkpoint_sha256,
+                                   calib_examples=self.train_ex)
+        finally:
+            delta_path.unlink(missing_ok=True)
+        self.say(f"kept this round's delta as variant {out} ({summary['bytes']} bytes)")
+        return summary["path"]
+
+
 def join(opts: JoinOptions, *, say: Callable[[str], None] = print) -> list[dict]:
     """Run `opts.rounds` rounds; return one summary dict per submitted round."""
     from zoo_gym import gym_train
@@ -166,15 +238,16 @@ def join(opts: JoinOptions, *, say: Callable[[str], None] = print) -> list[dict]
     feedback = None
     if opts.error_feedback and opts.codec not in ("fp16", "bf16", "fp32", "lora"):
         feedback = gym_train.ErrorFeedback(opts.workdir / f"error_feedback-{cid}.safetensors")
+    trainer = RoundTrainer(opts, config, feedback, train_ex, held_ex, say)
     from zoo_gym.client import join_async
 
     first = _verified(retry(lambda: stub.GetRound(gym_pb2.GetRoundRequest(), timeout=30), "get round"),
                       server_key, opts)
     if join_async.is_async(first):  # buffered rounds: train continuously, no round boundaries (join_async.py)
         contributor = join_async.Contributor(stub, cid, key, retry, lambda info: _verified(info, server_key, opts),
-                                             lambda result: _payload(result, opts, feedback), say, server_key)
+                                             trainer, say, server_key)
         try:
-            return join_async.train_continuously(contributor, opts, config=config, train_ex=train_ex, held_ex=held_ex)
+            return join_async.train_continuously(contributor, opts)
         except join_async.AsyncStop as exc:
             raise JoinError(str(exc)) from None
         finally:
@@ -188,13 +261,7 @@ def join(opts: JoinOptions, *, say: Callable[[str], None] = print) -> list[dict]
         except DownloadError as exc:
             raise JoinError(f"round {info.round_id}: refusing the base checkpoint: {exc}") from None
         say(f"round {info.round_id}: training ({opts.method}) on base {info.base_sha256[:12]}")
-        result = gym_train.train(model_dir, train_ex, config, base_sha256=info.base_sha256,
-                                 eval_examples=held_ex, progress=opts.progress)
-        payload = _payload(result, opts, feedback)
-        metadata = result.metadata
-        kept = result.delta if opts.keep_variant else None  # written as a variant once the upload is done
-        del result  # the delta is in the payload now; the model and trainer went with train()'s frame
-        release_memory()  # hand the training peak back before the upload and the wait for the publish
+        payload, metadata, kept = trainer.train(model_dir, info.base_sha256)  # kept: made a variant after the upload
         header = build_header(key=key, contributor_id=cid, round_id=info.round_id, base_sha256=info.base_sha256,
                               payload=payload, metadata=metadata)
         chunk = min(info.limits.max_chunk_bytes or (1 << 20), 1 << 20)
@@ -202,6 +269,8 @@ def join(opts: JoinOptions, *, say: Callable[[str], None] = print) -> list[dict]
             resp = retry(lambda: stub.SubmitDelta(request_stream(header, payload, chunk_bytes=chunk,
                                                                  progress=opts.progress), timeout=600), "upload")
         except grpc.RpcError as exc:
+            if kept is not None:
+                kept.unlink(missing_ok=True)
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 say(f"round {info.round_id} closed before the upload finished ({exc.details()}); "
                     "training again on the next base")
@@ -215,12 +284,8 @@ def join(opts: JoinOptions, *, say: Callable[[str], None] = print) -> list[dict]
         say(f"round {info.round_id}: submitted {len(payload)} bytes; local held-out loss "
             f"{summary['loss_before']:.4f} -> {summary['loss_after']:.4f}")
         if kept is not None:
-            from zoo_gym.client.personalize import keep_round_variant
-
-            summary["variant"] = keep_round_variant(kept, model_dir, out=opts.workdir / "variants" / (
-                f"{cid[:8]}-round{info.round_id}.zgd"), checkpoint_sha256=info.base_sha256, calib_examples=train_ex,
-                say=say)["path"]
-            del kept
+            summary["variant"] = trainer.keep_variant(kept, model_dir, out=opts.workdir / "variants" / (
+                f"{cid[:8]}-round{info.round_id}.zgd"), checkpoint_sha256=info.base_sha256)
         if len(summaries) < opts.rounds or opts.wait_for_publish:
             _wait_for_round_after(stub, info.round_id, retry, say, opts, server_key=server_key)
     channel.close()

@@ -21,7 +21,6 @@ import grpc
 from zoo_gym import codec
 from zoo_gym.client.download import DownloadError, fetch_checkpoint
 from zoo_gym.client.upload import build_header, get_round_request, request_stream
-from zoo_gym.gym_train.memory import release_memory
 from zoo_gym.proto import gym_pb2
 
 
@@ -38,7 +37,7 @@ class Contributor:
     key: object
     retry: Callable  # retry(fn, what)
     verified: Callable  # verified(info) -> info, raising when the server's signature does not verify
-    make_payload: Callable  # make_payload(train_result) -> bytes (codec, error feedback)
+    trainer: object  # join.RoundTrainer: trains and encodes in a child process (the model never enters this one)
     say: Callable[[str], None]
     server_key: bytes  # pinned on first contact; checkpoints' lineage signatures are checked against it
 
@@ -54,11 +53,9 @@ def _latest(c: Contributor) -> gym_pb2.RoundInfo:
     return info
 
 
-def train_continuously(c: Contributor, opts, *, config, train_ex: list[dict], held_ex: list[dict]) -> list[dict]:
+def train_continuously(c: Contributor, opts) -> list[dict]:
     """Run `opts.rounds` local trainings, each submitted (or dropped when too stale); one summary per
     submitted delta, with the round it trained on, the buffer it went to and its staleness."""
-    from zoo_gym import gym_train
-
     summaries: list[dict] = []
     runs, trained_round = 0, None
     while len(summaries) < opts.rounds and runs < 4 * opts.rounds:  # bounded: a delta dropped is trained again
@@ -73,23 +70,19 @@ def train_continuously(c: Contributor, opts, *, config, train_ex: list[dict], he
             raise AsyncStop(f"version {info.round_id - 1}: refusing the base checkpoint: {exc}") from None
         c.say(f"version {info.round_id - 1} (round {info.round_id}): training ({opts.method}) on base "
               f"{info.base_sha256[:12]}")
-        result = gym_train.train(model_dir, train_ex, config, base_sha256=info.base_sha256, eval_examples=held_ex,
-                                 progress=opts.progress)
-        payload = c.make_payload(result)
-        metadata = result.metadata
-        kept = result.delta if opts.keep_variant else None  # written as a variant once the delta is taken
-        del result
-        release_memory()
-        summary = _submit(c, opts, info, payload, metadata)
+        payload, metadata, kept = c.trainer.train(model_dir, info.base_sha256)  # kept: a variant once taken
+        summary = None
+        try:
+            summary = _submit(c, opts, info, payload, metadata)
+        finally:
+            if kept is not None and summary is None:  # dropped or refused: no variant
+                kept.unlink(missing_ok=True)
         if summary is not None:
             summaries.append(summary)
             if kept is not None:
-                from zoo_gym.client.personalize import keep_round_variant
-
-                summary["variant"] = keep_round_variant(
+                summary["variant"] = c.trainer.keep_variant(
                     kept, model_dir, out=opts.workdir / "variants" / f"{c.cid[:8]}-version{info.round_id - 1}.zgd",
-                    checkpoint_sha256=info.base_sha256, calib_examples=train_ex, say=c.say)["path"]
-        del kept
+                    checkpoint_sha256=info.base_sha256)
     return summaries
 
 
