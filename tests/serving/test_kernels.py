@@ -42,15 +42,18 @@ def _merged(x, weight, bias, dense, variant_of_row):
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("out_f,in_f,group_size", [
+LAYOUTS = [
     (96, 256, 128),    # groups of 128
-    (70, 200, 128),    # in not a multiple of 128: a short last group; out not a multiple of the 4-row step
+    (70, 200, 128),    # in not a multiple of 128: a short last group; out not a multiple of the 8-row step
     (33, 1001, 128),   # in not a multiple of 8: padded sign bytes
     (64, 200, None),   # one scale per row, whole-row group of 25 bytes (odd: 8-lane words)
     (40, 1001, None),  # whole row, in not a multiple of 8
     (48, 256, 8),      # 1-byte groups (odd byte count: 8-lane words)
     (20, 96, -1),      # one scale for the whole tensor
-])
+]
+
+
+@pytest.mark.parametrize("out_f,in_f,group_size", LAYOUTS)
 def test_mixed_batch_equals_merged_weights(out_f, in_f, group_size):
     dense, signs, scales, gs = _variants(out_f, in_f, 3, group_size=group_size)
     g = torch.Generator().manual_seed(1)
@@ -82,6 +85,23 @@ def test_bfloat16_inputs_match_merged_within_bf16_rounding():
     assert err <= 0.02 * want.abs().max().item()  # bf16 keeps 8 bits: ~0.4% per value
     ref = bitdelta_linear_reference(x, weight, None, signs, scales, gs, variant_of_row)
     assert (y.float() - ref.float()).abs().max().item() <= 0.01 * ref.float().abs().max().item()
+
+
+@pytest.mark.parametrize("out_f,in_f,group_size", LAYOUTS)
+def test_bf16_inputs_on_every_group_layout(out_f, in_f, group_size):
+    """bf16 activations take the bf16 kernel where groups are whole 32-bit words (float32 elsewhere): on
+    every layout the delta is x D_v^T of the merged weights, to the bf16 rounding of the output."""
+    dense, signs, scales, gs = _variants(out_f, in_f, 3, group_size=group_size)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(6, 2, in_f, generator=g).bfloat16()
+    weight = torch.zeros(out_f, in_f, dtype=torch.bfloat16)  # y is the delta alone
+    variant_of_row = torch.tensor([2, -1, 0, 2, 1, -1])
+
+    y = bitdelta_linear(x, weight, None, signs, scales, gs, variant_of_row)
+
+    want = _merged(x.float(), weight.float(), None, dense, variant_of_row)
+    assert want[variant_of_row >= 0].abs().max() > 0.1  # the deltas matter
+    torch.testing.assert_close(y.double(), want, rtol=2 ** -8, atol=1e-5 * want.abs().max().item())
 
 
 def test_long_prompt_takes_the_tile_path_and_agrees():

@@ -31,19 +31,21 @@ class BatchContext:
 
     variant_of_row: Tensor | None = None  # int64 (B,)
     variants: list[Variant] = field(default_factory=list)
+    # per forward (keyed by the variant_of_row tensor it was computed for): every variant's rows, and the
+    # slot tensors PackedLinear builds; a forward runs ~200 patched modules over the same batch
+    _rows_of: Tensor | None = field(default=None, repr=False)
+    _rows: list[tuple[Variant, Tensor]] = field(default_factory=list, repr=False)
+    memo: dict = field(default_factory=dict, repr=False)
 
     def groups(self, wanted) -> list[tuple[Variant, Tensor]]:
         """(variant, its row indices) for the batch's variants that ``wanted(variant)``."""
         vr = self.variant_of_row
         if vr is None:
             return []
-        out = []
-        for i, v in enumerate(self.variants):
-            if wanted(v):
-                rows = (vr == i).nonzero().squeeze(1)
-                if rows.numel():
-                    out.append((v, rows))
-        return out
+        if self._rows_of is not vr:
+            rows = [(v, (vr == i).nonzero().squeeze(1)) for i, v in enumerate(self.variants)]
+            self._rows, self._rows_of, self.memo = [(v, r) for v, r in rows if r.numel()], vr, {}
+        return [(v, r) for v, r in self._rows if wanted(v)]
 
 
 class _Patched(nn.Module):
@@ -79,9 +81,13 @@ class PackedLinear(_Patched):
                 by_size.setdefault((pw.group_size, pw.scale_ref is not None), []).append((v, rows))
         y = None
         for (gs, log8), members in by_size.items():
-            vr = torch.full((x.shape[0],), -1, dtype=torch.long, device=x.device)
-            for i, (_, rows) in enumerate(members):
-                vr[rows] = i
+            key = tuple(id(v) for v, _ in members)
+            vr = self.ctx.memo.get(key)
+            if vr is None:  # slot of each row among `members` (-1: none), built once per forward
+                vr = torch.full((x.shape[0],), -1, dtype=torch.long, device=x.device)
+                for i, (_, rows) in enumerate(members):
+                    vr[rows] = i
+                self.ctx.memo[key] = vr
             pws = [v.packed[wname] for v, _ in members]
             signs = [pw.signs for pw in pws]
             scales = [pw.scales for pw in pws]  # uint8 log8 codes (decoded inside the kernel) or float32
