@@ -14,17 +14,17 @@ steps' size).
 
 With `--client-steps N` a real `gym-client join` process (the CLI; --data builtin --method lora
 --batch-size 2 --max-length 64 --threads 2) trains one LoRA round of N steps on the same base against a
-real server (scoring off; the other contributor is one synthetic delta). Its RSS is sampled every 50 ms;
-phases come from its stderr lines ("round N: training", "round N: submitted", "round N published").
-Reported: peak RSS / fp32 model bytes while training, RSS while waiting for the publish, the payload /
-bf16 model bytes, and seconds per LoRA step (train_seconds / steps of the metadata it signs into its
-submission). The client's `release_memory()` call (after the payload is built) is observed in the same
-process (VmRSS right before and after it); `--client-no-release-run` adds a run with the call skipped.
-`--server-runs none` runs only the client part. Child processes are killed when MemAvailable drops under
+real server (scoring off; the other contributor is one synthetic delta). The client trains in a child
+process (zoo_gym/client/train_process.py); the RSS of the client and its children, summed, is sampled every
+50 ms; phases come from its stderr lines ("round N: training", the training process's end, "round N:
+submitted", "round N published"). Reported: peak RSS / fp32 model bytes while training (the sum, and each
+process's VmHWM), RSS while waiting for the publish, the payload / bf16 model bytes, and seconds per LoRA
+step (train_seconds / steps of the metadata it signs into its submission). `--server-runs none` runs only
+the client part. Child processes are killed when MemAvailable drops under
 `--min-free-gb` (3).
 
     python benchmarks/scale.py [--size 0.6b|1.7b|tiny] [--out FILE] [--server-pythonpath DIR]
-        [--server-runs both|scoring-on|scoring-off|none] [--client-steps N [--client-no-release-run]]
+        [--server-runs both|scoring-on|scoring-off|none] [--client-steps N]
 """
 
 from __future__ import annotations
@@ -339,35 +339,84 @@ def serve_round(state: Path, payloads: list[bytes], env: dict, work: Path, *, sc
     return {"outcome": outcome.split(": ", 2)[-1], "phases": phases, "sampler": sampler, "hwm": hwm}
 
 
-# The real `gym-client` CLI, with its one `release_memory()` call (after the payload is built, before the
-# upload) observed: the process prints its own VmRSS right before and right after the call, and with
-# ZOO_SCALE_RELEASE=0 skips the call (the before/after comparison in one process, and an A/B across runs).
+# The real `gym-client` CLI, with the end of its training process (zoo_gym/client/train_process.py) observed:
+# it prints the joining process's own VmRSS once the child that trained and encoded has returned.
 CLIENT_WRAPPER = """
-import os, sys
+import sys
 import zoo_gym.client.join as j
 def _rss():
     with open('/proc/self/status') as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith('VmRSS:'))
-_real = j.release_memory
-_on = os.environ.get('ZOO_SCALE_RELEASE', '1') != '0'
-def _observed():
-    before = _rss()
-    trimmed = _real() if _on else False
-    print(f'scale-bench release_memory: called={_on} trimmed={trimmed} rss_before={before} rss_after={_rss()}',
-          file=sys.stderr, flush=True)
-    return trimmed
-j.release_memory = _observed
+_real = j.run_in_child
+def _observed(*args, **kwargs):
+    out = _real(*args, **kwargs)
+    print(f'scale-bench training process done: parent_rss={_rss()}', file=sys.stderr, flush=True)
+    return out
+j.run_in_child = _observed
 from zoo_gym.client.cli import app
 app(prog_name='gym-client')
 """
 
 
-def client_round(model_dir: Path, env: dict, work: Path, *, steps: int, release: bool, other_payload: bytes,
+class TreeSampler:
+    """Polls VmRSS of a process and its descendants every `period` s; remembers (time, summed bytes), each
+    process's last VmHWM (its own peak RSS, kept by the kernel) and, every 10th poll, the summed PSS
+    (shared pages such as libtorch's, mapped by parent and child, counted once)."""
+
+    def __init__(self, pid: int, period: float = 0.05) -> None:
+        self.pid, self.period, self.samples, self.hwm, self.pss = pid, period, [], {}, []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _tree(self, pid: int) -> list[int]:
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+        except OSError:
+            return [pid]
+        return [pid] + [d for k in kids for d in self._tree(k)]
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and os.path.exists(f"/proc/{self.pid}"):
+            total = 0
+            for pid in self._tree(self.pid):
+                try:
+                    with open(f"/proc/{pid}/status") as f:
+                        st = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS", "VmHWM", "Name")))
+                except (OSError, ValueError):
+                    continue
+                if "VmRSS" in st:
+                    total += int(st["VmRSS"].split()[0]) * 1024
+                    self.hwm[pid] = int(st["VmHWM"].split()[0]) * 1024
+            self.samples.append((time.monotonic(), total))
+            if len(self.samples) % 10 == 1:
+                self.pss.append((time.monotonic(), sum(map(self._pss, self._tree(self.pid)))))
+            time.sleep(self.period)
+
+    @staticmethod
+    def _pss(pid: int) -> int:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+        except (OSError, StopIteration):
+            return 0
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+def _median(values: list[int]) -> int:
+    return sorted(values)[len(values) // 2] if values else 0
+
+
+def client_round(model_dir: Path, env: dict, work: Path, *, steps: int, other_payload: bytes,
                  n_params: int, timeout: float, threads: int = 2) -> dict:
     """One LoRA round of a real `gym-client join` process against a real `gym-server serve` (scoring off,
-    2 contributors: the client and one synthetic LoRA delta submitted before it starts). Samples the
-    client's RSS every 50 ms; phases come from its stderr lines."""
-    tag = "release" if release else "norelease"
+    2 contributors: the client and one synthetic LoRA delta submitted before it starts). Samples the RSS
+    of the client and its training process every 50 ms; phases come from its stderr lines."""
+    tag = "child"
     state, cdir = work / f"state-client-{tag}", work / f"client-{tag}"
     for d in (state, cdir):
         shutil.rmtree(d, ignore_errors=True)
@@ -388,7 +437,7 @@ def client_round(model_dir: Path, env: dict, work: Path, *, steps: int, release:
         slogs.wait_for(r"listening on", timeout)
         port = int(port_file.read_text())
         submit(port, [other_payload])
-        cenv = dict(env, ZOO_SCALE_RELEASE="1" if release else "0")
+        cenv = env
         cmd = [sys.executable, "-c", CLIENT_WRAPPER, "join", "--server", f"127.0.0.1:{port}", "--data", "builtin",
                "--method", "lora", "--max-steps", str(steps), "--warmup-steps", "0", "--batch-size", "2",
                "--max-length", "64", "--rounds", "1", "--threads", str(threads), "--quiet", "--json",
@@ -397,17 +446,17 @@ def client_round(model_dir: Path, env: dict, work: Path, *, steps: int, release:
             cmd.append("--insecure")
         t_start = time.monotonic()
         cli = _watch(subprocess.Popen(cmd, env=cenv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=CHILD_CWD))
-        sampler = Sampler(cli.pid)
+        sampler = TreeSampler(cli.pid)
         clogs = LogReader(cli.stderr, work / f"client-{tag}.log")
         t_train = clogs.wait_for(r"round \d+: training", timeout)
-        t_rel = clogs.wait_for(r"scale-bench release_memory:", timeout)
+        t_rel = clogs.wait_for(r"scale-bench training process done:", timeout)
         t_sub = clogs.wait_for(r"round \d+: submitted", timeout)
         t_pub = clogs.wait_for(r"round \d+ published", timeout)
         out = cli.stdout.read().decode()
         cli.wait(timeout=120)
         t_end = time.monotonic()
         sampler.stop()
-        hwm = sampler.last_hwm  # the process is gone: its VmHWM as last sampled
+        hwm = dict(sampler.hwm)  # pid -> VmHWM as last sampled (the processes are gone)
         outcome = next((line.split(": ", 2)[-1] for _, line in slogs.lines
                         if re.search(r"round 1: (published|REOPENED|HALTED)", line)), None)
     finally:
@@ -417,8 +466,8 @@ def client_round(model_dir: Path, env: dict, work: Path, *, steps: int, release:
     if cli.returncode != 0:
         raise RuntimeError(f"gym-client join exited {cli.returncode}")
     summary = json.loads(out)[0]
-    rel = next(line for _, line in clogs.lines if "scale-bench release_memory:" in line)
-    rel_kv = dict(kv.split("=") for kv in rel.split(": ", 1)[1].split())
+    rel = next(line for _, line in clogs.lines if "scale-bench training process done:" in line)
+    parent_rss_after_training = int(rel.rsplit("=", 1)[1])
     meta = _submission_metadata(state, summary["contributor"])
     fp32, bf16 = 4 * n_params, 2 * n_params
     phases = {"start-download": (t_start, t_train), "train-encode": (t_train, t_rel), "upload": (t_rel, t_sub),
@@ -432,14 +481,16 @@ def client_round(model_dir: Path, env: dict, work: Path, *, steps: int, release:
     wait = per_phase["wait-for-publish"]
     steps_done = int(meta.get("steps") or steps)
     res = {
-        "release_memory_called": release,
+        "trains_in": "a child process (zoo_gym/client/train_process.py); RSS figures are the client's and its "
+                     "children's, summed",
         "outcome": outcome,
         "init": {"seconds": init["seconds"], "peak_rss_over_fp32": init["peak_rss"] / fp32},
         "phases": per_phase,
         "train_peak_rss_over_fp32": per_phase["train-encode"]["peak_rss_over_fp32"],
         "train_peak_rss_bytes": per_phase["train-encode"]["peak_rss_bytes"],
-        "release_call": {"trimmed": rel_kv["trimmed"] == "True", "rss_before_bytes": int(rel_kv["rss_before"]),
-                         "rss_after_bytes": int(rel_kv["rss_after"])},
+        "train_peak_pss_bytes": max((v for t, v in sampler.pss if t_train <= t <= t_rel), default=0),
+        "wait_median_pss_bytes": _median([v for t, v in sampler.pss if t_sub <= t <= t_pub]),
+        "parent_rss_after_training_bytes": parent_rss_after_training,
         "wait_peak_rss_bytes": wait["peak_rss_bytes"], "wait_median_rss_bytes": wait["median_rss_bytes"],
         "wait_seconds": wait["seconds"],
         "payload_bytes": summary["payload_bytes"], "payload_codecs": summary["codecs"],
@@ -448,10 +499,12 @@ def client_round(model_dir: Path, env: dict, work: Path, *, steps: int, release:
         "seconds_per_step": (meta["train_seconds"] / steps_done) if meta.get("train_seconds") else None,
         "seconds_per_step_source": ("train_seconds / steps from the submission's metadata (zoo_gym.gym_train.train: "
                                     "the SFTTrainer's construction + train(), no model load, no evaluation)"),
-        "training_line_to_release_s": t_rel - t_train,
+        "training_line_to_training_process_end_s": t_rel - t_train,
         "loss_before": summary["loss_before"], "loss_after": summary["loss_after"],
         "rss_timeline_s_bytes": [(round(t - t_start, 1), v) for i, (t, v) in enumerate(sampler.samples) if i % 20 == 0],
-        "vm_hwm_bytes": hwm, "vm_hwm_over_fp32": hwm / fp32,
+        "vm_hwm_parent_bytes": hwm.get(cli.pid, 0),
+        "vm_hwm_children_bytes": {str(pid): b for pid, b in hwm.items() if pid != cli.pid},
+        "vm_hwm_children_max_over_fp32": max((b for pid, b in hwm.items() if pid != cli.pid), default=0) / fp32,
     }
     return res
 
@@ -571,8 +624,6 @@ def main() -> None:
                     help="which synthetic-delta server rounds to run (none: only the client measurement)")
     ap.add_argument("--client-steps", type=int, default=0,
                     help="also run a real `gym-client join` LoRA round of this many steps (0: no client run)")
-    ap.add_argument("--client-no-release-run", action="store_true",
-                    help="and a second client round with its release_memory() call skipped (A/B)")
     ap.add_argument("--min-free-gb", type=float, default=3.0,
                     help="stop (kill the child processes) when MemAvailable drops under this")
     ap.add_argument("--server-pythonpath", help="run the server from this copy of zoo_gym (before/after)")
@@ -618,11 +669,8 @@ def main() -> None:
     res["runs"] = runs
 
     if args.client_steps:
-        client = {}
-        for release in [True, False] if args.client_no_release_run else [True]:
-            client["release_on" if release else "release_off"] = client_round(
-                model_dir, env, work, steps=args.client_steps, release=release, other_payload=payloads[0],
-                n_params=n_params, timeout=args.timeout)
+        client = {"train_in_child": client_round(model_dir, env, work, steps=args.client_steps,
+                                                 other_payload=payloads[0], n_params=n_params, timeout=args.timeout)}
         res["client"] = {
             "setup": (f"real `gym-client join` (--data builtin --method lora --max-steps {args.client_steps} "
                       "--warmup-steps 0 --batch-size 2 --max-length 64 --threads 2 --rounds 1) against a real "
