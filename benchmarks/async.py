@@ -1,7 +1,7 @@
 """Benchmark: synchronous rounds against asynchronous buffered ones (FedBuff) on the tiny model, with
 stragglers, dropouts and Byzantine contributors. Training is real, the clock is simulated.
 
-    python benchmarks/async.py --workers 2   # full -> results/async.{json,png}
+    python benchmarks/async.py --workers 2 --seeds 0 1 2   # full, headline over 3 seeds -> results/async.{json,png}
     python benchmarks/async.py --quick       # smoke run (< 2 min once the tiny model is cached)
 
 Protocol (also written into the JSON under "protocol"):
@@ -17,7 +17,12 @@ Protocol (also written into the JSON under "protocol"):
     `builtin_examples("default", n_shards=n)`, drawn with a seed taken from the base's sha256. So a
     delta is a function of (base sha256, contributor) and is cached on disk under that key (plus a
     hash of the training settings): reruns, and runs whose bases coincide (every run's first
-    deltas are trained on the shipped base), train nothing twice.
+    deltas are trained on the shipped base), train nothing twice. So, as with the real client, a
+    second run on the same base would give the same delta again: `same_base` says what a contributor
+    does when no version was published since its last run began: "wait" for the next one (the
+    default, as `gym-client join` does: one delta per contributor per version), "retrain" (the
+    client before; its copy lands in the next buffer as a stale delta and repeats the step) or
+    "fresh" (a new draw of its shard, seed + draw << 32, cached under the draw too).
   * Sync: round r waits for every contributor that did not drop out this round; it lasts as long
     as its slowest present contributor. The present contributors' deltas are merged with DeltaSoup
     (the server's aggregation code, in process) and the next version is published. `rounds` rounds.
@@ -39,16 +44,24 @@ Protocol (also written into the JSON under "protocol"):
     never refused as stale.
   * Rules: mean (FedAvg), trimmed-mean (trim_beta 0.4: at n = 18 it trims 7 per side, at K = 10,
     4), multi-krum (byzantine_f = 6 in sync rounds, 3 per buffer of 10), median if asked; the
-    SoupConfig defaults otherwise (max_norm_ratio 10). Held-out loss: `gym_train.Evaluator` on
+    SoupConfig defaults otherwise (max_norm_ratio 10: validation refuses a delta longer than 10 x
+    the buffer's median norm before any rule runs). mean-unchecked is the mean with that norm check
+    off: the rule alone. Each attack's rows refused by validation are counted per publish. Held-out loss: `gym_train.Evaluator` on
     `default_validation_examples(validation_examples)` (mean completion-token cross-entropy), after
     every publish.
   * Measured: simulated time until async's held-out loss is <= the sync run's final loss (same
     rule), as a share of sync's time; each run's final loss; wasted compute: sync, the share of
     present contributors' time spent waiting for the round's slowest; async, the time contributors
     spent holding a finished delta while the buffer had their previous one, plus the compute of
-    deltas refused as stale, as a share of finished runs' compute plus that waiting. Targets: time share <= 0.5, async waste <= 10%, every
-    robust rule under every attack in async ends within 5% of its own clean async loss, and mean
-    under sign flip and under scaling is >= 1.25x its clean loss (visibly broken).
+    deltas refused as stale, as a share of finished runs' compute plus that waiting (with
+    same_base="wait", idling for a new version counts as waiting too). Targets: time share <= 0.5,
+    async waste <= 10%, every robust rule under every attack in async ends within 5% of its own clean
+    async loss, and the plain mean (mean-unchecked when run, else mean) under sign flip and under
+    scaling is >= 1.25x its clean loss (visibly broken).
+  * Seeds: --seeds runs the whole protocol once per seed (the seed draws the clock: compute-time
+    jitter and dropouts; every seed trains its own deltas) and reports each target as mean, standard
+    deviation, min, max and per-seed values under "headline"; a seed whose async run never reached
+    sync's final loss within the horizon counts as not reached (mean_lower_bound takes the horizon).
 Prints the JSON document; writes it and the PNG unless --no-write (--quick writes only with --out).
 """
 
@@ -68,7 +81,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from statistics import NormalDist
 
 import torch
@@ -78,8 +91,13 @@ from zoo_gym.aggregation.sources import DictDeltaSource
 from zoo_gym.gym_train import (Evaluator, TrainConfig, builtin_examples,
                                default_validation_examples, tiny_model_dir, train)
 
-RULES = ("mean", "trimmed-mean", "multi-krum", "median")
+RULES = ("mean", "trimmed-mean", "multi-krum", "median", "mean-unchecked")  # last: mean, norm check off
 ATTACKS = ("none", "sign_flip", "alie", "scaling")
+# What a contributor does when its next run would start on the base its last run trained on (no version
+# published since): "retrain" the same examples with the same seed (an identical delta, submitted again),
+# "fresh": train on a fresh draw of its shard (stochastic local SGD, as FedBuff's clients), "wait" idle
+# for the next version.
+SAME_BASE = ("retrain", "fresh", "wait")
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DEFAULT_CACHE = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) \
     / "zoo_gym" / "async-bench"
@@ -99,10 +117,11 @@ class BenchConfig:
     rounds: int = 2                  # sync rounds
     buffer_size: int = 10            # K
     max_staleness: int = 6           # S
-    staleness_exponent: float = 0.5  # a in (1 + s)^-a
+    staleness_exponent: float = 1.0  # a in (1 + s)^-a (FedBuff's 0.5 was slower here: README)
     server_lr: float = 1.0           # eta
-    async_horizon: float = 0.6       # async runs for this share of the sync run's simulated time
+    async_horizon: float = 0.75      # async runs for this share of the sync run's simulated time
     max_versions: int = 12           # and publishes at most this many versions
+    same_base: str = "wait"          # a run starting on the base one last trained on: see SAME_BASE
     steps: int = 8                   # optimizer steps per local run
     batch_size: int = 8
     learning_rate: float = 1e-2
@@ -118,7 +137,7 @@ class BenchConfig:
     time_target: float = 0.5
     waste_target: float = 0.10
     seed: int = 0
-    rules: tuple[str, ...] = ("mean", "trimmed-mean", "multi-krum")
+    rules: tuple[str, ...] = ("mean", "trimmed-mean", "multi-krum", "mean-unchecked")
     attacks: tuple[str, ...] = ATTACKS
     sync_attacks: bool = False       # also run sync rounds under every attack
     speeds: tuple[float, ...] | None = None  # explicit base compute times (tests); else log-normal
@@ -145,6 +164,8 @@ class BenchConfig:
             raise BenchConfigError(f"`trim_beta` must be in [0, 0.5), got {self.trim_beta}")
         if self.async_horizon <= 0:
             raise BenchConfigError(f"`async_horizon` must be > 0, got {self.async_horizon}")
+        if self.same_base not in SAME_BASE:
+            raise BenchConfigError(f"`same_base` must be one of {SAME_BASE}, got {self.same_base!r}")
         if not self.rules or any(r not in RULES for r in self.rules):
             raise BenchConfigError(f"`rules` must be a non-empty subset of {RULES}, got {self.rules}")
         if "none" not in self.attacks or any(a not in ATTACKS for a in self.attacks):
@@ -197,6 +218,7 @@ class Submission:
     staleness: int     # versions published since its base (as claimed to the server)
     start: float
     end: float
+    draw: int = 0      # which draw of its shard it trained on (>0: a fresh draw on a base it trained on)
 
 
 @dataclass
@@ -244,7 +266,9 @@ class AsyncClock:
     (`flushed(False)`: the buffer stays open and takes the next accepted delta too, as the server
     reopens a round). A buffer takes one delta per contributor: one who finishes while the buffer
     holds its previous delta waits, idle, until that buffer flushes, then submits (its staleness
-    counted then) and starts its next run, as `gym-client join` does in async mode. `liars` claim
+    counted then) and starts its next run, as `gym-client join` does in async mode. With
+    same_base="wait" one who would start again on the version it last trained on idles until the next
+    version (counted as waiting). `liars` claim
     the newest base (staleness 0). Ties go by contributor id. Stops at simulated time `until` or
     after max_versions publishes."""
 
@@ -257,16 +281,29 @@ class AsyncClock:
         self.used = self.wasted = self.idle = 0.0  # compute merged, refused as stale; time held idle
         self.refused = self.reopened = 0
         self._need = cfg.buffer_size  # accepted deltas the open buffer must hold to be merged
-        self.held: list[tuple[int, float, int, float]] = []  # (who, start, base, end) waiting to submit
-        self.events: list[tuple[float, int, float, int, bool]] = []  # (end, who, start, base, dropped)
+        self.held: list[tuple[int, float, int, float, int]] = []  # (who, start, base, end, draw) waiting to submit
+        self.events: list[tuple[float, int, float, int, bool, int]] = []  # (end, who, start, base, dropped, draw)
+        self.trained: list[tuple[int, int]] = [(-1, 0)] * cfg.n  # (base, runs finished on it) per contributor
+        self.parked: list[tuple[int, float]] = []  # same_base="wait": (who, since) idle until the next version
         self._waiting: tuple[int | None, float] | None = None  # who filled the buffer (to restart), when
         for i in range(cfg.n):
             self._start(i, 0.0)
 
     def _start(self, i: int, now: float) -> None:
+        draw = 0
+        base, runs = self.trained[i]
+        if base == self.version:  # no version published since its last finished run began
+            if self.cfg.same_base == "wait":
+                self.parked.append((i, now))
+                return
+            draw = runs if self.cfg.same_base == "fresh" else 0
         d, dropped = local_run(self.cfg, self.times, i, self.runs_done[i])
         self.runs_done[i] += 1
-        heapq.heappush(self.events, (now + d, i, now, self.version, dropped))
+        heapq.heappush(self.events, (now + d, i, now, self.version, dropped, draw))
+
+    def _finished(self, i: int, base: int) -> None:
+        b, runs = self.trained[i]
+        self.trained[i] = (base, runs + 1 if b == base else 1)
 
     def next_buffer(self) -> Publish | None:
         """The buffer to merge next, as the Publish it would make (None: past the horizon)."""
@@ -278,12 +315,14 @@ class AsyncClock:
             self._waiting = (None, self.buffer[-1].end)
             return Publish(self.version + 1, self.buffer[-1].end, list(self.buffer))
         while self.events:
-            end, i, begun, base, dropped = heapq.heappop(self.events)
+            end, i, begun, base, dropped, draw = heapq.heappop(self.events)
             if end > self.until:
                 self.events.clear()
                 return None
+            if not dropped:
+                self._finished(i, base)
             if not dropped and any(b.contributor == i for b in self.buffer):
-                self.held.append((i, begun, base, end))  # one delta per contributor per buffer
+                self.held.append((i, begun, base, end, draw))  # one delta per contributor per buffer
                 continue
             if not dropped:
                 s = 0 if i in self.liars else self.version - base
@@ -292,7 +331,7 @@ class AsyncClock:
                     self.refused += 1
                 else:
                     self.used += end - begun
-                    self.buffer.append(Submission(i, base, s, begun, end))
+                    self.buffer.append(Submission(i, base, s, begun, end, draw))
                     if len(self.buffer) >= self._need:
                         self._waiting = (i, end)
                         return Publish(self.version + 1, end, list(self.buffer))
@@ -314,7 +353,7 @@ class AsyncClock:
             self._start(i, now)  # fetches the newest version, after this flush
         if published:
             held, self.held = self.held, []
-            for j, begun, base, end in held:  # they submit now, then start their next run
+            for j, begun, base, end, draw in held:  # they submit now, then start their next run
                 self.idle += now - end
                 s = 0 if j in self.liars else self.version - base
                 if s > self.cfg.max_staleness:
@@ -322,7 +361,11 @@ class AsyncClock:
                     self.refused += 1
                 else:
                     self.used += end - begun
-                    self.buffer.append(Submission(j, base, s, begun, now))
+                    self.buffer.append(Submission(j, base, s, begun, now, draw))
+                self._start(j, now)
+            parked, self.parked = self.parked, []
+            for j, since in parked:  # a new version: they start on it
+                self.idle += now - since
                 self._start(j, now)
 
     def schedule(self) -> Schedule:
@@ -367,14 +410,15 @@ def _init_worker() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def train_delta(base_dir: str, sha: str, contributor: int, cfg_fields: dict, out: str) -> float:
-    """One local run of `contributor` on the base in base_dir, saved to `out`; returns seconds."""
+def train_delta(base_dir: str, sha: str, contributor: int, draw: int, cfg_fields: dict, out: str) -> float:
+    """One local run of `contributor` on the base in base_dir (its `draw`-th draw of examples on that
+    base), saved to `out`; returns seconds."""
     from safetensors.torch import save_file
 
     cfg = BenchConfig(**cfg_fields)
     t0 = time.perf_counter()
     examples = builtin_examples("default", shard=contributor, n_shards=cfg.n,
-                                n=cfg.steps * cfg.batch_size, seed=int(sha[:8], 16))
+                                n=cfg.steps * cfg.batch_size, seed=int(sha[:8], 16) + (draw << 32))
     tc = TrainConfig(method="lora", max_steps=cfg.steps, batch_size=cfg.batch_size,
                      learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
                      merged_delta=True, seed=0)
@@ -398,24 +442,25 @@ class DeltaCache:
         self.train_seconds = 0.0
         self._pool = None
 
-    def path(self, sha: str, contributor: int) -> pathlib.Path:
-        return self.dir / f"{sha}-{contributor}-{self.key}.safetensors"
+    def path(self, sha: str, contributor: int, draw: int = 0) -> pathlib.Path:
+        extra = f"-draw{draw}" if draw else ""
+        return self.dir / f"{sha}-{contributor}{extra}-{self.key}.safetensors"
 
-    def ensure(self, needs: dict[tuple[str, int], dict[str, torch.Tensor]]) -> None:
-        """Train every (sha, contributor) in `needs` (value: the base's cum) not yet on disk."""
+    def ensure(self, needs: dict[tuple[str, int, int], dict[str, torch.Tensor]]) -> None:
+        """Train every (sha, contributor, draw) in `needs` (value: the base's cum) not yet on disk."""
         missing = {k: v for k, v in needs.items() if not self.path(*k).exists()}
         self.hits += len(needs) - len(missing)
         if not missing:
             return
         with tempfile.TemporaryDirectory(prefix="zoo_gym_async_") as tmp:
             jobs = []
-            for b, sha in enumerate(sorted({sha for sha, _ in missing})):
+            for b, sha in enumerate(sorted({sha for sha, *_ in missing})):
                 base_dir = pathlib.Path(tmp) / f"b{b}"
                 shutil.copytree(tiny_model_dir(), base_dir, ignore=shutil.ignore_patterns("*.safetensors"))
-                cum = next(v for (s, _), v in missing.items() if s == sha)
+                cum = next(v for (s, *_), v in missing.items() if s == sha)
                 (base_dir / "model.safetensors").write_bytes(base_bytes(self.base0, cum))
-                jobs += [(str(base_dir), sha, c, asdict(self.cfg), str(self.path(sha, c)))
-                         for s, c in sorted(missing) if s == sha]
+                jobs += [(str(base_dir), sha, c, draw, asdict(self.cfg), str(self.path(sha, c, draw)))
+                         for s, c, draw in sorted(missing) if s == sha]
             if self.workers > 1:
                 if self._pool is None:
                     from concurrent.futures import ProcessPoolExecutor
@@ -429,10 +474,10 @@ class DeltaCache:
         self.trained += len(jobs)
         self.train_seconds += sum(seconds)
 
-    def load(self, sha: str, contributor: int) -> dict[str, torch.Tensor]:
+    def load(self, sha: str, contributor: int, draw: int = 0) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
-        return load_file(str(self.path(sha, contributor)))
+        return load_file(str(self.path(sha, contributor, draw)))
 
     def close(self) -> None:
         if self._pool is not None:
@@ -454,6 +499,7 @@ class Trajectory:
     losses: list[float] = field(default_factory=list)
     weights: list[list[float]] = field(default_factory=list)      # staleness weight per row
     byzantine_weight: list[float] = field(default_factory=list)   # attackers' share of the aggregate
+    byzantine_refused: list[int] = field(default_factory=list)    # their rows validation refused (norm check)
     reopened: list[str] = field(default_factory=list)             # async flushes the rule refused
     error: str | None = None
     _candidate: Publish | None = None
@@ -486,6 +532,10 @@ class Trajectory:
 
 
 def soup_config(cfg: BenchConfig, rule: str, mode: str) -> SoupConfig:
+    """The rule's SoupConfig; "mean-unchecked" is the mean with validation's norm check (max_norm_ratio) off,
+    to show the rule alone: that check, not the mean, is what refuses boosted (scaling) deltas."""
+    if rule == "mean-unchecked":
+        return SoupConfig(aggregator="mean", max_norm_ratio=None)
     return SoupConfig(aggregator=rule, trim_beta=cfg.trim_beta,
                       byzantine_f=cfg.sync_f if mode == "sync" else cfg.buffer_f)
 
@@ -537,6 +587,7 @@ def merge(t: Trajectory, pub: Publish, deltas: list[dict[str, torch.Tensor] | No
     t.times.append(pub.time)
     t.weights.append(w)
     t.byzantine_weight.append(sum(r.weight for r, b in zip(report.contributors, is_byz) if b))
+    t.byzantine_refused.append(sum(not r.accepted for r, b in zip(report.contributors, is_byz) if b))
     return None
 
 
@@ -579,11 +630,11 @@ def run(cfg: BenchConfig, *, workers: int = 1, cache_dir: pathlib.Path = DEFAULT
             for t, pub in active:
                 for s in pub.submissions:
                     if t.attack == "none" or s.contributor not in byz:
-                        needs[(t.shas[s.base], s.contributor)] = t.versions[s.base]
+                        needs[(t.shas[s.base], s.contributor, s.draw)] = t.versions[s.base]
             cache.ensure(needs)
             for t, pub in active:
                 deltas = [None if t.attack != "none" and s.contributor in byz
-                          else cache.load(t.shas[s.base], s.contributor) for s in pub.submissions]
+                          else cache.load(t.shas[s.base], s.contributor, s.draw) for s in pub.submissions]
                 if not shapes:  # LoRA merges keep only the changed weights: the same names each run
                     shapes = {k: base0[k].shape for d in deltas if d for k in d}
                 refusal = merge(t, pub, deltas, cfg, shapes)
@@ -632,6 +683,9 @@ def report(cfg: BenchConfig, trajs: list[Trajectory], *, times: list[float], byz
             cell["byzantine_per_publish"] = [sum(s.contributor in byz for s in p.submissions)
                                              for p in sch.publishes[:len(t.versions) - 1]]
             cell["byzantine_weight_per_publish"] = [round(x, 4) for x in t.byzantine_weight]
+            cell["byzantine_refused_by_validation_per_publish"] = t.byzantine_refused
+            cell["byzantine_refused_by_validation_share"] = round(
+                sum(t.byzantine_refused) / max(sum(cell["byzantine_per_publish"]), 1), 4)
             own = by.get((t.mode, t.rule, "none"))
             if own is not None:
                 cell["ratio_to_own_clean"] = round(t.losses[-1] / own.losses[-1], 4)
@@ -647,9 +701,13 @@ def report(cfg: BenchConfig, trajs: list[Trajectory], *, times: list[float], byz
                 for r, loss in enumerate(sync_t.losses[1:], start=1)}
         runs[t.name] = cell
     robust = {r: {a: runs[f"async/{r}/{a}"].get("ratio_to_own_clean") for a in cfg.attacks if a != "none"}
-              for r in cfg.rules if r != "mean" and cfg.f}
-    mean_broken = {a: runs[f"async/mean/{a}"].get("ratio_to_own_clean")
-                   for a in ("sign_flip", "scaling") if f"async/mean/{a}" in runs}
+              for r in cfg.rules if not r.startswith("mean") and cfg.f}
+    plain = [r for r in ("mean", "mean-unchecked") if r in cfg.rules]
+    mean_broken = {a: {**{r: runs[f"async/{r}/{a}"].get("ratio_to_own_clean") for r in plain},
+                       **{f"{r}: byzantine rows refused by the norm check": runs[f"async/{r}/{a}"].get(
+                           "byzantine_refused_by_validation_share") for r in plain}}
+                   for a in cfg.attacks if a != "none" and cfg.f}
+    judged = plain[-1] if plain else None  # the rule alone when run (its norm check off), else mean
     shares = {r: runs[f"async/{r}/none"].get("time_share_of_sync") for r in cfg.rules}
     async_waste = runs[f"async/{cfg.rules[0]}/none"]["wasted_compute_share"]
     return {
@@ -679,10 +737,68 @@ def report(cfg: BenchConfig, trajs: list[Trajectory], *, times: list[float], byz
             "robust_pass": {r: all(v is not None and v <= 1 + cfg.tolerance for v in vs.values())
                             for r, vs in robust.items()},
             "mean_ratio_to_own_clean": mean_broken,
-            "mean_broken_pass": bool(mean_broken) and all(v is not None and v >= cfg.broken_ratio
-                                                          for v in mean_broken.values()),
+            "mean_broken_judged_on": judged,
+            "mean_broken_pass": judged is not None and all(
+                mean_broken.get(a, {}).get(judged, 0) >= cfg.broken_ratio for a in ("sign_flip", "scaling")),
         },
     }
+
+
+def _spread(values: list[float | None]) -> dict:
+    """Mean, standard deviation, min and max over seeds of the values that exist (None: not reached)."""
+    got = [v for v in values if v is not None]
+    if not got:
+        return {"per_seed": values, "n": 0}
+    mean = sum(got) / len(got)
+    std = (sum((v - mean) ** 2 for v in got) / (len(got) - 1)) ** 0.5 if len(got) > 1 else 0.0
+    return {"per_seed": values, "n": len(got), "mean": round(mean, 4), "std": round(std, 4),
+            "min": round(min(got), 4), "max": round(max(got), 4)}
+
+
+def over_seeds(docs: dict[int, dict], cfg: BenchConfig) -> dict:
+    """One document for several seeds (each seed draws its own clock, so its own deltas): the headline
+    figures as mean, spread and per-seed values, then every seed's own document under "seeds"."""
+    first = next(iter(docs.values()))
+    tg = {seed: d["targets"] for seed, d in docs.items()}
+    shares = {r: _spread([t["time_share_of_sync"][r] for t in tg.values()]) for r in cfg.rules}
+    for r, sp in shares.items():  # a seed that never got there counts as the horizon, a lower bound
+        sp["not_reached_by_horizon"] = len(docs) - sp["n"]
+        if sp["n"] < len(docs):
+            vals = [cfg.async_horizon if v is None else v for v in sp["per_seed"]]
+            sp["mean_lower_bound"] = round(sum(vals) / len(vals), 4)
+    robust = {r: {a: _spread([t["robust_ratio_to_own_clean"][r][a] for t in tg.values()])
+                  for a in first["targets"]["robust_ratio_to_own_clean"][r]}
+              for r in first["targets"]["robust_ratio_to_own_clean"]}
+    plain = {a: {k: _spread([t["mean_ratio_to_own_clean"][a][k] for t in tg.values()]) for k in row}
+             for a, row in first["targets"]["mean_ratio_to_own_clean"].items()}
+    judged = first["targets"]["mean_broken_judged_on"]
+    headline = {
+        "seeds": list(docs),
+        "time_share_of_sync": shares,
+        "time_pass": {r: sp["n"] == len(docs) and sp["mean"] <= cfg.time_target for r, sp in shares.items()},
+        "sync_wasted_compute_share": _spread([t["sync_wasted_compute_share"] for t in tg.values()]),
+        "async_wasted_compute_share": _spread([t["async_wasted_compute_share"] for t in tg.values()]),
+        "waste_pass": all(t["waste_pass"] for t in tg.values()),
+        "robust_ratio_to_own_clean": robust,
+        "robust_pass": {r: all(t["robust_pass"][r] for t in tg.values()) for r in robust},
+        "mean_ratio_to_own_clean": plain,
+        "mean_broken_judged_on": judged,
+        "mean_broken_pass": all(t["mean_broken_pass"] for t in tg.values()),
+    }
+    keep = ("seconds", "trainings", "cache_hits", "train_seconds_sum", "compute_times", "byzantine_ids",
+            "base_loss", "sync_time", "async_horizon_time", "runs", "targets")
+    return {"benchmark": "async", "command": first["command"],
+            "protocol": {**first["protocol"], "config": {**first["protocol"]["config"], "seed": list(docs)}},
+            "machine": first["machine"], "seconds": round(sum(d["seconds"] for d in docs.values()), 1),
+            "trainings": sum(d["trainings"] for d in docs.values()), "headline": headline,
+            "seeds": {str(seed): {k: d[k] for k in keep} for seed, d in docs.items()}}
+
+
+def first_seed(doc: dict) -> dict:
+    """The first seed's document (with the protocol) from an over_seeds document: what the plot shows."""
+    seed = doc["headline"]["seeds"][0]
+    return {**doc["seeds"][str(seed)], "protocol": {**doc["protocol"], "config": {
+        **doc["protocol"]["config"], "seed": seed}}}
 
 
 def plot(doc: dict, path: pathlib.Path) -> pathlib.Path:
@@ -693,7 +809,7 @@ def plot(doc: dict, path: pathlib.Path) -> pathlib.Path:
     import matplotlib.pyplot as plt
 
     cfg = doc["protocol"]["config"]
-    colors = dict(zip(RULES, ("tab:red", "tab:blue", "tab:green", "tab:purple")))
+    colors = dict(zip(RULES, ("tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange")))
     styles = {"none": "-", "sign_flip": "--", "alie": ":", "scaling": "-."}
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     for name, run in doc["runs"].items():
@@ -722,7 +838,7 @@ def plot(doc: dict, path: pathlib.Path) -> pathlib.Path:
         ax.legend(fontsize=7)
     axes[0].set_ylabel("held-out loss")
     fig.suptitle(f"{cfg['n']} contributors, compute times spanning {cfg['speed_span']:g}x, "
-                 f"{cfg['dropout']:.0%} dropout per run", fontsize=10)
+                 f"{cfg['dropout']:.0%} dropout per run; seed {cfg['seed']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -734,12 +850,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke run: " + json.dumps(QUICK))
     knobs = (("n", int), ("f", int), ("rounds", int), ("buffer-size", int), ("max-staleness", int),
              ("staleness-exponent", float), ("server-lr", float), ("async-horizon", float),
-             ("max-versions", int), ("steps", int), ("trim-beta", float), ("seed", int))
+             ("max-versions", int), ("steps", int), ("trim-beta", float), ("seed", int), ("same-base", str))
     for name, typ in knobs:
         p.add_argument(f"--{name}", type=typ)
     p.add_argument("--rules", nargs="+", choices=RULES)
     p.add_argument("--attacks", nargs="+", choices=ATTACKS)
     p.add_argument("--sync-attacks", action="store_true", help="also run sync rounds under attack")
+    p.add_argument("--seeds", type=int, nargs="+", help="run every seed (its own clock) and report the "
+                   "headline over them (mean, spread, per seed); the plot shows the first")
     p.add_argument("--workers", type=int, default=1, help="training processes (one thread each)")
     p.add_argument("--cache-dir", type=pathlib.Path, default=DEFAULT_CACHE)
     p.add_argument("--out", type=pathlib.Path, help="JSON path (default results/async.json; the PNG "
@@ -762,7 +880,12 @@ def main(argv: list[str] | None = None) -> int:
     except BenchConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    doc, _ = run(cfg, workers=args.workers, cache_dir=args.cache_dir, log=print)
+    if args.seeds:
+        docs = {seed: run(replace(cfg, seed=seed), workers=args.workers, cache_dir=args.cache_dir, log=print)[0]
+                for seed in args.seeds}
+        doc = over_seeds(docs, cfg)
+    else:
+        doc, _ = run(cfg, workers=args.workers, cache_dir=args.cache_dir, log=print)
     text = json.dumps(doc, indent=1)
     print(text)
     out = args.out if args.out else (None if args.quick else RESULTS / "async.json")
@@ -770,7 +893,7 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
         try:
-            plot(doc, out.with_suffix(".png"))
+            plot(doc if "runs" in doc else first_seed(doc), out.with_suffix(".png"))
         except ImportError:
             print("matplotlib is not installed (pip install -e '.[dev]'): no PNG", file=sys.stderr)
     return 0

@@ -31,9 +31,10 @@ def _load_bench():
 
 
 bench = _load_bench()
+# same_base="retrain": the clocks above, where a contributor starts again on the version it just trained on
 TINY = dict(n=4, f=0, speeds=(1.0, 1.0, 2.5, 7.0), jitter=0.0, dropout=0.0, rounds=1, buffer_size=2,
             max_versions=3, staleness_exponent=0.5, steps=1, warmup_steps=0, batch_size=4, validation_examples=8,
-            rules=("mean",), attacks=("none",))
+            rules=("mean",), attacks=("none",), same_base="retrain")
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +107,26 @@ def test_a_second_delta_waits_for_the_flush_and_its_wait_is_wasted() -> None:
     assert sched.waiting == pytest.approx(1.0)
     # merged compute: A 1 + 1, B 3, C 3.5; wasted: A's 1 idle
     assert sched.waste_share == pytest.approx(1.0 / 9.5)
+
+
+def test_same_base_wait_never_trains_twice_on_one_version_and_counts_the_idle_time() -> None:
+    # as `gym-client join` does: A (t=1) has trained on version 0 and idles until B (t=3) makes version 1,
+    # so its next delta is trained on version 1 (no second copy of its version-0 delta in the next buffer)
+    cfg = bench.BenchConfig(**{**TINY, "speeds": (1.0, 3.0, 3.5, 10.0), "max_versions": 2, "same_base": "wait"},
+                            max_staleness=4)
+    sched = bench.async_schedule(cfg, bench.base_times(cfg), until=100.0)
+    assert [[(s.contributor, s.base, s.staleness) for s in p.submissions] for p in sched.publishes] == \
+        [[(0, 0, 0), (1, 0, 0)], [(2, 0, 1), (0, 1, 0)]]
+    assert [p.time for p in sched.publishes] == [3.0, 4.0]
+    assert sched.waiting == pytest.approx(2.0)  # A idle from t=1 to t=3
+    assert sched.waste_share == pytest.approx(2.0 / (8.5 + 2.0))  # merged: A 1 + 1, B 3, C 3.5
+
+
+def test_same_base_fresh_trains_a_new_draw_of_the_shard() -> None:
+    cfg = bench.BenchConfig(**{**TINY, "speeds": (1.0, 3.0, 3.5, 10.0), "max_versions": 2, "same_base": "fresh"},
+                            max_staleness=4)
+    sched = bench.async_schedule(cfg, bench.base_times(cfg), until=100.0)
+    assert [(s.contributor, s.base, s.draw) for s in sched.publishes[1].submissions] == [(0, 0, 1), (2, 0, 0)]
 
 
 def test_a_buffer_the_rule_refused_stays_open_for_one_more_delta() -> None:
