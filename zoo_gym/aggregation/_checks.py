@@ -46,6 +46,35 @@ def check_weights(weights: Tensor | None, *, n: int) -> Tensor:
     return w / total
 
 
+# columns combined at a time by `combine`: its float64 buffers (8 MiB each) are reused
+_COMBINE_CHUNK = 1 << 20
+
+
+def _terms(weights: Tensor, *, total: float | None) -> tuple[list[tuple[int, float]], float]:
+    """([(row, weight)] of the rows with w_i != 0, divisor) that `combine64` uses: equal weights (every
+    row with w_i > 0 weighs the same) are a plain sum divided by their count, so the uniform mean never
+    goes through a rounded 1/n; otherwise sum_i w_i x_i / total (`total` defaults to sum_i w_i)."""
+    w = torch.as_tensor(weights, dtype=torch.float64).flatten()  # (n,)
+    used = w[w != 0]
+    rows = w.nonzero().flatten().tolist()
+    if total is None and used.numel() > 0 and bool((used == used[0]).all()):
+        return [(i, 1.0) for i in rows], float(used.numel())
+    return [(i, float(w[i])) for i in rows], float(w.sum()) if total is None else float(total)
+
+
+def _accumulate(out: Tensor, terms: list[tuple[int, float]], deltas: Tensor, *,
+                scratch: Tensor | None = None) -> Tensor:
+    """out (zeros, float64) += sum_i w_i x_i over `terms`, row by row in float64: a fixed order of
+    exact-width float64 additions (no BLAS call), the same result on every CPU, BLAS and thread count."""
+    for i, wi in terms:
+        if wi == 1.0:
+            out += deltas[i]  # promoted to float64 element by element
+        else:  # a separate rounded product, never fused into an FMA (which some CPUs lack)
+            prod = deltas[i].to(torch.float64) if scratch is None else scratch.copy_(deltas[i])
+            out += prod.mul_(wi)
+    return out
+
+
 def weighted_sum(weights: Tensor, deltas: Tensor) -> Tensor:
     """(d,) float64 sum_i w_i x_i of `deltas` (n, d), accumulated row by row in float64.
 
@@ -53,13 +82,8 @@ def weighted_sum(weights: Tensor, deltas: Tensor) -> Tensor:
     BLAS and thread count. Rows of weight 0 are skipped. Extra memory: two (d,) float64 vectors.
     """
     w = torch.as_tensor(weights, dtype=torch.float64).flatten()  # (n,)
-    out = torch.zeros(deltas.shape[1], dtype=torch.float64)  # (d,)
-    for i in w.nonzero().flatten().tolist():
-        if float(w[i]) == 1.0:
-            out += deltas[i]  # promoted to float64 element by element
-        else:  # a separate rounded product, never fused into an FMA (which some CPUs lack)
-            out += deltas[i].to(torch.float64) * float(w[i])
-    return out
+    terms = [(i, float(w[i])) for i in w.nonzero().flatten().tolist()]
+    return _accumulate(torch.zeros(deltas.shape[1], dtype=torch.float64), terms, deltas)
 
 
 def combine64(weights: Tensor, deltas: Tensor, *, total: float | None = None) -> Tensor:
@@ -68,12 +92,8 @@ def combine64(weights: Tensor, deltas: Tensor, *, total: float | None = None) ->
     Equal weights (every row with w_i > 0 weighs the same) are a plain float64 sum of those rows
     divided by their count, so the uniform mean never goes through a rounded 1/n.
     """
-    w = torch.as_tensor(weights, dtype=torch.float64).flatten()  # (n,)
-    used = w[w != 0]
-    if total is None and used.numel() > 0 and bool((used == used[0]).all()):
-        return weighted_sum((w != 0).to(torch.float64), deltas) / used.numel()
-    denom = float(w.sum()) if total is None else float(total)
-    return weighted_sum(w, deltas) / denom
+    terms, denom = _terms(weights, total=total)
+    return _accumulate(torch.zeros(deltas.shape[1], dtype=torch.float64), terms, deltas) / denom
 
 
 def combine(weights: Tensor, deltas: Tensor, *, total: float | None = None) -> Tensor:
@@ -82,6 +102,18 @@ def combine(weights: Tensor, deltas: Tensor, *, total: float | None = None) -> T
     Accumulated in float64 and divided once (`combine64`), then cast once to the deltas' dtype,
     so a uniform mean of float32 deltas is the float64 sum / n rounded to float32: exact up to
     float64's resolution on every CPU (a float32 matmul is off by float32 rounding that depends
-    on the BLAS and the instruction set).
+    on the BLAS and the instruction set). `combine64(...).to(dtype)`'s very numbers, computed
+    `_COMBINE_CHUNK` columns at a time through reused float64 buffers instead of (d,) float64
+    vectors (at a 0.6B model that was most of the aggregation's time: memory traffic and page faults).
     """
-    return combine64(weights, deltas, total=total).to(deltas.dtype)
+    terms, denom = _terms(weights, total=total)
+    d = deltas.shape[1]
+    out = torch.empty(d, dtype=deltas.dtype)
+    acc = torch.empty(min(d, _COMBINE_CHUNK), dtype=torch.float64)
+    scratch = torch.empty_like(acc) if any(wi != 1.0 for _, wi in terms) else None
+    for lo in range(0, d, _COMBINE_CHUNK):
+        hi = min(d, lo + _COMBINE_CHUNK)
+        a = acc[:hi - lo].zero_()
+        _accumulate(a, terms, deltas[:, lo:hi], scratch=None if scratch is None else scratch[:hi - lo])
+        out[lo:hi] = a.div_(denom)
+    return out

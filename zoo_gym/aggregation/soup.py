@@ -42,7 +42,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from ._checks import combine64
+from ._checks import combine, combine64
 from .bulyan import bulyan, check_bulyan_config
 from .centered_clip import centered_clip_iterate
 from .clipping import adaptive_clip_update, clip_factors, update_noise_multiplier
@@ -330,11 +330,12 @@ class DeltaSoup:
         used = torch.zeros(k, dtype=torch.float64)
         for name in names:
             x = self._rows(source, name, acc, factors, n)  # (k, numel)
-            if coeff is not None:
+            if coeff is not None and cfg.aggregator in _ITERATED:
                 v = combine64(coeff, x, total=total)  # (numel,) float64
-                if cfg.aggregator in _ITERATED:
-                    score_sq += sq_distances_to(x, v)
+                score_sq += sq_distances_to(x, v)
                 agg = v.to(x.dtype)
+            elif coeff is not None:
+                agg = combine(coeff, x, total=total)  # (numel,) combine64's numbers, in x's dtype
             else:
                 if cfg.aggregator == "median":
                     res = median(x)

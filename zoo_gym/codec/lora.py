@@ -54,9 +54,13 @@ class LoraFactors:
     def dtype(self) -> torch.dtype:
         return self.A.dtype
 
-    def merged(self) -> Tensor:
-        """(out, in) = B @ A, computed in float32."""
-        return self.B.detach().cpu().float() @ self.A.detach().cpu().float()
+    def merged(self, *, out: Tensor | None = None) -> Tensor:
+        """(out, in) = B @ A, computed in float32; into `out` (a float32 (out, in) tensor, e.g. a row of a
+        preallocated stack) when given, with the same numbers."""
+        b, a = self.B.detach().cpu().float(), self.A.detach().cpu().float()
+        if out is None:
+            return b @ a
+        return torch.matmul(b, a, out=out)
 
     def merged_sq_norm(self) -> float | None:
         """||B @ A||_F^2 from the (r, r) Gram matrices, sum((B^T B) * (A A^T)) in float64, without

@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import struct
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +50,7 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
 _CHUNK = 16 << 20  # bytes copied at a time for tensors the round does not change
+_QUEUED_PIECES = 4  # pieces (one tensor or one _CHUNK each, <= 64 MiB) waiting per output thread
 
 
 class CheckpointFormatError(ValueError):
@@ -201,6 +204,54 @@ class _Sequential:
         return self._next == len(self.layout.order)
 
 
+class _Background:
+    """Calls `outputs` on each piece in one worker thread, in order, with at most `_QUEUED_PIECES`
+    waiting. File writes and sha256 updates release the GIL, so the published archive and the master
+    are written and hashed on other cores while the caller aggregates the next tensor. A piece is
+    held (and so kept alive) until written; an output's error is raised by the next call or `drain`."""
+
+    def __init__(self, outputs: Sequence[Callable[[memoryview], None]], *, name: str) -> None:
+        self._outputs = outputs
+        self._queue: queue.Queue = queue.Queue(maxsize=_QUEUED_PIECES)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            data = self._queue.get()
+            try:
+                if data is None:
+                    return
+                if self._error is None:  # after an error, pieces are only taken off the queue
+                    for out in self._outputs:
+                        out(data)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def __call__(self, data) -> None:
+        self._raise()
+        if not self._thread.is_alive():
+            raise CheckpointFormatError("the checkpoint writer is closed")
+        self._queue.put(data)
+
+    def drain(self) -> None:
+        """Wait until every piece is written; raise what an output raised."""
+        self._queue.join()
+        self._raise()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+
 class CheckpointWriter:
     """One publish: `sink(name, aggregate)` per changed tensor (DeltaSoup's order), then `finish(lineage)`.
 
@@ -237,11 +288,14 @@ class CheckpointWriter:
             _copy(self.base_dir / name, self.out_dir / name)
             self._tar.add_file(name, self.out_dir / name)
         self._tar.begin(archive.WEIGHTS, self.layout.total)
-        self._pub = _Sequential(self.layout, [self._weights_file.write, self._tar.write])
+        # the published bytes (file + archive blob) and the master's each have their own thread
+        self._threads = [_Background([self._weights_file.write, self._tar.write], name="publish-weights")]
+        self._pub = _Sequential(self.layout, [self._threads[0]])
         self._master_out = None
         if master_blob is not None:
             m_layout = SafetensorsLayout([(n, "F32", infos[n].shape) for n in order], metadata={"format": "pt"})
-            self._master_out = _Sequential(m_layout, [master_blob.write])
+            self._threads.append(_Background([master_blob.write], name="publish-master"))
+            self._master_out = _Sequential(m_layout, [self._threads[1]])
 
     def _master_tensor(self, name: str) -> torch.Tensor:
         if self.master is not None:
@@ -269,6 +323,8 @@ class CheckpointWriter:
             self._pub.write(name, self.base.chunks(name))
             if self._master_out is not None:
                 self._master_out.write(name, self._master_chunks(name))
+        for t in self._threads:
+            t.drain()
         self._weights_file.close()
         self._tar.end()
         self.base.close()
@@ -292,6 +348,8 @@ class CheckpointWriter:
         self._tar.close()
 
     def close(self) -> None:
+        for t in self._threads:
+            t.close()
         if not self._weights_file.closed:
             self._weights_file.close()
         self.base.close()

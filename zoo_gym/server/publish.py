@@ -72,13 +72,16 @@ class StoredDeltas:
     def stacked(self, name: str) -> torch.Tensor:
         if name in self._cache:
             return self._cache[name]
-        rows = []
-        for payload, entries, manifest in zip(self._payloads, self._entries, self._manifests):
-            if name in entries:
-                rows.append(codec.decode_tensor(payload, name, manifest=manifest).reshape(-1).float())
-            else:  # this contributor did not change the tensor (e.g. LoRA leaves norms alone)
-                rows.append(torch.zeros(math.prod(self._shapes[name])))
-        out = torch.stack(rows)  # (n, numel)
+        shape = tuple(self._shapes[name])
+        out = torch.empty((len(self._payloads), math.prod(shape)))  # (n, numel), each row decoded in place
+        for row, payload, entries, manifest in zip(out, self._payloads, self._entries, self._manifests):
+            e = entries.get(name)
+            if e is None:  # this contributor did not change the tensor (e.g. LoRA leaves norms alone)
+                row.zero_()
+            elif e.codec == "lora" and e.dtype == "float32" and tuple(e.shape) == shape:
+                codec.decode_factors(payload, name, manifest=manifest).merged(out=row.view(shape))  # one matmul
+            else:
+                row.copy_(codec.decode_tensor(payload, name, manifest=manifest).reshape(-1))
         if out.nbytes <= self._cache_left:
             self._cache[name] = out
             self._cache_left -= out.nbytes
