@@ -16,7 +16,7 @@ payload coded them: for ``log8`` (what :func:`encode_variant` writes) the uint8 
 and one float32 reference per tensor, i.e. 1 bit per weight plus 1 byte per group (1/15.06 of bf16 at
 groups of 128); other scale dtypes as float32 (rows, n_groups). Codes become float32 scales only inside
 the kernels, a tile of rows at a time (:meth:`PackedWeight.scales_f32`). 1-D deltas are kept dense,
-float32 (they are a few KiB). :attr:`Variant.nbytes` counts the bytes of these tensors.
+as coded (fp16: a few KiB). :attr:`Variant.nbytes` counts the bytes of these tensors.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class Variant:
     name: str
     base_sha256: str
     packed: dict[str, PackedWeight] = field(default_factory=dict)  # base parameter name -> packed delta
-    dense: dict[str, torch.Tensor] = field(default_factory=dict)  # 1-D deltas (norms, biases), float32
+    dense: dict[str, torch.Tensor] = field(default_factory=dict)  # 1-D deltas (norms, biases), fp16 as coded
     manifest: dict = field(default_factory=dict)
 
     @property
@@ -196,7 +196,9 @@ def variant_from_payload(payload, *, name: str, base_sha256: str) -> Variant:
                 v.packed[e.name] = PackedWeight(shape=(p.rows, p.cols), signs=p.signs.clone(), scales=scales,
                                                 group_size=p.group_size, scale_ref=ref)
             elif len(e.shape) == 1:
-                v.dense[e.name] = codec.decode_tensor(payload, e.name, manifest=manifest).float().clone()
+                t = codec.decode_tensor(payload, e.name, manifest=manifest)
+                # held as coded: fp16 values are exactly fp16 (half the bytes); anything else as float32
+                v.dense[e.name] = t.to(torch.float16 if e.codec == "fp16" else torch.float32).clone()
             else:
                 raise VariantError(f"variant {name!r}: tensor {e.name!r} {tuple(e.shape)} is coded {e.codec}; "
                                    "gym-serve serves 2-D weights coded bitdelta and 1-D tensors only")
