@@ -7,10 +7,13 @@ GEMM for the whole batch) and the per-variant part is ours, on the packed signs 
 (out, ceil(in/8)), bit 1 = +scale, little bit order, groups start on byte boundaries; see
 zoo_gym/codec/bitdelta.py). No dense per-variant copy of a weight exists at any time.
 
-CPU (numba, zoo_gym/serving/kernels_cpu.py): ``sum_i x_i sign(o, i) = 2 S_set - S_all`` per group, with
-``S_set`` one masked vector add per 16 packed sign bits, read straight from the packed bytes, in
-parallel over (variant, block of outputs). A variant with many tokens at once (a long prompt) instead
-unpacks a tile of rows at a time and uses torch's matmul, which is faster there.
+CPU (numba, zoo_gym/serving/kernels_cpu.py): ``sum_i x_i sign(o, i)`` per group straight from the packed
+bytes, each word of sign bits turned into +-1 in registers: 32 weights per ``vdpbf16ps`` for bf16
+activations on AVX512-BF16 CPUs, 16 per masked add for float32 ones; in parallel over (variant, block
+of outputs). The routing of a batch's rows is computed once per batch (every adapted linear of a forward
+asks the same), and the kernel writes its output in batch order into a buffer reused across calls, added
+to the base output in one float32 add. A variant with many tokens at once (a long prompt) instead
+unpacks a tile of rows at a time and uses torch's matmul.
 
 CUDA: a Triton kernel (zoo_gym/serving/kernels_triton.py, imported only then) that unpacks a tile of
 signs inside the matmul's K loop, used when the input is on a CUDA device.
