@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import signal
@@ -41,6 +42,10 @@ def run_in_child(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     child.start()
     send.close()
     try:
+        # a timed wait, not a blocking recv(): Ctrl-C often lands on one of gRPC's threads, and Python raises
+        # KeyboardInterrupt only when the main thread runs again
+        while not multiprocessing.connection.wait([receive, child.sentinel], timeout=0.5):
+            pass
         try:
             ok, value = receive.recv()
         except EOFError:
