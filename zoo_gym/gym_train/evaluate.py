@@ -121,7 +121,11 @@ def head_loss_sum(model, inputs: dict, *, at: torch.Tensor, targets: torch.Tenso
 
     vocab = int(getattr(head, "out_features", None) or head.weight.shape[0])
     step = max(1, _HEAD_CHUNK_ELEMENTS // max(vocab, 1))
-    grad = torch.is_grad_enabled() and hidden.requires_grad
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+    if grad and type(head) is torch.nn.Linear:  # one weight-gradient buffer for all chunks (head_loss.py)
+        from zoo_gym.gym_train.head_loss import linear_cross_entropy_sum
+
+        return linear_cross_entropy_sum(hidden, head, targets, step=step, cap=cap)
     total = hidden.new_zeros((), dtype=torch.float32)
     for i in range(0, hidden.shape[0], step):
         hc, tc = hidden[i:i + step], targets[i:i + step]

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .errors import ScoringInputError
+from .spill import SpilledTensors
 
 
 def directional_slopes(grad: Mapping[str, Tensor],
@@ -225,7 +226,7 @@ class SlopeTap:
         return LazyDelta(self, i)
 
     def _tensor_of(self, i: int, name: str) -> Tensor:
-        shape = self._grad[name].shape
+        shape = self._grad.shape(name) if isinstance(self._grad, SpilledTensors) else self._grad[name].shape
         rows = self._kept.get(name)
         if rows is not None:
             return rows[i].reshape(shape)

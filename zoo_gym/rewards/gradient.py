@@ -8,11 +8,12 @@ once when it publishes a base (while contributors train) and reuse it when it sc
 ``BaseGradient`` is that cached value. FLTrust (Cao, Fang, Liu, Gong, NDSS 2021) calls the
 corresponding update the server's root update.
 
-Cost: one forward and one backward over the examples (about 3 forward passes), a few packed rows
-at a time (memory: the gradient plus one part's activations; the output layer only at scored
-positions); on the tiny model
-with 32 examples, 1 CPU thread, about 0.1 s padded, about 0.07 s packed (``packing.py``: the shared
-chat prefix computed once per row, no padding).
+Cost: one forward and one backward over the examples (about 3 forward passes; the output layer only
+at scored positions), plus the recomputed forward of the decoder layers checkpointed to stay within the
+activation budget (``activation_budget.py``). Memory: the model, the activations within the budget and
+one gradient tensor at a time; the finished gradient goes to disk (``spill.py``) on the server. On the
+tiny model with 32 examples, 1 CPU thread, about 0.1 s padded, about 0.07 s packed (``packing.py``:
+the shared chat prefix computed once per row, no padding).
 """
 
 from __future__ import annotations
@@ -20,34 +21,35 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from zoo_gym.gym_train.evaluate import head_loss_sum, scored_positions
 
+from .activation_budget import checkpoint_beyond
 from .errors import ScoringInputError
 from .packing import PackedBatch, packed_loss_sum
+from .spill import SpilledTensors
 
 
 @dataclass(frozen=True)
 class BaseGradient:
-    """Validation loss ``L0`` and its gradient at a base checkpoint (float32, detached)."""
+    """Validation loss ``L0`` and its gradient at a base checkpoint (float32, detached).
+
+    ``grad`` is a dict, or a ``SpilledTensors`` whose tensors are read from disk one at a time
+    (``base_gradient(spill_dir=...)``): the server's gradient is never resident as a whole."""
 
     base_loss: float               # L0, mean completion-token cross-entropy (nats per token)
-    grad: dict[str, Tensor]        # parameter name -> dL/dtheta, the parameter's shape
+    grad: Mapping[str, Tensor]     # parameter name -> dL/dtheta, the parameter's shape
     examples: int                  # validation examples it was computed on
     tokens: int                    # completion tokens the mean runs over
 
     @cached_property
     def norm(self) -> float:
         """``||g||_2`` over distinct parameters (tied aliases counted once; float64 accumulation)."""
-        total = torch.zeros((), dtype=torch.float64)
-        for g in self._unique():  # float64 a block at a time: no float64 copy of a whole embedding
-            flat = g.reshape(-1)
-            for i in range(0, flat.numel(), 1 << 20):
-                total += (flat[i:i + (1 << 20)].double() ** 2).sum()
-        return float(torch.sqrt(total))
+        return float(torch.sqrt(sum((_sq_norm(g) for g in self._unique()), torch.zeros((), dtype=torch.float64))))
 
     @cached_property
     def numel(self) -> int:
@@ -57,24 +59,30 @@ class BaseGradient:
     @property
     def released(self) -> bool:
         """Whether the gradient tensors were freed (`release`): only the summary numbers remain."""
+        if isinstance(self.grad, SpilledTensors):
+            return self.grad.closed
         return any(g.is_meta for g in self.grad.values())
 
     def release(self) -> "BaseGradient":
         """This gradient's loss, norm and size with the tensors freed.
 
         The tensors in ``grad`` are replaced in place by meta tensors of the same shapes (holders of
-        the same dict, e.g. a ``SlopeTap``, still read the shapes); ``norm`` and ``numel`` are
-        computed first and carried over."""
+        the same mapping, e.g. a ``SlopeTap``, still read the shapes; a spilled gradient's file is
+        deleted); ``norm`` and ``numel`` are computed first and carried over."""
         norm, numel = self.norm, self.numel
-        metas: dict[int, Tensor] = {}
-        for k, g in list(self.grad.items()):
-            metas.setdefault(id(g), torch.empty(g.shape, dtype=g.dtype, device="meta"))
-            self.grad[k] = metas[id(g)]
-        out = BaseGradient(base_loss=self.base_loss, grad=self.grad, examples=self.examples, tokens=self.tokens)
-        out.__dict__["norm"], out.__dict__["numel"] = norm, numel  # cached_property values
-        return out
+        if isinstance(self.grad, SpilledTensors):
+            self.grad.close()
+        else:
+            metas: dict[int, Tensor] = {}
+            for k, g in list(self.grad.items()):
+                metas.setdefault(id(g), torch.empty(g.shape, dtype=g.dtype, device="meta"))
+                self.grad[k] = metas[id(g)]
+        return _with_summary(BaseGradient(base_loss=self.base_loss, grad=self.grad, examples=self.examples,
+                                          tokens=self.tokens), norm=norm, numel=numel)
 
     def _unique(self) -> list[Tensor]:
+        if isinstance(self.grad, SpilledTensors):
+            return [self.grad[name] for name in self.grad.distinct()]
         seen: set[int] = set()
         out = []
         for g in self.grad.values():
@@ -83,6 +91,24 @@ class BaseGradient:
                 seen.add(key)
                 out.append(g)
         return out
+
+
+def _with_summary(g: BaseGradient, *, norm: float, numel: int) -> BaseGradient:
+    g.__dict__["norm"], g.__dict__["numel"] = norm, numel  # the cached_property values
+    return g
+
+
+def _sq_norm(g: Tensor) -> Tensor:
+    """Squared L2 norm, float64 across rows of 16384 values whose norms are taken in float32 (relative
+    error ~1e-7 at 155M values; one float32 pass over all of them drifts by percents, and a float64
+    copy costs 40x the time)."""
+    flat = g.detach().reshape(-1).float()
+    rows = flat.numel() // _ROW
+    total = (torch.linalg.vector_norm(flat[:rows * _ROW].view(rows, _ROW), dim=1).double() ** 2).sum()
+    return total + (flat[rows * _ROW:].double() ** 2).sum()
+
+
+_ROW = 1 << 14
 
 
 def _parts(batch, *, rows: int):
@@ -111,7 +137,8 @@ def _loss_sum(model: torch.nn.Module, batch) -> Tensor:
 
 def base_gradient(model: torch.nn.Module,
                   batches: Iterable[tuple[Tensor, Tensor, Tensor] | PackedBatch], *,
-                  rows_per_backward: int = 1) -> BaseGradient:
+                  rows_per_backward: int | None = None, spill_dir: str | Path | None = None,
+                  activation_budget: int | None | str = "auto") -> BaseGradient:
     """Mean completion loss of ``model`` over ``batches`` and its gradient.
 
     ``batches`` yields ``(input_ids, attention_mask, labels)``, each ``(B, T)``, labels ``-100``
@@ -119,49 +146,84 @@ def base_gradient(model: torch.nn.Module,
     (``packing.pack_shared_prefix``: the same loss on fewer positions). The model's parameters and
     their ``.grad`` are left as they were (``.grad`` is reset to None before and after).
 
-    Memory: the gradient (1x the parameters, in the ``.grad`` tensors, taken over without a copy)
-    plus one part's activations. The mean is ``sum_parts loss_part / tokens``, so each part
-    (``rows_per_backward`` packed rows, or one padded batch) runs its own forward and backward into
-    the accumulating ``.grad``: the same gradient as one backward over everything, up to the order
-    of float additions, with the activations of one part alive at a time instead of all.
+    One backward over everything by default (``rows_per_backward=None``). Each parameter's gradient
+    is taken as soon as the last backward has finished it (a post-accumulate-grad hook), so the
+    finished gradients never pile up in ``.grad``: with ``spill_dir`` they go straight to a
+    ``SpilledTensors`` file there (nothing of the gradient stays resident), otherwise to a dict.
+    Activations: decoder layers beyond ``activation_budget`` bytes of saved activations are
+    checkpointed (``activation_budget.checkpoint_beyond``; "auto": half the parameters' bytes, None:
+    keep everything). At Qwen3-0.6B's size the peak is then the model, half its size in activations
+    and the output layer's gradient, instead of the model, its gradient and all activations.
+
+    ``rows_per_backward`` splits a packed batch into parts of that many rows, each with its own
+    forward and backward (parts before the last accumulate in ``.grad`` as usual): the same gradient
+    up to the order of float additions, for sets too large for one pass.
     """
     # remove_duplicate=False: a tied weight (lm_head.weight = embed_tokens.weight) appears under
     # both names with the same gradient, so a delta naming either gets the right slope.
-    if rows_per_backward < 1:
+    if rows_per_backward is not None and rows_per_backward < 1:
         raise ScoringInputError(f"`rows_per_backward` must be >= 1, got {rows_per_backward}")
     params = dict(model.named_parameters(remove_duplicate=False))
-    parts = [p for batch in batches for p in _parts(batch, rows=rows_per_backward)]
+    parts = [p for batch in batches for p in _parts(batch, rows=rows_per_backward or (1 << 62))]
+    parts = [p for p in parts if p[1] > 0]
     tokens = sum(k for _, k, _ in parts)
     examples = sum(b for _, _, b in parts)
     if tokens == 0:
         raise ScoringInputError("`batches` hold no completion tokens (every label is -100 "
                                 "or there is no batch): nothing to take a gradient of")
+    if activation_budget == "auto":
+        activation_budget = sum(p.numel() * p.element_size() for p in model.parameters()) // 2
+    store: dict[int, Tensor] | SpilledTensors = SpilledTensors(spill_dir) if spill_dir is not None else {}
+    sq = torch.zeros((), dtype=torch.float64)  # ||g||^2, summed as the gradients are taken
+
+    def take(p: torch.nn.Parameter) -> None:
+        nonlocal sq
+        g = p.grad.detach()
+        sq = sq + _sq_norm(g)
+        if isinstance(store, SpilledTensors):
+            store.put(id(p), g)
+        else:
+            store[id(p)] = g
+        p.grad = None
+
     was_training = model.training
     model.eval()
     model.zero_grad(set_to_none=True)
     total = 0.0  # summed cross-entropy, float64
+    hooks = []
     try:
         with torch.enable_grad():
-            for part, k, _ in parts:
-                if k == 0:
-                    continue
-                loss = _loss_sum(model, part)
+            for n, (part, _, _) in enumerate(parts):
+                if n == len(parts) - 1:  # the last backward finishes every gradient: take each at once
+                    hooks = [p.register_post_accumulate_grad_hook(take)
+                             for p in {id(p): p for p in params.values() if p.requires_grad}.values()]
+                with checkpoint_beyond(model, activation_budget):
+                    loss = _loss_sum(model, part)
                 (loss / tokens).backward()
                 total += float(loss.detach())
                 del loss
-        # The .grad tensors are taken over, not copied (a copy would be a second model-sized buffer at
-        # once); zero_grad below detaches them from the parameters. One per distinct parameter.
-        taken: dict[int, Tensor] = {}
-        grad = {}
-        for k, p in params.items():
-            if id(p) not in taken:
-                taken[id(p)] = (p.grad.detach() if p.grad is not None
-                                else torch.zeros_like(p, requires_grad=False))
-            grad[k] = taken[id(p)]
+    except BaseException:
+        if isinstance(store, SpilledTensors):
+            store.close()
+        raise
     finally:
+        for h in hooks:
+            h.remove()
         model.zero_grad(set_to_none=True)
         model.train(was_training)
-    return BaseGradient(base_loss=total / tokens, grad=grad, examples=examples, tokens=tokens)
+    # One tensor per distinct parameter; one that got no gradient (unused) is zeros.
+    if isinstance(store, SpilledTensors):
+        for k, p in params.items():
+            store.alias(k, id(p), p.shape, p.dtype)
+        grad: Mapping[str, Tensor] = store
+    else:
+        for p in params.values():
+            if id(p) not in store:
+                store[id(p)] = torch.zeros_like(p, requires_grad=False)
+        grad = {k: store[id(p)] for k, p in params.items()}
+    numel = sum(p.numel() for p in {id(p): p for p in params.values()}.values())
+    return _with_summary(BaseGradient(base_loss=total / tokens, grad=grad, examples=examples, tokens=tokens),
+                         norm=float(sq.sqrt()), numel=numel)
 
 
 def gradient_from_mapping(*, base_loss: float, grad: Mapping[str, Tensor], examples: int = 0,

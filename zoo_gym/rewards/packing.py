@@ -263,8 +263,9 @@ class PackedScoringSet:
                 p.data = orig
             self.model.train(was_training)
 
-    def gradient(self):
-        """``BaseGradient`` of the mean completion loss at the current weights."""
+    def gradient(self, *, spill_dir=None):
+        """``BaseGradient`` of the mean completion loss at the current weights (on disk in ``spill_dir``
+        when given: ``gradient.base_gradient``)."""
         from .gradient import base_gradient
 
-        return base_gradient(self.model, [self.batch])
+        return base_gradient(self.model, [self.batch], spill_dir=spill_dir)

@@ -10,10 +10,12 @@ base after a start has no such pass: its gradient is computed in full when its r
 
 from __future__ import annotations
 
+import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 from zoo_gym.server.config import ServerConfig
+from zoo_gym.server.memory import release_freed_memory
 from zoo_gym.server.state import ServerState
 
 
@@ -36,12 +38,16 @@ class ServerEvaluator:
     batches); a model whose attention cannot take the packing mask falls back to padded batches.
     """
 
-    def __init__(self, base_dir: Path, examples: list[dict], *, scoring_examples: int = 32) -> None:
+    def __init__(self, base_dir: Path, examples: list[dict], *, scoring_examples: int = 32,
+                 spill_dir: Path | None = None) -> None:
         from zoo_gym.gym_train import Evaluator
         from zoo_gym.gym_train.evaluate import tokenize_examples
         from zoo_gym.rewards.packing import PackedScoringSet, supports_packing
 
         self.examples = examples
+        # the scoring gradient goes to a file here as the backward produces it (rewards/spill.py): never
+        # resident, from the publish that computes it to the round that reads it
+        self.spill_dir = Path(spill_dir) if spill_dir is not None else Path(tempfile.gettempdir())
         self.base = Evaluator(base_dir, examples)
         self.scoring_set = examples[:scoring_examples]
         tok, model = self.base.tokenizer, self.base.model
@@ -71,9 +77,11 @@ class ServerEvaluator:
             from zoo_gym.rewards import base_gradient
 
             if hasattr(self.scoring, "gradient"):
-                self._gradient = self.scoring.gradient()
+                self._gradient = self.scoring.gradient(spill_dir=self.spill_dir)
             else:  # padded fallback: the Evaluator's own length-sorted batches
-                self._gradient = base_gradient(self.base.model, self.scoring._batches)  # noqa: SLF001
+                self._gradient = base_gradient(self.base.model, self.scoring._batches,  # noqa: SLF001
+                                               spill_dir=self.spill_dir)
+            release_freed_memory()  # the backward's activations and buffers, kept by malloc otherwise
         return self._gradient
 
     def loss(self, delta=None, *, scale: float = 1.0) -> float:
@@ -113,7 +121,8 @@ class ServerEvaluator:
         model at a time."""
         _cache.clear()  # this base is superseded
         _prepared.clear()  # one prepared base at a time
-        nxt = ServerEvaluator(Path(model_dir), self.examples, scoring_examples=len(self.scoring_set))
+        nxt = ServerEvaluator(Path(model_dir), self.examples, scoring_examples=len(self.scoring_set),
+                              spill_dir=self.spill_dir)
         loss = nxt.heldout_loss()
         _prepared[checkpoint_sha256 or _weights_digest(Path(model_dir))] = nxt
         return loss
@@ -178,5 +187,5 @@ def evaluator_for(state: ServerState, config: ServerConfig, base_sha256: str) ->
         if ready is not None and ready.examples == examples:
             _cache[key] = ready  # built at publish; its scoring gradient came with the held-out loss
         else:
-            _cache[key] = ServerEvaluator(base_dir, examples)
+            _cache[key] = ServerEvaluator(base_dir, examples, spill_dir=state.work_dir)
     return _cache[key]

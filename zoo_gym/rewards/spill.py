@@ -1,0 +1,108 @@
+"""Tensors kept on disk instead of in memory: the server's base gradient between publish and scoring.
+
+The base gradient (``gradient.py``) is as large as the model in float32 (2.4 GB at Qwen3-0.6B's size)
+and is read once per round, one tensor at a time, by the slope tap (``first_order.SlopeTap``). Holding
+it in memory from the publish that computes it to the round that uses it doubled the server's resident
+size. ``SpilledTensors`` writes each tensor to an unlinked temporary file as the backward pass produces
+it and reads it back with ``pread`` when it is asked for: nothing of it is resident (the page cache
+holds it while memory is free, and the kernel may drop it), and the file disappears with the process.
+
+Written by hand because what is needed is this small: ``safetensors`` writes a file from a complete
+dict (the point is never to have one) and ``torch.save`` likewise; numpy's ``memmap`` would map the
+file, so every page read stays in the process's resident set.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+
+class SpilledTensors(Mapping[str, Tensor]):
+    """A read-only mapping name -> tensor whose values live in a temporary file.
+
+    ``put(key, tensor)`` writes a tensor's bytes once; ``alias(name, key)`` makes ``name`` read it
+    (tied weights: two names, one tensor); a name aliased to a key never written reads zeros of the
+    recorded shape. Every read returns a fresh tensor (the caller owns it). After ``close()`` the
+    file is gone and reads return meta tensors of the right shapes (holders still see the shapes).
+    """
+
+    def __init__(self, directory: str | Path | None = None) -> None:
+        self._file = tempfile.TemporaryFile(dir=directory, prefix="zoo-gym-spill-")  # unlinked at once
+        self._end = 0
+        self._where: dict[object, tuple[int, torch.Size, torch.dtype]] = {}   # key -> (offset, shape, dtype)
+        self._names: dict[str, tuple[object, torch.Size, torch.dtype]] = {}    # name -> (key, shape, dtype)
+        self.closed = False
+
+    def put(self, key: object, tensor: Tensor) -> None:
+        """Write ``tensor`` (CPU) under ``key``; each key once."""
+        if key in self._where:
+            raise ValueError(f"spilled key {key!r} written twice")
+        t = tensor.detach().contiguous()
+        data = _bytes_of(t)
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self._file.fileno(), data[done:], self._end + done)
+        self._where[key] = (self._end, t.shape, t.dtype)
+        self._end += len(data)
+
+    def alias(self, name: str, key: object, shape: torch.Size, dtype: torch.dtype) -> None:
+        self._names[name] = (key, torch.Size(shape), dtype)
+
+    def distinct(self) -> list[str]:
+        """One name per distinct tensor (the first alias of each key)."""
+        first: dict[object, str] = {}
+        for name, (key, _, _) in self._names.items():
+            first.setdefault(key, name)
+        return list(first.values())
+
+    def shape(self, name: str) -> torch.Size:
+        return self._names[name][1]
+
+    def close(self) -> None:
+        """Delete the file; reads return meta tensors from now on."""
+        if not self.closed:
+            self._file.close()
+            self.closed = True
+
+    def __getitem__(self, name: str) -> Tensor:
+        key, shape, dtype = self._names[name]
+        if self.closed:
+            return torch.empty(shape, dtype=dtype, device="meta")
+        where = self._where.get(key)
+        if where is None:
+            return torch.zeros(shape, dtype=dtype)
+        offset, _, _ = where
+        out = torch.empty(shape, dtype=dtype)
+        view = _bytes_of(out)
+        done = 0
+        while done < len(view):
+            n = os.preadv(self._file.fileno(), [view[done:]], offset + done)
+            if n <= 0:
+                raise OSError(f"spill file ended early reading {name!r}")
+            done += n
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _bytes_of(t: Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's storage (any dtype, bfloat16 included)."""
+    if t.numel() == 0:
+        return memoryview(bytearray())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
