@@ -116,7 +116,7 @@ def serve(
     server_lr: Optional[float] = typer.Option(None, help="Async: server learning rate; a version adds it x the "
                                                          "aggregate to the base \\[default: 1.0]."),
     staleness_exponent: Optional[float] = typer.Option(None, help="Async: a delta s versions old weighs "
-                                                                  "(1+s)^-a \\[default: 0.5]."),
+                                                                  "(1+s)^-a \\[default: 1, measured in benchmarks/async.py]."),
     aggregator: Optional[str] = typer.Option(None, help="mean, median, trimmed-mean, krum, multi-krum, bulyan, "
                                                         "geometric-median, centered-clip \\[default: trimmed-mean, robust; "
                                                         "mean is an explicit choice]."),
