@@ -1,9 +1,11 @@
-"""Give a finished training run's memory back to the operating system.
+"""Give a finished working set's memory back to the operating system (a training run, the server's scoring
+gradient, a model the server drops before loading the next).
 
 After `train()` returns, its model, optimizer state and activations are garbage, but glibc keeps freed
 heap pages inside the process (its mmap threshold grows with every large free, so later large tensors
 land on the heap), and the resident size stays near the training peak while the client only waits for
-the server. `gc.collect()` drops Python's cycles (trainer <-> model callbacks); `malloc_trim(0)` hands the
+the server (measured on the server at Qwen3-0.6B's size: 0.5x the float32 model stayed resident after the
+scoring gradient). `gc.collect()` drops Python's cycles (trainer <-> model callbacks); `malloc_trim(0)` hands the
 free heap back. On a libc without `malloc_trim` (musl, macOS) the second step is skipped.
 """
 

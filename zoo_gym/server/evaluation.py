@@ -15,7 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from zoo_gym.server.config import ServerConfig
-from zoo_gym.server.memory import release_freed_memory
+from zoo_gym.gym_train.memory import release_memory
 from zoo_gym.server.state import ServerState
 
 
@@ -81,7 +81,7 @@ class ServerEvaluator:
             else:  # padded fallback: the Evaluator's own length-sorted batches
                 self._gradient = base_gradient(self.base.model, self.scoring._batches,  # noqa: SLF001
                                                spill_dir=self.spill_dir)
-            release_freed_memory()  # the backward's activations and buffers, kept by malloc otherwise
+            release_memory()  # the backward's activations and buffers, kept by malloc otherwise
         return self._gradient
 
     def loss(self, delta=None, *, scale: float = 1.0) -> float:

@@ -33,7 +33,7 @@ from zoo_gym.server.checkpoint_writer import CheckpointWriter, SafetensorsReader
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.evaluation import evaluator_for, forget
 from zoo_gym.server.faults import crash_point
-from zoo_gym.server.memory import release_freed_memory
+from zoo_gym.gym_train.memory import release_memory
 from zoo_gym.server.models import Checkpoint, Contributor, Round, RoundInputs, RoundState, Submission
 from zoo_gym.server.settlement import (aggregation_weights, current_reputations, plan_rewards, record_settlement,
                                       scoring_tap)
@@ -304,7 +304,7 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
             log.info("round %d phase=evaluation", rnd.id)
             evaluator.release()  # one model in memory: this base's goes before the new one loads
             stored = source = None  # and the decoded rows they cached (up to 512 MB)
-            release_freed_memory()
+            release_memory()
             heldout = evaluator.loss_of_dir(cache, checkpoint_sha256=sha)
     crash_point("blob-written")
     log.info("round %d phase=commit", rnd.id)

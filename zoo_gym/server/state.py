@@ -350,9 +350,9 @@ def check_base(model_dir: Path, examples: list[dict]) -> None:
         raise StateError(f"a contributor could not train this base: {exc}") from None
     try:
         from zoo_gym.server.evaluation import ServerEvaluator
-        from zoo_gym.server.memory import release_freed_memory
+        from zoo_gym.gym_train.memory import release_memory
 
-        release_freed_memory()  # the training check's model goes before the evaluator's loads
+        release_memory()  # the training check's model goes before the evaluator's loads
         loss = ServerEvaluator(model_dir, list(examples[:2]), scoring_examples=2).loss()  # no gradient needed
     except Exception as exc:  # noqa: BLE001 - whatever breaks the evaluator breaks every round
         text = str(exc).strip().splitlines()
