@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 import torch
@@ -64,6 +66,21 @@ class Federation:
         self.server.stop(grace=None)
         self.rounds.stop()
         self.state.engine.dispose()
+
+    def wait_published(self, round_id: int, timeout: float = 180.0):
+        """The round's row once it is PUBLISHED; AssertionError when it halts or the timeout passes."""
+        from zoo_gym.server.models import Round, RoundState
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.state.session() as s:
+                r = s.get(Round, round_id)
+                if r is not None and r.state == RoundState.PUBLISHED:
+                    return r
+                if r is not None and r.state == RoundState.HALTED:
+                    raise AssertionError(f"round {round_id} halted: {r.message}")
+            time.sleep(0.2)
+        raise AssertionError(f"round {round_id} was not published within {timeout} s")
 
     def blob_count(self) -> int:
         return sum(1 for p in (self.state.blobs.root / "sha256").rglob("*") if p.is_file())

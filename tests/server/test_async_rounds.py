@@ -10,7 +10,6 @@ same checkpoint and the same ledger.
 from __future__ import annotations
 
 import json
-import time
 
 import grpc
 import pytest
@@ -27,19 +26,6 @@ from zoo_gym.server.settlement import ledger_entries, verify_ledger
 from zoo_gym.server.state import open_state
 
 ASYNC = dict(mode="async", buffer_size=2, max_staleness=1, aggregator="mean")
-
-
-def _wait_published(fed, round_id: int, timeout: float = 180.0) -> Round:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with fed.state.session() as s:
-            r = s.get(Round, round_id)
-            if r is not None and r.state == RoundState.PUBLISHED:
-                return r
-            if r is not None and r.state == RoundState.HALTED:
-                raise AssertionError(f"round {round_id} halted: {r.message}")
-        time.sleep(0.2)
-    raise AssertionError(f"round {round_id} was not published within {timeout} s")
 
 
 def _weights(fed, sha: str) -> dict[str, torch.Tensor]:
@@ -77,12 +63,12 @@ def test_flush_is_server_lr_times_mean_of_staleness_weighted_deltas(federation_w
     base0 = fed.round().base_sha256
     fed.submit(ka, ca, codec.encode(d["A"], codec="fp32"), round_id=1)
     fed.submit(kb, cb, codec.encode(d["B"], codec="fp32"), round_id=1)
-    v1 = _wait_published(fed, 1).published_sha256
+    v1 = fed.wait_published(1).published_sha256
     # C trained on version 0 (round 1's base): one version old, accepted into round 2's buffer
     resp = fed.submit(kc, cc, codec.encode(d["C"], codec="fp32"), round_id=1, base_sha256=base0)
     assert resp.round_id == 2
     fed.submit(ka, ca, codec.encode(d["A2"], codec="fp32"), round_id=2)
-    v2 = _wait_published(fed, 2).published_sha256
+    v2 = fed.wait_published(2).published_sha256
 
     w1, w2 = _weights(fed, v1), _weights(fed, v2)
     w = staleness_weight(1, exponent=a)
@@ -129,11 +115,11 @@ def test_stale_delta_is_paid_less_than_the_same_delta_fresh(federation_with):
     base0 = fed.round().base_sha256
     fed.submit(ka, ca, codec.encode(fed.small_delta(seed=1), codec="fp32"), round_id=1)
     fed.submit(kb, cb, codec.encode(fed.small_delta(seed=2), codec="fp32"), round_id=1)
-    v1 = _wait_published(fed, 1).published_sha256
+    v1 = fed.wait_published(1).published_sha256
     payload = codec.encode(_helpful_delta(fed, v1), codec="fp32")
     fed.submit(kc, cc, payload, round_id=1, base_sha256=base0)  # the same delta, trained one version ago
     fed.submit(kd, cd, payload, round_id=2)  # ... and on the current version
-    _wait_published(fed, 2)
+    fed.wait_published(2)
     entries = {e["contributor_id"]: e for e in ledger_entries(fed.state, contributor=None, since_seq=0, limit=None)
                if e["round_id"] == 2}
     stale, fresh = entries[cc], entries[cd]
@@ -152,7 +138,7 @@ def test_flush_interrupted_after_its_blob_is_redone_identically(federation_with,
     base0 = fed.round().base_sha256
     fed.submit(ka, ca, codec.encode(fed.small_delta(seed=1), codec="fp16"), round_id=1)
     fed.submit(kb, cb, codec.encode(fed.small_delta(seed=2), codec="fp16"), round_id=1)
-    _wait_published(fed, 1)
+    fed.wait_published(1)
     fed.rounds.stop()  # the flush below runs by hand, as a restarted server's manager would
     fed.submit(kc, cc, codec.encode(fed.small_delta(seed=3), codec="fp16"), round_id=1, base_sha256=base0)
     fed.submit(ka, ca, codec.encode(fed.small_delta(seed=4), codec="fp16"), round_id=2)
@@ -204,10 +190,10 @@ def test_each_flush_is_one_dp_release_composed_by_the_accountant(federation_with
     base0 = fed.round().base_sha256
     fed.submit(ka, ca, codec.encode(fed.small_delta(seed=1), codec="fp16"), round_id=1)
     fed.submit(kb, cb, codec.encode(fed.small_delta(seed=2), codec="fp16"), round_id=1)
-    r1 = _wait_published(fed, 1)
+    r1 = fed.wait_published(1)
     fed.submit(kc, cc, codec.encode(fed.small_delta(seed=3), codec="fp16"), round_id=1, base_sha256=base0)  # stale
     fed.submit(ka, ca, codec.encode(fed.small_delta(seed=4), codec="fp16"), round_id=2)
-    r2 = _wait_published(fed, 2)
+    r2 = fed.wait_published(2)
     delta = fed.round().dp_delta
     assert r1.dp_epsilon_total == pytest.approx(rdp_epsilon([(1.0, 1.0, 1)], delta=delta))
     assert r2.dp_epsilon_total == pytest.approx(rdp_epsilon([(1.0, 1.0, 2)], delta=delta))  # two flushes, two steps

@@ -15,7 +15,6 @@ from zoo_gym import codec
 from zoo_gym.client.upload import get_round_request
 from zoo_gym.proto import gym_pb2
 from zoo_gym.server.cli import app
-from zoo_gym.server.models import Round, RoundState
 from zoo_gym.server.state import DB_FILE, open_state
 
 
@@ -94,14 +93,7 @@ def test_database_stays_private_after_a_round_is_served(federation):
     for seed in range(2):  # min_contributors = 2
         key, cid = federation.register()
         federation.submit(key, cid, codec.encode(federation.small_delta(seed=seed), codec="fp16"))
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        with federation.state.session() as s:
-            if s.get(Round, 1).state == RoundState.PUBLISHED:
-                break
-        time.sleep(0.2)
-    else:
-        raise AssertionError("round 1 was not published within 120 s")
+    federation.wait_published(1)
     root = federation.state.root
     assert (root / f"{DB_FILE}-wal").exists()  # SQLite in WAL mode: the log holds rows too
     modes = _modes(root)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 from sqlalchemy import text
 from typer.testing import CliRunner
@@ -11,7 +10,6 @@ from typer.testing import CliRunner
 from zoo_gym import codec
 from zoo_gym.client.cli import app as client_app
 from zoo_gym.server.cli import app as server_app
-from zoo_gym.server.models import Round, RoundState
 
 DATABASES = ("sqlite", "postgresql")  # the federation runs on each (tests/conftest.py)
 
@@ -27,13 +25,8 @@ def _publish_one_round(federation, tmp_path) -> list:
                                            serialization.NoEncryption()))
         federation.submit(key, cid, codec.encode(federation.small_delta(seed=seed), codec="bitdelta"))
         keys.append((path, cid))
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        with federation.state.session() as s:
-            if s.get(Round, 1).state == RoundState.PUBLISHED:
-                return keys
-        time.sleep(0.2)
-    raise AssertionError("round 1 was not published")
+    federation.wait_published(1)
+    return keys
 
 
 def test_verify_passes_then_names_the_first_tampered_entry(federation, tmp_path):

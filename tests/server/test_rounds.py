@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 from sqlmodel import select
 
@@ -14,17 +13,6 @@ from zoo_gym.server.rounds import RoundManager
 from zoo_gym.server.state import open_state
 
 
-def _wait_published(fed, round_id: int, timeout: float = 120.0) -> Round:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with fed.state.session() as s:
-            r = s.get(Round, round_id)
-            if r.state == RoundState.PUBLISHED:
-                return r
-        time.sleep(0.2)
-    raise AssertionError(f"round {round_id} was not published within {timeout} s")
-
-
 def test_round_publishes_at_quorum_with_lineage_and_ledger(federation, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -33,7 +21,7 @@ def test_round_publishes_at_quorum_with_lineage_and_ledger(federation, tmp_path)
         key, cid = federation.register()
         federation.submit(key, cid, codec.encode(federation.small_delta(seed=seed), codec="bitdelta"))
         submitted.append(cid)
-    rnd = _wait_published(federation, 1)
+    rnd = federation.wait_published(1)
     info = federation.round()
     assert info.round_id == 2 and info.base_sha256 == rnd.published_sha256
     with federation.state.session() as s:
@@ -55,7 +43,7 @@ def test_interrupted_aggregation_resumes_after_restart(federation):
     for seed in range(2):
         key, cid = federation.register()
         federation.submit(key, cid, codec.encode(federation.small_delta(seed=seed), codec="fp16"))
-    _wait_published(federation, 1)
+    federation.wait_published(1)
     # Simulate a crash in the middle of round 2's aggregation: state AGGREGATING, nothing published.
     federation.rounds.stop()
     for seed in range(2, 4):
@@ -92,7 +80,7 @@ def test_lora_contributions_are_merged_as_products_not_factors(federation):
     for f in factors:
         key, cid = federation.register()
         federation.submit(key, cid, codec.encode({name: f}, codec="lora", lora_codec="fp32"))
-    rnd = _wait_published(federation, 1)
+    rnd = federation.wait_published(1)
     before = load_file(str(federation.state.checkpoint_dir(rnd.base_sha256) / "model.safetensors"))[name]
     after = load_file(str(federation.state.checkpoint_dir(rnd.published_sha256) / "model.safetensors"))[name]
     products = (factors[0].merged() + factors[1].merged()) / 2

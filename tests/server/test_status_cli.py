@@ -44,9 +44,7 @@ def test_status_names_submitters_deadline_rule_contributors_and_privacy(federati
 def test_status_shows_the_serve_mode_as_the_latest_closed_round_recorded_it(federation_with):
     """Issue 16: status hid whether the federation runs sync or async rounds and with which buffer, since the
     mode is serve configuration; it is shown from what the latest closed round recorded."""
-    import time
 
-    from zoo_gym.server.models import Round, RoundState
 
     fed = federation_with(mode="async", buffer_size=2, max_staleness=3, server_lr=0.5, staleness_exponent=1.0,
                           aggregator="mean", validation_examples=0)
@@ -58,12 +56,7 @@ def test_status_shows_the_serve_mode_as_the_latest_closed_round_recorded_it(fede
     for seed in range(2):  # a full buffer of K = 2 flushes version 1
         key, cid = fed.register()
         fed.submit(key, cid, codec.encode(fed.small_delta(seed=seed), codec="fp32"))
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        with fed.state.session() as s:
-            if s.get(Round, 1).state == RoundState.PUBLISHED:
-                break
-        time.sleep(0.2)
+    fed.wait_published(1)
 
     out = runner.invoke(app, ["status", "--state-dir", state_dir]).output
     assert "mode: async, buffer size 2, max staleness 3, server lr 0.5, staleness weight (1+s)^-1 (as round 1 " \
