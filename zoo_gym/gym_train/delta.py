@@ -16,6 +16,7 @@ so the codec and the server never need to know the layer kind.
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Mapping
 
 import torch
 
@@ -115,15 +116,39 @@ def merged_lora_delta(peft_model, base_state: dict[str, torch.Tensor], names) ->
     return {k: v for k, v in full.items() if bool(v.abs().max() > 0)}
 
 
-def load_base_state(base_dir) -> tuple[list[str], dict[str, torch.Tensor]]:
-    """(parameter names, {name: tensor}) of the base checkpoint's safetensors files."""
-    from safetensors.torch import load_file
+def load_base_state(base_dir) -> tuple[list[str], "BaseWeights"]:
+    """(parameter names, {name: tensor}) of the base checkpoint's safetensors files, read lazily."""
+    return list(base_parameter_names(base_dir)), BaseWeights(base_dir)
 
-    base_dir = pathlib.Path(base_dir)
-    state: dict[str, torch.Tensor] = {}
-    for f in sorted(base_dir.glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    return list(base_parameter_names(base_dir)), state
+
+class BaseWeights(Mapping[str, torch.Tensor]):
+    """The base checkpoint's tensors by name, each read from its safetensors file when it is asked for.
+
+    Loading them all up front held a second copy of the base (0.5x a float32 model in bf16) beside the
+    model being trained, for the whole run: a plain LoRA run never reads them (its delta is the adapter's
+    factors), and a full or merged delta reads one tensor at a time. Each read opens and closes the file,
+    so the mapped pages do not stay in the process either.
+    """
+
+    def __init__(self, base_dir) -> None:
+        from safetensors import safe_open
+
+        self._file: dict[str, str] = {}
+        for f in sorted(pathlib.Path(base_dir).glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as h:
+                self._file.update(dict.fromkeys(h.keys(), str(f)))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self._file[name], framework="pt") as h:
+            return h.get_tensor(name)
+
+    def __iter__(self):
+        return iter(self._file)
+
+    def __len__(self) -> int:
+        return len(self._file)
 
 
 def adapter_delta(peft_model, config, base_state: dict[str, torch.Tensor], names, *, initial=None) -> dict:
