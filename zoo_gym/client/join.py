@@ -135,8 +135,10 @@ def _payload(result, opts: JoinOptions, feedback) -> bytes:
         delta = feedback.add_to(delta)
     payload = codec.encode(EncodeProgress(delta, progress=opts.progress), codec=opts.codec,
                            group_size=opts.group_size, metadata={"base_sha256": result.base_sha256, **result.metadata})
-    if feedback is not None:
-        feedback.update(delta, codec.decode(payload))
+    if feedback is not None:  # decoded a tensor at a time: never a dense copy of the whole delta
+        from zoo_gym.gym_train.error_feedback import DecodedPayload
+
+        feedback.update(delta, DecodedPayload(payload))
     return payload
 
 
