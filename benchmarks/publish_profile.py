@@ -2,13 +2,13 @@
 
 Runs what `publish_round` runs between `phase=load` and `phase=commit`, without the database, the RPC
 server or scoring: StoredDeltas over memory-mapped LoRA payloads -> DeltaSoup (mean, the configured
-DP settings) -> CheckpointWriter (bf16 checkpoint file + archive blob + float32 master blob, each
-hashed as it is written) -> commits. Prints JSON: seconds per part, the read + write baseline of
+DP settings) -> CheckpointWriter (the base read in place from its archive blob; the new archive blob and
+the master blob, each hashed as it is written) -> commits. Prints JSON: seconds per part, the read + write baseline of
 benchmarks/scale.py, and optionally a cProfile of the whole step.
 
     python benchmarks/publish_profile.py --model /tmp/q06 [--rounds 2] [--profile 30]
 
-`--rounds 2` publishes a second round on top of the first (it then reads the float32 master).
+`--rounds 2` publishes a second round on top of the first (it then reads the master).
 """
 
 from __future__ import annotations
@@ -34,27 +34,27 @@ from zoo_gym import codec  # noqa: E402
 from zoo_gym.aggregation import DeltaSoup, SoupConfig  # noqa: E402
 from zoo_gym.proto import archive  # noqa: E402
 from zoo_gym.server.blobs import BlobStore  # noqa: E402
-from zoo_gym.server.checkpoint_writer import CheckpointWriter, SafetensorsReader, needs_master  # noqa: E402
+from zoo_gym.server import master_weights  # noqa: E402
+from zoo_gym.server.checkpoint_writer import CheckpointWriter, SafetensorsReader  # noqa: E402
 from zoo_gym.server.publish import StoredDeltas  # noqa: E402
 
 
-def publish_once(store: BlobStore, base_dir: Path, master_sha: str | None, payload_shas: list[str],
-                 soup: dict, out: Path, seed: int) -> tuple[dict, str, str | None]:
+def publish_once(store: BlobStore, base_sha: str, master_sha: str | None, payload_shas: list[str],
+                 soup: dict, seed: int) -> tuple[dict, str, str | None]:
     t: dict[str, float] = {}
     t0 = time.perf_counter()
-    base_file = base_dir / archive.WEIGHTS
-    with SafetensorsReader(base_file) as r:
+    base_archive = store.path(base_sha)
+    with SafetensorsReader.in_archive(base_archive) as r:
         shapes = r.shapes()
-    keep_master = needs_master(base_file)
+        keep_master = master_weights.needs_master(r.infos)
     with ExitStack() as stack:
         payloads = [stack.enter_context(store.mapped(s)) for s in payload_shas]
         stored = StoredDeltas(payloads, ["a", "b"], shapes)
-        out.mkdir()
         ckpt_blob = stack.enter_context(store.writer())
         master_blob = stack.enter_context(store.writer()) if keep_master else None
         master = stack.enter_context(SafetensorsReader(store.path(master_sha))) if master_sha else None
-        writer = CheckpointWriter(base_dir, master=master, changed=stored.names(), out_dir=out,
-                                  ckpt_blob=ckpt_blob, master_blob=master_blob)
+        writer = CheckpointWriter(base_archive, master=master, changed=stored.names(), ckpt_blob=ckpt_blob,
+                                  master_blob=master_blob)
         stack.callback(writer.close)
         t1 = time.perf_counter()
         t["load"] = t1 - t0
@@ -93,6 +93,9 @@ def main() -> None:
             w.write(codec.encode(d, codec="auto"))
             shas.append(w.commit())
     del deltas
+    with store.writer() as w:  # the base as the server stores it: a checkpoint archive blob
+        archive.pack(base, w)
+        base_sha = w.commit()
     soup = {"aggregator": "mean"}
     if args.dp_noise_multiplier:
         soup.update(dp_noise_multiplier=args.dp_noise_multiplier, dp_clip=1.0)
@@ -100,14 +103,13 @@ def main() -> None:
     master = None
     prof = cProfile.Profile() if args.profile else None
     for i in range(args.rounds):
-        out = work / f"ckpt-{i}"
         if prof:
             prof.enable()
-        t, sha, master = publish_once(store, base, master, shas, soup, out, seed=i + 1)
+        t, base_sha, master = publish_once(store, base_sha, master, shas, soup, seed=i + 1)
         if prof:
             prof.disable()
-        res["rounds"].append({**t, "sha256": sha, "master_sha256": master})
-        base = out
+        res["rounds"].append({**t, "sha256": base_sha, "master_sha256": master,
+                              "bytes_written": store.size(base_sha) + (store.size(master) if master else 0)})
     if not args.no_baseline:
         res["read_write_model_s"] = read_write_seconds(args.model / archive.WEIGHTS, work)
         res["total_over_read_write"] = [r["total"] / res["read_write_model_s"] for r in res["rounds"]]

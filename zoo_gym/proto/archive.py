@@ -103,6 +103,11 @@ class TarStream:
                 self.write(chunk)
         self.end()
 
+    def add_bytes(self, name: str, data: bytes) -> None:
+        self.begin(name, len(data))
+        self.write(data)
+        self.end()
+
     def close(self) -> None:
         if self._left is not None:
             raise CheckpointError(f"member {self._last!r} is still open")
@@ -138,5 +143,38 @@ def unpack(archive: Path, dest: Path) -> Path:
     return dest
 
 
+def members(archive: Path) -> dict[str, tuple[int, int]]:
+    """name -> (byte offset of its data in the archive file, size), in archive order: a member is read in
+    place (`os.pread`) instead of unpacking the archive. Refuses what `unpack` refuses."""
+    out = {}
+    try:
+        with tarfile.open(archive, mode="r:") as tar:
+            for member in tar:
+                if not member.isfile() or not _SAFE_NAME.match(member.name):
+                    raise CheckpointError(f"refusing archive member {member.name!r}: not a plain file")
+                out[member.name] = (member.offset_data, member.size)
+    except (tarfile.TarError, OSError) as exc:
+        raise CheckpointError(f"cannot read checkpoint {archive}: {exc}") from exc
+    if WEIGHTS not in out:
+        raise CheckpointError(f"the checkpoint archive has no {WEIGHTS}")
+    return out
+
+
+def read_member(archive: Path, span: tuple[int, int]) -> bytes:
+    """A (small) member's bytes, `span` as `members` gives it."""
+    offset, size = span
+    with open(archive, "rb") as f:
+        f.seek(offset)
+        data = f.read(size)
+    if len(data) != size:
+        raise CheckpointError(f"{archive}: short read")
+    return data
+
+
+def lineage_bytes(lineage: dict) -> bytes:
+    """The lineage manifest file's bytes (sorted keys: the same lineage always packs to the same archive)."""
+    return (json.dumps(lineage, indent=2, sort_keys=True) + "\n").encode()
+
+
 def write_lineage(model_dir: Path, lineage: dict) -> None:
-    (Path(model_dir) / LINEAGE).write_text(json.dumps(lineage, indent=2, sort_keys=True) + "\n")
+    (Path(model_dir) / LINEAGE).write_bytes(lineage_bytes(lineage))

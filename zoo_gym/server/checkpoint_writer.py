@@ -1,14 +1,17 @@
-"""Stream the next checkpoint onto disk tensor by tensor: base in, aggregate added, archive and master out.
+"""Stream the next checkpoint into the blob store tensor by tensor: base in, aggregate added, archive and master out.
 
 Memory at publish grows with one tensor, never with the model (STYLE 17): the base is read one tensor
-at a time, each aggregated tensor is added as DeltaSoup's sink delivers it, and its bytes go straight
-to three places in one sequential pass:
+at a time, in place from its archive blob, each aggregated tensor is added as DeltaSoup's sink delivers
+it, and its bytes go in one sequential pass to two blobs, each written and hashed on its own thread:
 
-* the new `model.safetensors` in the work directory (kept as the unpacked cache of the new checkpoint,
-  and evaluated there);
-* the checkpoint archive in the blob store (a `zoo_gym.proto.archive.TarStream`: the very bytes
-  `archive.pack` would write, so the content address is the same as packing the directory);
-* the float32 master of the weights (item 5 below), its own blob.
+* the checkpoint archive (a `zoo_gym.proto.archive.TarStream`: the very bytes `archive.pack` would
+  write of the directory, so the content address is the same as packing it);
+* the master of the weights (item 5 below).
+
+Nothing else is written: no unpacked copy of the new checkpoint (the next publish reads the archive in
+place; evaluation unpacks it on demand, `ServerState.checkpoint_dir`). Each byte written is a byte the
+store must keep; at Qwen3-0.6B's size a publish used to write 4.8 GB (an unpacked copy, the archive
+and a float32 master) and now writes 2.1 GB.
 
 The safetensors file is hand-written because the `safetensors` library has no incremental writer
 (`save_file` wants every tensor in memory at once). The format is simple: an 8-byte little-endian
@@ -25,9 +28,10 @@ steps change it by ~1e-5), so `bf16(base + aggregate)` would silently keep littl
 agreed on. The server therefore keeps a float32 master of every weight: round r adds its aggregate to
 the master of round r-1 (the base itself, exactly widened, at genesis) and publishes the master
 rounded to the base's dtype. What rounding drops in one round is still in the master, so over rounds
-published + carried = the sum of the aggregates (up to float32 rounding). The master is a plain
-float32 safetensors blob in the content-addressed store, named in the checkpoint's lineage
-(`master_sha256`); a base stored in float32 needs none (the published weights are the master).
+published + carried = the sum of the aggregates (up to float32 rounding). The master file stores what
+the published tensors lack: for bf16 the low 16 bits of each float32 (zoo_gym/server/master_weights.py).
+It is a blob in the content-addressed store, named in the checkpoint's lineage (`master_sha256`); a
+base stored in float32 needs none (the published weights are the master).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from typing import BinaryIO
 import torch
 
 from zoo_gym.proto import archive
+from zoo_gym.server import master_weights
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -70,17 +75,20 @@ class TensorInfo:
 
 
 class SafetensorsReader:
-    """Tensor by tensor reads of a safetensors file with `os.pread` (no whole-file map, no whole-model dict)."""
+    """Tensor by tensor reads of a safetensors file with `os.pread` (no whole-file map, no whole-model dict).
 
-    def __init__(self, path: Path) -> None:
+    `offset`/`length` read one stored inside another file: a checkpoint archive's weights member is
+    read in place (`in_archive`), so the server never needs an unpacked copy to publish from."""
+
+    def __init__(self, path: Path, *, offset: int = 0, length: int | None = None) -> None:
         self.path = Path(path)
         self._fd = os.open(self.path, os.O_RDONLY)
         try:
-            size = os.fstat(self._fd).st_size
-            (n,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+            size = os.fstat(self._fd).st_size - offset if length is None else length
+            (n,) = struct.unpack("<Q", os.pread(self._fd, 8, offset))
             if n > min(size - 8, 100 << 20):
                 raise CheckpointFormatError(f"{self.path}: header length {n} does not fit the file")
-            header = json.loads(os.pread(self._fd, n, 8))
+            header = json.loads(os.pread(self._fd, n, offset + 8))
         except (struct.error, ValueError) as exc:
             os.close(self._fd)
             raise CheckpointFormatError(f"{self.path}: not a safetensors file ({exc})") from exc
@@ -92,9 +100,15 @@ class SafetensorsReader:
                 os.close(self._fd)
                 raise CheckpointFormatError(f"{self.path}: tensor {name!r} has dtype {h['dtype']!r} or range "
                                             f"{b}..{e} this reader does not accept")
-            infos[name] = TensorInfo(h["dtype"], tuple(h["shape"]), 8 + n + b, e - b)
+            infos[name] = TensorInfo(h["dtype"], tuple(h["shape"]), offset + 8 + n + b, e - b)
         # file order: what `load_file` would hand out first
         self.infos: dict[str, TensorInfo] = dict(sorted(infos.items(), key=lambda kv: kv[1].start))
+
+    @classmethod
+    def in_archive(cls, path: Path, spans: Mapping[str, tuple[int, int]] | None = None) -> "SafetensorsReader":
+        """The weights of a checkpoint archive (`archive.members` spans, read if not given), in place."""
+        offset, size = (spans or archive.members(path))[archive.WEIGHTS]
+        return cls(path, offset=offset, length=size)
 
     def names(self) -> list[str]:
         return list(self.infos)
@@ -253,22 +267,25 @@ class _Background:
 
 
 class CheckpointWriter:
-    """One publish: `sink(name, aggregate)` per changed tensor (DeltaSoup's order), then `finish(lineage)`.
+    """One publish: `sink(name, aggregate)` per changed tensor (DeltaSoup's order), `finish_weights()`,
+    then `finish(lineage)`.
 
-    `base_dir` is the unpacked base checkpoint; `master` a reader of its float32 master (None: the
-    base widened exactly). `changed` are the names the aggregation will deliver, in its order.
-    Outputs: `out_dir` (the new checkpoint directory), `ckpt_blob` (a BlobWriter receiving the
-    archive) and `master_blob` (a BlobWriter receiving the new float32 master; None when the base is
-    float32 throughout, then no master is kept).
+    `base_archive` is the base checkpoint's archive blob (read in place); `master` a reader of its
+    master file (zoo_gym/server/master_weights.py; None: none kept yet, the base is its own master).
+    `changed` are the names the aggregation will deliver, in its order. Outputs: `ckpt_blob` (a
+    BlobWriter receiving the new checkpoint's archive) and `master_blob` (a BlobWriter receiving the
+    new master file; None when the base has no weights below float32, then no master is kept).
     """
 
-    def __init__(self, base_dir: Path, *, master: SafetensorsReader | None, changed: Sequence[str],
-                 out_dir: Path, ckpt_blob: BinaryIO, master_blob: BinaryIO | None) -> None:
-        self.base_dir, self.out_dir = Path(base_dir), Path(out_dir)
-        self.base = SafetensorsReader(self.base_dir / archive.WEIGHTS)
+    def __init__(self, base_archive: Path, *, master: SafetensorsReader | None, changed: Sequence[str],
+                 ckpt_blob: BinaryIO, master_blob: BinaryIO | None) -> None:
+        self.base_archive = Path(base_archive)
+        spans = archive.members(self.base_archive)
+        self.base = SafetensorsReader.in_archive(self.base_archive, spans)
         self.master = master
-        if master is not None and master.shapes() != self.base.shapes():
-            raise CheckpointFormatError("the float32 master's tensors do not match the base's")
+        if master is not None and any(name not in self.base.infos or info.shape != self.base.infos[name].shape
+                                      for name, info in master.infos.items()):
+            raise CheckpointFormatError("the master's tensors do not match the base's")
         changed_set = set(changed)
         unknown = changed_set - set(self.base.infos)
         if unknown:
@@ -278,41 +295,46 @@ class CheckpointWriter:
         infos = self.base.infos
         self.layout = SafetensorsLayout([(n, infos[n].dtype, infos[n].shape) for n in order],
                                         metadata={"format": "pt"})
-        self._weights_file = open(self.out_dir / archive.WEIGHTS, "wb")
         self._tar = archive.TarStream(ckpt_blob)
-        names = sorted({p.name for p in self.base_dir.iterdir() if p.is_file()} - {archive.LINEAGE}
-                       | {archive.WEIGHTS, archive.LINEAGE})
+        self._spans = spans
+        names = sorted(set(spans) - {archive.LINEAGE} | {archive.WEIGHTS, archive.LINEAGE})
         self._before = [n for n in names if n < archive.WEIGHTS]
         self._after = [n for n in names if n > archive.WEIGHTS]
         for name in self._before:
-            _copy(self.base_dir / name, self.out_dir / name)
-            self._tar.add_file(name, self.out_dir / name)
+            self._tar.add_bytes(name, archive.read_member(self.base_archive, spans[name]))
         self._tar.begin(archive.WEIGHTS, self.layout.total)
-        # the published bytes (file + archive blob) and the master's each have their own thread
-        self._threads = [_Background([self._weights_file.write, self._tar.write], name="publish-weights")]
+        # the published bytes and the master's each have their own thread (written and hashed there)
+        self._threads = [_Background([self._tar.write], name="publish-weights")]
         self._pub = _Sequential(self.layout, [self._threads[0]])
         self._master_out = None
         if master_blob is not None:
-            m_layout = SafetensorsLayout([(n, "F32", infos[n].shape) for n in order], metadata={"format": "pt"})
+            m_order = []
+            for n in order:
+                kind = master_weights.entry_dtype(infos[n].torch_dtype) if n in changed_set else None
+                if kind is None and n not in changed_set and master is not None and n in master.infos:
+                    kind = master.infos[n].dtype  # untouched: its master is carried over as stored
+                if kind is not None:
+                    m_order.append((n, kind, infos[n].shape))
+            self.master_layout = SafetensorsLayout(m_order, metadata={"format": "pt"})
             self._threads.append(_Background([master_blob.write], name="publish-master"))
-            self._master_out = _Sequential(m_layout, [self._threads[1]])
-
-    def _master_tensor(self, name: str) -> torch.Tensor:
-        if self.master is not None:
-            return self.master.read(name)
-        return self.base.read(name).float()  # genesis: bf16 -> float32 is exact
+            self._master_out = _Sequential(self.master_layout, [self._threads[1]])
 
     def sink(self, name: str, agg: torch.Tensor) -> None:
         """Add the aggregate (numel,) float32 to tensor `name` and write it everywhere."""
         info = self.base.infos[name]
-        if info.torch_dtype.is_floating_point and self._master_out is not None:
-            new_master = self._master_tensor(name).add_(agg.reshape(info.shape))
-            published = new_master.to(info.torch_dtype)
-            self._master_out.write(name, [tensor_bytes(new_master)])
-        else:  # a float32 base: the published weights are the master
-            published = (self.base.read(name).float() + agg.reshape(info.shape)).to(info.torch_dtype)
-            if self._master_out is not None:
-                self._master_out.write(name, [tensor_bytes(published.float())])
+        kind = master_weights.entry_dtype(info.torch_dtype) if self._master_out is not None else None
+        base = self.base.read(name)
+        if kind is None:  # float32 (or no master kept): the published weights are the master
+            published = (base.float() + agg.reshape(info.shape)).to(info.torch_dtype)
+        else:
+            new_master = master_weights.master_of(base, self.master, name).add_(agg.reshape(info.shape))
+            del base
+            if kind == "I16":
+                published, low = master_weights.split_low16(new_master)
+                self._master_out.write(name, [tensor_bytes(low)])
+            else:
+                published = new_master.to(info.torch_dtype)
+                self._master_out.write(name, [tensor_bytes(new_master)])
         self._pub.write(name, [tensor_bytes(published)])
 
     def finish_weights(self) -> None:
@@ -321,51 +343,26 @@ class CheckpointWriter:
             if name in self._changed:
                 raise CheckpointFormatError(f"the aggregation never delivered tensor {name!r}")
             self._pub.write(name, self.base.chunks(name))
-            if self._master_out is not None:
-                self._master_out.write(name, self._master_chunks(name))
+            if self._master_out is not None and name in self.master_layout.sizes:
+                self._master_out.write(name, self.master.chunks(name))
         for t in self._threads:
             t.drain()
-        self._weights_file.close()
         self._tar.end()
         self.base.close()
 
-    def _master_chunks(self, name: str) -> Iterable:
-        if self.master is not None:
-            yield from self.master.chunks(name)
-            return
-        info = self.base.infos[name]
-        for raw in self.base.chunks(name):  # widened a chunk at a time (chunks are whole elements)
-            t = torch.frombuffer(bytearray(raw), dtype=info.torch_dtype) if raw else torch.empty(0)
-            yield tensor_bytes(t.float())
-
     def finish(self, lineage: dict) -> None:
         """Write the lineage and the files after the weights, and close the archive."""
-        archive.write_lineage(self.out_dir, lineage)
         for name in self._after:
-            if name != archive.LINEAGE:
-                _copy(self.base_dir / name, self.out_dir / name)
-            self._tar.add_file(name, self.out_dir / name)
+            if name == archive.LINEAGE:
+                self._tar.add_bytes(name, archive.lineage_bytes(lineage))
+            else:
+                self._tar.add_bytes(name, archive.read_member(self.base_archive, self._spans[name]))
         self._tar.close()
 
     def close(self) -> None:
         for t in self._threads:
             t.close()
-        if not self._weights_file.closed:
-            self._weights_file.close()
         self.base.close()
-
-
-def _copy(src: Path, dst: Path) -> None:
-    with open(src, "rb") as f, open(dst, "wb") as g:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            g.write(chunk)
-
-
-def needs_master(base_file: Path) -> bool:
-    """Whether a checkpoint stores floating weights below float32 (then a float32 master is kept)."""
-    with SafetensorsReader(base_file) as r:
-        return any(i.torch_dtype.is_floating_point and i.torch_dtype != torch.float32 and
-                   i.torch_dtype != torch.float64 for i in r.infos.values())
 
 
 def master_sha256(manifest_json: str | None) -> str | None:

@@ -17,9 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import func, select
 
@@ -27,6 +27,7 @@ from zoo_gym import codec
 from zoo_gym.proto import signing
 from zoo_gym.server.admission import Admission
 from zoo_gym.server.blobs import BlobError, map_file
+from zoo_gym.server.checkpoint_writer import SafetensorsReader
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.errors import (
     AlreadyExists,
@@ -218,18 +219,15 @@ class SubmitHeader:
 
 
 @lru_cache(maxsize=8)
-def _base_manifest(weights_path: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    """name -> (shape, dtype) of a checkpoint's model.safetensors, read from its header only."""
-    out = {}
-    with safe_open(weights_path, framework="pt") as f:
-        for name in f.keys():
-            sl = f.get_slice(name)
-            out[name] = (tuple(sl.get_shape()), str(sl.get_dtype()))
-    return out
+def _base_manifest(archive_path: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, dtype) of a checkpoint's weights, read from the header inside its archive blob
+    (no unpacked copy: at a real size unpacking would write the whole model again)."""
+    with SafetensorsReader.in_archive(Path(archive_path)) as r:
+        return {name: (info.shape, info.dtype) for name, info in r.infos.items()}
 
 
 def base_manifest(state: ServerState, sha256: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    return _base_manifest(str(state.checkpoint_dir(sha256) / "model.safetensors"))
+    return _base_manifest(str(state.blobs.path(sha256)))
 
 
 def _check_header(h: SubmitHeader, state: ServerState, config: ServerConfig) -> tuple[Round, bytes]:

@@ -13,12 +13,9 @@ import hmac
 import json
 import logging
 import math
-import os
-import tempfile
 from contextlib import ExitStack
 from dataclasses import asdict, is_dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 from cryptography.hazmat.primitives import serialization
@@ -27,9 +24,8 @@ from sqlmodel import func, select
 from zoo_gym import codec
 from zoo_gym.aggregation import (DeltaSoup, NotRobustConfigError, PrivacyAccountant, PrivacyBudgetExceeded,
                                  SoupConfig)
-from zoo_gym.proto import archive
-from zoo_gym.server import async_rounds
-from zoo_gym.server.checkpoint_writer import CheckpointWriter, SafetensorsReader, master_path, needs_master
+from zoo_gym.server import async_rounds, master_weights
+from zoo_gym.server.checkpoint_writer import CheckpointWriter, SafetensorsReader, master_path
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.evaluation import evaluator_for, forget
 from zoo_gym.server.faults import crash_point
@@ -57,6 +53,7 @@ class StoredDeltas:
         self.contributors = contributors
         self._cache: dict[str, torch.Tensor] = {}
         self._cache_left = cache_bytes
+        self._vouched: set[str] = set()  # tensors every contributor sent as safe float32 LoRA factors
         self._payloads = payloads
         self._shapes = shapes  # the base's tensors, in its file order
         self._manifests = [codec.read_manifest(p) for p in payloads]  # parsed once, passed to every decode
@@ -106,7 +103,22 @@ class StoredDeltas:
             if sq is None:
                 return None
             out[i] = sq
+        self._vouched.add(name)
         return out, math.prod(self._shapes[name])
+
+    def factors(self, name: str) -> list | None:
+        """Each contributor's LoraFactors of `name` (None: it did not send the tensor), for a tensor whose
+        norms `sq_norms` vouched for (finite, no overflow, no cancellation); else None (rows are decoded)."""
+        if name not in self._vouched:
+            return None
+        shape = tuple(self._shapes[name])
+        out = []
+        for payload, entries, manifest in zip(self._payloads, self._entries, self._manifests):
+            e = entries.get(name)
+            if e is not None and tuple(e.shape) != shape:
+                return None
+            out.append(None if e is None else codec.decode_factors(payload, name, manifest=manifest))
+        return out
 
     def stacked_one(self, i: int, name: str) -> torch.Tensor:
         """Contributor i's delta for one tensor, in the base's shape (zeros when it did not send it)."""
@@ -198,10 +210,10 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
     """
     soup_config = SoupConfig.from_mapping(config.soup)
     log.info("round %d phase=load", rnd.id)
-    base_dir = state.checkpoint_dir(rnd.base_sha256)
-    base_file = base_dir / archive.WEIGHTS
-    with SafetensorsReader(base_file) as r:
+    base_archive = state.blobs.path(rnd.base_sha256)  # read in place: no unpacked copy is needed
+    with SafetensorsReader.in_archive(base_archive) as r:
         shapes = r.shapes()
+        keep_master = master_weights.needs_master(r.infos)
     contributors = [s.contributor_id for s in subs]
     inputs = _round_inputs(state, config, rnd, contributors)
     reputations = json.loads(inputs.reputations_json)
@@ -218,7 +230,6 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
         ancestors = _ancestors(s, parent)
     accountant = PrivacyAccountant(history)
     master_file = master_path(state, rnd.base_sha256)
-    keep_master = needs_master(base_file)
 
     with ExitStack() as stack:
         payloads = []
@@ -231,14 +242,11 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
         source = scoring_tap(config, stored, evaluator)
         weights = aggregation_weights(config, contributors, reputations)
         gen = round_generator(state, rnd.base_sha256)
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=state.work_dir)))
-        out = tmp / "ckpt"
-        out.mkdir()
         ckpt_blob = stack.enter_context(state.blobs.writer())
         master_blob = stack.enter_context(state.blobs.writer()) if keep_master else None
         master = stack.enter_context(SafetensorsReader(master_file)) if master_file is not None else None
-        writer = CheckpointWriter(base_dir, master=master, changed=stored.names(), out_dir=out,
-                                  ckpt_blob=ckpt_blob, master_blob=master_blob)
+        writer = CheckpointWriter(base_archive, master=master, changed=stored.names(), ckpt_blob=ckpt_blob,
+                                  master_blob=master_blob)
         stack.callback(writer.close)
         log.info("round %d phase=aggregation", rnd.id)
         try:
@@ -292,20 +300,19 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
         log.info("round %d phase=write", rnd.id)
         writer.finish_weights()
         if master_blob is not None:
-            lineage["master_sha256"] = master_blob.commit()  # float32 weights the published ones round
-            lineage["master_dtype"] = "float32"
+            lineage["master_sha256"] = master_blob.commit()  # what the published weights lack of float32
+            lineage["master_dtype"] = "float32"  # its precision (stored as low halves: master_weights.py)
         writer.finish(sign_lineage(lineage, key=state.key))  # the archive's manifest carries the server's signature
         log.info("round %d phase=pack", rnd.id)
         sha = ckpt_blob.commit()
         size = state.blobs.size(sha)
-        cache = _keep_unpacked(state, out, sha)
         heldout = None
         if evaluator is not None:
             log.info("round %d phase=evaluation", rnd.id)
             evaluator.release()  # one model in memory: this base's goes before the new one loads
             stored = source = None  # and the decoded rows they cached (up to 512 MB)
             release_memory()
-            heldout = evaluator.loss_of_dir(cache, checkpoint_sha256=sha)
+            heldout = evaluator.loss_of_dir(state.checkpoint_dir(sha), checkpoint_sha256=sha)  # unpacked here
     crash_point("blob-written")
     log.info("round %d phase=commit", rnd.id)
     with state.write_lock, state.session() as s:
@@ -341,21 +348,6 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
     log.info("round %d phase=done", rnd.id)
     loss = f", held-out loss {heldout:.4f}" if heldout is not None else ""
     return f"published {sha[:12]} from {len(contributors)} submissions{loss}"
-
-
-def _keep_unpacked(state: ServerState, out: Path, sha: str) -> Path:
-    """Move the written directory into the unpacked-checkpoint cache (`state.checkpoint_dir(sha)` then finds
-    it instead of unpacking the blob again). Its files are the archive's bytes. Until the checkpoint row
-    commits, the start-up sweep removes it like any unreferenced cache entry."""
-    dest = state.work_dir / "checkpoints" / sha
-    if (dest / archive.WEIGHTS).is_file():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.replace(out, dest)
-    except OSError:  # another unpack got there first: that one is identical
-        return state.checkpoint_dir(sha)
-    return dest
 
 
 def _forget_if_released(evaluator) -> None:
