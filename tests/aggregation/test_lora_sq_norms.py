@@ -1,5 +1,7 @@
-"""Pass 1 from LoRA factors: `LoraFactors.merged_sq_norm`, `StoredDeltas.sq_norms` and DeltaSoup's use of
-them must give the decoded rows' norms and leave the aggregate bit for bit unchanged."""
+"""LoRA factors used as they are: `LoraFactors.merged_sq_norm`, `StoredDeltas.sq_norms` and DeltaSoup's use of
+them must give the decoded rows' norms and leave the aggregate bit for bit unchanged; the plain mean is
+one matmul of the concatenated factors (`StoredDeltas.factors`), equal to the mean of the decoded rows up
+to float32 rounding, with no row decoded."""
 
 import math
 
@@ -106,7 +108,11 @@ def test_soup_with_fast_path_publishes_the_same_bytes(config):
     assert any(float(v.abs().max()) > 0 for v in got_fast.values())  # the delta changes the output
     assert list(got_fast) == list(got_slow)
     for k in got_fast:
-        assert torch.equal(got_fast[k], got_slow[k])
+        if config["aggregator"] == "mean":  # from the factors directly: float32 rounding apart
+            scale = float(got_slow[k].abs().max())
+            assert torch.allclose(got_fast[k], got_slow[k], rtol=1e-5, atol=1e-6 * scale)
+        else:
+            assert torch.equal(got_fast[k], got_slow[k])
     for a, b in zip(rep_fast.contributors, rep_slow.contributors):
         assert a.accepted and b.accepted and a.weight == b.weight
         assert math.isclose(a.norm, b.norm, rel_tol=1e-6)
@@ -117,3 +123,34 @@ def test_soup_under_dp_decodes_for_the_norms():
     fast.sq_norms = lambda name: pytest.fail("sq_norms must not be used under DP")
     cfg = SoupConfig.from_mapping({"aggregator": "mean", "dp_clip": 1.0, "dp_noise_multiplier": 1.0})
     DeltaSoup(cfg).run(fast, lambda k, v: None, generator=torch.Generator().manual_seed(0))
+
+
+def test_mean_from_factors_decodes_no_row_and_is_the_mean():
+    # Prepare: two contributors' LoRA payloads (the second leaves b.weight alone), unequal weights
+    payloads = _payloads(drop_b_for_second=True)
+    stored = StoredDeltas(payloads, ["x", "y"], SHAPES, cache_bytes=0)
+    stored.stacked = lambda name: pytest.fail(f"row of {name} decoded: the mean should use the factors")
+    got = {}
+    # Execute
+    DeltaSoup(SoupConfig.from_mapping({"aggregator": "mean"})).run(
+        stored, lambda k, v: got.__setitem__(k, v.clone()), weights=torch.tensor([3.0, 1.0]))
+    # Assert: the weighted mean of the merged products, in float64, to float32 rounding
+    factors = [codec.decode_factors(p, k) for p in payloads for k in ("a.weight",)]
+    want_a = (3 * factors[0].merged().double() + factors[1].merged().double()) / 4
+    assert torch.allclose(got["a.weight"].double(), want_a.reshape(-1), rtol=1e-5, atol=1e-7 * float(want_a.abs().max()))
+    want_b = 3 * codec.decode_factors(payloads[0], "b.weight").merged().double() / 4  # the second sent no b
+    assert torch.allclose(got["b.weight"].double(), want_b.reshape(-1), rtol=1e-5, atol=1e-7 * float(want_b.abs().max()))
+
+
+def test_first_order_slopes_of_a_factored_mean_equal_the_rows_slopes():
+    from zoo_gym.rewards.first_order import SlopeTap, streamed_slopes
+
+    payloads = _payloads()
+    grad = {k: torch.randn(s, generator=torch.Generator().manual_seed(7)) for k, s in SHAPES.items()}
+    inner = StoredDeltas(payloads, ["x", "y"], SHAPES)
+    inner.stacked = lambda name: pytest.fail(f"row of {name} decoded: slopes should come from the factors")
+    tap = SlopeTap(inner, grad)
+    DeltaSoup(SoupConfig.from_mapping({"aggregator": "mean"})).run(tap, lambda k, v: None)
+    slopes, norms = tap.result(scales=[1.0, 1.0])
+    want, want_norms = streamed_slopes(grad, StoredDeltas(payloads, ["x", "y"], SHAPES), scales=[1.0, 1.0])
+    assert slopes == pytest.approx(want, rel=1e-6) and norms == pytest.approx(want_norms, rel=1e-6)

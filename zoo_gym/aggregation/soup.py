@@ -51,6 +51,7 @@ from .distances import (combination_sq_distances, packed_model_sq_distances, pai
                         sq_distances_to)
 from .errors import InvalidDeltaError, NotRobustConfigError, PrivacyBudgetExceeded
 from .geometric_median import weiszfeld
+from .lora_mean import factored_mean
 from .krum import check_krum_config, krum_scores, multi_krum_select
 from .median import median
 from .privacy import PrivacyAccountant, PrivacyReport, gaussian_noise, rdp_epsilon, secure_generator
@@ -79,6 +80,9 @@ class DeltaSource(Protocol):
     # without decoding, e.g. from LoRA factors; None when it cannot vouch for them (finite rows, an
     # accurate norm), then pass 1 decodes. Unused under DP, whose sensitivity is on the decoded rows.
     # def sq_norms(self, name: str) -> tuple[Tensor, int] | None: ...
+    # Optional: the n contributors' LoRA factors of tensor `name` (None for one that left it unchanged),
+    # or None; only for tensors whose norms `sq_norms` vouched for. The plain mean then needs no rows.
+    # def factors(self, name: str) -> Sequence[Any | None] | None: ...
 
 
 @dataclass(frozen=True)
@@ -329,6 +333,11 @@ class DeltaSoup:
         trimmed = torch.zeros(k, dtype=torch.float64)
         used = torch.zeros(k, dtype=torch.float64)
         for name in names:
+            if cfg.aggregator == "mean" and not dp:  # LoRA factors: one matmul, no (k, numel) rows
+                agg = factored_mean(source, name, acc, factors, coeff, total=total)
+                if agg is not None:
+                    sink(name, agg)
+                    continue
             x = self._rows(source, name, acc, factors, n)  # (k, numel)
             if coeff is not None and cfg.aggregator in _ITERATED:
                 v = combine64(coeff, x, total=total)  # (numel,) float64

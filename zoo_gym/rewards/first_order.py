@@ -203,6 +203,34 @@ class SlopeTap:
     def names(self) -> Sequence[str]:
         return self._source.names()
 
+    def factors(self, name: str) -> Sequence | None:
+        """The source's LoRA factors of `name` (zoo_gym/aggregation/lora_mean.py: the plain mean then
+        decodes no row), with the slopes taken from them: <g, B A> = sum((B^T g) * A) and |B A|^2 from
+        the r x r Gram matrices, in float64, never forming the (out, in) product. None (rows are
+        decoded, and tapped) when the source has none."""
+        inner = getattr(self._source, "factors", None)
+        factors = inner(name) if inner is not None else None
+        if factors is None or name in self._seen:
+            return factors
+        t = time.perf_counter()
+        shape = tuple(self._source.shape(name))
+        g = _gradient_of(self._grad, name, math.prod(shape)).reshape(shape).to(torch.float64)  # (out, in)
+        s = torch.zeros(len(factors), dtype=torch.float64)  # (n,)
+        q = torch.zeros(len(factors), dtype=torch.float64)  # (n,)
+        for i, f in enumerate(factors):
+            if f is None:
+                continue  # a zero row
+            sq = f.merged_sq_norm()
+            if sq is None:
+                return None
+            s[i] = float(((f.B.double().T @ g) * f.A.double()).sum())
+            q[i] = sq
+        self._slopes = s if self._slopes is None else self._slopes + s
+        self._sq = q if self._sq is None else self._sq + q
+        self._seen.add(name)
+        self.seconds += time.perf_counter() - t
+        return factors
+
     def stacked(self, name: str) -> Tensor:
         rows = self._source.stacked(name)                                 # (n, numel)
         if name not in self._seen:
