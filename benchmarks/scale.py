@@ -564,12 +564,13 @@ def forward_backward_seconds(model_dir: Path, scoring_examples: int = 32) -> flo
     return best
 
 
-def bf16_kept(state: Path, deltas: list[dict]) -> dict:
-    """Share of the round's aggregate (the mean of the merged deltas) that the published bf16 checkpoint
-    holds, and with the server's float32 master (if there is one) what published + carried holds."""
-    from safetensors import safe_open
-    from sqlmodel import select
-
+def bf16_kept(state: Path, payloads: list[bytes]) -> dict:
+    """Share of the round's aggregate (the mean of the submitted deltas, as the server decodes them) that the
+    published bf16 checkpoint holds, and with the server's float32 master (if there is one) what published
+    + carried holds."""
+    from zoo_gym import codec
+    from zoo_gym.server.checkpoint_writer import SafetensorsReader, master_path
+    from zoo_gym.server.master_weights import master_of
     from zoo_gym.server.models import Round
     from zoo_gym.server.state import open_state
 
@@ -577,35 +578,31 @@ def bf16_kept(state: Path, deltas: list[dict]) -> dict:
     with st.session() as s:
         r = s.get(Round, 1)
         parent, child = r.base_sha256, r.published_sha256
-    pdir, cdir = st.checkpoint_dir(parent), st.checkpoint_dir(child)
     dot = agg_sq = err_sq = pub_sq = 0.0
     master_err_sq = 0.0
-    master = None
-    try:
-        from zoo_gym.server.checkpoint_writer import master_path
-
-        mp, cp = master_path(st, parent), master_path(st, child)
-        if cp is not None:  # the genesis base has no master: its weights widened exactly are one
-            mp = mp if mp is not None else pdir / "model.safetensors"
-            master = (safe_open(str(mp), framework="pt"), safe_open(str(cp), framework="pt"))
-    except ImportError:
-        pass
-    with safe_open(str(pdir / "model.safetensors"), framework="pt") as fp, \
-            safe_open(str(cdir / "model.safetensors"), framework="pt") as fc:
-        for name in deltas[0]:
-            agg = sum(d[name].merged().double() for d in deltas) / len(deltas)
-            pub = fc.get_tensor(name).double() - fp.get_tensor(name).double()
+    mp, cp = master_path(st, parent), master_path(st, child)  # the genesis base has none: its own master
+    with SafetensorsReader.in_archive(st.blobs.path(parent)) as fp, \
+            SafetensorsReader.in_archive(st.blobs.path(child)) as fc:
+        mpr = SafetensorsReader(mp) if mp is not None else None
+        mcr = SafetensorsReader(cp) if cp is not None else None
+        for name in [e.name for e in codec.read_manifest(payloads[0]).entries]:
+            agg = sum(codec.decode_tensor(p, name).double() for p in payloads) / len(payloads)
+            p_old, p_new = fp.read(name), fc.read(name)
+            pub = p_new.double() - p_old.double()
             dot += float((pub * agg).sum())
             agg_sq += float((agg * agg).sum())
             pub_sq += float((pub * pub).sum())
             err_sq += float(((pub - agg) ** 2).sum())
-            if master is not None:
-                carried = master[1].get_tensor(name).double() - master[0].get_tensor(name).double()
+            if mcr is not None:
+                carried = master_of(p_new, mcr, name).double() - master_of(p_old, mpr, name).double()
                 master_err_sq += float(((carried - agg) ** 2).sum())
+        for reader in (mpr, mcr):
+            if reader is not None:
+                reader.close()
     out = {"aggregate_norm": agg_sq ** 0.5, "published_norm": pub_sq ** 0.5,
            "published_projection_share": dot / agg_sq,
            "published_relative_error": (err_sq / agg_sq) ** 0.5}
-    if master is not None:
+    if mcr is not None:
         out["master_relative_error"] = (master_err_sq / agg_sq) ** 0.5
         out["master_kept_share"] = 1.0 - (master_err_sq / agg_sq) ** 0.5
     st.engine.dispose()
@@ -665,7 +662,7 @@ def main() -> None:
             "outcome": r["outcome"], "vm_hwm_over_fp32": r["hwm"] / fp32, "vm_hwm_bytes": r["hwm"],
             "phases": phases}
         if scoring:
-            res["bf16_publish"] = bf16_kept(state, deltas)
+            res["bf16_publish"] = bf16_kept(state, payloads)
     res["runs"] = runs
 
     if args.client_steps:

@@ -201,3 +201,17 @@ def test_payload_is_deterministic_and_size_is_as_computed():
     f = read_manifest(encode({"x": x}, group_size=128, scale_dtype="float32")).entries[0]
     assert f.nbytes == 64 * 256 // 8 + 64 * 2 * 4  # signs + float32 scales
     assert math.isclose(np.float32(1.0), 1.0)
+
+
+def test_fp16_lora_factors_keep_a_fresh_lora_b_in_range():
+    # Prepare: a LoRA a few steps in: A ~ 1e-1, B ~ 2e-5, mostly below float16's normal range (6.1e-5)
+    from zoo_gym import codec
+    from zoo_gym.codec.lora import LoraFactors
+
+    g = torch.Generator().manual_seed(0)
+    f = LoraFactors(A=torch.randn(8, 1024, generator=g) / 8 ** 0.5, B=torch.randn(3072, 8, generator=g) * 2e-5)
+    # Execute
+    back = codec.decode_factors(codec.encode({"w": f}, codec="lora", lora_codec="fp16"), "w")
+    # Assert: the merged delta keeps float16's precision (casting the factors as they were lost 8.9e-4)
+    exact = f.merged().double()
+    assert float((back.merged().double() - exact).norm() / exact.norm()) < 4e-4

@@ -103,6 +103,8 @@ def _encode_value(value: Tensor | LoraFactors, *, name: str, codec: str, group_s
         return encode_leaf(x, codec=c, group_size=group_size, scale_dtype=scale_dtype, what=w)
 
     def factors(f: LoraFactors) -> tuple[LoraFactors, Leaf, Leaf]:
+        if lora_codec != "fp32":
+            f = balanced(f)
         return f, leaf(f.A, lora_codec, w=f"{what} factor A"), leaf(f.B, lora_codec, w=f"{what} factor B")
 
     if isinstance(value, LoraFactors):
@@ -145,6 +147,24 @@ def _encode_value(value: Tensor | LoraFactors, *, name: str, codec: str, group_s
         if relative_error(approx, exact) <= max_rel_error:
             return enc
     raise CodecError(f"{what}: no candidate met max_rel_error={max_rel_error}")  # unreachable: passthrough is exact
+
+
+def balanced(f: LoraFactors) -> LoraFactors:
+    """The same product B @ A with each rank component's A row and B column at equal RMS.
+
+    LoRA leaves B tiny (it starts at zero: a few steps in, its entries are ~1e-5) and A at ~1e-2. In
+    float16 everything below 6.1e-5 is subnormal, with fewer mantissa bits the smaller it is: B
+    entries of 2e-5 kept about 4% relative precision, and the merged delta of a 0.6B-sized LoRA lost
+    0.1% of its norm in transit. Scaling A's row k by s_k and B's column k by 1/s_k changes the product
+    by float32 rounding only, and puts both factors in float16's normal range."""
+    a, b = f.A.detach().float(), f.B.detach().float()  # (r, in), (out, r)
+    rms_a = a.pow(2).mean(dim=1).sqrt()  # (r,)
+    rms_b = b.pow(2).mean(dim=0).sqrt()  # (r,)
+    ok = (rms_a > 0) & (rms_b > 0) & torch.isfinite(rms_a) & torch.isfinite(rms_b)
+    if not bool(ok.any()):
+        return f
+    s = torch.where(ok, (rms_b / torch.where(ok, rms_a, 1.0)).sqrt(), torch.ones_like(rms_a))  # (r,)
+    return LoraFactors(A=(a * s[:, None]).to(f.dtype), B=(b / s[None, :]).to(f.dtype))
 
 
 def _leaf_size(codec: str, shape: tuple[int, ...], group_size: int | None, scale_dtype: str | None) -> int:
