@@ -33,9 +33,14 @@ Protocol (also written into the JSON under "protocol"):
     and its compute counted as wasted. Every K = buffer_size accepted deltas the buffer is merged:
     row_i = (1 + s_i)^-a x delta_i (FedAsync's polynomial weight, a = staleness_exponent), the
     robust rule runs over the K rows (f counted per buffer), the next version is base +
-    server_lr x aggregate. When the rule cannot run on the buffer (validation refused too many
-    rows for Krum's n >= 2f + 3), the buffer stays open for the next accepted delta, as the server
-    reopens a round. Async runs until `async_horizon` x the sync run's simulated time.
+    server_lr x scale x aggregate, scale = K / sum_i w_i with staleness_normalize (the server's
+    default: with the mean, the staleness-weighted average), else 1 (FedBuff's sum / K). When the
+    rule cannot run on the buffer (validation refused too many rows for Krum's n >= 2f + 3), the
+    buffer stays open for the next accepted delta, as the server reopens a round. Async runs until
+    `async_horizon` x the sync run's simulated time. The async settings are what `gym-server serve
+    --mode async --buffer-size 10 --max-staleness 6` runs with its defaults (a, server lr, scale);
+    K and S are the federation's choice (the server's defaults, K = 3 and S = 4, suit a handful of
+    contributors): the JSON's "server_flags" gives each rule's full command line.
   * Byzantine (30%: 6 of 20, contributors spread across the speed range): they follow their
     clock like everyone but submit crafted deltas, computed when the round or buffer closes from
     the honest deltas in it (the strongest threat model: they see every honest delta). Sign flip
@@ -117,8 +122,9 @@ class BenchConfig:
     rounds: int = 2                  # sync rounds
     buffer_size: int = 10            # K
     max_staleness: int = 6           # S
-    staleness_exponent: float = 1.0  # a in (1 + s)^-a (FedBuff's 0.5 was slower here: README)
+    staleness_exponent: float = 2.0  # a in (1 + s)^-a (FedBuff's 0.5 and a = 1 were slower here: README)
     server_lr: float = 1.0           # eta
+    staleness_normalize: bool = True  # x K / sum of the buffer's w(s_i): the staleness-weighted average
     async_horizon: float = 0.75      # async runs for this share of the sync run's simulated time
     max_versions: int = 12           # and publishes at most this many versions
     same_base: str = "wait"          # a run starting on the base one last trained on: see SAME_BASE
@@ -129,6 +135,7 @@ class BenchConfig:
     trim_beta: float = 0.4
     sync_f: int = 6                  # byzantine_f of multi-krum in a sync round
     buffer_f: int = 3                # byzantine_f of multi-krum per async buffer
+    buffer_multi_krum_m: int | None = None  # multi-krum's m per async buffer (None: n - f)
     sign_flip_scale: float = 4.0
     scaling_boost: float = 10.0
     validation_examples: int = 128
@@ -531,13 +538,40 @@ class Trajectory:
             self.error = refusal
 
 
+def server_flags(cfg: BenchConfig, rule: str) -> str:
+    """The `gym-server serve` command line whose async rule this benchmark runs for `rule`: K and S always
+    (the server's defaults are for a handful of contributors), a, eta and the normalisation only where they
+    differ from the server's defaults."""
+    from zoo_gym.server.config import ServerConfig
+
+    server = ServerConfig()
+    flags = ["gym-server serve --mode async", f"--buffer-size {cfg.buffer_size}",
+             f"--max-staleness {cfg.max_staleness}"]
+    if cfg.staleness_exponent != server.staleness_exponent:
+        flags.append(f"--staleness-exponent {cfg.staleness_exponent:g}")
+    if cfg.server_lr != server.server_lr:
+        flags.append(f"--server-lr {cfg.server_lr:g}")
+    if cfg.staleness_normalize != server.staleness_normalize:
+        flags.append("--staleness-normalize" if cfg.staleness_normalize else "--no-staleness-normalize")
+    soup = soup_config(cfg, rule, "async")
+    flags.append(f"--aggregator {soup.aggregator}")
+    if soup.aggregator == "trimmed-mean":
+        flags.append(f"--trim-beta {soup.trim_beta:g}")
+    if soup.aggregator in ("krum", "multi-krum", "bulyan"):
+        flags.append(f"--byzantine-f {soup.byzantine_f}")
+    if soup.max_norm_ratio is None:
+        flags.append("(max-norm-ratio off, in the config file)")
+    return " ".join(flags)
+
+
 def soup_config(cfg: BenchConfig, rule: str, mode: str) -> SoupConfig:
     """The rule's SoupConfig; "mean-unchecked" is the mean with validation's norm check (max_norm_ratio) off,
     to show the rule alone: that check, not the mean, is what refuses boosted (scaling) deltas."""
     if rule == "mean-unchecked":
         return SoupConfig(aggregator="mean", max_norm_ratio=None)
     return SoupConfig(aggregator=rule, trim_beta=cfg.trim_beta,
-                      byzantine_f=cfg.sync_f if mode == "sync" else cfg.buffer_f)
+                      byzantine_f=cfg.sync_f if mode == "sync" else cfg.buffer_f,
+                      multi_krum_m=cfg.buffer_multi_krum_m if mode == "async" and rule == "multi-krum" else None)
 
 
 def craft(attack: str, honest: torch.Tensor, *, n_byzantine: int, cfg: BenchConfig) -> torch.Tensor:
@@ -555,7 +589,7 @@ def merge(t: Trajectory, pub: Publish, deltas: list[dict[str, torch.Tensor] | No
           cfg: BenchConfig, shapes: dict[str, torch.Size]) -> str | None:
     """Publish the next version of `t` from `pub`'s honest `deltas` (None: a Byzantine row, crafted
     here from the honest ones): row_i = w(s_i) x delta_i, DeltaSoup's rule over the rows, then
-    base + server_lr x aggregate."""
+    base + server_lr x scale x aggregate (scale: K / sum of w with staleness_normalize, else 1)."""
     names = sorted(shapes)
     subs = pub.submissions
     rows = [None if d is None else torch.cat([d[k].reshape(-1) if k in d else torch.zeros(shapes[k].numel())
@@ -582,6 +616,8 @@ def merge(t: Trajectory, pub: Publish, deltas: list[dict[str, torch.Tensor] | No
     except NotRobustConfigError as exc:  # the server reopens the round and waits for more
         return f"publish {pub.version} with {len(subs)} deltas at t={pub.time:.3f}: {exc}"
     lr = cfg.server_lr if t.mode == "async" else 1.0
+    if t.mode == "async" and cfg.staleness_normalize:  # the server's step_scale (async_rounds.py)
+        lr *= len(w) / math.fsum(w)
     prev = t.versions[-1]
     t.versions.append({k: prev[k] + lr * v if k in prev else lr * v for k, v in out.items()})
     t.times.append(pub.time)
@@ -726,6 +762,7 @@ def report(cfg: BenchConfig, trajs: list[Trajectory], *, times: list[float], byz
         "byzantine_ids": list(byz),
         "base_loss": round(base_loss, 5),
         "sync_time": round(t_sync, 3), "async_horizon_time": round(horizon, 3),
+        "server_flags": {r: server_flags(cfg, r) for r in cfg.rules},
         "runs": runs,
         "targets": {
             "time_share_of_sync": shares,
@@ -789,7 +826,8 @@ def over_seeds(docs: dict[int, dict], cfg: BenchConfig) -> dict:
             "base_loss", "sync_time", "async_horizon_time", "runs", "targets")
     return {"benchmark": "async", "command": first["command"],
             "protocol": {**first["protocol"], "config": {**first["protocol"]["config"], "seed": list(docs)}},
-            "machine": first["machine"], "seconds": round(sum(d["seconds"] for d in docs.values()), 1),
+            "machine": first["machine"], "server_flags": first["server_flags"],
+            "seconds": round(sum(d["seconds"] for d in docs.values()), 1),
             "trainings": sum(d["trainings"] for d in docs.values()), "headline": headline,
             "seeds": {str(seed): {k: d[k] for k in keep} for seed, d in docs.items()}}
 
@@ -856,6 +894,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rules", nargs="+", choices=RULES)
     p.add_argument("--attacks", nargs="+", choices=ATTACKS)
     p.add_argument("--sync-attacks", action="store_true", help="also run sync rounds under attack")
+    p.add_argument("--staleness-normalize", action=argparse.BooleanOptionalAction, default=None,
+                   help="scale a flush by K / the sum of its staleness weights (default: on, as the server)")
     p.add_argument("--seeds", type=int, nargs="+", help="run every seed (its own clock) and report the "
                    "headline over them (mean, spread, per seed); the plot shows the first")
     p.add_argument("--workers", type=int, default=1, help="training processes (one thread each)")
@@ -875,6 +915,8 @@ def main(argv: list[str] | None = None) -> int:
         kw["attacks"] = tuple(args.attacks)
     if args.sync_attacks:
         kw["sync_attacks"] = True
+    if args.staleness_normalize is not None:
+        kw["staleness_normalize"] = args.staleness_normalize
     try:
         cfg = BenchConfig(**kw)
     except BenchConfigError as exc:

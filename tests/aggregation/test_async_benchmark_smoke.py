@@ -64,10 +64,11 @@ def test_a_stale_delta_is_weighted_by_its_staleness_and_the_server_lr(tiny_run) 
     cache = bench.DeltaCache(cache_dir, cfg, {}, workers=1)
     d_c, d_a = cache.load(t.shas[0], 2), cache.load(t.shas[1], 0)
     assert any(bool((d_c[k] != d_a[k]).any()) for k in d_c)  # the weighting is observable
-    # Assert: v3 - v2 = server_lr x mean(w(2) x dC, w(1) x dA), tensor by tensor
+    # Assert: v3 - v2 = server_lr x the staleness-weighted average of dC and dA (the mean of the weighted rows
+    # x K / sum of the weights, the server's step_scale), tensor by tensor
     for k in d_c:
         moved = t.versions[3][k] - t.versions[2][k]
-        expected = 0.5 * (w_c * d_c[k] + w_a * d_a[k]) / 2
+        expected = 0.5 * (w_c * d_c[k] + w_a * d_a[k]) / (w_c + w_a)
         torch.testing.assert_close(moved, expected, rtol=1e-4, atol=1e-6)
     assert t.losses[-1] < t.losses[0]  # real training: the held-out loss went down
 

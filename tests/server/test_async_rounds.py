@@ -2,9 +2,10 @@
 
 A delta may name any of the last max_staleness bases; older is FAILED_PRECONDITION naming the current
 version and stores nothing. Every buffer_size deltas publish a version equal to base + server_lr x the
-aggregate of the staleness-weighted deltas (exact, with the plain mean); a stale delta is paid less than
-the same delta fresh, never refused; a flush interrupted after its blob is written is redone with the
-same checkpoint and the same ledger.
+aggregate of the staleness-weighted deltas, x K / the sum of their weights by default (exact, with the plain
+mean: their staleness-weighted average; FedBuff's sum / K without the normalisation and under DP); a stale
+delta is paid less than the same delta fresh, never refused; a flush interrupted after its blob is written
+is redone with the same checkpoint and the same ledger.
 """
 
 from __future__ import annotations
@@ -54,10 +55,11 @@ def test_round_info_says_async_and_is_signed(federation_with, sign):
         sign.verify(bytes(info.server_public_key), bytes(forged.signature), sign.round_info_bytes(forged))
 
 
-def test_flush_is_server_lr_times_mean_of_staleness_weighted_deltas(federation_with):
+@pytest.mark.parametrize("normalize", [True, False])
+def test_flush_is_server_lr_times_mean_of_staleness_weighted_deltas(federation_with, normalize):
     lr, a = 0.5, 1.0
     fed = federation_with(**ASYNC, validation_examples=0, server_lr=lr, staleness_exponent=a,
-                          reputation_weighting=False)
+                          reputation_weighting=False, staleness_normalize=normalize)
     (ka, ca), (kb, cb), (kc, cc), (kd, cd) = (fed.register() for _ in range(4))
     d = {name: fed.small_delta(seed=seed, scale=1e-2) for name, seed in zip(("A", "B", "C", "A2", "D"), range(5))}
     base0 = fed.round().base_sha256
@@ -73,17 +75,24 @@ def test_flush_is_server_lr_times_mean_of_staleness_weighted_deltas(federation_w
     w1, w2 = _weights(fed, v1), _weights(fed, v2)
     w = staleness_weight(1, exponent=a)
     assert w == 0.5
+    # normalised: the staleness-weighted average (w dC + dA2) / (w + 1); FedBuff's: the mean (w dC + dA2) / 2
+    scale = 2 / (w + 1) if normalize else 1.0
+    other = 1.0 if normalize else 2 / (w + 1)
     changed = 0
     for name, t in d["C"].items():
-        expected = w1[name] + lr * (w * t + d["A2"][name]) / 2  # mean over the buffer of w(s) x delta
+        expected = w1[name] + lr * scale * (w * t + d["A2"][name]) / 2
         assert torch.allclose(w2[name], expected, atol=1e-6), name
         assert not torch.allclose(w2[name], w1[name] + lr * (t + d["A2"][name]) / 2, atol=1e-6)  # w matters
+        assert not torch.allclose(w2[name], w1[name] + lr * other * (w * t + d["A2"][name]) / 2, atol=1e-6)
         changed += 1
     assert changed
     with fed.state.session() as s:
         recorded = json.loads(s.get(RoundInputs, 2).staleness_json)
+        first = json.loads(s.get(RoundInputs, 1).staleness_json)
     assert recorded["contributors"][cc] == {"base_round": 1, "staleness": 1, "weight": 0.5}
     assert recorded["contributors"][ca]["staleness"] == 0 and recorded["server_lr"] == lr
+    assert (recorded["staleness_normalize"], recorded["step_scale"]) == (normalize, pytest.approx(scale))
+    assert first["step_scale"] == 1.0  # two fresh deltas: their weights average 1 already
 
     # D's delta against version 0 is now two versions old, past max_staleness = 1: refused, nothing stored
     stored, blobs = fed.stored_submissions(), fed.blob_count()
@@ -198,6 +207,10 @@ def test_each_flush_is_one_dp_release_composed_by_the_accountant(federation_with
     assert r1.dp_epsilon_total == pytest.approx(rdp_epsilon([(1.0, 1.0, 1)], delta=delta))
     assert r2.dp_epsilon_total == pytest.approx(rdp_epsilon([(1.0, 1.0, 2)], delta=delta))  # two flushes, two steps
     assert r2.dp_epsilon_round == pytest.approx(r1.dp_epsilon_round)
+    with fed.state.session() as s:  # under DP the step is FedBuff's sum / K: the noise is calibrated for it
+        recorded = json.loads(s.get(RoundInputs, 2).staleness_json)
+    assert recorded["contributors"][cc]["weight"] < 1 and not recorded["staleness_normalize"]
+    assert recorded["step_scale"] == 1.0
     assert fed.round().dp_epsilon_spent == pytest.approx(r2.dp_epsilon_total)
 
 

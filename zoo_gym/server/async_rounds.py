@@ -17,7 +17,18 @@ What differs:
 
     row_i      = w(s_i) x delta_i,   w(s) = (1 + s) ** -staleness_exponent         (FedAsync, "polynomial")
     aggregate  = robust_rule(row_1 .. row_K)      (f counted per buffer; clip and DP noise as configured)
-    version r  = base_{r-1} + server_lr x aggregate                                 (FedBuff's eta)
+    version r  = base_{r-1} + server_lr x scale x aggregate                         (FedBuff's eta)
+    scale      = K / sum_i w(s_i)   (staleness_normalize, the default)   or   1   (FedBuff's sum / K)
+
+With the mean, scale makes the step the staleness-weighted *average* sum_i w_i delta_i / sum_i w_i
+(the normalised weighting of asynchronous FL such as Chen et al., "Asynchronous Online Federated Learning
+for Edge Devices with Non-IID Data", 2020): the weights set each delta's share of the step, and a buffer of
+stale deltas no longer takes a step shrunk by their mean weight. The rows themselves stay weighted by
+w <= 1 (never longer than submitted), so validation, clipping and each rule see what they saw before and
+scale, a uniform factor, changes neither Krum's selection nor what a trimmed mean trims. The sum runs over
+every delta in the buffer as it closed (recorded, so a redo uses the same scale), refused ones included.
+Under DP scale is 1: it depends on who is in the buffer, and the noise is calibrated for the 1/K step.
+benchmarks/async.py measured it (README, "Asynchronous rounds: measured").
 
 Stale deltas are applied to the current base, as FedBuff does. The staleness and the weights are
 recorded in RoundInputs.staleness_json when the buffer closes, so a redo merges and pays exactly what
@@ -40,6 +51,7 @@ from dataclasses import replace
 import torch
 from sqlmodel import select
 
+from zoo_gym.aggregation import SoupConfig
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.errors import FailedPrecondition
 from zoo_gym.server.models import Round, RoundInputs, RoundState, Submission
@@ -88,9 +100,20 @@ def record_staleness(session, round_id: int, config: ServerConfig) -> str:
         staleness = round_id - (base_round if base_round is not None else round_id)
         contributors[sub.contributor_id] = {"base_round": base_round, "staleness": staleness,
                                             "weight": staleness_weight(staleness, exponent=config.staleness_exponent)}
+    normalize = config.staleness_normalize and not SoupConfig.from_mapping(config.soup).dp_enabled
     return json.dumps({"buffer_size": config.buffer_size, "max_staleness": config.max_staleness,
                        "server_lr": config.server_lr, "staleness_exponent": config.staleness_exponent,
+                       "staleness_normalize": normalize,
+                       "step_scale": step_scale([c["weight"] for c in contributors.values()], normalize=normalize),
                        "contributors": contributors}, sort_keys=True)
+
+
+def step_scale(weights: list[float], *, normalize: bool) -> float:
+    """K / sum of the buffer's K staleness weights (normalize), else 1: what the aggregate is multiplied by
+    besides server_lr. Every weight is in (0, 1], so the scale is in [1, 1 / min weight]."""
+    if not normalize or not weights:
+        return 1.0
+    return float(len(weights) / math.fsum(weights))
 
 
 def parse(staleness_json: str | None) -> dict | None:
@@ -169,8 +192,9 @@ def weighted_source(source, contributors: list[str], staleness: dict | None):
 
 
 def server_lr_sink(sink: Callable[[str, torch.Tensor], None], staleness: dict | None):
-    """`sink` receiving server_lr x each aggregated tensor (unchanged at server_lr 1 or in sync mode)."""
-    lr = 1.0 if staleness is None else float(staleness["server_lr"])
+    """`sink` receiving server_lr x step_scale x each aggregated tensor, both as recorded when the buffer
+    closed (unchanged in sync mode, or when both are 1; a flush recorded before step_scale existed: 1)."""
+    lr = 1.0 if staleness is None else float(staleness["server_lr"]) * float(staleness.get("step_scale", 1.0))
     if lr == 1.0:
         return sink
     return lambda name, agg: sink(name, agg * lr)

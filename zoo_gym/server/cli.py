@@ -116,7 +116,11 @@ def serve(
     server_lr: Optional[float] = typer.Option(None, help="Async: server learning rate; a version adds it x the "
                                                          "aggregate to the base \\[default: 1.0]."),
     staleness_exponent: Optional[float] = typer.Option(None, help="Async: a delta s versions old weighs "
-                                                                  "(1+s)^-a \\[default: 1, measured in benchmarks/async.py]."),
+                                                                  "(1+s)^-a \\[default: 2, measured in benchmarks/async.py]."),
+    staleness_normalize: Optional[bool] = typer.Option(
+        None, "--staleness-normalize/--no-staleness-normalize",
+        help="Async: scale a flush by K / the sum of its staleness weights (a staleness-weighted average), or "
+             "FedBuff's sum / K \\[default: normalize; ignored under DP]."),
     aggregator: Optional[str] = typer.Option(None, help="mean, median, trimmed-mean, krum, multi-krum, bulyan, "
                                                         "geometric-median, centered-clip \\[default: trimmed-mean, robust; "
                                                         "mean is an explicit choice]."),
@@ -179,6 +183,7 @@ def serve(
         cfg = build_config(file_values, host=host, port=port, min_contributors=min_contributors, quorum=quorum,
                            round_timeout=round_timeout, mode=mode, buffer_size=buffer_size,
                            max_staleness=max_staleness, server_lr=server_lr, staleness_exponent=staleness_exponent,
+                           staleness_normalize=staleness_normalize,
                            aggregator=aggregator, byzantine_f=byzantine_f,
                            trim_beta=trim_beta, dp_noise_multiplier=dp_noise_multiplier, dp_clip=dp_clip,
                            dp_target_epsilon=dp_target_epsilon, reward_pool=reward_pool,
