@@ -153,4 +153,7 @@ def test_first_order_slopes_of_a_factored_mean_equal_the_rows_slopes():
     DeltaSoup(SoupConfig.from_mapping({"aggregator": "mean"})).run(tap, lambda k, v: None)
     slopes, norms = tap.result(scales=[1.0, 1.0])
     want, want_norms = streamed_slopes(grad, StoredDeltas(payloads, ["x", "y"], SHAPES), scales=[1.0, 1.0])
-    assert slopes == pytest.approx(want, rel=1e-6) and norms == pytest.approx(want_norms, rel=1e-6)
+    gnorm = sum(float(v.double().pow(2).sum()) for v in grad.values()) ** 0.5
+    for got, ref, norm in zip(slopes, want, want_norms):  # float32 products: within 1e-5 of |delta| |g|
+        assert abs(got - ref) <= 1e-5 * norm * gnorm
+    assert norms == pytest.approx(want_norms, rel=1e-6)
