@@ -142,8 +142,12 @@ def test_mean_from_factors_decodes_no_row_and_is_the_mean():
     assert torch.allclose(got["b.weight"].double(), want_b.reshape(-1), rtol=1e-5, atol=1e-7 * float(want_b.abs().max()))
 
 
-def test_first_order_slopes_of_a_factored_mean_equal_the_rows_slopes():
+def test_first_order_slopes_of_a_factored_mean_equal_the_rows_slopes(monkeypatch):
     from zoo_gym.rewards.first_order import SlopeTap, streamed_slopes
+
+    calls = []
+    gram = LoraFactors.merged_sq_norm
+    monkeypatch.setattr(LoraFactors, "merged_sq_norm", lambda self: calls.append(1) or gram(self))
 
     payloads = _payloads()
     grad = {k: torch.randn(s, generator=torch.Generator().manual_seed(7)) for k, s in SHAPES.items()}
@@ -151,6 +155,7 @@ def test_first_order_slopes_of_a_factored_mean_equal_the_rows_slopes():
     inner.stacked = lambda name: pytest.fail(f"row of {name} decoded: slopes should come from the factors")
     tap = SlopeTap(inner, grad)
     DeltaSoup(SoupConfig.from_mapping({"aggregator": "mean"})).run(tap, lambda k, v: None)
+    assert len(calls) == 4  # 2 contributors x 2 tensors: validation's norms serve the tap too
     slopes, norms = tap.result(scales=[1.0, 1.0])
     want, want_norms = streamed_slopes(grad, StoredDeltas(payloads, ["x", "y"], SHAPES), scales=[1.0, 1.0])
     gnorm = sum(float(v.double().pow(2).sum()) for v in grad.values()) ** 0.5

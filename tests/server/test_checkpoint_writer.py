@@ -50,13 +50,13 @@ def test_tar_stream_equals_pack(tmp_path):
     # Execute
     got = io.BytesIO()
     t = archive.TarStream(got)
-    t.add_file("a.json", d / "a.json")
+    t.add_bytes("a.json", (d / "a.json").read_bytes())
     data = (d / archive.WEIGHTS).read_bytes()
     t.begin(archive.WEIGHTS, len(data))
     t.write(data[:1000])
     t.write(memoryview(data)[1000:])
     t.end()
-    t.add_file("z.txt", d / "z.txt")
+    t.add_bytes("z.txt", (d / "z.txt").read_bytes())
     t.close()
     # Assert
     assert got.getvalue() == want.getvalue()

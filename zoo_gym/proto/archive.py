@@ -50,7 +50,7 @@ def pack(model_dir: Path, out: BinaryIO) -> None:
 class TarStream:
     """`pack`'s bytes, written member by member to `out` without the files existing first.
 
-    A member is either a whole file (`add_file`) or announced with its size and then streamed
+    A member is either whole bytes (`add_bytes`) or announced with its size and then streamed
     (`begin` ... `write` ... `end`), so the publisher can tee the new weights into the archive while
     it writes them (zoo_gym/server/checkpoint_writer.py). Members must come in sorted name order and
     `close` must be called: the output then equals `pack` of a directory holding the same files
@@ -92,16 +92,6 @@ class TarStream:
         pad = -self._offset % tarfile.BLOCKSIZE
         if pad:
             self._emit(tarfile.NUL * pad)
-
-    def add_file(self, name: str, path: Path) -> None:
-        path = Path(path)
-        if not path.is_file():
-            raise CheckpointError(f"{path}: checkpoints hold only plain files with simple names")
-        self.begin(name, path.stat().st_size)
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                self.write(chunk)
-        self.end()
 
     def add_bytes(self, name: str, data: bytes) -> None:
         self.begin(name, len(data))

@@ -207,22 +207,22 @@ class SlopeTap:
         """The source's LoRA factors of `name` (zoo_gym/aggregation/lora_mean.py: the plain mean then
         decodes no row), with the slopes taken from them: <g, B A> = sum((B^T g) * A), every
         contributor's B^T g in one float32 matmul (one read of the gradient; the float32 products sum
-        over `out` terms, ~1e-6 of |B A| |g|), and |B A|^2 from the r x r Gram matrices in float64,
-        never forming an (out, in) product. None (rows are decoded, and tapped) when the source has none."""
+        over `out` terms, ~1e-6 of |B A| |g|), and |B A|^2 the source's `sq_norms` (validation's, from the
+        r x r Gram matrices), never forming an (out, in) product. None (rows are decoded, and tapped)
+        when the source has no factors or no norms for them."""
         inner = getattr(self._source, "factors", None)
         factors = inner(name) if inner is not None else None
         if factors is None or name in self._seen:
             return factors
+        norms = getattr(self._source, "sq_norms", None)
+        known = norms(name) if norms is not None else None
+        if known is None:
+            return None
         t = time.perf_counter()
         shape = tuple(self._source.shape(name))
         s = torch.zeros(len(factors), dtype=torch.float64)  # (n,)
-        q = torch.zeros(len(factors), dtype=torch.float64)  # (n,)
+        q = known[0].to(torch.float64).clone()  # (n,)
         sent = [i for i, f in enumerate(factors) if f is not None]  # the others are zero rows
-        for i in sent:
-            sq = factors[i].merged_sq_norm()
-            if sq is None:
-                return None
-            q[i] = sq
         if sent:
             g = _gradient_of(self._grad, name, math.prod(shape)).reshape(shape).float()  # (out, in)
             bt_g = torch.cat([factors[i].B.float() for i in sent], dim=1).T @ g  # (sum of ranks, in)

@@ -53,7 +53,7 @@ class StoredDeltas:
         self.contributors = contributors
         self._cache: dict[str, torch.Tensor] = {}
         self._cache_left = cache_bytes
-        self._vouched: set[str] = set()  # tensors every contributor sent as safe float32 LoRA factors
+        self._vouched: dict[str, torch.Tensor] = {}  # sq_norms of tensors sent as safe float32 LoRA factors
         self._payloads = payloads
         self._shapes = shapes  # the base's tensors, in its file order
         self._manifests = [codec.read_manifest(p) for p in payloads]  # parsed once, passed to every decode
@@ -89,7 +89,10 @@ class StoredDeltas:
         """((n,) float64 squared L2 norms of the rows `stacked(name)` returns, numel) from LoRA factors
         alone (r x r Gram matrices, `LoraFactors.merged_sq_norm`): DeltaSoup's validation needs no decode.
         None unless every contributor that sent the tensor sent float32 LoRA factors the norm is safe
-        from (then DeltaSoup decodes). A cached tensor is not decoded again either way."""
+        from (then DeltaSoup decodes). A cached tensor is not decoded again either way; norms already
+        taken are returned again without recomputing them."""
+        if name in self._vouched:
+            return self._vouched[name], math.prod(self._shapes[name])
         if name in self._cache:
             return None
         out = torch.zeros(len(self._payloads), dtype=torch.float64)  # (n,)
@@ -103,7 +106,7 @@ class StoredDeltas:
             if sq is None:
                 return None
             out[i] = sq
-        self._vouched.add(name)
+        self._vouched[name] = out
         return out, math.prod(self._shapes[name])
 
     def factors(self, name: str) -> list | None:
