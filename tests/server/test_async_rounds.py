@@ -41,6 +41,25 @@ def test_staleness_weight_is_polynomial():
     assert [staleness_weight(s, exponent=2.0) for s in range(4)] == pytest.approx([1, 1 / 4, 1 / 9, 1 / 16])
 
 
+def test_staleness_is_an_aggregation_weight_only_where_the_rule_selects_by_counting():
+    from zoo_gym.aggregation import SoupConfig
+    from zoo_gym.aggregation.config import AGGREGATORS
+    from zoo_gym.server.async_rounds import staleness_applied, step_scale
+
+    applied = {rule: staleness_applied(SoupConfig(aggregator=rule, dp_clip=1.0)) for rule in AGGREGATORS}
+    assert {rule for rule, how in applied.items() if how == "weights"} == {"mean", "krum", "multi-krum"}
+    # the geometric median and centered clipping bound the outliers' total weight: a fresh attacker would weigh more
+    assert applied["geometric-median"] == applied["centered-clip"] == applied["trimmed-mean"] == "rows"
+    assert staleness_applied(SoupConfig(aggregator="multi-krum", dp_noise_multiplier=1.0, dp_clip=1.0)) == "rows"
+    w = [1.0, 0.25, 0.25, 0.5]  # sum 2, K = 4
+    assert step_scale(w, normalize=True, applied="rows") == 2.0  # K / sum w: the weighted rows' mean -> average
+    assert step_scale(w, normalize=True, applied="weights") == 1.0  # the rule already averages with w
+    assert step_scale(w, normalize=False, applied="rows") == 1.0  # FedBuff's sum / K of the weighted rows
+    assert step_scale(w, normalize=False, applied="weights") == 0.5  # the same sum / K from the average
+    with pytest.raises(ValueError, match="'rows' or 'weights'"):
+        step_scale(w, normalize=True, applied="both")
+
+
 def test_round_info_says_async_and_is_signed(federation_with, sign):
     fed = federation_with(**ASYNC, validation_examples=0, server_lr=0.5, staleness_exponent=1.0)
     info = fed.round()
@@ -91,7 +110,10 @@ def test_flush_is_server_lr_times_mean_of_staleness_weighted_deltas(federation_w
         first = json.loads(s.get(RoundInputs, 1).staleness_json)
     assert recorded["contributors"][cc] == {"base_round": 1, "staleness": 1, "weight": 0.5}
     assert recorded["contributors"][ca]["staleness"] == 0 and recorded["server_lr"] == lr
-    assert (recorded["staleness_normalize"], recorded["step_scale"]) == (normalize, pytest.approx(scale))
+    # the mean weights what it keeps: w(s) is an aggregation weight, so the normalised step needs no scale
+    assert recorded["staleness_applied"] == "weights"
+    assert (recorded["staleness_normalize"], recorded["step_scale"]) == (
+        normalize, 1.0 if normalize else pytest.approx((w + 1) / 2))
     assert first["step_scale"] == 1.0  # two fresh deltas: their weights average 1 already
 
     # D's delta against version 0 is now two versions old, past max_staleness = 1: refused, nothing stored
@@ -105,6 +127,39 @@ def test_flush_is_server_lr_times_mean_of_staleness_weighted_deltas(federation_w
         fed.submit(kd, cd, codec.encode(d["D"], codec="fp32"), round_id=2, base_sha256=base0)
     assert wrong.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "round 2 trained on" in wrong.value.details()
     assert (fed.stored_submissions(), fed.blob_count()) == (stored, blobs)
+
+
+def test_multi_krum_selects_on_the_deltas_as_submitted_not_on_staleness_weighted_rows(federation_with):
+    # Prepare: K = 7, f = 2 (7 = 2f + 3), a = 2. Version 1 from 7 fresh deltas; then the buffer of version 2 holds
+    # 5 honest deltas trained on version 0 (staleness 1, weight 1/4) and 2 colluding attackers who claim the newest
+    # base (weight 1) and send a quarter of the honest mean: far from every honest delta as submitted, but on
+    # rows weighted by staleness exactly the centre of the honest rows (1/4 of each), so Krum scored them best.
+    fed = federation_with(mode="async", buffer_size=7, max_staleness=1, aggregator="multi-krum", byzantine_f=2,
+                          staleness_exponent=2.0, validation_examples=0, reputation_weighting=False)
+    honest, attackers = [fed.register() for _ in range(5)], [fed.register() for _ in range(2)]
+    mu = fed.small_delta(seed=100, scale=1e-2)
+    deltas = [{k: m + fed.small_delta(seed=i, scale=3e-3)[k] for k, m in mu.items()} for i in range(5)]
+    crafted = {k: 0.25 * torch.stack([d[k] for d in deltas]).mean(0) for k in mu}
+    base0 = fed.round().base_sha256
+    for key, cid in honest + attackers:
+        fed.submit(key, cid, codec.encode(mu, codec="fp32"), round_id=1)
+    v1 = fed.wait_published(1).published_sha256
+    for (key, cid), d in zip(honest, deltas):
+        fed.submit(key, cid, codec.encode(d, codec="fp32"), round_id=1, base_sha256=base0)  # one version stale
+    for key, cid in attackers:
+        fed.submit(key, cid, codec.encode(crafted, codec="fp32"), round_id=2)  # fresh: weight 1
+    v2 = fed.wait_published(2).published_sha256
+
+    # Assert: Multi-Krum's m = n - f = 5 are the honest deltas, averaged with their (equal) staleness weights
+    w1, w2 = _weights(fed, v1), _weights(fed, v2)
+    for k in mu:
+        honest_mean = torch.stack([d[k] for d in deltas]).mean(0)
+        assert not torch.allclose(crafted[k], honest_mean, atol=1e-4)  # the attackers' delta is observable
+        assert torch.allclose(w2[k], w1[k] + honest_mean, atol=1e-6), k
+    with fed.state.session() as s:
+        recorded = json.loads(s.get(RoundInputs, 2).staleness_json)
+    assert recorded["staleness_applied"] == "weights" and recorded["step_scale"] == 1.0
+    assert {recorded["contributors"][cid]["weight"] for _, cid in honest} == {0.25}
 
 
 def _helpful_delta(fed, sha: str, names: int = 4) -> dict[str, torch.Tensor]:
@@ -210,7 +265,7 @@ def test_each_flush_is_one_dp_release_composed_by_the_accountant(federation_with
     with fed.state.session() as s:  # under DP the step is FedBuff's sum / K: the noise is calibrated for it
         recorded = json.loads(s.get(RoundInputs, 2).staleness_json)
     assert recorded["contributors"][cc]["weight"] < 1 and not recorded["staleness_normalize"]
-    assert recorded["step_scale"] == 1.0
+    assert recorded["step_scale"] == 1.0 and recorded["staleness_applied"] == "rows"  # weighted before the clip
     assert fed.round().dp_epsilon_spent == pytest.approx(r2.dp_epsilon_total)
 
 

@@ -13,22 +13,30 @@ round's buffer. An older base is FAILED_PRECONDITION naming the current version.
 Every `buffer_size` (K) accepted deltas the round closes and publishes through the synchronous path
 (rounds.py -> publish.py -> settlement.py), so a flush keeps everything a round guarantees: signed
 submissions, durable before acknowledged, one transaction per publish, an exact redo after a crash.
-What differs:
+What differs, with w(s) = (1 + s) ** -staleness_exponent (FedAsync's "polynomial" weight):
 
-    row_i      = w(s_i) x delta_i,   w(s) = (1 + s) ** -staleness_exponent         (FedAsync, "polynomial")
-    aggregate  = robust_rule(row_1 .. row_K)      (f counted per buffer; clip and DP noise as configured)
+    mean, Krum, Multi-Krum (STALENESS_AS_WEIGHTS: they select by counting), without DP ("weights"):
+        aggregate  = robust_rule(delta_1 .. delta_K; weights = reputation_i x w(s_i))
+        scale      = 1   (staleness_normalize, the default)   or   sum_i w(s_i) / K   (FedBuff's sum / K)
+    trimmed mean, median, geometric median, centered clipping, Bulyan, and every rule under DP ("rows"):
+        aggregate  = robust_rule(w(s_1) delta_1 .. w(s_K) delta_K; weights = reputation_i)
+        scale      = K / sum_i w(s_i)   (staleness_normalize)   or   1
     version r  = base_{r-1} + server_lr x scale x aggregate                         (FedBuff's eta)
-    scale      = K / sum_i w(s_i)   (staleness_normalize, the default)   or   1   (FedBuff's sum / K)
 
-With the mean, scale makes the step the staleness-weighted *average* sum_i w_i delta_i / sum_i w_i
+Either way the mean's step is the staleness-weighted *average* sum_i w_i delta_i / sum_i w_i by default
 (the normalised weighting of asynchronous FL such as Chen et al., "Asynchronous Online Federated Learning
 for Edge Devices with Non-IID Data", 2020): the weights set each delta's share of the step, and a buffer of
-stale deltas no longer takes a step shrunk by their mean weight. The rows themselves stay weighted by
-w <= 1 (never longer than submitted), so validation, clipping and each rule see what they saw before and
-scale, a uniform factor, changes neither Krum's selection nor what a trimmed mean trims. The sum runs over
-every delta in the buffer as it closed (recorded, so a redo uses the same scale), refused ones included.
-Under DP scale is 1: it depends on who is in the buffer, and the noise is calibrated for the 1/K step.
-benchmarks/async.py measured it (README, "Asynchronous rounds: measured").
+stale deltas does not take a step shrunk by their mean weight. "weights" lets Krum select, and validation
+check norms, on the deltas as submitted, staleness only deciding each chosen delta's share: on rows shrunk by
+w(s) the tightest cluster was the stale deltas, and an attacker who always claims the newest base (weight 1)
+could sit at their centre while far from every honest delta as submitted (benchmarks/async.py, README
+"Asynchronous rounds: measured"). Under DP the rows stay weighted
+before clipping (w <= 1, so a weighted row is never longer than the one submitted and the sensitivity is
+the clip C; DeltaSoup makes the weights uniform there) and scale is 1: it would depend on who is in the
+buffer, and the noise is calibrated for the 1/K step. Which of the two a flush used, and its scale, are
+recorded when the buffer closes (`staleness_applied`, `step_scale`; the sum runs over every delta in the
+buffer as it closed, refused ones included), so a redo merges exactly as the first run did; a flush
+recorded before `staleness_applied` existed is redone with weighted rows.
 
 Stale deltas are applied to the current base, as FedBuff does. The staleness and the weights are
 recorded in RoundInputs.staleness_json when the buffer closes, so a redo merges and pays exactly what
@@ -55,6 +63,15 @@ from zoo_gym.aggregation import SoupConfig
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.errors import FailedPrecondition
 from zoo_gym.server.models import Round, RoundInputs, RoundState, Submission
+
+# Rules for which a delta's staleness is an aggregation weight (DeltaSoup's `weights=`): Krum and Multi-Krum
+# select by counting (the f closest neighbours, the m best scores: weights play no part) and then average the
+# chosen deltas with w[chosen] / sum (soup.py); the mean is the same average either way. The others keep
+# weighted rows: the median and Bulyan take no weights; the geometric median and centered clipping are robust
+# while the outliers' total WEIGHT is below one half (an attacker claiming the newest base, weight 1, would
+# count 4 to 9 times an honest delta one or two versions stale); the trimmed mean with weights was slower to
+# sync's loss on the benchmark (README, "Asynchronous rounds: measured").
+STALENESS_AS_WEIGHTS = frozenset({"mean", "krum", "multi-krum"})
 
 
 def staleness_weight(staleness: int, *, exponent: float) -> float:
@@ -100,20 +117,33 @@ def record_staleness(session, round_id: int, config: ServerConfig) -> str:
         staleness = round_id - (base_round if base_round is not None else round_id)
         contributors[sub.contributor_id] = {"base_round": base_round, "staleness": staleness,
                                             "weight": staleness_weight(staleness, exponent=config.staleness_exponent)}
-    normalize = config.staleness_normalize and not SoupConfig.from_mapping(config.soup).dp_enabled
+    soup = SoupConfig.from_mapping(config.soup)
+    normalize = config.staleness_normalize and not soup.dp_enabled
+    applied = staleness_applied(soup)
+    weights = [c["weight"] for c in contributors.values()]
     return json.dumps({"buffer_size": config.buffer_size, "max_staleness": config.max_staleness,
                        "server_lr": config.server_lr, "staleness_exponent": config.staleness_exponent,
-                       "staleness_normalize": normalize,
-                       "step_scale": step_scale([c["weight"] for c in contributors.values()], normalize=normalize),
+                       "staleness_normalize": normalize, "staleness_applied": applied,
+                       "step_scale": step_scale(weights, normalize=normalize, applied=applied),
                        "contributors": contributors}, sort_keys=True)
 
 
-def step_scale(weights: list[float], *, normalize: bool) -> float:
-    """K / sum of the buffer's K staleness weights (normalize), else 1: what the aggregate is multiplied by
-    besides server_lr. Every weight is in (0, 1], so the scale is in [1, 1 / min weight]."""
-    if not normalize or not weights:
+def staleness_applied(soup: SoupConfig) -> str:
+    """How a flush under `soup` applies w(s): "weights" (aggregation weights on the deltas as submitted: a rule
+    in STALENESS_AS_WEIGHTS, no DP) or "rows" (each row multiplied by its weight first)."""
+    return "weights" if soup.aggregator in STALENESS_AS_WEIGHTS and not soup.dp_enabled else "rows"
+
+
+def step_scale(weights: list[float], *, normalize: bool, applied: str = "rows") -> float:
+    """What the aggregate is multiplied by besides server_lr, from the buffer's K staleness weights (each in
+    (0, 1]): with weighted rows K / sum w when normalising (in [1, 1 / min weight]), else 1; with weights the
+    rule already averages (1 when normalising), else FedBuff's sum / K, sum w / K (in (0, 1])."""
+    if applied not in ("rows", "weights"):
+        raise ValueError(f"staleness is applied as 'rows' or 'weights', got {applied!r}")
+    if not weights or normalize == (applied == "weights"):
         return 1.0
-    return float(len(weights) / math.fsum(weights))
+    ratio = len(weights) / math.fsum(weights)
+    return float(ratio if applied == "rows" else 1.0 / ratio)
 
 
 def parse(staleness_json: str | None) -> dict | None:
@@ -150,7 +180,8 @@ def describe_mode(mode: dict) -> str:
 class StalenessScaled:
     """DeltaSource whose row i is weight_i x the wrapped source's row i (zoo_gym.aggregation.DeltaSource).
 
-    The robust rule, clipping and DP noise see the weighted rows, as in FedBuff. Weights are <= 1, so a
+    For staleness_applied "rows" (rules outside STALENESS_AS_WEIGHTS, and DP): the robust rule, clipping and DP noise see the weighted
+    rows, as in FedBuff. Weights are <= 1, so a
     weighted delta is never longer than the one submitted and the DP sensitivity bound (the clip) holds.
     The packed BitDelta fast path is not offered (its scales would need the weights): distances are then
     computed from the decoded rows."""
@@ -189,6 +220,16 @@ def weighted_source(source, contributors: list[str], staleness: dict | None):
     if all(w == 1.0 for w in weights):
         return source
     return StalenessScaled(source, weights)
+
+
+def apply_staleness(source, contributors: list[str], staleness: dict | None, weights):
+    """(source, weights) for DeltaSoup.run as the flush recorded (`staleness_applied`): the deltas as submitted
+    and weights x w(s) ("weights"; `weights` None: w(s) alone), or weighted rows and `weights` unchanged ("rows",
+    and every flush recorded before the field existed). Sync rounds (staleness None): both unchanged."""
+    if staleness is None or staleness.get("staleness_applied", "rows") == "rows":
+        return weighted_source(source, contributors, staleness), weights
+    w = torch.tensor([float(staleness["contributors"][c]["weight"]) for c in contributors], dtype=torch.float64)
+    return source, w if weights is None else torch.as_tensor(weights, dtype=torch.float64) * w
 
 
 def server_lr_sink(sink: Callable[[str, torch.Tensor], None], staleness: dict | None):

@@ -253,9 +253,10 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
         stack.callback(writer.close)
         log.info("round %d phase=aggregation", rnd.id)
         try:
-            report = DeltaSoup(soup_config, dp_clip=inputs.dp_clip).run(  # async: weighted rows, server_lr x out
-                async_rounds.weighted_source(source, contributors, staleness),
-                async_rounds.server_lr_sink(writer.sink, staleness), weights=weights, generator=gen,
+            # async: w(s) as aggregation weights or on the rows, as recorded; server_lr x step_scale x out
+            rows, row_weights = async_rounds.apply_staleness(source, contributors, staleness, weights)
+            report = DeltaSoup(soup_config, dp_clip=inputs.dp_clip).run(
+                rows, async_rounds.server_lr_sink(writer.sink, staleness), weights=row_weights, generator=gen,
                 accountant=accountant)  # q = 1, as above
         except NotRobustConfigError as exc:
             _reopen(state, rnd.id, len(subs) + 1, f"waiting for more submissions: {exc}")
