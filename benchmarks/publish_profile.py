@@ -35,7 +35,7 @@ from zoo_gym.aggregation import DeltaSoup, SoupConfig  # noqa: E402
 from zoo_gym.proto import archive  # noqa: E402
 from zoo_gym.server.blobs import BlobStore  # noqa: E402
 from zoo_gym.server import master_weights  # noqa: E402
-from zoo_gym.server.checkpoint_writer import CheckpointWriter, SafetensorsReader  # noqa: E402
+from zoo_gym.server.checkpoint_writer import CheckpointWriter, SafetensorsReader, threads_beside_writers  # noqa: E402
 from zoo_gym.server.publish import StoredDeltas  # noqa: E402
 
 
@@ -50,15 +50,17 @@ def publish_once(store: BlobStore, base_sha: str, master_sha: str | None, payloa
     with ExitStack() as stack:
         payloads = [stack.enter_context(store.mapped(s)) for s in payload_shas]
         stored = StoredDeltas(payloads, ["a", "b"], shapes)
-        ckpt_blob = stack.enter_context(store.writer())
-        master_blob = stack.enter_context(store.writer()) if keep_master else None
-        master = stack.enter_context(SafetensorsReader(store.path(master_sha))) if master_sha else None
+        ckpt_blob = stack.enter_context(store.writer(streamed=True))
+        master_blob = stack.enter_context(store.writer(streamed=True)) if keep_master else None
+        master = stack.enter_context(SafetensorsReader(store.path(master_sha), streamed=True)) if master_sha else None
         writer = CheckpointWriter(base_archive, master=master, changed=stored.names(), ckpt_blob=ckpt_blob,
                                   master_blob=master_blob)
         stack.callback(writer.close)
         t1 = time.perf_counter()
         t["load"] = t1 - t0
-        DeltaSoup(SoupConfig.from_mapping(soup)).run(stored, writer.sink, generator=torch.Generator().manual_seed(seed))
+        with threads_beside_writers():  # as publish_round
+            DeltaSoup(SoupConfig.from_mapping(soup)).run(stored, writer.sink,
+                                                         generator=torch.Generator().manual_seed(seed))
         t2 = time.perf_counter()
         t["aggregation"] = t2 - t1
         writer.finish_weights()

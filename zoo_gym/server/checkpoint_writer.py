@@ -41,7 +41,8 @@ import os
 import queue
 import struct
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -49,12 +50,14 @@ from typing import BinaryIO
 import torch
 
 from zoo_gym.proto import archive
-from zoo_gym.server import master_weights
+from zoo_gym.server import master_kernel, master_weights
+from zoo_gym.server.blobs import drop_cached
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
 _CHUNK = 16 << 20  # bytes copied at a time for tensors the round does not change
+_WRITER_THREADS = 2  # the archive's and the master's (CheckpointWriter)
 _QUEUED_PIECES = 4  # pieces (one tensor or one _CHUNK each, <= 64 MiB) waiting per output thread
 
 
@@ -78,10 +81,13 @@ class SafetensorsReader:
     """Tensor by tensor reads of a safetensors file with `os.pread` (no whole-file map, no whole-model dict).
 
     `offset`/`length` read one stored inside another file: a checkpoint archive's weights member is
-    read in place (`in_archive`), so the server never needs an unpacked copy to publish from."""
+    read in place (`in_archive`), so the server never needs an unpacked copy to publish from.
+    `streamed=True` drops what was read from the page cache (`blobs.drop_cached`): a publish reads the
+    base and its master once, and their pages are better reused by the blobs it writes."""
 
-    def __init__(self, path: Path, *, offset: int = 0, length: int | None = None) -> None:
+    def __init__(self, path: Path, *, offset: int = 0, length: int | None = None, streamed: bool = False) -> None:
         self.path = Path(path)
+        self._streamed = streamed
         self._fd = os.open(self.path, os.O_RDONLY)
         try:
             size = os.fstat(self._fd).st_size - offset if length is None else length
@@ -105,10 +111,11 @@ class SafetensorsReader:
         self.infos: dict[str, TensorInfo] = dict(sorted(infos.items(), key=lambda kv: kv[1].start))
 
     @classmethod
-    def in_archive(cls, path: Path, spans: Mapping[str, tuple[int, int]] | None = None) -> "SafetensorsReader":
+    def in_archive(cls, path: Path, spans: Mapping[str, tuple[int, int]] | None = None, *,
+                   streamed: bool = False) -> "SafetensorsReader":
         """The weights of a checkpoint archive (`archive.members` spans, read if not given), in place."""
         offset, size = (spans or archive.members(path))[archive.WEIGHTS]
-        return cls(path, offset=offset, length=size)
+        return cls(path, offset=offset, length=size, streamed=streamed)
 
     def names(self) -> list[str]:
         return list(self.infos)
@@ -129,7 +136,10 @@ class SafetensorsReader:
         """The tensor's raw bytes, `_CHUNK` at a time."""
         info = self.infos[name]
         for off in range(0, info.nbytes, _CHUNK):
-            yield os.pread(self._fd, min(_CHUNK, info.nbytes - off), info.start + off)
+            n = min(_CHUNK, info.nbytes - off)
+            yield os.pread(self._fd, n, info.start + off)
+            if self._streamed:
+                drop_cached(self._fd, info.start + off, n)
 
     def _read_into(self, view: memoryview, offset: int) -> None:
         done = 0
@@ -138,6 +148,8 @@ class SafetensorsReader:
             if got <= 0:
                 raise CheckpointFormatError(f"{self.path}: short read")
             done += got
+        if self._streamed:
+            drop_cached(self._fd, offset, len(view))
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -281,7 +293,7 @@ class CheckpointWriter:
                  ckpt_blob: BinaryIO, master_blob: BinaryIO | None) -> None:
         self.base_archive = Path(base_archive)
         spans = archive.members(self.base_archive)
-        self.base = SafetensorsReader.in_archive(self.base_archive, spans)
+        self.base = SafetensorsReader.in_archive(self.base_archive, spans, streamed=True)
         self.master = master
         if master is not None and any(name not in self.base.infos or info.shape != self.base.infos[name].shape
                                       for name, info in master.infos.items()):
@@ -326,6 +338,10 @@ class CheckpointWriter:
         base = self.base.read(name)
         if kind is None:  # float32 (or no master kept): the published weights are the master
             published = (base.float() + agg.reshape(info.shape)).to(info.torch_dtype)
+        elif kind == "I16" and self._low_halves_of(name):  # bf16: one fused pass, in place (master_kernel.py)
+            low = self.master.read(name) if self.master is not None and name in self.master.infos else None
+            published, low = master_kernel.add_to_bf16_master(base, low, agg.float())
+            self._master_out.write(name, [tensor_bytes(low)])
         else:
             new_master = master_weights.master_of(base, self.master, name).add_(agg.reshape(info.shape))
             del base
@@ -336,6 +352,11 @@ class CheckpointWriter:
                 published = new_master.to(info.torch_dtype)
                 self._master_out.write(name, [tensor_bytes(new_master)])
         self._pub.write(name, [tensor_bytes(published)])
+
+    def _low_halves_of(self, name: str) -> bool:
+        """Whether tensor `name`'s master is stored as low halves, or not stored yet (then the fused pass
+        applies); False for a master an older server stored in float32 (joined and split with torch)."""
+        return self.master is None or name not in self.master.infos or self.master.infos[name].dtype == "I16"
 
     def finish_weights(self) -> None:
         """Copy the tensors the round did not change (bytes, a chunk at a time); the weights are complete."""
@@ -363,6 +384,20 @@ class CheckpointWriter:
         for t in self._threads:
             t.close()
         self.base.close()
+
+
+@contextmanager
+def threads_beside_writers() -> Iterator[None]:
+    """torch's intra-op threads (and the master kernel's) while a CheckpointWriter streams: the cores its
+    two writer threads leave, at least one. OpenMP threads that share a core with a busy writer wait at
+    their barriers for the preempted one: at Qwen3-0.6B's size on 2 cores a publish took 4.5-4.6 s with
+    2 threads and 3.4-3.7 s with 1 (benchmarks/publish_profile.py). Global to the process, restored on exit."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, before - _WRITER_THREADS))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def master_sha256(manifest_json: str | None) -> str | None:

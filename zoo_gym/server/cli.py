@@ -234,8 +234,10 @@ def serve(
                                         host=cfg.host, port=dashboard_port, ssl_certfile=cfg.ssl_certfile,
                                         ssl_keyfile=cfg.ssl_keyfile)
     from zoo_gym.aggregation.packed_kernels import warm_up
+    from zoo_gym.server import master_kernel
 
     warm_up()  # compile or load the BitDelta distance / mean kernels now, not in the first round
+    master_kernel.warm_up()  # and the publish's bf16 master update
     server.start()
     rounds.start()
     if port_file:

@@ -25,7 +25,7 @@ from zoo_gym import codec
 from zoo_gym.aggregation import (DeltaSoup, NotRobustConfigError, PrivacyAccountant, PrivacyBudgetExceeded,
                                  SoupConfig)
 from zoo_gym.server import async_rounds, master_weights
-from zoo_gym.server.checkpoint_writer import CheckpointWriter, SafetensorsReader, master_path
+from zoo_gym.server.checkpoint_writer import CheckpointWriter, SafetensorsReader, master_path, threads_beside_writers
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.evaluation import evaluator_for, forget
 from zoo_gym.server.faults import crash_point
@@ -245,9 +245,10 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
         source = scoring_tap(config, stored, evaluator)
         weights = aggregation_weights(config, contributors, reputations)
         gen = round_generator(state, rnd.base_sha256)
-        ckpt_blob = stack.enter_context(state.blobs.writer())
-        master_blob = stack.enter_context(state.blobs.writer()) if keep_master else None
-        master = stack.enter_context(SafetensorsReader(master_file)) if master_file is not None else None
+        ckpt_blob = stack.enter_context(state.blobs.writer(streamed=True))
+        master_blob = stack.enter_context(state.blobs.writer(streamed=True)) if keep_master else None
+        master = (stack.enter_context(SafetensorsReader(master_file, streamed=True))
+                  if master_file is not None else None)
         writer = CheckpointWriter(base_archive, master=master, changed=stored.names(), ckpt_blob=ckpt_blob,
                                   master_blob=master_blob)
         stack.callback(writer.close)
@@ -255,9 +256,10 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
         try:
             # async: w(s) as aggregation weights or on the rows, as recorded; server_lr x step_scale x out
             rows, row_weights = async_rounds.apply_staleness(source, contributors, staleness, weights)
-            report = DeltaSoup(soup_config, dp_clip=inputs.dp_clip).run(
-                rows, async_rounds.server_lr_sink(writer.sink, staleness), weights=row_weights, generator=gen,
-                accountant=accountant)  # q = 1, as above
+            with threads_beside_writers():  # the writer's two threads stream while the soup computes
+                report = DeltaSoup(soup_config, dp_clip=inputs.dp_clip).run(
+                    rows, async_rounds.server_lr_sink(writer.sink, staleness), weights=row_weights, generator=gen,
+                    accountant=accountant)  # q = 1, as above
         except NotRobustConfigError as exc:
             _reopen(state, rnd.id, len(subs) + 1, f"waiting for more submissions: {exc}")
             return f"REOPENED ({exc})"
