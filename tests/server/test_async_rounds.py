@@ -2,8 +2,9 @@
 
 A delta may name any of the last max_staleness bases; older is FAILED_PRECONDITION naming the current
 version and stores nothing. Every buffer_size deltas publish a version equal to base + server_lr x the
-aggregate of the staleness-weighted deltas, x K / the sum of their weights by default (exact, with the plain
-mean: their staleness-weighted average; FedBuff's sum / K without the normalisation and under DP); a stale
+aggregate, by default (exact, with the plain mean) the deltas' staleness-weighted average (FedBuff's sum / K
+without the normalisation and under DP); Multi-Krum selects on the weighted rows it averages, so fresh
+colluding attackers hiding among the deltas as submitted do not outweigh the stale honest ones; a stale
 delta is paid less than the same delta fresh, never refused; a flush interrupted after its blob is written
 is redone with the same checkpoint and the same ledger.
 """
@@ -41,16 +42,15 @@ def test_staleness_weight_is_polynomial():
     assert [staleness_weight(s, exponent=2.0) for s in range(4)] == pytest.approx([1, 1 / 4, 1 / 9, 1 / 16])
 
 
-def test_staleness_is_an_aggregation_weight_only_where_the_rule_selects_by_counting():
+def test_staleness_is_an_aggregation_weight_only_for_the_mean():
     from zoo_gym.aggregation import SoupConfig
     from zoo_gym.aggregation.config import AGGREGATORS
     from zoo_gym.server.async_rounds import staleness_applied, step_scale
 
     applied = {rule: staleness_applied(SoupConfig(aggregator=rule, dp_clip=1.0)) for rule in AGGREGATORS}
-    assert {rule for rule, how in applied.items() if how == "weights"} == {"mean", "krum", "multi-krum"}
-    # the geometric median and centered clipping bound the outliers' total weight: a fresh attacker would weigh more
-    assert applied["geometric-median"] == applied["centered-clip"] == applied["trimmed-mean"] == "rows"
-    assert staleness_applied(SoupConfig(aggregator="multi-krum", dp_noise_multiplier=1.0, dp_clip=1.0)) == "rows"
+    # robust rules select and trim on the weighted rows they average: no fresh row outweighs a stale one it hid among
+    assert {rule for rule, how in applied.items() if how == "weights"} == {"mean"}
+    assert staleness_applied(SoupConfig(aggregator="mean", dp_noise_multiplier=1.0, dp_clip=1.0)) == "rows"
     w = [1.0, 0.25, 0.25, 0.5]  # sum 2, K = 4
     assert step_scale(w, normalize=True, applied="rows") == 2.0  # K / sum w: the weighted rows' mean -> average
     assert step_scale(w, normalize=True, applied="weights") == 1.0  # the rule already averages with w
@@ -129,17 +129,18 @@ def test_flush_is_server_lr_times_mean_of_staleness_weighted_deltas(federation_w
     assert (fed.stored_submissions(), fed.blob_count()) == (stored, blobs)
 
 
-def test_multi_krum_selects_on_the_deltas_as_submitted_not_on_staleness_weighted_rows(federation_with):
+def test_multi_krum_selects_on_the_weighted_rows_it_averages_so_fresh_colluders_are_not_outweighing(federation_with):
     # Prepare: K = 7, f = 2 (7 = 2f + 3), a = 2. Version 1 from 7 fresh deltas; then the buffer of version 2 holds
     # 5 honest deltas trained on version 0 (staleness 1, weight 1/4) and 2 colluding attackers who claim the newest
-    # base (weight 1) and send a quarter of the honest mean: far from every honest delta as submitted, but on
-    # rows weighted by staleness exactly the centre of the honest rows (1/4 of each), so Krum scored them best.
+    # base (weight 1) and send mean - std of the honest deltas (ALIE): inside their spread as submitted, so a
+    # Multi-Krum selecting on the deltas as submitted chose both and gave them 2 / (2 + 3/4) of the step.
     fed = federation_with(mode="async", buffer_size=7, max_staleness=1, aggregator="multi-krum", byzantine_f=2,
                           staleness_exponent=2.0, validation_examples=0, reputation_weighting=False)
     honest, attackers = [fed.register() for _ in range(5)], [fed.register() for _ in range(2)]
     mu = fed.small_delta(seed=100, scale=1e-2)
     deltas = [{k: m + fed.small_delta(seed=i, scale=3e-3)[k] for k, m in mu.items()} for i in range(5)]
-    crafted = {k: 0.25 * torch.stack([d[k] for d in deltas]).mean(0) for k in mu}
+    stacked = {k: torch.stack([d[k] for d in deltas]) for k in mu}  # (5, ...) per tensor
+    alie = {k: x.mean(0) - x.std(0, unbiased=False) for k, x in stacked.items()}
     base0 = fed.round().base_sha256
     for key, cid in honest + attackers:
         fed.submit(key, cid, codec.encode(mu, codec="fp32"), round_id=1)
@@ -147,19 +148,20 @@ def test_multi_krum_selects_on_the_deltas_as_submitted_not_on_staleness_weighted
     for (key, cid), d in zip(honest, deltas):
         fed.submit(key, cid, codec.encode(d, codec="fp32"), round_id=1, base_sha256=base0)  # one version stale
     for key, cid in attackers:
-        fed.submit(key, cid, codec.encode(crafted, codec="fp32"), round_id=2)  # fresh: weight 1
+        fed.submit(key, cid, codec.encode(alie, codec="fp32"), round_id=2)  # fresh: weight 1
     v2 = fed.wait_published(2).published_sha256
 
-    # Assert: Multi-Krum's m = n - f = 5 are the honest deltas, averaged with their (equal) staleness weights
+    # Assert: Multi-Krum's m = n - f = 5 are the honest rows w x delta, averaged, x K / sum w over the buffer
+    w = 0.25
     w1, w2 = _weights(fed, v1), _weights(fed, v2)
     for k in mu:
-        honest_mean = torch.stack([d[k] for d in deltas]).mean(0)
-        assert not torch.allclose(crafted[k], honest_mean, atol=1e-4)  # the attackers' delta is observable
-        assert torch.allclose(w2[k], w1[k] + honest_mean, atol=1e-6), k
+        honest_mean = stacked[k].mean(0)
+        assert not torch.allclose(alie[k], honest_mean, atol=1e-4)  # the attackers' delta is observable
+        assert torch.allclose(w2[k], w1[k] + 7 / (5 * w + 2) * w * honest_mean, atol=1e-6), k
     with fed.state.session() as s:
         recorded = json.loads(s.get(RoundInputs, 2).staleness_json)
-    assert recorded["staleness_applied"] == "weights" and recorded["step_scale"] == 1.0
-    assert {recorded["contributors"][cid]["weight"] for _, cid in honest} == {0.25}
+    assert recorded["staleness_applied"] == "rows" and recorded["step_scale"] == pytest.approx(7 / (5 * w + 2))
+    assert {recorded["contributors"][cid]["weight"] for _, cid in honest} == {w}
 
 
 def _helpful_delta(fed, sha: str, names: int = 4) -> dict[str, torch.Tensor]:

@@ -15,10 +15,10 @@ Every `buffer_size` (K) accepted deltas the round closes and publishes through t
 submissions, durable before acknowledged, one transaction per publish, an exact redo after a crash.
 What differs, with w(s) = (1 + s) ** -staleness_exponent (FedAsync's "polynomial" weight):
 
-    mean, Krum, Multi-Krum (STALENESS_AS_WEIGHTS: they select by counting), without DP ("weights"):
+    the mean (STALENESS_AS_WEIGHTS), without DP ("weights"):
         aggregate  = robust_rule(delta_1 .. delta_K; weights = reputation_i x w(s_i))
         scale      = 1   (staleness_normalize, the default)   or   sum_i w(s_i) / K   (FedBuff's sum / K)
-    trimmed mean, median, geometric median, centered clipping, Bulyan, and every rule under DP ("rows"):
+    every robust rule, and every rule under DP ("rows"):
         aggregate  = robust_rule(w(s_1) delta_1 .. w(s_K) delta_K; weights = reputation_i)
         scale      = K / sum_i w(s_i)   (staleness_normalize)   or   1
     version r  = base_{r-1} + server_lr x scale x aggregate                         (FedBuff's eta)
@@ -26,11 +26,10 @@ What differs, with w(s) = (1 + s) ** -staleness_exponent (FedAsync's "polynomial
 Either way the mean's step is the staleness-weighted *average* sum_i w_i delta_i / sum_i w_i by default
 (the normalised weighting of asynchronous FL such as Chen et al., "Asynchronous Online Federated Learning
 for Edge Devices with Non-IID Data", 2020): the weights set each delta's share of the step, and a buffer of
-stale deltas does not take a step shrunk by their mean weight. "weights" lets Krum select, and validation
-check norms, on the deltas as submitted, staleness only deciding each chosen delta's share: on rows shrunk by
-w(s) the tightest cluster was the stale deltas, and an attacker who always claims the newest base (weight 1)
-could sit at their centre while far from every honest delta as submitted (benchmarks/async.py, README
-"Asynchronous rounds: measured"). Under DP the rows stay weighted
+stale deltas does not take a step shrunk by their mean weight. A robust rule selects and trims on the
+weighted rows it averages: a row's share is its count share, so an attacker who always claims the newest
+base (weight 1) cannot hide among the deltas as submitted and then outweigh the stale honest ones it hid
+among (with weights, ALIE's colluding rows took 0.4-0.97 of Multi-Krum's step). Under DP the rows stay weighted
 before clipping (w <= 1, so a weighted row is never longer than the one submitted and the sensitivity is
 the clip C; DeltaSoup makes the weights uniform there) and scale is 1: it would depend on who is in the
 buffer, and the noise is calibrated for the 1/K step. Which of the two a flush used, and its scale, are
@@ -64,14 +63,16 @@ from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.errors import FailedPrecondition
 from zoo_gym.server.models import Round, RoundInputs, RoundState, Submission
 
-# Rules for which a delta's staleness is an aggregation weight (DeltaSoup's `weights=`): Krum and Multi-Krum
-# select by counting (the f closest neighbours, the m best scores: weights play no part) and then average the
-# chosen deltas with w[chosen] / sum (soup.py); the mean is the same average either way. The others keep
-# weighted rows: the median and Bulyan take no weights; the geometric median and centered clipping are robust
-# while the outliers' total WEIGHT is below one half (an attacker claiming the newest base, weight 1, would
-# count 4 to 9 times an honest delta one or two versions stale); the trimmed mean with weights was slower to
-# sync's loss on the benchmark (README, "Asynchronous rounds: measured").
-STALENESS_AS_WEIGHTS = frozenset({"mean", "krum", "multi-krum"})
+# Rules for which a delta's staleness is an aggregation weight (DeltaSoup's `weights=`): the mean, whose result
+# is the same staleness-weighted average either way, but whose rows then reach DeltaSoup as submitted (LoRA
+# factors: one matmul, no dense rows; validation checks the norms as submitted). Every other rule keeps
+# weighted rows, so that it selects and trims on what it averages: with weights, Multi-Krum chose the
+# colluding ALIE rows (inside the honest deltas' spread) and then gave each, claiming the newest base, 8 to
+# 27 times the weight of an honest delta one or two versions stale (0.4-0.97 of the step: ALIE 1.42x its
+# clean loss); on weighted rows a row's share is its count share, as in a synchronous round. The median and
+# Bulyan take no weights; the geometric median and centered clipping are robust while the outliers' total
+# WEIGHT is below one half (benchmarks/async.py, README "Asynchronous rounds: measured").
+STALENESS_AS_WEIGHTS = frozenset({"mean"})
 
 
 def staleness_weight(staleness: int, *, exponent: float) -> float:
@@ -180,8 +181,8 @@ def describe_mode(mode: dict) -> str:
 class StalenessScaled:
     """DeltaSource whose row i is weight_i x the wrapped source's row i (zoo_gym.aggregation.DeltaSource).
 
-    For staleness_applied "rows" (rules outside STALENESS_AS_WEIGHTS, and DP): the robust rule, clipping and DP noise see the weighted
-    rows, as in FedBuff. Weights are <= 1, so a
+    For staleness_applied "rows" (every rule but the mean, and DP): the robust rule, clipping and DP noise see
+    the weighted rows, as in FedBuff. Weights are <= 1, so a
     weighted delta is never longer than the one submitted and the DP sensitivity bound (the clip) holds.
     The packed BitDelta fast path is not offered (its scales would need the weights): distances are then
     computed from the decoded rows."""

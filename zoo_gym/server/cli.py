@@ -116,7 +116,7 @@ def serve(
     server_lr: Optional[float] = typer.Option(None, help="Async: server learning rate; a version adds it x the "
                                                          "aggregate to the base \\[default: 1.0]."),
     staleness_exponent: Optional[float] = typer.Option(None, help="Async: a delta s versions old weighs "
-                                                                  "(1+s)^-a \\[default: 2, measured in benchmarks/async.py]."),
+                                                                  "(1+s)^-a \\[default: 3, measured in benchmarks/async.py]."),
     staleness_normalize: Optional[bool] = typer.Option(
         None, "--staleness-normalize/--no-staleness-normalize",
         help="Async: scale a flush by K / the sum of its staleness weights (a staleness-weighted average), or "

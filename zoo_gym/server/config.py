@@ -78,7 +78,7 @@ class ServerConfig:
         "help": "async: a delta may be against any of the last max_staleness published bases (versions)"})
     server_lr: float = field(default=1.0, metadata={
         "help": "async: the server learning rate eta; a flush adds eta x the aggregate to the current base"})
-    staleness_exponent: float = field(default=2.0, metadata={
+    staleness_exponent: float = field(default=3.0, metadata={
         "help": "async: a delta s versions old is weighted (1 + s) ** -staleness_exponent (0: no discount)"})
     staleness_normalize: bool = field(default=True, metadata={
         "help": "async: scale each flush by K / the sum of its buffer's staleness weights, so that the weights set "
