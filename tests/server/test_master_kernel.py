@@ -8,7 +8,7 @@ import hashlib
 import pytest
 import torch
 
-from zoo_gym.server import blobs
+from zoo_gym import page_cache
 from zoo_gym.server.blobs import BlobStore
 from zoo_gym.server.checkpoint_writer import SafetensorsReader, threads_beside_writers
 from zoo_gym.server.master_kernel import add_to_bf16_master
@@ -67,7 +67,7 @@ def test_fused_update_refuses_mismatched_inputs():
 
 def test_streamed_blob_has_the_same_bytes_and_name_as_a_plain_one(tmp_path, monkeypatch):
     # Prepare: a small drop step, so a few MB cross it many times (and at uneven piece sizes)
-    monkeypatch.setattr(blobs, "_DROP_STEP", 1 << 16)
+    monkeypatch.setattr(page_cache, "DROP_STEP", 1 << 16)
     store = BlobStore(tmp_path / "store")
     data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     raw = bytes(data.numpy())

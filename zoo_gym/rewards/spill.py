@@ -4,8 +4,9 @@ The base gradient (``gradient.py``) is as large as the model in float32 (2.4 GB 
 and is read once per round, one tensor at a time, by the slope tap (``first_order.SlopeTap``). Holding
 it in memory from the publish that computes it to the round that uses it doubled the server's resident
 size. ``SpilledTensors`` writes each tensor to an unlinked temporary file as the backward pass produces
-it and reads it back with ``pread`` when it is asked for: nothing of it is resident (the page cache
-holds it while memory is free, and the kernel may drop it), and the file disappears with the process.
+it and reads it back with ``pread`` when it is asked for: nothing of it is resident, and the file
+disappears with the process. Its pages leave the page cache as it is written and read
+(``zoo_gym/page_cache.py``: on a VM, growing the cache by 2.4 GB per scoring pass cost seconds).
 
 Written by hand because what is needed is this small: ``safetensors`` writes a file from a complete
 dict (the point is never to have one) and ``torch.save`` likewise; numpy's ``memmap`` would map the
@@ -22,6 +23,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from zoo_gym.page_cache import StreamedRanges, drop_cached
+
 
 class SpilledTensors(Mapping[str, Tensor]):
     """A read-only mapping name -> tensor whose values live in a temporary file.
@@ -35,6 +38,7 @@ class SpilledTensors(Mapping[str, Tensor]):
     def __init__(self, directory: str | Path | None = None) -> None:
         self._file = tempfile.TemporaryFile(dir=directory, prefix="zoo-gym-spill-")  # unlinked at once
         self._end = 0
+        self._stream = StreamedRanges()
         self._where: dict[object, tuple[int, torch.Size, torch.dtype]] = {}   # key -> (offset, shape, dtype)
         self._names: dict[str, tuple[object, torch.Size, torch.dtype]] = {}    # name -> (key, shape, dtype)
         self.closed = False
@@ -50,6 +54,7 @@ class SpilledTensors(Mapping[str, Tensor]):
             done += os.pwrite(self._file.fileno(), data[done:], self._end + done)
         self._where[key] = (self._end, t.shape, t.dtype)
         self._end += len(data)
+        self._stream.written(self._file.fileno(), self._end)
 
     def alias(self, name: str, key: object, shape: torch.Size, dtype: torch.dtype) -> None:
         self._names[name] = (key, torch.Size(shape), dtype)
@@ -86,6 +91,7 @@ class SpilledTensors(Mapping[str, Tensor]):
             if n <= 0:
                 raise OSError(f"spill file ended early reading {name!r}")
             done += n
+        drop_cached(self._file.fileno(), offset, len(view))  # read once per round
         return out
 
     def __iter__(self) -> Iterator[str]:

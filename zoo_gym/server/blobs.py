@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+from zoo_gym.page_cache import StreamedRanges, drop_cached
+
 
 @contextmanager
 def map_file(path: Path) -> Iterator[mmap.mmap]:
@@ -46,27 +48,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-_DROP_STEP = 64 << 20  # bytes between a streamed blob's page-cache releases
-
-
-def drop_cached(fd: int, offset: int = 0, length: int = 0) -> None:
-    """Ask the kernel to drop a file range's clean pages from the page cache (and to start writing back
-    its dirty ones, which the next call for the same range then drops); length 0: to the end. A hint:
-    nothing happens where the platform has no posix_fadvise."""
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-
-
 class BlobWriter:
     """A temporary file that hashes what is written and is committed or discarded as a whole.
 
     `streamed=True` is for blobs of gigabytes that nobody reads back soon (a published checkpoint and its
-    master): every `_DROP_STEP` bytes the pages written are handed to writeback and, a step later, once
-    clean, dropped from the page cache, so a publish does not grow the cache by the checkpoint's size. The
-    pages dropped are reused by the next step's writes. On this project's 2-core VM that was most of a
-    publish's write cost: memory not touched in the last ~3 s is handed back to the hypervisor, and
-    touching it again costs ~2 s/GiB (1 GiB of fresh memory: 2.5 s; the same memory again: 0.07 s), so
-    2.1 GB of new page cache per publish at Qwen3-0.6B's size cost seconds of every core's time."""
+    master): their pages leave the page cache as the writes go (zoo_gym/page_cache.py says why)."""
 
     def __init__(self, store: "BlobStore", *, streamed: bool = False) -> None:
         self._store = store
@@ -75,18 +61,15 @@ class BlobWriter:
         self._file: BinaryIO = os.fdopen(fd, "wb")
         self._hash = hashlib.sha256()
         self.size = 0
-        self._streamed = streamed
-        self._marks = (0, 0)  # (start of the range handed to writeback a step ago, end of it)
+        self._streamed = StreamedRanges() if streamed else None
 
     def write(self, data: bytes | memoryview) -> None:
         self._file.write(data)
         self._hash.update(data)
         self.size += len(data)
-        if self._streamed and self.size - self._marks[1] >= _DROP_STEP:
+        if self._streamed is not None and self.size - self._streamed.dropped_to >= self._streamed.step:
             self._file.flush()
-            # drops the previous step's pages (written back since) and starts writeback of this one
-            drop_cached(self._file.fileno(), self._marks[0], self.size - self._marks[0])
-            self._marks = (self._marks[1], self.size)
+            self._streamed.written(self._file.fileno(), self.size)
 
     def flush(self) -> None:
         """Make what was written readable through `self.path` (not yet durable, not yet visible)."""
@@ -107,7 +90,7 @@ class BlobWriter:
         if getattr(self, "_synced_size", None) != self.size:
             self._file.flush()
             os.fsync(self._file.fileno())
-        if self._streamed:
+        if self._streamed is not None:
             drop_cached(self._file.fileno())  # all clean now
         self._file.close()
         digest = self.sha256

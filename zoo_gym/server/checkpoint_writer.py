@@ -51,7 +51,7 @@ import torch
 
 from zoo_gym.proto import archive
 from zoo_gym.server import master_kernel, master_weights
-from zoo_gym.server.blobs import drop_cached
+from zoo_gym.page_cache import drop_cached
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -82,7 +82,7 @@ class SafetensorsReader:
 
     `offset`/`length` read one stored inside another file: a checkpoint archive's weights member is
     read in place (`in_archive`), so the server never needs an unpacked copy to publish from.
-    `streamed=True` drops what was read from the page cache (`blobs.drop_cached`): a publish reads the
+    `streamed=True` drops what was read from the page cache (zoo_gym/page_cache.py): a publish reads the
     base and its master once, and their pages are better reused by the blobs it writes."""
 
     def __init__(self, path: Path, *, offset: int = 0, length: int | None = None, streamed: bool = False) -> None:
