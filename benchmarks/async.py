@@ -30,11 +30,13 @@ Protocol (also written into the JSON under "protocol"):
     contributor fetches the newest version when it starts a local run and submits when done (one
     delta per contributor per buffer: a second waits for the flush, as the client does). Its
     staleness s is the number of versions published since its base; s > max_staleness is refused
-    and its compute counted as wasted. Every K = buffer_size accepted deltas the buffer is merged:
-    row_i = (1 + s_i)^-a x delta_i (FedAsync's polynomial weight, a = staleness_exponent), the
-    robust rule runs over the K rows (f counted per buffer), the next version is base +
-    server_lr x scale x aggregate, scale = K / sum_i w_i with staleness_normalize (the server's
-    default: with the mean, the staleness-weighted average), else 1 (FedBuff's sum / K). When the
+    and its compute counted as wasted. Every K = buffer_size accepted deltas the buffer is merged
+    with w_i = (1 + s_i)^-a (FedAsync's polynomial weight, a = staleness_exponent) as the server
+    does (async_rounds.staleness_applied): the mean over the K deltas as submitted with aggregation
+    weights w_i, every robust rule over the rows w_i x delta_i (it selects and trims on what it
+    averages); f counted per buffer. The next
+    version is base + server_lr x step_scale x aggregate: by default (staleness_normalize) the
+    staleness-weighted average, else FedBuff's sum / K. When the
     rule cannot run on the buffer (validation refused too many rows for Krum's n >= 2f + 3), the
     buffer stays open for the next accepted delta, as the server reopens a round. Async runs until
     `async_horizon` x the sync run's simulated time. The async settings are what `gym-server serve
@@ -48,7 +50,10 @@ Protocol (also written into the JSON under "protocol"):
     f = 6). In async they also claim the newest base, so their rows always get weight 1 and are
     never refused as stale.
   * Rules: mean (FedAvg), trimmed-mean (trim_beta 0.4: at n = 18 it trims 7 per side, at K = 10,
-    4), multi-krum (byzantine_f = 6 in sync rounds, 3 per buffer of 10), median if asked; the
+    4), multi-krum (byzantine_f = 6 in sync rounds, 3 per buffer of 10; per buffer it averages
+    m = K // 2 = 5, so attackers are never forced into its choice while at most half the buffer:
+    f = 3 is their average share, not a bound, and n - f = 7 took 1-2 of 4 whenever a buffer held 4),
+    median if asked; the
     SoupConfig defaults otherwise (max_norm_ratio 10: validation refuses a delta longer than 10 x
     the buffer's median norm before any rule runs). mean-unchecked is the mean with that norm check
     off: the rule alone. Each attack's rows refused by validation are counted per publish. Held-out loss: `gym_train.Evaluator` on
@@ -122,7 +127,7 @@ class BenchConfig:
     rounds: int = 2                  # sync rounds
     buffer_size: int = 10            # K
     max_staleness: int = 6           # S
-    staleness_exponent: float = 2.0  # a in (1 + s)^-a (FedBuff's 0.5 and a = 1 were slower here: README)
+    staleness_exponent: float = 3.0  # a in (1 + s)^-a (FedBuff's 0.5, a = 1 and a = 2 were slower here: README)
     server_lr: float = 1.0           # eta
     staleness_normalize: bool = True  # x K / sum of the buffer's w(s_i): the staleness-weighted average
     async_horizon: float = 0.75      # async runs for this share of the sync run's simulated time
@@ -135,7 +140,8 @@ class BenchConfig:
     trim_beta: float = 0.4
     sync_f: int = 6                  # byzantine_f of multi-krum in a sync round
     buffer_f: int = 3                # byzantine_f of multi-krum per async buffer
-    buffer_multi_krum_m: int | None = None  # multi-krum's m per async buffer (None: n - f)
+    buffer_multi_krum_m: int | None = None  # multi-krum's m per async buffer (None: K // 2; K - f is m's default)
+    staleness_applied: str | None = None  # "rows" / "weights" for every rule (exploration); None: the server's choice
     sign_flip_scale: float = 4.0
     scaling_boost: float = 10.0
     validation_examples: int = 128
@@ -171,6 +177,8 @@ class BenchConfig:
             raise BenchConfigError(f"`trim_beta` must be in [0, 0.5), got {self.trim_beta}")
         if self.async_horizon <= 0:
             raise BenchConfigError(f"`async_horizon` must be > 0, got {self.async_horizon}")
+        if self.staleness_applied not in (None, "rows", "weights"):
+            raise BenchConfigError(f"`staleness_applied` must be rows, weights or None, got {self.staleness_applied!r}")
         if self.same_base not in SAME_BASE:
             raise BenchConfigError(f"`same_base` must be one of {SAME_BASE}, got {self.same_base!r}")
         if not self.rules or any(r not in RULES for r in self.rules):
@@ -559,6 +567,8 @@ def server_flags(cfg: BenchConfig, rule: str) -> str:
         flags.append(f"--trim-beta {soup.trim_beta:g}")
     if soup.aggregator in ("krum", "multi-krum", "bulyan"):
         flags.append(f"--byzantine-f {soup.byzantine_f}")
+    if soup.multi_krum_m is not None:
+        flags.append(f"(multi-krum-m = {soup.multi_krum_m} in the config file)")
     if soup.max_norm_ratio is None:
         flags.append("(max-norm-ratio off, in the config file)")
     return " ".join(flags)
@@ -569,9 +579,10 @@ def soup_config(cfg: BenchConfig, rule: str, mode: str) -> SoupConfig:
     to show the rule alone: that check, not the mean, is what refuses boosted (scaling) deltas."""
     if rule == "mean-unchecked":
         return SoupConfig(aggregator="mean", max_norm_ratio=None)
+    m = cfg.buffer_size // 2 if cfg.buffer_multi_krum_m is None else cfg.buffer_multi_krum_m
     return SoupConfig(aggregator=rule, trim_beta=cfg.trim_beta,
                       byzantine_f=cfg.sync_f if mode == "sync" else cfg.buffer_f,
-                      multi_krum_m=cfg.buffer_multi_krum_m if mode == "async" and rule == "multi-krum" else None)
+                      multi_krum_m=m if mode == "async" and rule == "multi-krum" else None)
 
 
 def craft(attack: str, honest: torch.Tensor, *, n_byzantine: int, cfg: BenchConfig) -> torch.Tensor:
@@ -588,8 +599,11 @@ def craft(attack: str, honest: torch.Tensor, *, n_byzantine: int, cfg: BenchConf
 def merge(t: Trajectory, pub: Publish, deltas: list[dict[str, torch.Tensor] | None],
           cfg: BenchConfig, shapes: dict[str, torch.Size]) -> str | None:
     """Publish the next version of `t` from `pub`'s honest `deltas` (None: a Byzantine row, crafted
-    here from the honest ones): row_i = w(s_i) x delta_i, DeltaSoup's rule over the rows, then
-    base + server_lr x scale x aggregate (scale: K / sum of w with staleness_normalize, else 1)."""
+    here from the honest ones) as the server does (zoo_gym/server/async_rounds.py): the mean over the deltas
+    as submitted with weights w(s_i), a robust rule over the rows w(s_i) x delta_i (`staleness_applied`
+    overrides it for exploration); then base + server_lr x step_scale x aggregate."""
+    from zoo_gym.server import async_rounds
+
     names = sorted(shapes)
     subs = pub.submissions
     rows = [None if d is None else torch.cat([d[k].reshape(-1) if k in d else torch.zeros(shapes[k].numel())
@@ -601,23 +615,27 @@ def merge(t: Trajectory, pub: Publish, deltas: list[dict[str, torch.Tensor] | No
         rows = [next(crafted) if b else r for r, b in zip(rows, is_byz)]
     w = [staleness_weight(s.staleness, exponent=cfg.staleness_exponent) if t.mode == "async" else 1.0
          for s in subs]
+    soup = soup_config(cfg, t.rule, t.mode)
+    applied = cfg.staleness_applied or async_rounds.staleness_applied(soup)  # the server records it at close
+    as_weights = t.mode == "async" and applied == "weights"
     dicts = []
     for r, wi in zip(rows, w):
         d, pos = {}, 0
         for k in names:
-            d[k] = (wi * r[pos:pos + shapes[k].numel()]).reshape(shapes[k])
+            d[k] = ((1.0 if as_weights else wi) * r[pos:pos + shapes[k].numel()]).reshape(shapes[k])
             pos += shapes[k].numel()
         dicts.append(d)
     out: dict[str, torch.Tensor] = {}
     try:
-        report = DeltaSoup(soup_config(cfg, t.rule, t.mode)).run(
+        report = DeltaSoup(soup).run(
             DictDeltaSource([f"c{s.contributor}" for s in subs], dicts),
-            lambda name, agg: out.__setitem__(name, agg.reshape(shapes[name])))
+            lambda name, agg: out.__setitem__(name, agg.reshape(shapes[name])),
+            weights=torch.tensor(w, dtype=torch.float64) if as_weights else None)
     except NotRobustConfigError as exc:  # the server reopens the round and waits for more
         return f"publish {pub.version} with {len(subs)} deltas at t={pub.time:.3f}: {exc}"
     lr = cfg.server_lr if t.mode == "async" else 1.0
-    if t.mode == "async" and cfg.staleness_normalize:  # the server's step_scale (async_rounds.py)
-        lr *= len(w) / math.fsum(w)
+    if t.mode == "async":  # the server's step_scale (async_rounds.py)
+        lr *= async_rounds.step_scale(w, normalize=cfg.staleness_normalize, applied=applied)
     prev = t.versions[-1]
     t.versions.append({k: prev[k] + lr * v if k in prev else lr * v for k, v in out.items()})
     t.times.append(pub.time)
@@ -888,7 +906,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke run: " + json.dumps(QUICK))
     knobs = (("n", int), ("f", int), ("rounds", int), ("buffer-size", int), ("max-staleness", int),
              ("staleness-exponent", float), ("server-lr", float), ("async-horizon", float),
-             ("max-versions", int), ("steps", int), ("trim-beta", float), ("seed", int), ("same-base", str))
+             ("max-versions", int), ("steps", int), ("trim-beta", float), ("seed", int), ("same-base", str),
+             ("buffer-f", int), ("buffer-multi-krum-m", int), ("staleness-applied", str))
     for name, typ in knobs:
         p.add_argument(f"--{name}", type=typ)
     p.add_argument("--rules", nargs="+", choices=RULES)

@@ -16,10 +16,10 @@ submissions, durable before acknowledged, one transaction per publish, an exact 
 What differs, with w(s) = (1 + s) ** -staleness_exponent (FedAsync's "polynomial" weight):
 
     the mean (STALENESS_AS_WEIGHTS), without DP ("weights"):
-        aggregate  = robust_rule(delta_1 .. delta_K; weights = reputation_i x w(s_i))
+        aggregate  = mean(delta_1 .. delta_K; weights = reputation_i x w(s_i))
         scale      = 1   (staleness_normalize, the default)   or   sum_i w(s_i) / K   (FedBuff's sum / K)
     every robust rule, and every rule under DP ("rows"):
-        aggregate  = robust_rule(w(s_1) delta_1 .. w(s_K) delta_K; weights = reputation_i)
+        aggregate  = rule(w(s_1) delta_1 .. w(s_K) delta_K; weights = reputation_i)
         scale      = K / sum_i w(s_i)   (staleness_normalize)   or   1
     version r  = base_{r-1} + server_lr x scale x aggregate                         (FedBuff's eta)
 
