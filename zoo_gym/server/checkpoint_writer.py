@@ -126,11 +126,13 @@ class SafetensorsReader:
     def read(self, name: str) -> torch.Tensor:
         """One tensor, in its stored dtype and shape (a fresh buffer)."""
         info = self.infos[name]
-        buf = bytearray(info.nbytes)
-        self._read_into(memoryview(buf), info.start)
-        if not info.nbytes:
-            return torch.empty(info.shape, dtype=info.torch_dtype)
-        return torch.frombuffer(buf, dtype=info.torch_dtype).reshape(info.shape)
+        out = torch.empty(info.shape, dtype=info.torch_dtype)  # not zero-filled first, as a bytearray is
+        if out.numel() * out.element_size() != info.nbytes:
+            raise CheckpointFormatError(f"{self.path}: tensor {name!r} holds {info.nbytes} bytes, its shape "
+                                        f"{list(info.shape)} of {info.dtype} needs {out.numel() * out.element_size()}")
+        if info.nbytes:
+            self._read_into(tensor_bytes(out), info.start)
+        return out
 
     def chunks(self, name: str) -> Iterable[bytes]:
         """The tensor's raw bytes, `_CHUNK` at a time."""
