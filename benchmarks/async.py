@@ -567,7 +567,7 @@ def server_flags(cfg: BenchConfig, rule: str) -> str:
         flags.append(f"--trim-beta {soup.trim_beta:g}")
     if soup.aggregator in ("krum", "multi-krum", "bulyan"):
         flags.append(f"--byzantine-f {soup.byzantine_f}")
-    if soup.multi_krum_m is not None:
+    if cfg.buffer_multi_krum_m is not None:  # otherwise the server's own default, K // 2
         flags.append(f"(multi-krum-m = {soup.multi_krum_m} in the config file)")
     if soup.max_norm_ratio is None:
         flags.append("(max-norm-ratio off, in the config file)")
@@ -579,10 +579,14 @@ def soup_config(cfg: BenchConfig, rule: str, mode: str) -> SoupConfig:
     to show the rule alone: that check, not the mean, is what refuses boosted (scaling) deltas."""
     if rule == "mean-unchecked":
         return SoupConfig(aggregator="mean", max_norm_ratio=None)
-    m = cfg.buffer_size // 2 if cfg.buffer_multi_krum_m is None else cfg.buffer_multi_krum_m
-    return SoupConfig(aggregator=rule, trim_beta=cfg.trim_beta,
+    soup = SoupConfig(aggregator=rule, trim_beta=cfg.trim_beta,
                       byzantine_f=cfg.sync_f if mode == "sync" else cfg.buffer_f,
-                      multi_krum_m=m if mode == "async" and rule == "multi-krum" else None)
+                      multi_krum_m=cfg.buffer_multi_krum_m if mode == "async" else None)
+    if mode == "async":  # the server's m per buffer (K // 2 unless set), as a flush records it
+        from zoo_gym.server import async_rounds
+
+        soup = replace(soup, multi_krum_m=async_rounds.buffer_multi_krum_m(soup, cfg.buffer_size))
+    return soup
 
 
 def craft(attack: str, honest: torch.Tensor, *, n_byzantine: int, cfg: BenchConfig) -> torch.Tensor:

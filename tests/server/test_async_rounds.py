@@ -135,7 +135,7 @@ def test_multi_krum_selects_on_the_weighted_rows_it_averages_so_fresh_colluders_
     # base (weight 1) and send mean - std of the honest deltas (ALIE): inside their spread as submitted, so a
     # Multi-Krum selecting on the deltas as submitted chose both and gave them 2 / (2 + 3/4) of the step.
     fed = federation_with(mode="async", buffer_size=7, max_staleness=1, aggregator="multi-krum", byzantine_f=2,
-                          staleness_exponent=2.0, validation_examples=0, reputation_weighting=False)
+                          multi_krum_m=5, staleness_exponent=2.0, validation_examples=0, reputation_weighting=False)
     honest, attackers = [fed.register() for _ in range(5)], [fed.register() for _ in range(2)]
     mu = fed.small_delta(seed=100, scale=1e-2)
     deltas = [{k: m + fed.small_delta(seed=i, scale=3e-3)[k] for k, m in mu.items()} for i in range(5)]
@@ -162,6 +162,27 @@ def test_multi_krum_selects_on_the_weighted_rows_it_averages_so_fresh_colluders_
         recorded = json.loads(s.get(RoundInputs, 2).staleness_json)
     assert recorded["staleness_applied"] == "rows" and recorded["step_scale"] == pytest.approx(7 / (5 * w + 2))
     assert {recorded["contributors"][cid]["weight"] for _, cid in honest} == {w}
+
+
+def test_async_multi_krum_averages_half_the_buffer_by_default_so_attackers_past_f_are_not_forced_in(federation_with):
+    # Prepare: K = 7, f = 2, no multi-krum-m. Four deltas agree closely; three (as many as attackers past f would
+    # be) lie apart. A round's m = n - f = 5 must average at least one of the three; K // 2 = 3 need not.
+    fed = federation_with(mode="async", buffer_size=7, max_staleness=1, aggregator="multi-krum", byzantine_f=2,
+                          validation_examples=0, reputation_weighting=False)
+    members = [fed.register() for _ in range(7)]
+    mu = fed.small_delta(seed=200, scale=1e-2)
+    close = [{k: m + fed.small_delta(seed=i, scale=1e-6)[k] for k, m in mu.items()} for i in range(4)]
+    apart = [{k: m + fed.small_delta(seed=50 + i, scale=3e-3)[k] for k, m in mu.items()} for i in range(3)]
+    base = _weights(fed, fed.round().base_sha256)
+    # Execute
+    for (key, cid), d in zip(members, close + apart):
+        fed.submit(key, cid, codec.encode(d, codec="fp32"), round_id=1)
+    v1 = _weights(fed, fed.wait_published(1).published_sha256)
+    # Assert: the version moved by the close deltas' mean (none of the three apart), and the flush recorded m = 3
+    for k in mu:
+        assert torch.allclose(v1[k] - base[k], mu[k], atol=1e-4), k
+    with fed.state.session() as s:
+        assert json.loads(s.get(RoundInputs, 1).staleness_json)["multi_krum_m"] == 3
 
 
 def _helpful_delta(fed, sha: str, names: int = 4) -> dict[str, torch.Tensor]:

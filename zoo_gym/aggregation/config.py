@@ -38,7 +38,7 @@ class SoupConfig:
 
     aggregator: str = dataclasses.field(default="trimmed-mean", metadata={"help": "one of " + ", ".join(AGGREGATORS) + " (default trimmed-mean: robust, needs >= 3 contributors; mean is not robust)"})
     byzantine_f: int = dataclasses.field(default=0, metadata={"help": "Byzantine contributors tolerated (krum, multi-krum, bulyan)"})
-    multi_krum_m: int | None = dataclasses.field(default=None, metadata={"help": "contributors Multi-Krum averages (default n - f)"})
+    multi_krum_m: int | None = dataclasses.field(default=None, metadata={"help": "contributors Multi-Krum averages (default n - f; K // 2 per buffer in async mode)"})
     trim_beta: float = dataclasses.field(default=0.1, metadata={"help": "share trimmed from each end per coordinate, [0, 0.5)"})
     cc_tau: float = dataclasses.field(default=1.0, metadata={"help": "centered-clipping radius (whole-delta L2)"})
     cc_iters: int = dataclasses.field(default=3, metadata={"help": "centered-clipping iterations"})

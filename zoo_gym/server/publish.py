@@ -221,6 +221,7 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
     inputs = _round_inputs(state, config, rnd, contributors)
     reputations = json.loads(inputs.reputations_json)
     staleness = async_rounds.parse(inputs.staleness_json)  # None: a synchronous round
+    soup_config = async_rounds.flush_soup(soup_config, staleness)  # async Multi-Krum: m as recorded
     with state.session() as s:
         # Every round is accounted with q = 1: contributors choose to submit and the server samples nobody,
         # so amplification by subsampling does not apply (aggregation/privacy.py). Rounds that an older
