@@ -34,12 +34,11 @@ class StreamedRanges:
         self.step = DROP_STEP if step is None else step
         self._marks = (0, 0)  # (start of the range handed to writeback a step ago, end of it)
 
-    @property
-    def dropped_to(self) -> int:
-        """Where the range last handed to writeback ends (a new step is due `step` bytes past it)."""
-        return self._marks[1]
+    def due(self, end: int) -> bool:
+        """Whether a file written up to `end` has a step's worth of pages not yet handed to writeback."""
+        return end - self._marks[1] >= self.step
 
     def written(self, fd: int, end: int) -> None:
-        if end - self._marks[1] >= self.step:
+        if self.due(end):
             drop_cached(fd, self._marks[0], end - self._marks[0])
             self._marks = (self._marks[1], end)

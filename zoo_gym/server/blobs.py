@@ -67,8 +67,8 @@ class BlobWriter:
         self._file.write(data)
         self._hash.update(data)
         self.size += len(data)
-        if self._streamed is not None and self.size - self._streamed.dropped_to >= self._streamed.step:
-            self._file.flush()
+        if self._streamed is not None and self._streamed.due(self.size):
+            self._file.flush()  # the buffered tail reaches the file before its pages are handed on
             self._streamed.written(self._file.fileno(), self.size)
 
     def flush(self) -> None:

@@ -340,25 +340,25 @@ class CheckpointWriter:
         base = self.base.read(name)
         if kind is None:  # float32 (or no master kept): the published weights are the master
             published = (base.float() + agg.reshape(info.shape)).to(info.torch_dtype)
-        elif kind == "I16" and self._low_halves_of(name):  # bf16: one fused pass, in place (master_kernel.py)
-            low = self.master.read(name) if self.master is not None and name in self.master.infos else None
-            published, low = master_kernel.add_to_bf16_master(base, low, agg.float())
+        elif kind == "I16":  # bf16: one fused pass, in place (master_kernel.py)
+            published, low = master_kernel.add_to_bf16_master(base, self._low_half(name), agg.float())
             self._master_out.write(name, [tensor_bytes(low)])
-        else:
+        else:  # float16: its master is a float32 tensor
             new_master = master_weights.master_of(base, self.master, name).add_(agg.reshape(info.shape))
-            del base
-            if kind == "I16":
-                published, low = master_weights.split_low16(new_master)
-                self._master_out.write(name, [tensor_bytes(low)])
-            else:
-                published = new_master.to(info.torch_dtype)
-                self._master_out.write(name, [tensor_bytes(new_master)])
+            published = new_master.to(info.torch_dtype)
+            self._master_out.write(name, [tensor_bytes(new_master)])
         self._pub.write(name, [tensor_bytes(published)])
 
-    def _low_halves_of(self, name: str) -> bool:
-        """Whether tensor `name`'s master is stored as low halves, or not stored yet (then the fused pass
-        applies); False for a master an older server stored in float32 (joined and split with torch)."""
-        return self.master is None or name not in self.master.infos or self.master.infos[name].dtype == "I16"
+    def _low_half(self, name: str) -> torch.Tensor | None:
+        """Bf16 tensor `name`'s stored low half (None: no master stored, the published weights are it). A
+        master an older server stored in float32 is split here: its bf16 rounding is what that server
+        published, so the low half joins the base to the same float32 (but at a tie that rounded down,
+        one float32 unit below: master_weights.split_low16)."""
+        info = self.master.infos.get(name) if self.master is not None else None
+        if info is None:
+            return None
+        stored = self.master.read(name)
+        return stored if info.dtype == "I16" else master_weights.split_low16(stored.float())[1]
 
     def finish_weights(self) -> None:
         """Copy the tensors the round did not change (bytes, a chunk at a time); the weights are complete."""
