@@ -6,7 +6,8 @@ each would grow the page cache by its size. On this project's 2-core VM that gro
 cost: memory the kernel has not touched in the last ~3 s is handed back to the hypervisor, and touching
 it again costs ~2 s/GiB (1 GiB of fresh memory: 2.5 s; the same memory again: 0.07 s). Dropping the
 pages as the stream goes lets the next writes reuse them. Elsewhere it keeps a publish from evicting
-what the server does read often.
+what the server does read often. Writes now bypass the cache altogether where the file system allows
+(O_DIRECT, zoo_gym/direct_writes.py); this file serves the reads, and the writes where it does not.
 
 `StreamedRanges` does this for a file written front to back: every `step` bytes it hands the new pages
 to writeback and drops the previous step's (clean by then), so at most two steps stay cached.

@@ -5,8 +5,9 @@ and is read once per round, one tensor at a time, by the slope tap (``first_orde
 it in memory from the publish that computes it to the round that uses it doubled the server's resident
 size. ``SpilledTensors`` writes each tensor to an unlinked temporary file as the backward pass produces
 it and reads it back with ``pread`` when it is asked for: nothing of it is resident, and the file
-disappears with the process. Its pages leave the page cache as it is written and read
-(``zoo_gym/page_cache.py``: on a VM, growing the cache by 2.4 GB per scoring pass cost seconds).
+disappears with the process. It is written around the page cache (O_DIRECT, ``zoo_gym/direct_writes.py``)
+and its pages leave the cache as they are read (``zoo_gym/page_cache.py``: on a VM, growing the cache by
+2.4 GB per scoring pass cost seconds).
 
 Written by hand because what is needed is this small: ``safetensors`` writes a file from a complete
 dict (the point is never to have one) and ``torch.save`` likewise; numpy's ``memmap`` would map the
@@ -23,7 +24,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from zoo_gym.page_cache import StreamedRanges, drop_cached
+from zoo_gym.direct_writes import DirectWriter
+from zoo_gym.page_cache import drop_cached
 
 
 class SpilledTensors(Mapping[str, Tensor]):
@@ -37,8 +39,8 @@ class SpilledTensors(Mapping[str, Tensor]):
 
     def __init__(self, directory: str | Path | None = None) -> None:
         self._file = tempfile.TemporaryFile(dir=directory, prefix="zoo-gym-spill-")  # unlinked at once
+        self._writer = DirectWriter(self._file.fileno(), owns_fd=False)  # appends; no page cache
         self._end = 0
-        self._stream = StreamedRanges()
         self._where: dict[object, tuple[int, torch.Size, torch.dtype]] = {}   # key -> (offset, shape, dtype)
         self._names: dict[str, tuple[object, torch.Size, torch.dtype]] = {}    # name -> (key, shape, dtype)
         self.closed = False
@@ -49,12 +51,9 @@ class SpilledTensors(Mapping[str, Tensor]):
             raise ValueError(f"spilled key {key!r} written twice")
         t = tensor.detach().contiguous()
         data = _bytes_of(t)
-        done = 0
-        while done < len(data):
-            done += os.pwrite(self._file.fileno(), data[done:], self._end + done)
+        self._writer.write(data)
         self._where[key] = (self._end, t.shape, t.dtype)
         self._end += len(data)
-        self._stream.written(self._file.fileno(), self._end)
 
     def alias(self, name: str, key: object, shape: torch.Size, dtype: torch.dtype) -> None:
         self._names[name] = (key, torch.Size(shape), dtype)
@@ -72,6 +71,7 @@ class SpilledTensors(Mapping[str, Tensor]):
     def close(self) -> None:
         """Delete the file; reads return meta tensors from now on."""
         if not self.closed:
+            self._writer.close()
             self._file.close()
             self.closed = True
 
@@ -83,6 +83,7 @@ class SpilledTensors(Mapping[str, Tensor]):
         if where is None:
             return torch.zeros(shape, dtype=dtype)
         offset, _, _ = where
+        self._writer.flush()  # the first read: what is still buffered reaches the file
         out = torch.empty(shape, dtype=dtype)
         view = _bytes_of(out)
         done = 0

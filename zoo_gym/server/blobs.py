@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from zoo_gym.page_cache import StreamedRanges, drop_cached
+from zoo_gym.direct_writes import DirectWriter
 
 
 @contextmanager
@@ -52,33 +52,36 @@ class BlobWriter:
     """A temporary file that hashes what is written and is committed or discarded as a whole.
 
     `streamed=True` is for blobs of gigabytes that nobody reads back soon (a published checkpoint and its
-    master): their pages leave the page cache as the writes go (zoo_gym/page_cache.py says why)."""
+    master): they bypass the page cache (O_DIRECT, zoo_gym/direct_writes.py), or where the file system
+    refuses that, their pages leave it as the writes go (zoo_gym/page_cache.py says why)."""
 
     def __init__(self, store: "BlobStore", *, streamed: bool = False) -> None:
         self._store = store
         fd, name = tempfile.mkstemp(dir=store.tmp_dir, prefix="blob-")
         self.path = Path(name)
-        self._file: BinaryIO = os.fdopen(fd, "wb")
         self._hash = hashlib.sha256()
         self.size = 0
-        self._streamed = StreamedRanges() if streamed else None
+        self._file: BinaryIO | DirectWriter = DirectWriter(fd) if streamed else os.fdopen(fd, "wb")
 
     def write(self, data: bytes | memoryview) -> None:
         self._file.write(data)
         self._hash.update(data)
         self.size += len(data)
-        if self._streamed is not None and self._streamed.due(self.size):
-            self._file.flush()  # the buffered tail reaches the file before its pages are handed on
-            self._streamed.written(self._file.fileno(), self.size)
 
     def flush(self) -> None:
         """Make what was written readable through `self.path` (not yet durable, not yet visible)."""
         self._file.flush()
 
+    def _fsync(self) -> None:
+        if isinstance(self._file, DirectWriter):
+            self._file.finish()
+        else:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
     def sync(self) -> None:
         """flush + fsync the data now (e.g. in a thread while the caller validates the same bytes)."""
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        self._fsync()
         self._synced_size = self.size
 
     @property
@@ -88,10 +91,7 @@ class BlobWriter:
     def commit(self, *, expect_sha256: str | None = None) -> str:
         """fsync, move into place, fsync the directory; return the sha256. Idempotent for equal content."""
         if getattr(self, "_synced_size", None) != self.size:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-        if self._streamed is not None:
-            drop_cached(self._file.fileno())  # all clean now
+            self._fsync()
         self._file.close()
         digest = self.sha256
         if expect_sha256 is not None and digest != expect_sha256:

@@ -1,0 +1,150 @@
+"""Write a file of gigabytes front to back without the page cache (O_DIRECT), where the platform allows.
+
+A publish writes 2.1 GB at Qwen3-0.6B's size (the checkpoint and its master) while its main thread
+aggregates, on a 2-core machine. Written through the page cache, each byte is first copied into a
+page the kernel must find (zoo_gym/page_cache.py: on this project's VM, fresh pages cost ~2 s/GiB),
+and the writer threads' CPU time competed with the aggregation: 1.1-2.4 s of CPU per 2 GB. With
+O_DIRECT the device reads our own buffer: 0.2-0.3 s of CPU for the same 2 GB, and the wait for the
+device is spent blocked, off the CPU (measured with a 2 GB stream; the publish: benchmarks/publish_profile.py).
+
+O_DIRECT wants the buffer, the file offset and the length aligned to the device's block. So writes
+are gathered in two page-aligned buffers (anonymous mmaps) of `BUFFER` bytes: while one is written
+by a background thread, the caller fills the other. The last, partial buffer is written through the
+page cache after O_DIRECT is switched off (the file offset is aligned by then). Python has no
+aligned-write API in a library (`os.write` with `O_DIRECT` is the whole interface), hence this file.
+
+Where O_DIRECT is refused (tmpfs, macOS, some network file systems), the file is written through the
+page cache, its pages dropped as the stream goes (`page_cache.StreamedRanges`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import threading
+
+import numpy as np
+
+from zoo_gym.page_cache import StreamedRanges, drop_cached
+
+BUFFER = 8 << 20  # bytes per aligned buffer: a multiple of any block size (<= 64 KiB)
+
+
+def try_direct(fd: int) -> bool:
+    """Switch O_DIRECT on for `fd`; False where the platform or the file system refuses it."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | flag)
+    except OSError:  # EINVAL: the file system has no direct I/O
+        return False
+    return True
+
+
+class DirectWriter:
+    """Sequential writes to `fd` (opened for writing, at offset 0 of an empty file) with `write`, then
+    `finish()` (everything written and fsynced) and `close()` (closes `fd` if `owns_fd`). Not
+    thread-safe: one caller thread.
+    `direct`: whether the writes bypass the page cache (O_DIRECT taken); False after a `flush()`."""
+
+    def __init__(self, fd: int, *, try_o_direct: bool = True, owns_fd: bool = True) -> None:
+        self.fd, self.owns_fd = fd, owns_fd
+        self.direct = try_o_direct and try_direct(fd)
+        self.size = 0
+        self.closed = False
+        self._error: BaseException | None = None
+        if self.direct:
+            self._buffers = [mmap.mmap(-1, BUFFER), mmap.mmap(-1, BUFFER)]  # page-aligned
+            self._views = [np.frombuffer(b, dtype=np.uint8) for b in self._buffers]
+            self._current, self._filled = 0, 0
+            self._pending: threading.Thread | None = None
+        else:
+            self._streamed = StreamedRanges()
+
+    def write(self, data) -> None:
+        view = memoryview(data).cast("B")
+        self.size += len(view)
+        if not self.direct:
+            _write_all(self.fd, view)
+            self._streamed.written(self.fd, self.size)
+            return
+        src = np.frombuffer(view, dtype=np.uint8) if len(view) else None
+        pos = 0
+        while pos < len(view):
+            n = min(BUFFER - self._filled, len(view) - pos)
+            # numpy copies without the GIL, so the main thread keeps aggregating meanwhile
+            np.copyto(self._views[self._current][self._filled:self._filled + n], src[pos:pos + n])
+            self._filled += n
+            pos += n
+            if self._filled == BUFFER:
+                self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Write the full current buffer in the background and continue in the other one."""
+        self._wait()
+        buf = self._buffers[self._current]
+        self._pending = threading.Thread(target=self._write_buffer, args=(buf,), name="direct-write", daemon=True)
+        self._pending.start()
+        self._current, self._filled = 1 - self._current, 0
+
+    def _write_buffer(self, buf: mmap.mmap) -> None:
+        try:
+            _write_all(self.fd, memoryview(buf))
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread by _wait
+            self._error = exc
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        if self._error is not None:
+            raise self._error
+
+    def flush(self) -> None:
+        """Everything written so far reaches the file (readable through its path). A direct writer
+        writes its partial buffer through the page cache and stays a plain writer from then on."""
+        if not self.direct:
+            return
+        self._wait()
+        tail = memoryview(self._buffers[self._current])[:self._filled]
+        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+        _write_all(self.fd, tail)
+        tail.release()
+        self.direct = False
+        self._streamed = StreamedRanges()
+        self._release_buffers()
+
+    def finish(self) -> None:
+        """flush + fsync; the written range leaves the page cache."""
+        self.flush()
+        os.fsync(self.fd)
+        drop_cached(self.fd)
+
+    def _release_buffers(self) -> None:
+        self._views = []
+        for b in self._buffers:
+            b.close()
+        self._buffers = []
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.direct:
+            try:
+                self._wait()
+            except BaseException:  # noqa: BLE001 - closing after a failure: the error was raised before
+                pass
+            self._release_buffers()
+            self.direct = False
+        if self.owns_fd:
+            os.close(self.fd)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while len(data):
+        n = os.write(fd, data)
+        data = data[n:]
