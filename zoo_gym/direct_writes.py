@@ -3,7 +3,7 @@
 A publish writes 2.1 GB at Qwen3-0.6B's size (the checkpoint and its master) while its main thread
 aggregates, on a 2-core machine. Written through the page cache, each byte is first copied into a
 page the kernel must find (zoo_gym/page_cache.py: on this project's VM, fresh pages cost ~2 s/GiB),
-and the writer threads' CPU time competed with the aggregation: 1.1-2.4 s of CPU per 2 GB. With
+and the writer threads' CPU time competed with the aggregation: 0.6-2.4 s of CPU per 2 GB. With
 O_DIRECT the device reads our own buffer: 0.2-0.3 s of CPU for the same 2 GB, and the wait for the
 device is spent blocked, off the CPU (measured with a 2 GB stream; the publish: benchmarks/publish_profile.py).
 
