@@ -7,7 +7,17 @@ lowest-scoring delta; Multi-Krum averages the m lowest-scoring ones (default m =
 server-given weights if any (never self-reported sample counts). The guarantee needs
 n >= 2f + 3, so n <= 2f + 2 is refused. Ties are broken by contributor index (stable).
 
-Selection is separate from aggregation: `krum_scores` / `multi_krum_select` work on an (n, n)
+Copies count once. Rows closer to each other than `DUPLICATE_SQ_DISTANCE` times the rows' median
+squared distance to their nearest neighbour are one group: Krum scores the group as one row,
+Multi-Krum chooses it as one and splits that one row's weight among its members (it is still
+within the m rows averaged), and each copy beyond the first counts against f. Honest deltas trained on different data
+are never that close, but colluders who send one crafted row (ALIE, Baruch et al. 2019) are each
+other's nearest neighbours at distance 0, which is what made Krum choose them: in async mode up to
+4 of Multi-Krum's 5 rows were the same ALIE row (benchmarks/async.py). Colluders who spread out to
+an honest distance from each other lose that advantage (the same reasoning as FoolsGold, Fung et al.
+2020, which down-weights contributors whose updates are too similar).
+
+Selection is separate from aggregation: `krum_scores` / `multi_krum_shares` work on an (n, n)
 whole-model distance matrix (summed over tensors while streaming), and the per-tensor call
 reuses that one selection through `distances=`.
 """
@@ -45,28 +55,73 @@ def _check_distances(distances: Tensor, *, n: int) -> np.ndarray:
     return dist
 
 
-def _scores(distances: Tensor, *, f: int) -> np.ndarray:
+DUPLICATE_SQ_DISTANCE = 1e-4  # copies: squared distance < this x the median nearest-neighbour one (1% apart)
+
+
+def duplicate_groups(distances: Tensor) -> np.ndarray:
+    """(n,) int64: each row's group, named by its first row; rows closer than DUPLICATE_SQ_DISTANCE x the
+    median of the rows' nonzero squared distances to their nearest other row are one group (transitively)."""
+    n = distances.shape[0]
+    dist = _check_distances(distances, n=n)
+    group = np.arange(n)
+    if n < 2:
+        return group
+    nearest = np.where(np.eye(n, dtype=bool), np.inf, dist).min(axis=1)
+    nearest = nearest[nearest > 0]  # the honest spread's scale: outliers are a minority; copies left out
+    tol = DUPLICATE_SQ_DISTANCE * float(np.median(nearest)) if nearest.size else 0.0
+    for i in range(n):
+        for j in range(i):
+            if dist[i, j] <= tol and group[i] != group[j]:
+                lo, hi = sorted((group[i], group[j]))
+                group[group == hi] = lo  # one group, named by its first row
+    return group
+
+
+def _scores(distances: Tensor, *, f: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(per-row score: its group's, group of each row, f left after the copies counted against it)."""
     n = distances.shape[0]
     check_krum_config(n=n, f=f)
     dist = _check_distances(distances, n=n)
-    np.fill_diagonal(dist, np.inf)  # exclude self exactly
-    dist.sort(axis=1)
-    return dist[:, :n - f - 2].sum(axis=1)
+    group = duplicate_groups(distances)
+    reps = np.unique(group)
+    # n - groups copies counted against f keep groups >= 2 f_left + 3 whenever n >= 2f + 3 and f_left > 0
+    f_left = max(f - (n - len(reps)), 0)
+    d = dist[np.ix_(reps, reps)]
+    np.fill_diagonal(d, np.inf)  # exclude self exactly
+    d.sort(axis=1)
+    rep_score = d[:, :max(len(reps) - f_left - 2, 0)].sum(axis=1)  # all copies of one row: no neighbours
+    return rep_score[np.searchsorted(reps, group)], group, f_left
 
 
 def krum_scores(distances: Tensor, *, f: int) -> Tensor:
-    """(n,) float64 Krum scores from an (n, n) squared-distance matrix."""
-    return torch.from_numpy(_scores(distances, f=f))
+    """(n,) float64 Krum scores from an (n, n) squared-distance matrix (copies share their group's)."""
+    return torch.from_numpy(_scores(distances, f=f)[0])
+
+
+def multi_krum_shares(distances: Tensor, *, f: int, m: int | None = None) -> Tensor:
+    """(n,) float64: each row's share of one chosen row, 1 / its group's size if its group is among the m
+    lowest-scoring groups (ties by first index), else 0. Default m: groups - f left."""
+    scores, group, f_left = _scores(distances, f=f)
+    reps = np.unique(group)
+    m = len(reps) - f_left if m is None else min(m, len(reps))
+    if not 1 <= m:
+        raise AggregationError(f"`m` (contributors to keep) must be >= 1, got {m}")
+    chosen = reps[np.argsort(scores[reps], kind="stable")[:m]]
+    sizes = np.bincount(group, minlength=len(group))
+    shares = np.where(np.isin(group, chosen), 1.0 / sizes[group], 0.0)
+    return torch.from_numpy(shares)
 
 
 def multi_krum_select(distances: Tensor, *, f: int, m: int | None = None) -> Tensor:
-    """Indices (m,) int64 of the m lowest Krum scores, lowest first (ties by index)."""
+    """Indices int64 of the rows in the m lowest-scoring groups (m rows when no two are copies), lowest
+    score first (ties by index)."""
     n = distances.shape[0]
-    m = n - f if m is None else m
-    if not 1 <= m <= n:
+    if m is not None and not 1 <= m <= n:
         raise AggregationError(f"`m` (contributors to keep) must be in [1, {n}], got {m}")
-    order = np.argsort(_scores(distances, f=f), kind="stable")[:m]
-    return torch.from_numpy(order.astype(np.int64))
+    shares = multi_krum_shares(distances, f=f, m=m).numpy()
+    scores = _scores(distances, f=f)[0]
+    rows = np.flatnonzero(shares > 0)
+    return torch.from_numpy(rows[np.argsort(scores[rows], kind="stable")].astype(np.int64))
 
 
 def krum_select(distances: Tensor, *, f: int) -> Tensor:
@@ -81,16 +136,14 @@ def multi_krum(deltas: Tensor, *, f: int, m: int | None = None, weights: Tensor 
     deltas = check_deltas(deltas)
     n = deltas.shape[0]
     dist = pairwise_sq_distances(deltas) if distances is None else distances
+    if m is not None and not 1 <= m <= n:
+        raise AggregationError(f"`m` (contributors to keep) must be in [1, {n}], got {m}")
     scores = krum_scores(dist, f=f)
-    chosen = multi_krum_select(dist, f=f, m=m)
-    w_all = check_weights(weights, n=n)
-    coeff = torch.zeros(n, dtype=torch.float64)
-    coeff[chosen] = w_all[chosen]
+    coeff = multi_krum_shares(dist, f=f, m=m) * check_weights(weights, n=n)
     if float(coeff.sum()) <= 0:
         raise AggregationError("every selected contributor has weight 0")
     coeff /= coeff.sum()
-    selected = torch.zeros(n, dtype=torch.bool)
-    selected[chosen] = True
+    selected = coeff > 0
     return AggregateResult(
         aggregate=combine(coeff, deltas),
         diagnostics=make_diagnostics(n=n, score=scores, selected=selected, weight_used=coeff,

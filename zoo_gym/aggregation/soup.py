@@ -52,7 +52,7 @@ from .distances import (combination_sq_distances, packed_model_sq_distances, pai
 from .errors import InvalidDeltaError, NotRobustConfigError, PrivacyBudgetExceeded
 from .geometric_median import weiszfeld
 from .lora_mean import factored_mean
-from .krum import check_krum_config, krum_scores, multi_krum_select
+from .krum import check_krum_config, krum_scores, multi_krum_shares
 from .median import median
 from .privacy import PrivacyAccountant, PrivacyReport, gaussian_noise, rdp_epsilon, secure_generator
 from .trimmed_mean import trim_count, trimmed_mean
@@ -309,9 +309,8 @@ class DeltaSoup:
         elif cfg.aggregator in ("krum", "multi-krum"):
             m = 1 if cfg.aggregator == "krum" else cfg.multi_krum_m
             score = krum_scores(dist, f=cfg.byzantine_f)
-            chosen = multi_krum_select(dist, f=cfg.byzantine_f, m=m)
-            coeff = torch.zeros(k, dtype=torch.float64)
-            coeff[chosen] = w[chosen] / w[chosen].sum()
+            coeff = multi_krum_shares(dist, f=cfg.byzantine_f, m=m) * w  # copies share one row's weight
+            coeff = coeff / coeff.sum()
             selected = coeff > 0
         elif cfg.aggregator == "geometric-median":
             coeff = weiszfeld(lambda a, p: self._distances_to(source, names, acc, factors, n, a, p),
