@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import torch
 from torch import Tensor
 
 from ._checks import check_deltas, check_weights, combine64

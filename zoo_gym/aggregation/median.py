@@ -3,7 +3,8 @@ Optimal Statistical Rates", arXiv:1803.01498).
 
 For even n the median of a coordinate is the average of its two middle values (torch.median
 returns the lower one, which is biased). `trimmed_share` of a contributor is the share of
-coordinates where its value was not one of the middle value(s).
+coordinates where its value was not one of the middle value(s). Copies count once (`groups=`, see
+trimmed_mean.py): the median of the groups' first rows.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ import torch
 from torch import Tensor
 
 from ._checks import check_deltas
+from .copies import on_members
 from .result import AggregateResult, make_diagnostics
 
 
-def median(deltas: Tensor) -> AggregateResult:
-    """Coordinate-wise median of `deltas` (n, d) -> (d,)."""
+def median(deltas: Tensor, *, groups: Tensor | None = None) -> AggregateResult:
+    """Coordinate-wise median of `deltas` (n, d) -> (d,); `groups` (n,): copies count once."""
     deltas = check_deltas(deltas)
+    if groups is not None:
+        return on_members(deltas, groups, None, lambda rows, w: median(rows))
     n, d = deltas.shape
     values, order = deltas.sort(dim=0, stable=True)  # (n, d) each
     lo, hi = (n - 1) // 2, n // 2

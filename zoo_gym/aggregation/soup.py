@@ -7,10 +7,10 @@ memory grows with one tensor x n, never the whole model x n.
           -> refuse invalid contributions
           with a reason (non-finite, zero, above max_delta_norm, above max_norm_ratio x the
           round's lower median norm); clip factors; the privacy budget check (before any output);
-  pass 2 (selection rules: krum, multi-krum, bulyan): exact pairwise squared distances of the
-          CLIPPED deltas summed over tensors, straight from the BitDelta bits when `packed()` is
-          available (consecutive packed tensors batched up to 16 MiB of sign bytes per
-          contributor); the selection is fixed once from them;
+  pass 2 (krum, multi-krum, bulyan; trimmed-mean and median, to count copies once): exact pairwise
+          squared distances of the CLIPPED deltas summed over tensors, straight from the BitDelta
+          bits when `packed()` is available (consecutive packed tensors batched up to 16 MiB of sign
+          bytes per contributor); the selection (or the groups of copies) is fixed once from them;
   iteration passes (geometric-median, centered-clip): each iteration's distances from every
           accepted contributor to the current combination v = sum_j a_j x_j are summed over the
           tensors, per tensor v formed in float64 from that tensor alone (exact, see
@@ -26,7 +26,7 @@ memory grows with one tensor x n, never the whole model x n.
           accumulation), add noise, `sink(name, flat_tensor)`; for the iterated rules it also
           sums each contributor's distance to the (pre-noise) aggregate, its reported score.
 The trimmed mean's n >= 2k + 1 is checked on the round's submissions; when validation leaves only
-one or two of them, those are averaged untrimmed (two values' coordinate-wise median) and
+one or two of them (copies counted once), those are averaged untrimmed (two values' coordinate-wise median) and
 `SoupReport.note` says so: refusing a huge delta must not stop the honest rest from publishing.
 DP semantics and what the guarantee covers: see `privacy.py`.
 """
@@ -52,7 +52,7 @@ from .distances import (combination_sq_distances, packed_model_sq_distances, pai
 from .errors import InvalidDeltaError, NotRobustConfigError, PrivacyBudgetExceeded
 from .geometric_median import weiszfeld
 from .lora_mean import factored_mean
-from .krum import check_krum_config, krum_scores, multi_krum_shares
+from .krum import check_krum_config, duplicate_groups, krum_scores, multi_krum_shares
 from .median import median
 from .privacy import PrivacyAccountant, PrivacyReport, gaussian_noise, rdp_epsilon, secure_generator
 from .trimmed_mean import trim_count, trimmed_mean
@@ -61,7 +61,10 @@ from .weights import cap_weights
 # sign bytes per contributor batched into one compressed-domain distance pass: bounds memory at
 # about n x 16 MiB while removing per-tensor Python work on models with many small tensors
 _PACKED_BATCH_BYTES = 16 << 20
-_NEEDS_DISTANCES = ("krum", "multi-krum", "bulyan")
+# Rules that need the whole-model pairwise distances: the selection rules, and the coordinate-wise ones, which
+# count copies once (krum.duplicate_groups -> copies.py): one more pass over the model, arithmetic only on
+# a cached source (the sync default, trimmed mean, at n = 10 on the tiny model: benchmarks/aggregation.py).
+_NEEDS_DISTANCES = ("krum", "multi-krum", "bulyan", "trimmed-mean", "median")
 _ITERATED = ("geometric-median", "centered-clip")
 
 
@@ -299,8 +302,12 @@ class DeltaSoup:
         total: float | None = None  # what coeff is divided by (None: its sum)
         dist: Tensor | None = None
         selected = torch.ones(k, dtype=torch.bool)
+        groups: Tensor | None = None  # coordinate-wise rules: each row's group of copies
         if cfg.aggregator in _NEEDS_DISTANCES:
             dist = self._distances(source, names, acc, factors, n)
+            if cfg.aggregator in ("trimmed-mean", "median"):
+                groups = torch.from_numpy(duplicate_groups(dist))
+        distinct = k if groups is None else int(torch.unique(groups).numel())  # rows, copies once
         if cfg.aggregator == "mean":
             if dp:  # fixed denominator: the sum over the m_exp expected contributors (privacy.py)
                 coeff, total = torch.ones(k, dtype=torch.float64), float(m_exp)
@@ -346,10 +353,10 @@ class DeltaSoup:
                 agg = combine(coeff, x, total=total)  # (numel,) combine64's numbers, in x's dtype
             else:
                 if cfg.aggregator == "median":
-                    res = median(x)
+                    res = median(x, groups=groups)
                 elif cfg.aggregator == "trimmed-mean":
-                    res = trimmed_mean(x, beta=cfg.trim_beta if k >= 3 else 0.0,
-                                       weights=None if dp else w)
+                    res = trimmed_mean(x, beta=cfg.trim_beta if distinct >= 3 else 0.0,
+                                       weights=None if dp else w, groups=groups)
                 else:
                     res = bulyan(x, f=cfg.byzantine_f, distances=dist)
                 agg = res.aggregate
@@ -379,9 +386,10 @@ class DeltaSoup:
             accountant.step(noise_multiplier=cfg.dp_noise_multiplier, sample_rate=privacy.q)
 
         note = ""
-        if cfg.aggregator == "trimmed-mean" and k < 3 and cfg.trim_beta > 0:
-            note = (f"trimmed-mean: validation left {k} of {n} submissions; averaged untrimmed "
-                    f"(for two, their coordinate-wise median)")
+        if cfg.aggregator == "trimmed-mean" and distinct < 3 and cfg.trim_beta > 0:
+            note = (f"trimmed-mean: validation left {k} of {n} submissions" + (
+                    f", {distinct} distinct (copies count once)" if distinct < k else "") +
+                    "; averaged untrimmed (for two, their coordinate-wise median)")
         rows = []
         pos = {int(i): j for j, i in enumerate(acc.tolist())}
         for i, cid in enumerate(ids):

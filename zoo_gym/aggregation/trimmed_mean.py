@@ -8,6 +8,12 @@ trim k from each end and keep one value (n < 2k + 1, i.e. n <= 2 for k = 1) we r
 With weights, the kept values are averaged with the weights of the contributors who gave them.
 The kept values are summed in float64 (products too) and divided once, then cast to the deltas'
 dtype: the same result on every CPU, BLAS and thread count.
+
+Copies count once (`groups=`, as Krum counts them: krum.duplicate_groups): the rows of one group are one
+row, its first, with the mean of its members' weights, and n is the number of groups. Colluders who send
+one crafted row from many identities are then one value per coordinate, trimmed like any other outlier;
+without it 5 copies of a sign flip in a buffer of 10 kept one copy past beta = 0.4's 4 per side, and the
+step pointed uphill (benchmarks/async.py seed 6, README "Asynchronous rounds").
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from torch import Tensor
 
 from ._checks import check_deltas, check_weights
 from .errors import AggregationError, NotRobustConfigError
+from .copies import on_members
 from .result import AggregateResult, make_diagnostics
 
 
@@ -36,9 +43,14 @@ def trim_count(*, n: int, beta: float) -> int:
     return k
 
 
-def trimmed_mean(deltas: Tensor, *, beta: float, weights: Tensor | None = None) -> AggregateResult:
-    """Coordinate-wise trimmed mean of `deltas` (n, d) -> (d,), trimming k per end (see module)."""
+def trimmed_mean(deltas: Tensor, *, beta: float, weights: Tensor | None = None,
+                 groups: Tensor | None = None) -> AggregateResult:
+    """Coordinate-wise trimmed mean of `deltas` (n, d) -> (d,), trimming k per end (see module); `groups` (n,)
+    names each row's group of copies by its first row (None: every row its own)."""
     deltas = check_deltas(deltas)
+    if groups is not None:
+        return on_members(deltas, groups, weights,
+                          lambda rows, w: trimmed_mean(rows, beta=beta, weights=w))
     n, d = deltas.shape
     k = trim_count(n=n, beta=beta)
     w = check_weights(weights, n=n)  # (n,) float64
