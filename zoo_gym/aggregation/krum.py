@@ -69,11 +69,12 @@ def duplicate_groups(distances: Tensor) -> np.ndarray:
     nearest = np.where(np.eye(n, dtype=bool), np.inf, dist).min(axis=1)
     nearest = nearest[nearest > 0]  # the honest spread's scale: outliers are a minority; copies left out
     tol = DUPLICATE_SQ_DISTANCE * float(np.median(nearest)) if nearest.size else 0.0
-    for i in range(n):
-        for j in range(i):
-            if dist[i, j] <= tol and group[i] != group[j]:
-                lo, hi = sorted((group[i], group[j]))
-                group[group == hi] = lo  # one group, named by its first row
+    close = dist <= tol  # (n, n), the diagonal included
+    for _ in range(n):  # label propagation: each row takes the smallest label among its close rows
+        smaller = np.where(close, group[None, :], n).min(axis=1)
+        if (smaller == group).all():
+            break  # each connected component is labelled by its first row
+        group = smaller
     return group
 
 
@@ -101,6 +102,11 @@ def krum_scores(distances: Tensor, *, f: int) -> Tensor:
 def multi_krum_shares(distances: Tensor, *, f: int, m: int | None = None) -> Tensor:
     """(n,) float64: each row's share of one chosen row, 1 / its group's size if its group is among the m
     lowest-scoring groups (ties by first index), else 0. Default m: groups - f left."""
+    return krum_selection(distances, f=f, m=m)[1]
+
+
+def krum_selection(distances: Tensor, *, f: int, m: int | None = None) -> tuple[Tensor, Tensor]:
+    """((n,) Krum scores, (n,) Multi-Krum shares as `multi_krum_shares`) from one scoring of the rows."""
     scores, group, f_left = _scores(distances, f=f)
     reps = np.unique(group)
     m = len(reps) - f_left if m is None else min(m, len(reps))
@@ -109,7 +115,7 @@ def multi_krum_shares(distances: Tensor, *, f: int, m: int | None = None) -> Ten
     chosen = reps[np.argsort(scores[reps], kind="stable")[:m]]
     sizes = np.bincount(group, minlength=len(group))
     shares = np.where(np.isin(group, chosen), 1.0 / sizes[group], 0.0)
-    return torch.from_numpy(shares)
+    return torch.from_numpy(scores), torch.from_numpy(shares)
 
 
 def multi_krum_select(distances: Tensor, *, f: int, m: int | None = None) -> Tensor:
@@ -118,8 +124,7 @@ def multi_krum_select(distances: Tensor, *, f: int, m: int | None = None) -> Ten
     n = distances.shape[0]
     if m is not None and not 1 <= m <= n:
         raise AggregationError(f"`m` (contributors to keep) must be in [1, {n}], got {m}")
-    shares = multi_krum_shares(distances, f=f, m=m).numpy()
-    scores = _scores(distances, f=f)[0]
+    scores, shares = (t.numpy() for t in krum_selection(distances, f=f, m=m))
     rows = np.flatnonzero(shares > 0)
     return torch.from_numpy(rows[np.argsort(scores[rows], kind="stable")].astype(np.int64))
 
@@ -138,8 +143,8 @@ def multi_krum(deltas: Tensor, *, f: int, m: int | None = None, weights: Tensor 
     dist = pairwise_sq_distances(deltas) if distances is None else distances
     if m is not None and not 1 <= m <= n:
         raise AggregationError(f"`m` (contributors to keep) must be in [1, {n}], got {m}")
-    scores = krum_scores(dist, f=f)
-    coeff = multi_krum_shares(dist, f=f, m=m) * check_weights(weights, n=n)
+    scores, shares = krum_selection(dist, f=f, m=m)
+    coeff = shares * check_weights(weights, n=n)
     if float(coeff.sum()) <= 0:
         raise AggregationError("every selected contributor has weight 0")
     coeff /= coeff.sum()

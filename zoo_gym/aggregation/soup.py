@@ -52,7 +52,7 @@ from .distances import (combination_sq_distances, packed_model_sq_distances, pai
 from .errors import InvalidDeltaError, NotRobustConfigError, PrivacyBudgetExceeded
 from .geometric_median import weiszfeld
 from .lora_mean import factored_mean
-from .krum import check_krum_config, duplicate_groups, krum_scores, multi_krum_shares
+from .krum import check_krum_config, duplicate_groups, krum_selection
 from .median import median
 from .privacy import PrivacyAccountant, PrivacyReport, gaussian_noise, rdp_epsilon, secure_generator
 from .trimmed_mean import trim_count, trimmed_mean
@@ -315,8 +315,8 @@ class DeltaSoup:
                 coeff = w
         elif cfg.aggregator in ("krum", "multi-krum"):
             m = 1 if cfg.aggregator == "krum" else cfg.multi_krum_m
-            score = krum_scores(dist, f=cfg.byzantine_f)
-            coeff = multi_krum_shares(dist, f=cfg.byzantine_f, m=m) * w  # copies share one row's weight
+            score, shares = krum_selection(dist, f=cfg.byzantine_f, m=m)
+            coeff = shares * w  # copies share one row's weight
             coeff = coeff / coeff.sum()
             selected = coeff > 0
         elif cfg.aggregator == "geometric-median":
