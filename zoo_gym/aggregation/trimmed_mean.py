@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from ._checks import check_deltas, check_weights
-from .errors import AggregationError, NotRobustConfigError
 from .copies import on_members
+from .errors import AggregationError, NotRobustConfigError
 from .result import AggregateResult, make_diagnostics
 
 
