@@ -67,3 +67,15 @@ def test_copies_share_one_rows_weight_in_the_weighted_trimmed_mean() -> None:
     used = res.diagnostics.weight_used
     assert torch.allclose(used[[0, 6, 7, 8]], once.diagnostics.weight_used[0].expand(4) / 4)
     assert math.isclose(float(used.sum()), 1.0, rel_tol=1e-9)
+
+
+def test_the_geometric_median_and_centered_clipping_count_copies_once_too() -> None:
+    for seed in range(3):
+        h = _honest(seed)
+        mean = h.mean(0)
+        x = torch.cat([h, sign_flip(h, n_byzantine=5, scale=4.0)])
+        for rule, cfg in (("geometric-median", {}), ("centered-clip", {})):
+            agg, weights = _merge(rule, x, **cfg)
+            # before: five copies held half the weight, the breakdown point of both
+            assert _cos(agg, mean) > 0.9, (seed, rule, _cos(agg, mean))
+            assert sum(weights[5:]) <= 1 / 6 + 1e-6, (seed, rule, sum(weights[5:]))

@@ -15,10 +15,10 @@ honest ones, used to be averaged in (held-out loss = ln(vocab), a uniform predic
   client, is off by orders of magnitude. The lower median (statistics.median_low) is the smaller
   of two deltas, so with 2 contributors the larger is refused above 10x the smaller. Ignored
   under DP, where the clip already bounds every delta (see `DeltaSoup._validate`).
-* Copies count once in the trimmed mean, the median, Krum and Multi-Krum: rows within 1% of the rows'
-  typical nearest-neighbour distance (`krum.duplicate_groups`) are one row whose weight their senders split,
-  so identities sending one crafted row weigh one row (copies.py; the whole-model distances cost one more
-  pass, from the BitDelta bits when the deltas are packed).
+* Copies count once in every robust rule but Bulyan: rows within 1% of the rows' typical nearest-neighbour
+  distance (`krum.duplicate_groups`) are one row whose weight their senders split, so identities sending one
+  crafted row weigh one row (copies.py; the whole-model distances cost one more pass, from the BitDelta bits
+  when the deltas are packed).
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ distance, named by their first row). A group is its first row, weighted by the m
 weights, so k identities sending one row weigh what one sends; each member's `weight_used` is its share
 of its group's (by weight; equal when unweighted) and it shares the group's `selected`, `score` and
 `trimmed_share`. With no two rows grouped the rule runs on the rows as given: the same numbers.
+Rules that take weights over all rows (the geometric median, centered clipping) get `split_weights`: each
+member's weight divided by its group's size, so a group weighs the mean of its members' weights.
 """
 
 from __future__ import annotations
@@ -45,3 +47,14 @@ def on_members(deltas: Tensor, groups: Tensor, weights: Tensor | None,
     return AggregateResult(aggregate=res.aggregate, diagnostics=Diagnostics(
         score=d.score[pos], selected=d.selected[pos], weight_used=d.weight_used[pos] * member,
         trimmed_share=d.trimmed_share[pos]))
+
+
+def split_weights(weights: Tensor, groups: Tensor) -> Tensor:
+    """(n,) float64 shares summing to 1: each row's weight divided by the size of its group of copies."""
+    group = torch.as_tensor(groups, dtype=torch.int64).flatten()
+    w = torch.as_tensor(weights, dtype=torch.float64).flatten()
+    if group.shape != w.shape:
+        raise AggregationError(f"`groups` has {group.numel()} rows, `weights` {w.numel()}")
+    sizes = torch.bincount(group, minlength=w.numel()).to(torch.float64)[group]
+    out = w / sizes
+    return out / out.sum()

@@ -7,7 +7,7 @@ memory grows with one tensor x n, never the whole model x n.
           -> refuse invalid contributions
           with a reason (non-finite, zero, above max_delta_norm, above max_norm_ratio x the
           round's lower median norm); clip factors; the privacy budget check (before any output);
-  pass 2 (krum, multi-krum, bulyan; trimmed-mean and median, to count copies once): exact pairwise
+  pass 2 (krum, multi-krum, bulyan; the other robust rules, to count copies once): exact pairwise
           squared distances of the CLIPPED deltas summed over tensors, straight from the BitDelta
           bits when `packed()` is available (consecutive packed tensors batched up to 16 MiB of sign
           bytes per contributor); the selection (or the groups of copies) is fixed once from them;
@@ -47,6 +47,7 @@ from .bulyan import bulyan, check_bulyan_config
 from .centered_clip import centered_clip_iterate
 from .clipping import adaptive_clip_update, clip_factors, update_noise_multiplier
 from .config import SoupConfig
+from .copies import split_weights
 from .distances import (combination_sq_distances, packed_model_sq_distances, pairwise_sq_distances,
                         sq_distances_to)
 from .errors import InvalidDeltaError, NotRobustConfigError, PrivacyBudgetExceeded
@@ -61,10 +62,11 @@ from .weights import cap_weights
 # sign bytes per contributor batched into one compressed-domain distance pass: bounds memory at
 # about n x 16 MiB while removing per-tensor Python work on models with many small tensors
 _PACKED_BATCH_BYTES = 16 << 20
-# Rules that need the whole-model pairwise distances: the selection rules, and the coordinate-wise ones, which
-# count copies once (krum.duplicate_groups -> copies.py). One more pass over the model; on BitDelta payloads
+# Rules that need the whole-model pairwise distances: the selection rules, and the others that count copies
+# once (krum.duplicate_groups -> copies.py). One more pass over the model; on BitDelta payloads
 # the packed XOR pass: 26 ms for 31M parameters at n = 10, 0.3% of the trimmed mean (benchmarks/trimmed_copies.py).
-_NEEDS_DISTANCES = ("krum", "multi-krum", "bulyan", "trimmed-mean", "median")
+_COPIES_ONCE = ("trimmed-mean", "median", "geometric-median", "centered-clip")
+_NEEDS_DISTANCES = ("krum", "multi-krum", "bulyan", *_COPIES_ONCE)
 _ITERATED = ("geometric-median", "centered-clip")
 
 
@@ -305,9 +307,11 @@ class DeltaSoup:
         groups: Tensor | None = None  # coordinate-wise rules: each row's group of copies
         if cfg.aggregator in _NEEDS_DISTANCES:
             dist = self._distances(source, names, acc, factors, n)
-            if cfg.aggregator in ("trimmed-mean", "median"):
+            if cfg.aggregator in _COPIES_ONCE:
                 groups = torch.from_numpy(duplicate_groups(dist))
         distinct = k if groups is None else int(torch.unique(groups).numel())  # rows, copies once
+        if groups is not None and distinct < k and cfg.aggregator in _ITERATED:
+            w = split_weights(w, groups)  # a group of copies weighs one row
         if cfg.aggregator == "mean":
             if dp:  # fixed denominator: the sum over the m_exp expected contributors (privacy.py)
                 coeff, total = torch.ones(k, dtype=torch.float64), float(m_exp)
