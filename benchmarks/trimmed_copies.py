@@ -7,9 +7,10 @@ Inputs: `--layers` decoder layers of Qwen3-0.6B's shapes (q 2048x1024, k and v 1
 and up 3072x1024, down 1024x3072: 15.7M parameters per layer), random deltas for `--n` contributors, the last
 `--copies` of them one identical row (colluders), BitDelta-packed with the codec's packer (groups of 128), held
 in memory as packed bits and as the decoded rows (`DictDeltaSource`, as the server's source hands them out).
-Timed, alternately in one process (each side first every other repeat): `DeltaSoup(trimmed-mean, beta 0.1).run` as it is now (a whole-model
-packed distance pass, the groups, the rule on one row per group) and the same with the copies pass switched
-off (the rule before: `soup._NEEDS_DISTANCES` without the trimmed mean). Reported: best of `--repeats` each,
+Timed, alternately in one process (each side first every other repeat): `DeltaSoup(trimmed-mean, beta
+0.1).run` as it is now (a whole-model packed distance pass, the groups, the rule on one row per group) and
+the same with the copies pass switched off (the rule before: `soup._NEEDS_DISTANCES` without the trimmed
+mean). Reported: best of `--repeats` each,
 their ratio, and the distance pass alone. In memory the rows cost no decoding, which the server's source
 pays on every pass, so the ratio here is an upper bound for the server's.
 """

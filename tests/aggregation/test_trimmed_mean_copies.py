@@ -1,7 +1,7 @@
-"""The trimmed mean and the median count copies once, as Krum does: colluders who send one crafted row
-(sign flip, scaling, ALIE) are one value per coordinate however many identities send it. In async mode
-a buffer of 10 from a federation with 30% attackers rarely holds 5 of them (2 of 287 flushes over 40
-clock-only seeds of benchmarks/async.py), but seed 6 had one: 5 sign-flip copies, past the 4 that
+"""The trimmed mean, the median, the geometric median and centered clipping count copies once, as Krum does:
+colluders who send one crafted row (sign flip, scaling, ALIE) are one row however many identities send it.
+In async mode a buffer of 10 from a federation with 30% attackers rarely holds 5 of them (2 of 287 flushes
+over 40 clock-only seeds of benchmarks/async.py), but seed 6 had one: 5 sign-flip copies, past the 4 that
 beta = 0.4 trims, and the run ended at 2.23x its clean loss. Counted once they are 1 of 6 rows, trimmed."""
 
 from __future__ import annotations
