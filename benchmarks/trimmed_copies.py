@@ -5,8 +5,8 @@ layer size. Prints JSON.
 
 Inputs: `--layers` decoder layers of Qwen3-0.6B's shapes (q 2048x1024, k and v 1024x1024, o 1024x2048, gate
 and up 3072x1024, down 1024x3072: 15.7M parameters per layer), random deltas for `--n` contributors, the last
-`--copies` of them one identical row (colluders), BitDelta-packed with the codec's packer (groups of 128), held
-in memory as packed bits and as the decoded rows (`DictDeltaSource`, as the server's source hands them out).
+`--copies` of them one identical row (colluders), BitDelta-encoded by the codec (groups of 128, its default
+scales), held in memory as packed bits and as the decoded rows (`DictDeltaSource`, as the server's source hands them out).
 Timed, alternately in one process (each side first every other repeat): `DeltaSoup(trimmed-mean, beta
 0.1).run` as it is now (a whole-model packed distance pass, the groups, the rule on one row per group) and
 the same with the copies pass switched off (the rule before: `soup._NEEDS_DISTANCES` without the trimmed
@@ -30,22 +30,20 @@ import torch
 from zoo_gym.aggregation import DeltaSoup, SoupConfig
 from zoo_gym.aggregation import soup as soup_module
 from zoo_gym.aggregation.sources import DictDeltaSource
-from zoo_gym.codec.bitdelta import BitDeltaPacked, pack_bitdelta
-from zoo_gym.codec.layout import groups_for
+from zoo_gym.codec.bitdelta import BitDeltaPacked
+from zoo_gym.codec.leaf import encode_leaf, packed_leaf
 
 # Qwen3-0.6B's decoder-layer weights (out, in): hidden 1024, 16 query heads and 8 KV heads of 128, MLP 3072
 LAYER_SHAPES = {"q_proj": (2048, 1024), "k_proj": (1024, 1024), "v_proj": (1024, 1024), "o_proj": (1024, 2048),
                 "gate_proj": (3072, 1024), "up_proj": (3072, 1024), "down_proj": (1024, 3072)}
 
 
-def packed(x: torch.Tensor) -> BitDeltaPacked:
-    """BitDelta-pack a (rows, cols) float32 tensor with the codec's own packer, groups of 128."""
-    rows, cols = x.shape
-    groups = groups_for(rows=rows, cols=cols, group_size=128, codec="bitdelta")
-    signs, scales = pack_bitdelta(x, groups=groups)
-    scales = np.broadcast_to(scales.astype(np.float32), (rows, groups.n_groups)).copy()
-    return BitDeltaPacked(shape=(rows, cols), rows=rows, cols=cols, group_size=groups.size,
-                          signs=torch.from_numpy(signs), scales=torch.from_numpy(scales))
+def packed(x: torch.Tensor, name: str) -> BitDeltaPacked:
+    """BitDelta-encode a tensor as a client does (groups of 128, the codec's default scales) and read back the
+    packed view the server aggregates from."""
+    leaf = encode_leaf(x, codec="bitdelta", group_size=128, scale_dtype=None, what=name)
+    return packed_leaf(leaf.data, leaf.scales, shape=leaf.shape, group_size=leaf.group_size,
+                       scale_dtype=leaf.scale_dtype, what=name)
 
 
 def inputs(layers: int, n: int, copies: int, seed: int = 0) -> DictDeltaSource:
@@ -61,7 +59,7 @@ def inputs(layers: int, n: int, copies: int, seed: int = 0) -> DictDeltaSource:
                 if i >= n - copies and crafted is not None:
                     p = crafted  # a colluder: the same row as the first colluder
                 else:
-                    p = packed(common + torch.randn(shape, generator=gen) * 1e-3)
+                    p = packed(common + torch.randn(shape, generator=gen) * 1e-3, name)
                     crafted = p if i == n - copies else crafted
                 bits[i][name] = p
                 dense[i][name] = p.to_dense()

@@ -33,15 +33,11 @@ def on_members(deltas: Tensor, groups: Tensor, weights: Tensor | None,
     if reps.numel() == n:
         return rule(deltas, weights)
     pos = torch.searchsorted(reps, group)  # (n,) each row's group's position among reps
-    if weights is None:
-        raw = torch.ones(n, dtype=torch.float64)
-        group_w = None
-    else:
-        raw = torch.as_tensor(weights, dtype=torch.float64).flatten()
-        sizes = torch.bincount(pos, minlength=reps.numel()).to(torch.float64)
-        group_w = torch.zeros(reps.numel(), dtype=torch.float64).index_add_(0, pos, raw) / sizes
-    res = rule(deltas[reps], group_w)
-    total = torch.zeros(reps.numel(), dtype=torch.float64).index_add_(0, pos, raw)
+    raw = torch.ones(n, dtype=torch.float64) if weights is None else \
+        torch.as_tensor(weights, dtype=torch.float64).flatten()
+    total = torch.zeros(reps.numel(), dtype=torch.float64).index_add_(0, pos, raw)  # (groups,) members' sum
+    sizes = torch.bincount(pos, minlength=reps.numel()).to(torch.float64)
+    res = rule(deltas[reps], None if weights is None else total / sizes)  # a group: its members' mean weight
     member = torch.where(total[pos] > 0, raw / total[pos].clamp_min(1e-300), 0.0)  # share of its group's
     d = res.diagnostics
     return AggregateResult(aggregate=res.aggregate, diagnostics=Diagnostics(
