@@ -26,7 +26,7 @@ Protocol (also written into the JSON under "protocol"):
   * Sync: round r waits for every contributor that did not drop out this round; it lasts as long
     as its slowest present contributor. The present contributors' deltas are merged with DeltaSoup
     (the server's aggregation code, in process) and the next version is published. `rounds` rounds.
-  * Async (FedBuff, Nguyen et al. 2022; the same rule as zoo_gym/server/async_rounds.py): each
+  * Async (FedBuff, Nguyen et al. 2022; the same rule as zoo_gym/server/rounds/async_rounds.py): each
     contributor fetches the newest version when it starts a local run and submits when done (one
     delta per contributor per buffer: a second waits for the flush, as the client does). Its
     staleness s is the number of versions published since its base; s > max_staleness is refused
@@ -397,7 +397,7 @@ def async_schedule(cfg: BenchConfig, times: list[float], *, until: float,
 
 
 def staleness_weight(staleness: int, *, exponent: float) -> float:
-    """w(s) = (1 + s)^-exponent (FedAsync's polynomial; as zoo_gym/server/async_rounds.py)."""
+    """w(s) = (1 + s)^-exponent (FedAsync's polynomial; as zoo_gym/server/rounds/async_rounds.py)."""
     return float((1.0 + staleness) ** -exponent)
 
 
@@ -583,7 +583,7 @@ def soup_config(cfg: BenchConfig, rule: str, mode: str) -> SoupConfig:
                       byzantine_f=cfg.sync_f if mode == "sync" else cfg.buffer_f,
                       multi_krum_m=cfg.buffer_multi_krum_m if mode == "async" else None)
     if mode == "async":  # the server's m per buffer (K // 2 unless set), as a flush records it
-        from zoo_gym.server import async_rounds
+        from zoo_gym.server.rounds import async_rounds
 
         soup = replace(soup, multi_krum_m=async_rounds.buffer_multi_krum_m(soup, cfg.buffer_size))
     return soup
@@ -603,10 +603,10 @@ def craft(attack: str, honest: torch.Tensor, *, n_byzantine: int, cfg: BenchConf
 def merge(t: Trajectory, pub: Publish, deltas: list[dict[str, torch.Tensor] | None],
           cfg: BenchConfig, shapes: dict[str, torch.Size]) -> str | None:
     """Publish the next version of `t` from `pub`'s honest `deltas` (None: a Byzantine row, crafted
-    here from the honest ones) as the server does (zoo_gym/server/async_rounds.py): the mean over the deltas
+    here from the honest ones) as the server does (zoo_gym/server/rounds/async_rounds.py): the mean over the deltas
     as submitted with weights w(s_i), a robust rule over the rows w(s_i) x delta_i (`staleness_applied`
     overrides it for exploration); then base + server_lr x step_scale x aggregate."""
-    from zoo_gym.server import async_rounds
+    from zoo_gym.server.rounds import async_rounds
 
     names = sorted(shapes)
     subs = pub.submissions

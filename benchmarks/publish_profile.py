@@ -33,10 +33,10 @@ from scale import lora_deltas, read_write_seconds  # noqa: E402
 from zoo_gym import codec  # noqa: E402
 from zoo_gym.aggregation import DeltaSoup, SoupConfig  # noqa: E402
 from zoo_gym.proto import archive  # noqa: E402
-from zoo_gym.server.blobs import BlobStore  # noqa: E402
-from zoo_gym.server import master_weights  # noqa: E402
-from zoo_gym.server.checkpoint_writer import CheckpointWriter, SafetensorsReader, threads_beside_writers  # noqa: E402
-from zoo_gym.server.publish import StoredDeltas  # noqa: E402
+from zoo_gym.server.store.blobs import BlobStore  # noqa: E402
+from zoo_gym.server.store import master_weights  # noqa: E402
+from zoo_gym.server.store.checkpoint_writer import CheckpointWriter, SafetensorsReader, threads_beside_writers  # noqa: E402
+from zoo_gym.server.rounds.publish import StoredDeltas  # noqa: E402
 
 
 def publish_once(store: BlobStore, base_sha: str, master_sha: str | None, payload_shas: list[str],

@@ -77,7 +77,7 @@ from zoo_gym.rewards import (ContributionDiagnostics, FirstOrderConfig, ScoringC
                              accept_by_quality, base_gradient, score_round_detailed,
                              score_round_first_order, streamed_slopes)
 from zoo_gym.rewards.packing import PackedScoringSet
-from zoo_gym.server.publish import StoredDeltas
+from zoo_gym.server.rounds.publish import StoredDeltas
 
 SCORING_EXAMPLES = 32  # the scoring set: the first 32 of the server's validation examples
 

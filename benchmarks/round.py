@@ -36,10 +36,10 @@ from zoo_gym.client.download import fetch_checkpoint
 from zoo_gym.client.upload import build_header, register_request, request_stream
 from zoo_gym.proto import archive, gym_pb2, gym_pb2_grpc, signing
 from zoo_gym.server.config import build_config
-from zoo_gym.server.models import Contributor, Round, Submission
-from zoo_gym.server.publish import publish_round
-from zoo_gym.server.servicer import build_server
-from zoo_gym.server.state import init_state
+from zoo_gym.server.store.models import Contributor, Round, Submission
+from zoo_gym.server.rounds.publish import publish_round
+from zoo_gym.server.transport.servicer import build_server
+from zoo_gym.server.store.state import init_state
 
 
 def _store_submissions(state, n: int, seed: int = 0) -> list[Submission]:
@@ -96,7 +96,7 @@ def round_overhead(n: int, root: Path) -> dict:
     bare = min(_bare(state, subs, rnd.base_sha256, root / f"bare{i}") for i in range(3))
     # Aggregation + publishing alone (no rewards, no evaluation): the pure server path.
     cfg = build_config({}, aggregator="mean")
-    import zoo_gym.server.publish as pub
+    import zoo_gym.server.rounds.publish as pub
 
     saved_eval = pub.evaluator_for
     pub.evaluator_for = lambda *a, **k: None  # no evaluator: no scoring and no settlement either
@@ -155,7 +155,7 @@ def transfer(mib: int, root: Path) -> dict:
         stub.SubmitDelta(request_stream(header, payload, chunk_bytes=4 << 20))
         up = time.perf_counter() - t0
         # The server's validation alone (decode + finite + norm) on the same payload, to separate it out.
-        from zoo_gym.server import handlers
+        from zoo_gym.server.transport import handlers
 
         h = handlers.SubmitHeader(contributor_id=cid, round_id=info.round_id, base_sha256=info.base_sha256,
                                   payload_sha256=header.payload_sha256, payload_size=len(payload),

@@ -3,7 +3,7 @@
 Builds a model with Qwen3-0.6B's exact dimensions (random weights, bf16, the tiny model's tokenizer),
 runs `gym-server init` and a real `gym-server serve` process, submits 2 LoRA-factor deltas over gRPC
 and samples the server's RSS every 50 ms. Phases come from the server's log lines
-(`round N phase=...`, zoo_gym/server/publish.py). Reported per phase: peak RSS / fp32 model bytes.
+(`round N phase=...`, zoo_gym/server/rounds/publish.py). Reported per phase: peak RSS / fp32 model bytes.
 Also: aggregation+publish time / (one read + write of the model), scoring time / (one forward +
 backward on the scoring set), both baselines measured in this run, and how much of the round's
 aggregate survives publishing into the bf16 base (item 5).
@@ -513,8 +513,8 @@ def _submission_metadata(state: Path, contributor: str) -> dict:
     """The training metadata the client signed into its submission (steps, train_seconds ...)."""
     from sqlmodel import select
 
-    from zoo_gym.server.models import Submission
-    from zoo_gym.server.state import open_state
+    from zoo_gym.server.store.models import Submission
+    from zoo_gym.server.store.state import open_state
 
     st = open_state(state)
     try:
@@ -572,10 +572,10 @@ def bf16_kept(state: Path, payloads: list[bytes]) -> dict:
     published bf16 checkpoint holds, and with the server's float32 master (if there is one) what published
     + carried holds."""
     from zoo_gym import codec
-    from zoo_gym.server.checkpoint_writer import SafetensorsReader, master_path
-    from zoo_gym.server.master_weights import master_of
-    from zoo_gym.server.models import Round
-    from zoo_gym.server.state import open_state
+    from zoo_gym.server.store.checkpoint_writer import SafetensorsReader, master_path
+    from zoo_gym.server.store.master_weights import master_of
+    from zoo_gym.server.store.models import Round
+    from zoo_gym.server.store.state import open_state
 
     st = open_state(state)
     with st.session() as s:

@@ -11,7 +11,7 @@ import torch
 from zoo_gym import codec
 from zoo_gym.aggregation import DeltaSoup, SoupConfig
 from zoo_gym.codec.lora import LoraFactors
-from zoo_gym.server.publish import StoredDeltas
+from zoo_gym.server.rounds.publish import StoredDeltas
 
 SHAPES = {"a.weight": (48, 32), "b.weight": (32, 64), "norm.weight": (32,)}
 

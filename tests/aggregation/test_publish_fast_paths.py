@@ -9,8 +9,8 @@ from zoo_gym import codec
 from zoo_gym.aggregation import _checks
 from zoo_gym.aggregation._checks import combine, combine64
 from zoo_gym.codec.lora import LoraFactors
-from zoo_gym.server.checkpoint_writer import _Background
-from zoo_gym.server.publish import StoredDeltas
+from zoo_gym.server.store.checkpoint_writer import _Background
+from zoo_gym.server.rounds.publish import StoredDeltas
 
 SHAPES = {"a.weight": (48, 32), "b.weight": (32, 64), "c.weight": (16, 16), "norm.weight": (32,)}
 

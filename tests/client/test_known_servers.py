@@ -26,9 +26,9 @@ from zoo_gym.client.server_signatures import verify_ledger_head, verify_round_in
 from zoo_gym.proto import gym_pb2, gym_pb2_grpc, signing
 from zoo_gym.rewards import Ledger, NewEntry
 from zoo_gym.server.config import build_config
-from zoo_gym.server.models import Submission
-from zoo_gym.server.servicer import build_server
-from zoo_gym.server.state import init_state, open_state
+from zoo_gym.server.store.models import Submission
+from zoo_gym.server.transport.servicer import build_server
+from zoo_gym.server.store.state import init_state, open_state
 
 
 class Running:

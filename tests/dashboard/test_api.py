@@ -9,7 +9,7 @@ from sqlmodel import select
 
 from zoo_gym.dashboard import create_app
 from zoo_gym.rewards.ledger import LedgerEntry
-from zoo_gym.server.models import Checkpoint, Contributor, UsedNonce
+from zoo_gym.server.store.models import Checkpoint, Contributor, UsedNonce
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_an_edit_that_keeps_size_head_and_total_shows_within_max_age(one_round):
     """A changed reason keeps the cheap fingerprint; the periodic re-verification still names the entry."""
     import time
 
-    from zoo_gym.dashboard.queries import LedgerCheck
+    from zoo_gym.server.store.queries import LedgerCheck
 
     state = one_round["fed"].state
     check = LedgerCheck(state, max_age=0.0)

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlmodel import select
 
 from zoo_gym.dashboard import create_app
-from zoo_gym.server.models import Checkpoint
+from zoo_gym.server.store.models import Checkpoint
 
 
 def _scrape(fed) -> dict[tuple[str, tuple], float]:

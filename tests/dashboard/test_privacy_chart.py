@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from zoo_gym import codec
 from zoo_gym.dashboard import create_app
-from zoo_gym.server.models import Round
+from zoo_gym.server.store.models import Round
 
 
 def test_epsilon_spent_is_charted_against_the_target(federation_with):

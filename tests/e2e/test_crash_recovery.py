@@ -26,7 +26,7 @@ from zoo_gym import codec
 from zoo_gym.client.upload import build_header, register_request, request_stream
 from zoo_gym.gym_train import tiny_model_dir
 from zoo_gym.proto import gym_pb2, gym_pb2_grpc
-from zoo_gym.server.faults import FAULT_ENV, POINTS
+from zoo_gym.server.rounds.faults import FAULT_ENV, POINTS
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 ENV.pop(FAULT_ENV, None)
@@ -101,9 +101,9 @@ def _submit_all(port: int, payloads: list[bytes]) -> None:
 
 def _run(root: Path, fault: str | None, payloads: list[bytes]) -> dict:
     """One federation: 3 submissions to round 1, killed at `fault` (if any), restarted, round 1 published."""
-    from zoo_gym.server.models import Checkpoint, Round, Submission
-    from zoo_gym.server.settlement import ledger_entries, verify_ledger
-    from zoo_gym.server.state import init_state, open_state
+    from zoo_gym.server.store.models import Checkpoint, Round, Submission
+    from zoo_gym.server.rounds.settlement import ledger_entries, verify_ledger
+    from zoo_gym.server.store.state import init_state, open_state
 
     state_dir, log = root / "state", root / "server.log"
     init_state(state_dir, base_model="tiny").engine.dispose()

@@ -104,8 +104,8 @@ def served_round(tmp_path_factory):
                                            check=True, capture_output=True, text=True, env=ENV).stdout)
         from sqlmodel import func, select
 
-        from zoo_gym.server.models import Submission
-        from zoo_gym.server.state import open_state
+        from zoo_gym.server.store.models import Submission
+        from zoo_gym.server.store.state import open_state
 
         reader = open_state(state_dir)
         with reader.session() as s:

@@ -13,8 +13,8 @@ from zoo_gym import codec
 from zoo_gym.client.upload import build_header, register_request, request_stream
 from zoo_gym.proto import gym_pb2, gym_pb2_grpc, signing
 from zoo_gym.server.config import build_config
-from zoo_gym.server.servicer import build_server
-from zoo_gym.server.state import init_state
+from zoo_gym.server.transport.servicer import build_server
+from zoo_gym.server.store.state import init_state
 
 
 class Federation:
@@ -56,7 +56,7 @@ class Federation:
     def stored_submissions(self) -> int:
         from sqlmodel import func, select
 
-        from zoo_gym.server.models import Submission
+        from zoo_gym.server.store.models import Submission
 
         with self.state.session() as s:
             return int(s.exec(select(func.count()).select_from(Submission)).one())
@@ -69,7 +69,7 @@ class Federation:
 
     def wait_published(self, round_id: int, timeout: float = 180.0):
         """The round's row once it is PUBLISHED; AssertionError when it halts or the timeout passes."""
-        from zoo_gym.server.models import Round, RoundState
+        from zoo_gym.server.store.models import Round, RoundState
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 
 from zoo_gym.client.upload import register_request
 from zoo_gym.proto import gym_pb2
-from zoo_gym.server.admission import RegistrationLimiter, make_invites, peer_address
+from zoo_gym.server.transport.admission import RegistrationLimiter, make_invites, peer_address
 from zoo_gym.server.cli import app as server_app
 from zoo_gym.server.errors import ResourceExhausted
-from zoo_gym.server.models import Contributor, SpentInvite, UsedNonce
+from zoo_gym.server.store.models import Contributor, SpentInvite, UsedNonce
 
 
 def _rows(fed, table) -> int:

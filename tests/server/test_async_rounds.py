@@ -21,11 +21,11 @@ from sqlmodel import select
 
 from zoo_gym import codec
 from zoo_gym.proto import gym_pb2
-from zoo_gym.server.async_rounds import staleness_weight
-from zoo_gym.server.models import Round, RoundInputs, RoundState, Submission
-from zoo_gym.server.rounds import RoundManager
-from zoo_gym.server.settlement import ledger_entries, verify_ledger
-from zoo_gym.server.state import open_state
+from zoo_gym.server.rounds.async_rounds import staleness_weight
+from zoo_gym.server.store.models import Round, RoundInputs, RoundState, Submission
+from zoo_gym.server.rounds.manager import RoundManager
+from zoo_gym.server.rounds.settlement import ledger_entries, verify_ledger
+from zoo_gym.server.store.state import open_state
 
 ASYNC = dict(mode="async", buffer_size=2, max_staleness=1, aggregator="mean")
 
@@ -45,7 +45,7 @@ def test_staleness_weight_is_polynomial():
 def test_staleness_is_an_aggregation_weight_only_for_the_mean():
     from zoo_gym.aggregation import SoupConfig
     from zoo_gym.aggregation.config import AGGREGATORS
-    from zoo_gym.server.async_rounds import staleness_applied, step_scale
+    from zoo_gym.server.rounds.async_rounds import staleness_applied, step_scale
 
     applied = {rule: staleness_applied(SoupConfig(aggregator=rule, dp_clip=1.0)) for rule in AGGREGATORS}
     # robust rules select and trim on the weighted rows they average: no fresh row outweighs a stale one it hid among
@@ -188,7 +188,7 @@ def test_async_multi_krum_averages_half_the_buffer_by_default_so_attackers_past_
 def _helpful_delta(fed, sha: str, names: int = 4) -> dict[str, torch.Tensor]:
     """Minus a small multiple of the held-out loss's gradient at `sha`: a delta the scoring pays for."""
     from zoo_gym.gym_train import default_validation_examples
-    from zoo_gym.server.evaluation import ServerEvaluator
+    from zoo_gym.server.rounds.evaluation import ServerEvaluator
 
     grad = ServerEvaluator(fed.state.checkpoint_dir(sha), default_validation_examples(n=32)).gradient().grad
     chosen = [k for k, g in grad.items() if g.dim() == 2 and "embed" not in k][:names]
@@ -237,7 +237,7 @@ def test_flush_interrupted_after_its_blob_is_redone_identically(federation_with,
         if point == "blob-written":
             raise Crash(point)
 
-    import zoo_gym.server.publish as publish
+    import zoo_gym.server.rounds.publish as publish
 
     monkeypatch.setattr(publish, "crash_point", crash_at)
     blobs_before = set(p.name for p in (fed.state.blobs.root / "sha256").rglob("*") if p.is_file())

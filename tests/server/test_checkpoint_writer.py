@@ -15,13 +15,13 @@ from sqlmodel import select
 
 from zoo_gym import codec
 from zoo_gym.proto import archive
-from zoo_gym.server.checkpoint_writer import (CheckpointWriter, SafetensorsLayout, SafetensorsReader,
+from zoo_gym.server.store.checkpoint_writer import (CheckpointWriter, SafetensorsLayout, SafetensorsReader,
                                               master_path, tensor_bytes)
-from zoo_gym.server.master_weights import join_low16, master_of, needs_master, split_low16
+from zoo_gym.server.store.master_weights import join_low16, master_of, needs_master, split_low16
 from zoo_gym.server.config import build_config
-from zoo_gym.server.models import Checkpoint, Contributor, Round, Submission
-from zoo_gym.server.publish import publish_round
-from zoo_gym.server.state import init_state
+from zoo_gym.server.store.models import Checkpoint, Contributor, Round, Submission
+from zoo_gym.server.rounds.publish import publish_round
+from zoo_gym.server.store.state import init_state
 
 
 def _tiny_bf16(out: Path) -> Path:

@@ -11,9 +11,9 @@ from zoo_gym import codec
 from zoo_gym.proto import gym_pb2
 from zoo_gym.server.cli import app
 from zoo_gym.server.config import ConfigError, ServerConfig, build_config, read_config_file
-from zoo_gym.server.models import Round, RoundState
-from zoo_gym.server.servicer import build_server
-from zoo_gym.server.settlement import validate_rewards_settings
+from zoo_gym.server.store.models import Round, RoundState
+from zoo_gym.server.transport.servicer import build_server
+from zoo_gym.server.rounds.settlement import validate_rewards_settings
 
 
 def test_file_values_are_overridden_by_flags_and_routed(tmp_path):
@@ -83,7 +83,7 @@ def test_privacy_budget_halts_publication_before_overspending(federation):
 def test_dp_round_records_privacy_spent_in_round_and_manifest(federation):
     import json
 
-    from zoo_gym.server.models import Checkpoint
+    from zoo_gym.server.store.models import Checkpoint
 
     federation.rounds.stop()
     federation.server.stop(grace=None)

@@ -21,10 +21,10 @@ from zoo_gym import codec
 from zoo_gym.client.upload import build_header, register_request, request_stream
 from zoo_gym.proto import gym_pb2, gym_pb2_grpc
 from zoo_gym.server.config import build_config
-from zoo_gym.server.models import Checkpoint, Round, RoundState
-from zoo_gym.server.servicer import build_server
-from zoo_gym.server.settlement import ledger_entries
-from zoo_gym.server.state import init_state
+from zoo_gym.server.store.models import Checkpoint, Round, RoundState
+from zoo_gym.server.transport.servicer import build_server
+from zoo_gym.server.rounds.settlement import ledger_entries
+from zoo_gym.server.store.state import init_state
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ import torch
 
 from zoo_gym import direct_writes
 from zoo_gym.direct_writes import DirectWriter
-from zoo_gym.server.blobs import BlobStore
-from zoo_gym.server.checkpoint_writer import tensor_bytes
+from zoo_gym.server.store.blobs import BlobStore
+from zoo_gym.server.store.checkpoint_writer import tensor_bytes
 
 
 def _pieces(seed: int) -> list[bytes]:

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from zoo_gym.proto import gym_pb2, gym_pb2_grpc
 from zoo_gym.proto.busy import is_busy
-from zoo_gym.server.models import Checkpoint
+from zoo_gym.server.store.models import Checkpoint
 
 BIG = 48 << 20  # far past what HTTP/2 flow control lets a reader that takes nothing buffer
 

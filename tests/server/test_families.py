@@ -29,9 +29,9 @@ from zoo_gym.gym_train.families import make_random_base
 from zoo_gym.proto import archive, gym_pb2, gym_pb2_grpc
 from zoo_gym.server.cli import app
 from zoo_gym.server.config import build_config
-from zoo_gym.server.models import Checkpoint, Round, RoundState
-from zoo_gym.server.servicer import build_server
-from zoo_gym.server.state import init_state
+from zoo_gym.server.store.models import Checkpoint, Round, RoundState
+from zoo_gym.server.transport.servicer import build_server
+from zoo_gym.server.store.state import init_state
 
 CASES = [  # family, ships a chat template, has a pad token
     ("qwen3", True, True),

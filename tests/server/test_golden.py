@@ -33,7 +33,7 @@ def _helpful(fed, seed: int, *, scale: float = 1e-2, names: int = 4) -> dict:
     import torch
 
     from zoo_gym.gym_train import default_validation_examples
-    from zoo_gym.server.evaluation import ServerEvaluator
+    from zoo_gym.server.rounds.evaluation import ServerEvaluator
 
     sha = fed.round().base_sha256
     grad = ServerEvaluator(fed.state.checkpoint_dir(sha), default_validation_examples(n=32)).gradient().grad
@@ -47,7 +47,7 @@ def _helpful(fed, seed: int, *, scale: float = 1e-2, names: int = 4) -> dict:
 
 
 def _entries(fed) -> list[dict]:
-    from zoo_gym.server.settlement import ledger_entries
+    from zoo_gym.server.rounds.settlement import ledger_entries
 
     keep = ("seq", "round_id", "contributor_id", "kind", "amount", "reason")
     out = []

@@ -15,7 +15,7 @@ from zoo_gym import codec
 from zoo_gym.client.upload import get_round_request
 from zoo_gym.proto import gym_pb2
 from zoo_gym.server.cli import app
-from zoo_gym.server.state import DB_FILE, open_state
+from zoo_gym.server.store.state import DB_FILE, open_state
 
 
 def _refused(call, code: grpc.StatusCode, match: str) -> None:

@@ -9,7 +9,7 @@ import time
 from zoo_gym import codec
 from zoo_gym.proto import archive
 from zoo_gym.proto.model_card import write_model_card_from_dir
-from zoo_gym.server.models import Checkpoint
+from zoo_gym.server.store.models import Checkpoint
 
 
 def _round(fed, round_id: int, methods: list[str]) -> None:

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from zoo_gym import page_cache
-from zoo_gym.server.blobs import BlobStore
-from zoo_gym.server.checkpoint_writer import SafetensorsReader, threads_beside_writers
-from zoo_gym.server.master_kernel import add_to_bf16_master
-from zoo_gym.server.master_weights import join_low16, split_low16
+from zoo_gym.server.store.blobs import BlobStore
+from zoo_gym.server.store.checkpoint_writer import SafetensorsReader, threads_beside_writers
+from zoo_gym.server.store.master_kernel import add_to_bf16_master
+from zoo_gym.server.store.master_weights import join_low16, split_low16
 
 
 def _hard_masters() -> torch.Tensor:

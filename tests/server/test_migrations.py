@@ -28,9 +28,9 @@ from typer.testing import CliRunner
 from zoo_gym import codec
 from zoo_gym.client.upload import build_header, register_request, request_stream
 from zoo_gym.proto import gym_pb2, gym_pb2_grpc
-from zoo_gym.server import migrations
+from zoo_gym.server.store import migrations
 from zoo_gym.server.cli import app
-from zoo_gym.server.state import make_engine
+from zoo_gym.server.store.state import make_engine
 
 DATABASES = ("sqlite", "postgresql")  # tests using `db_url` run on each (tests/conftest.py)
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "state-v0.1.0"
@@ -54,7 +54,7 @@ def _scratch_url(tmp_path: Path, db_url: str | None) -> str:
 
 def test_the_models_and_the_migrations_head_agree(tmp_path, db_url):
     """A model changed without a migration fails here: write one with
-    `python -m zoo_gym.server.migrations new "what changed"`, review it, commit it."""
+    `python -m zoo_gym.server.store.migrations new "what changed"`, review it, commit it."""
     url = _scratch_url(tmp_path, db_url)
     applied = migrations.upgrade(url, empty_ok=True)
     assert [s.revision for s in applied][0] == migrations.BASELINE and applied[-1].revision == migrations.head()
@@ -125,9 +125,9 @@ def _load_fixture(tmp_path: Path, db_url: str | None) -> Path:
 def _serve_round_2(state_dir: Path) -> None:
     """Round 2 on the migrated state: an in-process server, two new contributors, until it is published."""
     from zoo_gym.server.config import build_config
-    from zoo_gym.server.models import Round, RoundState
-    from zoo_gym.server.servicer import build_server
-    from zoo_gym.server.state import open_state
+    from zoo_gym.server.store.models import Round, RoundState
+    from zoo_gym.server.transport.servicer import build_server
+    from zoo_gym.server.store.state import open_state
 
     import grpc
 

@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from zoo_gym import codec
 from zoo_gym.aggregation.privacy import rdp_epsilon
 from zoo_gym.client.upload import register_request
-from zoo_gym.server.models import Round
+from zoo_gym.server.store.models import Round
 
 DP = dict(aggregator="mean", min_contributors=2, dp_noise_multiplier=1.0, dp_clip=0.05, dp_target_epsilon=1000.0,
           register_burst_per_peer=2000, register_burst_global=2000)

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from typer.testing import CliRunner
 
 from zoo_gym.server.cli import app
-from zoo_gym.server.state import init_state
+from zoo_gym.server.store.state import init_state
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -137,10 +137,10 @@ def test_read_only_commands_work_while_a_server_runs_and_leave_its_uploads_alone
 
 
 def test_a_killed_server_leaves_no_lock_behind(tmp_path):
-    from zoo_gym.server.state import StateError, open_state
+    from zoo_gym.server.store.state import StateError, open_state
 
     state_dir = _init(tmp_path / "fed")
-    script = "import sys, time; from zoo_gym.server.state import open_state; " \
+    script = "import sys, time; from zoo_gym.server.store.state import open_state; " \
              "s = open_state(sys.argv[1], exclusive=True); time.sleep(300)"
     holder = subprocess.Popen([sys.executable, "-c", script, str(state_dir)], env=ENV)
     try:

@@ -29,7 +29,7 @@ def _stored_files(federation) -> tuple[int, int]:
 def _referenced(federation) -> set[str]:
     from sqlmodel import select
 
-    from zoo_gym.server.models import Checkpoint, Submission
+    from zoo_gym.server.store.models import Checkpoint, Submission
 
     with federation.state.session() as s:
         return ({x.payload_sha256 for x in s.exec(select(Submission))}

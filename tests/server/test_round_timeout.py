@@ -9,7 +9,7 @@ import json
 import time
 
 from zoo_gym import codec
-from zoo_gym.server.models import Round, RoundState
+from zoo_gym.server.store.models import Round, RoundState
 
 
 def _wait(predicate, timeout: float = 120.0):

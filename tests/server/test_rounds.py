@@ -8,9 +8,9 @@ from sqlmodel import select
 
 from zoo_gym import codec
 from zoo_gym.proto import archive
-from zoo_gym.server.models import Checkpoint, Round, RoundState
-from zoo_gym.server.rounds import RoundManager
-from zoo_gym.server.state import open_state
+from zoo_gym.server.store.models import Checkpoint, Round, RoundState
+from zoo_gym.server.rounds.manager import RoundManager
+from zoo_gym.server.store.state import open_state
 
 
 def test_round_publishes_at_quorum_with_lineage_and_ledger(federation, tmp_path):
@@ -32,7 +32,7 @@ def test_round_publishes_at_quorum_with_lineage_and_ledger(federation, tmp_path)
     model_dir = archive.unpack(federation.state.blobs.path(ckpt.sha256), tmp_path / "published")
     assert AutoModelForCausalLM.from_pretrained(model_dir).num_parameters() > 0
     assert ckpt.heldout_loss is not None
-    from zoo_gym.server.settlement import ledger_entries, verify_ledger
+    from zoo_gym.server.rounds.settlement import ledger_entries, verify_ledger
 
     entries = ledger_entries(federation.state, contributor=None, since_seq=0, limit=None)
     assert sorted(e["contributor_id"] for e in entries) == sorted(submitted)

@@ -13,7 +13,7 @@ from zoo_gym.rewards import (ContributionDiagnostics, FirstOrderConfig, ScoringC
                              SettlementConfig, base_gradient, directional_slopes,
                              plan_settlement, score_round_first_order)
 from zoo_gym.rewards.packing import PackedScoringSet
-from zoo_gym.server.evaluation import ServerEvaluator
+from zoo_gym.server.rounds.evaluation import ServerEvaluator
 
 
 @pytest.fixture(scope="module")

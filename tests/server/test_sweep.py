@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 from zoo_gym import codec
-from zoo_gym.server.state import open_state
-from zoo_gym.server.sweep import sweep_storage
+from zoo_gym.server.store.state import open_state
+from zoo_gym.server.store.sweep import sweep_storage
 
 
 def test_sweep_removes_unreferenced_blobs_and_scratch_but_keeps_every_referenced_blob(federation):
@@ -31,7 +31,7 @@ def test_sweep_removes_unreferenced_blobs_and_scratch_but_keeps_every_referenced
     # A float32 master kept beside a bf16 checkpoint is referenced by that checkpoint's manifest only.
     import json
 
-    from zoo_gym.server.models import Checkpoint
+    from zoo_gym.server.store.models import Checkpoint
 
     with state.blobs.writer() as w:
         w.write(b"float32 master")

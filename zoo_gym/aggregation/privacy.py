@@ -41,7 +41,7 @@ scores, selection) in the SoupReport are NOT private and must stay on the server
 (4) Adaptive clipping spends privacy on the noised clipped-count too; following Andrew et al. 2021
 the update noise multiplier is reduced so the TOTAL stays z (see `clipping.py`).
 
-Asynchronous rounds (`gym-server serve --mode async`, zoo_gym/server/async_rounds.py): each buffer
+Asynchronous rounds (`gym-server serve --mode async`, zoo_gym/server/rounds/async_rounds.py): each buffer
 flush is ONE release of this mechanism, accounted exactly like a synchronous round (one step, q = 1),
 and the accountant composes the flushes; the budget check runs before each one. The buffer's rows are
 staleness-weighted, w(s) = (1 + s)^-a <= 1, BEFORE clipping, so a weighted delta is never longer than

@@ -1,6 +1,6 @@
 """Checking what the server signed (round state, ledger head, checkpoint lineage) against its pinned key.
 
-The byte layouts are in zoo_gym/proto/signing.py; the server side is zoo_gym/server/signed_state.py.
+The byte layouts are in zoo_gym/proto/signing.py; the server side is zoo_gym/server/rounds/signed_state.py.
 Each check raises UntrustedServer with one line that says what was refused and why.
 """
 

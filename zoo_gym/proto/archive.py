@@ -52,7 +52,7 @@ class TarStream:
 
     A member is either whole bytes (`add_bytes`) or announced with its size and then streamed
     (`begin` ... `write` ... `end`), so the publisher can tee the new weights into the archive while
-    it writes them (zoo_gym/server/checkpoint_writer.py). Members must come in sorted name order and
+    it writes them (zoo_gym/server/store/checkpoint_writer.py). Members must come in sorted name order and
     `close` must be called: the output then equals `pack` of a directory holding the same files
     (tests/server/test_checkpoint_writer.py checks it byte for byte)."""
 

@@ -19,7 +19,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import select
 
 from zoo_gym.server.config import ConfigError, build_config, read_config_file
-from zoo_gym.server.state import StateError, init_state, open_state
+from zoo_gym.server.store.state import StateError, init_state, open_state
 
 app = typer.Typer(help="Zoo Gym server: runs federated rounds, merges deltas, publishes checkpoints.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -85,7 +85,7 @@ def init(
     with _one_line_errors():
         state = init_state(state_dir, base_model=base_model, db_url=db, chat_template=chat_template,
                            validation_file=validation_data)
-        from zoo_gym.server.models import Round
+        from zoo_gym.server.store.models import Round
 
         with state.session() as s:
             rnd = s.get(Round, 1)
@@ -204,7 +204,7 @@ def serve(
             load_examples(Path(cfg.validation_file))  # a DataError names file, line and field
         from zoo_gym.aggregation import SoupConfig
 
-        from zoo_gym.server.settlement import validate_rewards_settings
+        from zoo_gym.server.rounds.settlement import validate_rewards_settings
 
         from zoo_gym.server.config import check_round_size
 
@@ -217,12 +217,12 @@ def serve(
         state = open_state(state_dir, db_url=db, exclusive=True)
         if cfg.validation_file is None and state.validation_file is not None:
             cfg.validation_file = str(state.validation_file)  # chosen at init
-        from zoo_gym.server.sweep import sweep_storage
+        from zoo_gym.server.store.sweep import sweep_storage
 
         swept = sweep_storage(state)  # what a crash left behind, before any upload can be in flight
         if swept.blobs or swept.scratch:
             logging.getLogger("zoo_gym.server").info("%s", swept)
-        from zoo_gym.server.servicer import build_server
+        from zoo_gym.server.transport.servicer import build_server
 
         server, bound, rounds = build_server(state, cfg)  # refuses a port another process listens on
         dashboard = None
@@ -234,7 +234,7 @@ def serve(
                                         host=cfg.host, port=dashboard_port, ssl_certfile=cfg.ssl_certfile,
                                         ssl_keyfile=cfg.ssl_keyfile)
     from zoo_gym.aggregation.packed_kernels import warm_up
-    from zoo_gym.server import master_kernel
+    from zoo_gym.server.store import master_kernel
 
     warm_up()  # compile or load the BitDelta distance / mean kernels now, not in the first round
     master_kernel.warm_up()  # and the publish's bf16 master update
@@ -283,7 +283,7 @@ def invite(
 ) -> None:
     """Print single-use invitations signed with the server's key, for a server run with --admission invite.
     Each admits one new contributor key (`gym-client join --invite TOKEN`); keep them secret until handed out."""
-    from zoo_gym.server.admission import make_invites
+    from zoo_gym.server.transport.admission import make_invites
 
     with _one_line_errors():
         tokens = make_invites(open_state(state_dir).key, count=count)
@@ -299,7 +299,7 @@ def migrate(
     """Upgrade the database of a state directory made by an older zoo-gym (every other command refuses it until
     then): copies a SQLite file to server.db.<old revision>.bak, then applies the pending schema migrations in one
     transaction. Stop the server first; back up a PostgreSQL database with pg_dump."""
-    from zoo_gym.server.state import migrate_state
+    from zoo_gym.server.store.state import migrate_state
 
     with _one_line_errors():
         report = migrate_state(state_dir, db_url=db, dry_run=dry_run)
@@ -323,8 +323,8 @@ def status(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--js
 
     from sqlmodel import func
 
-    from zoo_gym.server import async_rounds
-    from zoo_gym.server.models import Checkpoint, Contributor, Round, Submission
+    from zoo_gym.server.rounds import async_rounds
+    from zoo_gym.server.store.models import Checkpoint, Contributor, Round, Submission
 
     with _one_line_errors():
         state = open_state(state_dir)
@@ -389,7 +389,7 @@ def export(
     README.md model card: base model, lineage, contributors, privacy spent, held-out loss per round."""
     with _one_line_errors():
         state = open_state(state_dir)
-        from zoo_gym.server.export import export_checkpoint
+        from zoo_gym.server.store.export import export_checkpoint
 
         ckpt = export_checkpoint(state, out, round_id=round_id)
     typer.echo(f"exported round {ckpt.round_id} checkpoint {ckpt.sha256[:12]} to {out}")
@@ -400,7 +400,7 @@ def ledger_verify(state_dir: Path = StateDir, as_json: bool = typer.Option(False
     """Check the whole hash chain and every signature; name the first bad entry (exit 1)."""
     with _one_line_errors():
         state = open_state(state_dir)
-        from zoo_gym.server.settlement import verify_ledger
+        from zoo_gym.server.rounds.settlement import verify_ledger
 
         report = verify_ledger(state)
     if as_json:
@@ -419,7 +419,7 @@ def ledger_show(state_dir: Path = StateDir, contributor: Optional[str] = typer.O
     """Print ledger entries (newest last)."""
     with _one_line_errors():
         state = open_state(state_dir)
-        from zoo_gym.server.settlement import ledger_entries
+        from zoo_gym.server.rounds.settlement import ledger_entries
 
         entries = ledger_entries(state, contributor=contributor, since_seq=0, limit=None)[-limit:]
     if as_json:

@@ -34,7 +34,7 @@ class ServerConfig:
     max_payload_bytes: int = 2048 * MiB
     max_chunk_bytes: int = 4 * MiB
     download_chunk_bytes: int = 1 * MiB
-    # Capacity (zoo_gym/server/upload_slots.py): the worker pool is max_uploads + max_pending_headers +
+    # Capacity (zoo_gym/server/transport/upload_slots.py): the worker pool is max_uploads + max_pending_headers +
     # query_workers, so uploads never take the threads that health checks and queries answer on.
     max_uploads: int = field(default=32, metadata={"help": "uploads in progress at once (then RESOURCE_EXHAUSTED)"})
     max_pending_headers: int = field(default=64, metadata={
@@ -47,7 +47,7 @@ class ServerConfig:
                 "dropped"})
     query_workers: int = field(default=16, metadata={
         "help": "threads kept for everything but uploads and downloads (health, GetRound, Register, balance)"})
-    # Server-streamed calls (zoo_gym/server/download_slots.py) have their own slots and threads on top.
+    # Server-streamed calls (zoo_gym/server/transport/download_slots.py) have their own slots and threads on top.
     max_downloads: int = field(default=32, metadata={
         "help": "checkpoint downloads and ledger streams in progress at once (then RESOURCE_EXHAUSTED)"})
     download_idle_timeout: float = field(default=60.0, metadata={
@@ -68,7 +68,7 @@ class ServerConfig:
     register_burst_per_peer: int = field(default=20, metadata={"help": "new contributors one address may register at once"})
     register_rate_global: float = field(default=120.0, metadata={"help": "new contributors per minute, all addresses"})
     register_burst_global: int = field(default=200, metadata={"help": "new contributors at once, all addresses"})
-    # Asynchronous buffered rounds (zoo_gym/server/async_rounds.py): FedBuff (Nguyen et al., 2022) with
+    # Asynchronous buffered rounds (zoo_gym/server/rounds/async_rounds.py): FedBuff (Nguyen et al., 2022) with
     # FedAsync's polynomial staleness weight (Xie et al., 2019), under the configured robust rule.
     mode: str = field(default="sync", metadata={
         "help": "sync: rounds close at quorum or timeout; async: a version is published every buffer_size deltas"})
@@ -201,8 +201,8 @@ def _check_type(key: str, value: Any, hint: Any) -> None:
 
 
 def _rewards_key(key: str, value: Any) -> bool:
-    """Whether zoo_gym.server.settlement accepts `key` as a rewards setting (it validates the values)."""
-    from zoo_gym.server.settlement import validate_rewards_settings
+    """Whether zoo_gym.server.rounds.settlement accepts `key` as a rewards setting (it validates the values)."""
+    from zoo_gym.server.rounds.settlement import validate_rewards_settings
 
     try:
         validate_rewards_settings(ServerConfig(rewards={key: value}))
@@ -213,7 +213,7 @@ def _rewards_key(key: str, value: Any) -> bool:
 
 def _rewards_keys() -> set[str]:
     from zoo_gym.rewards import ReputationConfig
-    from zoo_gym.server.settlement import _DEFAULTS
+    from zoo_gym.server.rounds.settlement import _DEFAULTS
 
     return set(_DEFAULTS) | {"min_quality"} | {f"reputation_{f.name}" for f in dataclasses.fields(ReputationConfig)}
 

@@ -25,9 +25,9 @@ from sqlmodel import func, select
 
 from zoo_gym import codec
 from zoo_gym.proto import signing
-from zoo_gym.server.admission import Admission
-from zoo_gym.server.blobs import BlobError, map_file
-from zoo_gym.server.checkpoint_writer import SafetensorsReader
+from zoo_gym.server.transport.admission import Admission
+from zoo_gym.server.store.blobs import BlobError, map_file
+from zoo_gym.server.store.checkpoint_writer import SafetensorsReader
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.errors import (
     AlreadyExists,
@@ -38,7 +38,7 @@ from zoo_gym.server.errors import (
     ResourceExhausted,
     Unauthenticated,
 )
-from zoo_gym.server.models import (
+from zoo_gym.server.store.models import (
     Checkpoint,
     Contributor,
     Round,
@@ -47,7 +47,7 @@ from zoo_gym.server.models import (
     Submission,
     UsedNonce,
 )
-from zoo_gym.server.state import ServerState
+from zoo_gym.server.store.state import ServerState
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _ID = re.compile(r"^[0-9a-f]{32}$")
@@ -262,7 +262,7 @@ def _check_header(h: SubmitHeader, state: ServerState, config: ServerConfig) -> 
 
 def _check_round(s, rnd: Round | None, h: SubmitHeader, config: ServerConfig) -> None:
     if config.mode == "async":  # any of the last max_staleness bases (async_rounds.py), one delta per buffer
-        from zoo_gym.server.async_rounds import check_base
+        from zoo_gym.server.rounds.async_rounds import check_base
 
         check_base(s, rnd, round_id=h.round_id, base_sha256=h.base_sha256, max_staleness=config.max_staleness)
     elif rnd is None or rnd.id != h.round_id or rnd.state != RoundState.OPEN:

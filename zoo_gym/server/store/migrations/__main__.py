@@ -1,4 +1,4 @@
-"""`python -m zoo_gym.server.migrations new "what changed"`: write the next revision by comparing the table
+"""`python -m zoo_gym.server.store.migrations new "what changed"`: write the next revision by comparing the table
 models with a scratch SQLite database upgraded to the head. Review the file before committing it; on
 PostgreSQL an Enum change also needs its ALTER TYPE written by hand."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from alembic import command
 from sqlalchemy import create_engine
 
-from zoo_gym.server import migrations
+from zoo_gym.server.store import migrations
 
 
 def main(argv: list[str]) -> int:

@@ -61,7 +61,7 @@ from sqlmodel import select
 from zoo_gym.aggregation import SoupConfig
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.errors import FailedPrecondition
-from zoo_gym.server.models import Round, RoundInputs, RoundState, Submission
+from zoo_gym.server.store.models import Round, RoundInputs, RoundState, Submission
 
 # Rules for which a delta's staleness is an aggregation weight (DeltaSoup's `weights=`): the mean, whose result
 # is the same staleness-weighted average either way, but whose rows then reach DeltaSoup as submitted (LoRA

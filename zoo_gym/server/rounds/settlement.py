@@ -41,7 +41,7 @@ from zoo_gym.rewards import (
 )
 from zoo_gym.rewards.settle import SettlementPlan, plan_settlement
 from zoo_gym.server.config import ConfigError, ServerConfig
-from zoo_gym.server.state import ServerState
+from zoo_gym.server.store.state import ServerState
 
 _DEFAULTS = {"reward_pool": 1000, "reputation_weighting": True, "scoring_method": "first-order",
              "scoring_marginal": "gtg_shapley", "scoring_max_evaluations": 32}

@@ -21,12 +21,12 @@ from datetime import datetime, timezone
 
 from sqlmodel import select
 
-from zoo_gym.server import handlers
+from zoo_gym.server.transport import handlers
 from zoo_gym.server.config import ServerConfig
-from zoo_gym.server.metrics import ServerMetrics
-from zoo_gym.server.models import Round, RoundState, Submission
-from zoo_gym.server.publish import publish_round, record_round_inputs
-from zoo_gym.server.state import ServerState
+from zoo_gym.server.transport.metrics import ServerMetrics
+from zoo_gym.server.store.models import Round, RoundState, Submission
+from zoo_gym.server.rounds.publish import publish_round, record_round_inputs
+from zoo_gym.server.store.state import ServerState
 
 log = logging.getLogger("zoo_gym.server")
 

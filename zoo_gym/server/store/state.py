@@ -44,9 +44,9 @@ from sqlmodel import Session, SQLModel, create_engine, select
 
 from zoo_gym.proto import signing
 from zoo_gym.proto import archive
-from zoo_gym.server import migrations
-from zoo_gym.server.blobs import BlobStore
-from zoo_gym.server.models import Checkpoint, Round, RoundState
+from zoo_gym.server.store import migrations
+from zoo_gym.server.store.blobs import BlobStore
+from zoo_gym.server.store.models import Checkpoint, Round, RoundState
 
 STATE_FILE = "state.json"
 DB_FILE = "server.db"
@@ -59,7 +59,7 @@ class StateError(RuntimeError):
 
 def _register_tables() -> None:
     """Import every module that defines tables so create_all sees them (server's and rewards')."""
-    import zoo_gym.server.models  # noqa: F401
+    import zoo_gym.server.store.models  # noqa: F401
 
     try:
         import zoo_gym.rewards  # noqa: F401  (ledger and reputation tables)
@@ -349,7 +349,7 @@ def check_base(model_dir: Path, examples: list[dict]) -> None:
     except PreflightError as exc:
         raise StateError(f"a contributor could not train this base: {exc}") from None
     try:
-        from zoo_gym.server.evaluation import ServerEvaluator
+        from zoo_gym.server.rounds.evaluation import ServerEvaluator
         from zoo_gym.gym_train.memory import release_memory
 
         release_memory()  # the training check's model goes before the evaluator's loads

@@ -88,7 +88,7 @@ class StateCollector(Collector):
         self.state = state
 
     def collect(self) -> Iterator:
-        from zoo_gym.dashboard.queries import summary
+        from zoo_gym.server.store.queries import summary
 
         s = summary(self.state)
         yield CounterMetricFamily("zoo_gym_rounds_published", "Rounds published", value=s["rounds_published"])

@@ -9,7 +9,7 @@ one transaction (SQLite's DDL included: the migration engine issues its own BEGI
 A v0.1.0 database carries no ``alembic_version`` table: one that holds the ``round`` table but no version
 is read as revision ``0001``.
 
-Changing a table model needs a new revision: ``python -m zoo_gym.server.migrations new "what changed"``
+Changing a table model needs a new revision: ``python -m zoo_gym.server.store.migrations new "what changed"``
 writes one by comparing the models with a database at the head (review it before committing);
 ``tests/server/test_migrations.py`` fails while the models and the head differ.
 """
@@ -63,7 +63,7 @@ def head() -> str:
 def target_metadata():
     from sqlmodel import SQLModel
 
-    import zoo_gym.server.models  # noqa: F401
+    import zoo_gym.server.store.models  # noqa: F401
 
     try:
         import zoo_gym.rewards  # noqa: F401  (ledger and reputation tables)
@@ -121,7 +121,7 @@ def stamp_head(conn: Connection) -> None:
 
 def _migration_engine(url: str) -> Engine:
     """An engine whose transactions cover DDL on SQLite too (pysqlite would autocommit CREATE/ALTER)."""
-    from zoo_gym.server.state import make_engine
+    from zoo_gym.server.store.state import make_engine
 
     if not url.startswith("sqlite"):
         return make_engine(url)

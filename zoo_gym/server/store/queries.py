@@ -17,7 +17,7 @@ from sqlmodel import func, select
 
 from zoo_gym.rewards.ledger import LedgerEntry
 from zoo_gym.rewards.reputation import Reputation
-from zoo_gym.server.models import Checkpoint, Contributor, Round, RoundState, Submission
+from zoo_gym.server.store.models import Checkpoint, Contributor, Round, RoundState, Submission
 
 INITIAL_REPUTATION = 0.1  # zoo_gym.rewards.reputation.ReputationConfig.initial: a new identity's value
 
@@ -173,7 +173,7 @@ class LedgerCheck:
         return (*key, head)
 
     def _run(self, key: tuple) -> None:
-        from zoo_gym.server.settlement import verify_ledger
+        from zoo_gym.server.rounds.settlement import verify_ledger
 
         report = verify_ledger(self.state)
         with self._lock:

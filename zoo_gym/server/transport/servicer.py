@@ -16,19 +16,19 @@ from grpc_reflection.v1alpha import reflection
 
 from zoo_gym import codec
 from zoo_gym.proto import gym_pb2, gym_pb2_grpc
-from zoo_gym.server import handlers
-from zoo_gym.server.admission import Admission
+from zoo_gym.server.transport import handlers
+from zoo_gym.server.transport.admission import Admission
 from zoo_gym.server.config import ServerConfig
-from zoo_gym.server.download_slots import DownloadSlots
+from zoo_gym.server.transport.download_slots import DownloadSlots
 from zoo_gym.server.errors import GymError, InvalidArgument
-from zoo_gym.server.models import RoundState
-from zoo_gym.server.rounds import RoundManager
-from zoo_gym.server.signed_state import ledger_head, sign_round_info
-from zoo_gym.server.state import ServerState
-from zoo_gym.server.streams import BoundedStream
-from zoo_gym.server.wire import MalformedRequests
-from zoo_gym.server.first_message import FirstMessageDeadline, PendingSlots
-from zoo_gym.server.upload_slots import UploadSlots
+from zoo_gym.server.store.models import RoundState
+from zoo_gym.server.rounds.manager import RoundManager
+from zoo_gym.server.rounds.signed_state import ledger_head, sign_round_info
+from zoo_gym.server.store.state import ServerState
+from zoo_gym.server.transport.streams import BoundedStream
+from zoo_gym.server.transport.wire import MalformedRequests
+from zoo_gym.server.transport.first_message import FirstMessageDeadline, PendingSlots
+from zoo_gym.server.transport.upload_slots import UploadSlots
 
 log = logging.getLogger("zoo_gym.server")
 
@@ -152,7 +152,7 @@ class GymServicer(gym_pb2_grpc.GymServicer):
 
     @_guard
     def GetBalance(self, request, context):
-        from zoo_gym.server.settlement import balance_of
+        from zoo_gym.server.rounds.settlement import balance_of
 
         handlers.check_contributor_id(request.contributor_id)
         b = balance_of(self.state, request.contributor_id)
@@ -161,7 +161,7 @@ class GymServicer(gym_pb2_grpc.GymServicer):
 
     @_guard_stream
     def StreamLedger(self, request, context):
-        from zoo_gym.server.settlement import ledger_entries
+        from zoo_gym.server.rounds.settlement import ledger_entries
 
         handlers.check_ledger_query(contributor_id=request.contributor_id, since_seq=request.since_seq)
         entries = ledger_entries(self.state, contributor=request.contributor_id or None,

@@ -29,7 +29,7 @@ agreed on. The server therefore keeps a float32 master of every weight: round r 
 the master of round r-1 (the base itself, exactly widened, at genesis) and publishes the master
 rounded to the base's dtype. What rounding drops in one round is still in the master, so over rounds
 published + carried = the sum of the aggregates (up to float32 rounding). The master file stores what
-the published tensors lack: for bf16 the low 16 bits of each float32 (zoo_gym/server/master_weights.py).
+the published tensors lack: for bf16 the low 16 bits of each float32 (zoo_gym/server/store/master_weights.py).
 It is a blob in the content-addressed store, named in the checkpoint's lineage (`master_sha256`); a
 base stored in float32 needs none (the published weights are the master).
 """
@@ -50,7 +50,8 @@ from typing import BinaryIO
 import torch
 
 from zoo_gym.proto import archive
-from zoo_gym.server import master_kernel, master_weights
+from zoo_gym.server.store import master_kernel
+from zoo_gym.server.store import master_weights
 from zoo_gym.page_cache import drop_cached
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -285,7 +286,7 @@ class CheckpointWriter:
     then `finish(lineage)`.
 
     `base_archive` is the base checkpoint's archive blob (read in place); `master` a reader of its
-    master file (zoo_gym/server/master_weights.py; None: none kept yet, the base is its own master).
+    master file (zoo_gym/server/store/master_weights.py; None: none kept yet, the base is its own master).
     `changed` are the names the aggregation will deliver, in its order. Outputs: `ckpt_blob` (a
     BlobWriter receiving the new checkpoint's archive) and `master_blob` (a BlobWriter receiving the
     new master file; None when the base has no weights below float32, then no master is kept).
@@ -412,7 +413,7 @@ def master_sha256(manifest_json: str | None) -> str | None:
 
 def master_path(state, checkpoint_sha256: str) -> Path | None:
     """The stored float32 master of a checkpoint, if it has one and its blob is present."""
-    from zoo_gym.server.models import Checkpoint
+    from zoo_gym.server.store.models import Checkpoint
 
     with state.session() as s:
         row = s.get(Checkpoint, checkpoint_sha256)

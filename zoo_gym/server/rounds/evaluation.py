@@ -16,7 +16,7 @@ from pathlib import Path
 
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.gym_train.memory import release_memory
-from zoo_gym.server.state import ServerState
+from zoo_gym.server.store.state import ServerState
 
 
 @lru_cache(maxsize=4)

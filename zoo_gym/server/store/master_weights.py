@@ -1,7 +1,7 @@
 """The float32 master of a checkpoint stored below float32, kept as what the published tensors lack.
 
 Publishing into a bf16 base must not drop updates (issue 13 item 5): the server keeps every weight in
-float32 and publishes it rounded (zoo_gym/server/checkpoint_writer.py). The master need not be a second
+float32 and publishes it rounded (zoo_gym/server/store/checkpoint_writer.py). The master need not be a second
 float32 copy of the model. A bf16 number is the high half of a float32's bits, so for a bf16 tensor the
 master stores only the low half: the signed 16-bit difference between the float32 master's bits and
 the published bf16 value's bits widened (`split_low16`). Published + low half is the float32 master

@@ -1,9 +1,9 @@
-"""Alembic's environment for `python -m zoo_gym.server.migrations new` (autogenerate against a database
-at the head). The server itself applies migrations through zoo_gym.server.migrations.upgrade."""
+"""Alembic's environment for `python -m zoo_gym.server.store.migrations new` (autogenerate against a database
+at the head). The server itself applies migrations through zoo_gym.server.store.migrations.upgrade."""
 
 from alembic import context
 
-from zoo_gym.server.migrations import target_metadata
+from zoo_gym.server.store.migrations import target_metadata
 
 
 

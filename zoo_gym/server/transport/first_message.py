@@ -20,7 +20,7 @@ import grpc
 
 from zoo_gym.proto.busy import busy_message
 from zoo_gym.server.errors import GymError, ResourceExhausted
-from zoo_gym.server.streams import NOT_YET, BoundedStream
+from zoo_gym.server.transport.streams import NOT_YET, BoundedStream
 
 GRACE_S = 0.25  # a request that arrives this soon takes no pending slot, so bursts of honest calls never wait
 

@@ -41,7 +41,7 @@ class UsedNonce(SQLModel, table=True):
 
 
 class SpentInvite(SQLModel, table=True):
-    """An invitation (`gym-server invite`) that admitted a key; each one admits one (zoo_gym/server/admission.py)."""
+    """An invitation (`gym-server invite`) that admitted a key; each one admits one (zoo_gym/server/transport/admission.py)."""
 
     id: str = Field(primary_key=True, max_length=32)  # hex of the invitation's 16 random bytes
     contributor_id: str = Field(max_length=32)
@@ -91,7 +91,7 @@ class RoundInputs(SQLModel, table=True):
     reputations_json: str = "{}"  # contributor id -> reputation before this round
     dp_clip: float | None = None  # clip norm the previous published round chose (None: the configured one)
     population: int = 1  # registered contributors at close; for the record only (DP is accounted with q = 1)
-    # Asynchronous mode (zoo_gym/server/async_rounds.py), None in a synchronous round: the flush's server
+    # Asynchronous mode (zoo_gym/server/rounds/async_rounds.py), None in a synchronous round: the flush's server
     # learning rate and staleness exponent, and per contributor the staleness of its delta (versions published
     # since its base) and its weight (1 + s) ** -a, as they were when the buffer closed.
     staleness_json: str | None = None

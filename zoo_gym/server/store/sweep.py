@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from sqlmodel import select
 
-from zoo_gym.server.checkpoint_writer import master_sha256
-from zoo_gym.server.models import Checkpoint, Submission
-from zoo_gym.server.state import ServerState
+from zoo_gym.server.store.checkpoint_writer import master_sha256
+from zoo_gym.server.store.models import Checkpoint, Submission
+from zoo_gym.server.store.state import ServerState
 
 _CHECKPOINT_CACHE = "checkpoints"  # work/checkpoints/<sha256>: unpacked published checkpoints
 

@@ -24,17 +24,18 @@ from sqlmodel import func, select
 from zoo_gym import codec
 from zoo_gym.aggregation import (DeltaSoup, NotRobustConfigError, PrivacyAccountant, PrivacyBudgetExceeded,
                                  SoupConfig)
-from zoo_gym.server import async_rounds, master_weights
-from zoo_gym.server.checkpoint_writer import CheckpointWriter, SafetensorsReader, master_path, threads_beside_writers
+from zoo_gym.server.rounds import async_rounds
+from zoo_gym.server.store import master_weights
+from zoo_gym.server.store.checkpoint_writer import CheckpointWriter, SafetensorsReader, master_path, threads_beside_writers
 from zoo_gym.server.config import ServerConfig
-from zoo_gym.server.evaluation import evaluator_for, forget
-from zoo_gym.server.faults import crash_point
+from zoo_gym.server.rounds.evaluation import evaluator_for, forget
+from zoo_gym.server.rounds.faults import crash_point
 from zoo_gym.gym_train.memory import release_memory
-from zoo_gym.server.models import Checkpoint, Contributor, Round, RoundInputs, RoundState, Submission
-from zoo_gym.server.settlement import (aggregation_weights, current_reputations, plan_rewards, record_settlement,
+from zoo_gym.server.store.models import Checkpoint, Contributor, Round, RoundInputs, RoundState, Submission
+from zoo_gym.server.rounds.settlement import (aggregation_weights, current_reputations, plan_rewards, record_settlement,
                                       scoring_tap)
-from zoo_gym.server.signed_state import sign_lineage
-from zoo_gym.server.state import ServerState
+from zoo_gym.server.rounds.signed_state import sign_lineage
+from zoo_gym.server.store.state import ServerState
 
 log = logging.getLogger("zoo_gym.server")
 
@@ -207,7 +208,7 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
     anywhere before that commit is redone from the start with the same result.
 
     Memory: one tensor x contributors for the aggregation (the new weights stream to disk as they are
-    aggregated, zoo_gym/server/checkpoint_writer.py), plus, with scoring, the evaluator's model and
+    aggregated, zoo_gym/server/store/checkpoint_writer.py), plus, with scoring, the evaluator's model and
     its gradient; the gradient is dropped once the slopes are taken and the model before the new
     checkpoint is loaded for its held-out loss.
     """

@@ -15,8 +15,8 @@ from sqlmodel import select
 
 from zoo_gym.proto import archive
 from zoo_gym.proto.model_card import round_summary, write_model_card
-from zoo_gym.server.models import Checkpoint
-from zoo_gym.server.state import ServerState, StateError
+from zoo_gym.server.store.models import Checkpoint
+from zoo_gym.server.store.state import ServerState, StateError
 
 
 def checkpoint_of_round(state: ServerState, round_id: int | None = None) -> Checkpoint:

@@ -4,7 +4,7 @@ Revision ID: 0001
 Revises:
 Create Date: 2026-11-23
 
-A v0.1.0 database has these tables and no alembic_version table; zoo_gym.server.migrations reads it as this
+A v0.1.0 database has these tables and no alembic_version table; zoo_gym.server.store.migrations reads it as this
 revision. Written from v0.1.0's models (Alembic autogenerate against an empty database), with SQLModel's
 AutoString and UTCDateTime written as the plain types they store (VARCHAR, TIMESTAMP WITH TIME ZONE).
 """

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 from zoo_gym.proto.busy import busy_message
 from zoo_gym.server.errors import ResourceExhausted
-from zoo_gym.server.first_message import PendingSlots
+from zoo_gym.server.transport.first_message import PendingSlots
 
 
 class UploadSlots:

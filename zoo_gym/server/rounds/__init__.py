@@ -1,0 +1,1 @@
+"""Round logic: the round manager, sync and async policies, publishing, settlement, evaluation."""

@@ -1,0 +1,1 @@
+"""Storage: the state directory, database models and migrations, blobs, checkpoint writing."""

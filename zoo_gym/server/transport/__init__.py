@@ -1,0 +1,1 @@
+"""gRPC transport: the servicer, wire checks, streams, slots, admission and metrics."""
