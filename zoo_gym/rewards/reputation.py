@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from sqlmodel import Field, Session, SQLModel, select
@@ -36,11 +36,13 @@ from .errors import ConfigError
 class ReputationConfig:
     """Reputation dynamics and how it weights the aggregation."""
 
-    initial: float = 0.1        # reputation of an identity never seen before
-    alpha: float = 0.2          # EMA step towards the round's target after a good round
-    penalty_alpha: float = 0.5  # EMA step towards 0 after a refused / zero-score round
-    floor: float = 0.05         # smallest aggregation weight before normalising
-    cap: float = 1.0            # largest aggregation weight before normalising
+    initial: float = field(default=0.1, metadata={"help": "reputation of an identity never seen before, [0, 1]"})
+    alpha: float = field(default=0.2, metadata={
+        "help": "EMA step towards the round's target after a good round, (0, 1]"})
+    penalty_alpha: float = field(default=0.5, metadata={
+        "help": "EMA step towards 0 after a refused or zero-score round, (0, 1]"})
+    floor: float = field(default=0.05, metadata={"help": "smallest aggregation weight before normalising"})
+    cap: float = field(default=1.0, metadata={"help": "largest aggregation weight before normalising, [0, 1]"})
 
     def __post_init__(self) -> None:
         for name in ("initial", "cap"):

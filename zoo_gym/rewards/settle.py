@@ -31,8 +31,9 @@ from .split import split_pool
 class SettlementConfig:
     """Payout policy of a round."""
 
-    min_quality: float = 0.8   # paid only with score >= min_quality x median validated score
-    reputation: ReputationConfig = field(default_factory=ReputationConfig)
+    min_quality: float = field(default=0.8, metadata={
+        "help": "paid only with a score >= this x the round's median validated score"})
+    reputation: ReputationConfig = field(default_factory=ReputationConfig, metadata={"prefix": "reputation_"})
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.min_quality) and 0.0 <= self.min_quality):

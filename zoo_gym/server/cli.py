@@ -18,7 +18,8 @@ import typer
 from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import select
 
-from zoo_gym.server.config import ConfigError, build_config, read_config_file
+from zoo_gym.server.config import ConfigError, ServerConfig, build_config, read_config_file
+from zoo_gym.settings import with_settings
 from zoo_gym.server.store.state import StateError, init_state, open_state
 
 app = typer.Typer(help="Zoo Gym server: runs federated rounds, merges deltas, publishes checkpoints.",
@@ -97,126 +98,41 @@ def init(
 
 
 @app.command()
+@with_settings(ServerConfig)
 def serve(
     state_dir: Path = StateDir,
-    host: Optional[str] = typer.Option(None, help="Address to bind \\[default: 127.0.0.1]."),
-    port: Optional[int] = typer.Option(None, help="Port to bind; 0 picks a free one \\[default: 50051]."),
-    min_contributors: Optional[int] = typer.Option(None, help="Submissions a round waits for until its timeout "
-                                                              "\\[default: 3]."),
-    quorum: Optional[int] = typer.Option(None, help="Close a round as soon as this many are in \\[default: min]."),
-    round_timeout: Optional[float] = typer.Option(None, help="Seconds after which a round closes with whoever "
-                                                             "submitted, if the aggregator can run on that many "
-                                                             "(else it waits another timeout) \\[default: 600]."),
-    mode: Optional[str] = typer.Option(None, "--mode", help="sync: rounds; async: buffered rounds, a new version "
-                                                            "every --buffer-size deltas \\[default: sync]."),
-    buffer_size: Optional[int] = typer.Option(None, help="Async: deltas aggregated per published version; the "
-                                                         "aggregator's f counts per buffer \\[default: 3]."),
-    max_staleness: Optional[int] = typer.Option(None, help="Async: a delta may be against any of the last S "
-                                                           "published versions \\[default: 4]."),
-    server_lr: Optional[float] = typer.Option(None, help="Async: server learning rate; a version adds it x the "
-                                                         "aggregate to the base \\[default: 1.0]."),
-    staleness_exponent: Optional[float] = typer.Option(None, help="Async: a delta s versions old weighs "
-                                                                  "(1+s)^-a \\[default: 3, measured in benchmarks/async.py]."),
-    staleness_normalize: Optional[bool] = typer.Option(
-        None, "--staleness-normalize/--no-staleness-normalize",
-        help="Async: scale a flush by K / the sum of its staleness weights (a staleness-weighted average), or "
-             "FedBuff's sum / K \\[default: normalize; ignored under DP]."),
-    aggregator: Optional[str] = typer.Option(None, help="mean, median, trimmed-mean, krum, multi-krum, bulyan, "
-                                                        "geometric-median, centered-clip \\[default: trimmed-mean, robust; "
-                                                        "mean is an explicit choice]."),
-    byzantine_f: Optional[int] = typer.Option(None, help="Byzantine contributors to tolerate (krum family)."),
-    trim_beta: Optional[float] = typer.Option(None, help="Share trimmed from each side (trimmed-mean)."),
-    max_norm_ratio: Optional[float] = typer.Option(None, help="Refuse a delta whose L2 norm exceeds this many "
-                                                              "times the round's median norm \\[default: 10; "
-                                                              "not applied under DP]."),
-    dp_noise_multiplier: Optional[float] = typer.Option(None, help="Gaussian noise std / clip norm (0 = off)."),
-    dp_clip: Optional[float] = typer.Option(None, help="L2 clip norm C of each whole delta (DP)."),
-    dp_target_epsilon: Optional[float] = typer.Option(None, help="Stop publishing before exceeding this epsilon."),
-    reward_pool: Optional[int] = typer.Option(None, help="Integer reward units split each round."),
-    upload_idle_timeout: Optional[float] = typer.Option(None, help="Seconds an upload may send nothing before "
-                                                                   "it is dropped \\[default: 60]."),
-    header_timeout: Optional[float] = typer.Option(None, help="Seconds a call may take to send its first message "
-                                                              "(an upload's signed header, a query's request) "
-                                                              "before it is dropped \\[default: 10]."),
-    max_uploads: Optional[int] = typer.Option(None, help="Uploads in progress at once; past it RESOURCE_EXHAUSTED "
-                                                         "(\"server busy\", the client retries) \\[default: 32]."),
-    max_downloads: Optional[int] = typer.Option(None, help="Checkpoint downloads and ledger streams in progress "
-                                                           "at once; past it RESOURCE_EXHAUSTED (\"server busy\", "
-                                                           "the client retries) \\[default: 32]."),
-    max_pending_headers: Optional[int] = typer.Option(None, help="Calls at once still waiting for their first "
-                                                                 "message (an upload's verified header) "
-                                                                 "\\[default: 64; 8 per address]."),
-    validation_data: Optional[Path] = typer.Option(
-        None, "--validation-data", help=VALIDATION_HELP + " \\[default: the file given to `init`, else the built-in "
-        "task's validation set]."),
-    ssl_certfile: Optional[Path] = typer.Option(None, help="PEM certificate (chain) the server presents (TLS)."),
-    ssl_keyfile: Optional[Path] = typer.Option(None, help="PEM private key of --ssl-certfile."),
-    ssl_ca_certfile: Optional[Path] = typer.Option(None, help="PEM CA certificate sent with the chain."),
-    insecure: bool = typer.Option(False, "--insecure", help="Serve plaintext gRPC instead of TLS (only on a "
-                                                            "network you trust; clients need --insecure too)."),
-    admission: Optional[str] = typer.Option(None, "--admission", help="open: any new key may register "
-                                            "(rate-limited); invite: a new key must spend a token from `gym-server "
-                                            "invite` \\[default: open]."),
-    register_rate_per_peer: Optional[float] = typer.Option(None, help="New contributors per minute from one address "
-                                                                      "(IPv6: one /64), after the burst \\[default: 10]."),
-    register_burst_per_peer: Optional[int] = typer.Option(None, help="New contributors one address may register at "
-                                                                     "once \\[default: 20]."),
-    register_rate_global: Optional[float] = typer.Option(None, help="New contributors per minute from all addresses "
-                                                                    "\\[default: 120]."),
-    register_burst_global: Optional[int] = typer.Option(None, help="New contributors at once from all addresses "
-                                                                   "\\[default: 200]."),
-    config: Optional[Path] = typer.Option(None, "--config", help="TOML or YAML settings; flags win over it."),
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML or YAML settings (keys as the flags, "
+                                          "dashes or underscores); environment variables ZOO_GYM_<KEY> win over "
+                                          "it, flags over both."),
     db: Optional[str] = typer.Option(None, help="SQLAlchemy URL overriding the one chosen at init."),
     port_file: Optional[Path] = typer.Option(None, help="Write the bound port here once serving (for scripts)."),
-    log_level: str = typer.Option("INFO", help="DEBUG, INFO, WARNING or ERROR."),
-    log_format: str = typer.Option("text", help="text, or json (one object a line, with the event's fields)."),
-    dashboard_port: int = typer.Option(0, help="Serve the read-only web dashboard, its JSON API and /metrics on "
-                                               "this port of the same host (over TLS when serving TLS); 0 = off."),
+    *,
+    settings_flags: dict,
 ) -> None:
     """Serve the federation's gRPC API (plus gRPC health and reflection); resumes an existing state."""
-    with _one_line_errors():
-        from zoo_gym.server.logging_setup import configure_logging
+    import os
 
-        configure_logging(level=log_level, fmt=log_format)
     with _one_line_errors():
         file_values = read_config_file(config) if config else {}
-        cfg = build_config(file_values, host=host, port=port, min_contributors=min_contributors, quorum=quorum,
-                           round_timeout=round_timeout, mode=mode, buffer_size=buffer_size,
-                           max_staleness=max_staleness, server_lr=server_lr, staleness_exponent=staleness_exponent,
-                           staleness_normalize=staleness_normalize,
-                           aggregator=aggregator, byzantine_f=byzantine_f,
-                           trim_beta=trim_beta, dp_noise_multiplier=dp_noise_multiplier, dp_clip=dp_clip,
-                           dp_target_epsilon=dp_target_epsilon, reward_pool=reward_pool,
-                           max_norm_ratio=max_norm_ratio, upload_idle_timeout=upload_idle_timeout,
-                           header_timeout=header_timeout, max_uploads=max_uploads, max_downloads=max_downloads,
-                           max_pending_headers=max_pending_headers,
-                           ssl_certfile=str(ssl_certfile) if ssl_certfile else None,
-                           ssl_keyfile=str(ssl_keyfile) if ssl_keyfile else None,
-                           ssl_ca_certfile=str(ssl_ca_certfile) if ssl_ca_certfile else None,
-                           insecure=insecure or None, admission=admission,
-                           register_rate_per_peer=register_rate_per_peer,
-                           register_burst_per_peer=register_burst_per_peer,
-                           register_rate_global=register_rate_global, register_burst_global=register_burst_global,
-                           validation_file=str(validation_data) if validation_data is not None else None)
-        if cfg.validation_file is not None:
+        cfg = build_config(file_values, environ=os.environ, **settings_flags)
+        from zoo_gym.server.logging_setup import configure_logging
+
+        configure_logging(level=cfg.log_level, fmt=cfg.log_format)
+    with _one_line_errors():
+        if cfg.validation_data is not None:
             from zoo_gym.gym_train.formats import load_examples
 
-            load_examples(Path(cfg.validation_file))  # a DataError names file, line and field
-        from zoo_gym.aggregation import SoupConfig
-
-        from zoo_gym.server.rounds.settlement import validate_rewards_settings
-
+            load_examples(Path(cfg.validation_data))  # a DataError names file, line and field
         from zoo_gym.server.config import check_round_size
 
         if cfg.mode == "async":  # fail now, not at the first flush
-            check_round_size(SoupConfig.from_mapping(cfg.soup), cfg.buffer_size, flag="--buffer-size")
+            check_round_size(cfg.soup, cfg.buffer_size, flag="--buffer-size")
         else:
-            check_round_size(SoupConfig.from_mapping(cfg.soup), cfg.min_contributors)  # fail now, not at round end
-        validate_rewards_settings(cfg)
+            check_round_size(cfg.soup, cfg.min_contributors)  # fail now, not at round end
         # the directory's lock, held until this process ends: a second serve of it is refused
         state = open_state(state_dir, db_url=db, exclusive=True)
-        if cfg.validation_file is None and state.validation_file is not None:
-            cfg.validation_file = str(state.validation_file)  # chosen at init
+        if cfg.validation_data is None and state.validation_file is not None:
+            cfg.validation_data = str(state.validation_file)  # chosen at init
         from zoo_gym.server.store.sweep import sweep_storage
 
         swept = sweep_storage(state)  # what a crash left behind, before any upload can be in flight
@@ -226,12 +142,12 @@ def serve(
 
         server, bound, rounds = build_server(state, cfg)  # refuses a port another process listens on
         dashboard = None
-        if dashboard_port:
+        if cfg.dashboard_port:
             from zoo_gym.dashboard import DashboardServer, create_app
 
             dashboard = DashboardServer(create_app(state, registry=rounds.metrics.registry,
-                                                   dp_target_epsilon=cfg.soup.get("dp_target_epsilon")),
-                                        host=cfg.host, port=dashboard_port, ssl_certfile=cfg.ssl_certfile,
+                                                   dp_target_epsilon=cfg.soup.dp_target_epsilon),
+                                        host=cfg.host, port=cfg.dashboard_port, ssl_certfile=cfg.ssl_certfile,
                                         ssl_keyfile=cfg.ssl_keyfile)
     from zoo_gym.aggregation.packed_kernels import warm_up
     from zoo_gym.server.store import master_kernel
@@ -257,6 +173,24 @@ def serve(
     server.stop(grace=5).wait()
     rounds.stop()
     state.lock.release()
+
+
+@app.command("settings")
+@with_settings(ServerConfig)
+def show_settings(
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML or YAML settings, as `serve` reads them."),
+    *,
+    settings_flags: dict,
+) -> None:
+    """Print, as JSON, every setting `serve` would run with given the same flags, environment and --config
+    (flag > environment ZOO_GYM_<KEY> > file > default); changes nothing."""
+    import os
+
+    from zoo_gym.settings import flat_values
+
+    with _one_line_errors():
+        cfg = build_config(read_config_file(config) if config else {}, environ=os.environ, **settings_flags)
+    typer.echo(json.dumps(flat_values(cfg), indent=2))
 
 
 @app.command("tls-cert")

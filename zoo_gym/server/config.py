@@ -1,39 +1,72 @@
-"""Server settings: one dataclass, filled from defaults, then a TOML/YAML file, then command-line flags.
+"""The server's settings, declared once: `ServerConfig`'s fields (with DeltaSoup's `SoupConfig` and the rewards
+settings as sections) are the CLI flags of `gym-server serve`, the config-file keys and the `ZOO_GYM_<KEY>`
+environment variables, with their defaults and help (zoo_gym/settings.py derives all of them).
 
-Keys in a file may use dashes or underscores (``min-contributors`` == ``min_contributors``). Aggregation
-and privacy keys (``aggregator``, ``byzantine-f``, ``dp-noise-multiplier`` ...) go to DeltaSoup's
-SoupConfig; rewards keys (``reward-pool`` ...) to the rewards settings. Unknown keys are an error that
-names the key, so a typo never silently falls back to a default.
+Precedence: flag > environment > file > default. File keys may use dashes or underscores and may sit in the
+sections `server`, `aggregation`, `soup`, `rewards` or `privacy` (for readability only); an unknown key is an
+error naming the closest valid one, so a typo never silently falls back to a default.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from zoo_gym.aggregation import SoupConfig
+from zoo_gym.rewards import ScoringConfig, SettlementConfig
+from zoo_gym.settings import SettingError, norm_key, resolve
 from zoo_gym.settings_file import SettingsFileError, read_settings_file
 
 MiB = 1 << 20
 
 
-class ConfigError(ValueError):
+class ConfigError(SettingError):
     """A setting is missing, unknown or out of range; the message names it."""
 
 
 @dataclass
+class RewardsSettings:
+    """How a round's contributions are scored and paid (zoo_gym.rewards)."""
+
+    reward_pool: int = field(default=1000, metadata={"help": "integer reward units split each round"})
+    reputation_weighting: bool = field(default=True, metadata={
+        "help": "weight each delta in the aggregation by its sender's reputation"})
+    scoring_method: str = field(default="first-order", metadata={
+        "help": "first-order (one gradient of the held-out loss) or exact (forward passes per subset)"})
+    scoring_marginal: str = field(default="gtg_shapley", metadata={
+        "help": "marginal contribution: gtg_shapley, leave_one_out or none"})
+    scoring_max_evaluations: int = field(default=32, metadata={
+        "help": "exact scoring: held-out evaluations per round at most"})
+    settlement: SettlementConfig = field(default_factory=SettlementConfig)
+
+    def __post_init__(self) -> None:
+        if self.scoring_method not in ("first-order", "exact"):
+            raise ConfigError("`scoring_method` must be 'first-order' (one gradient, default) or 'exact'")
+        if self.reward_pool < 0:
+            raise ConfigError("`reward_pool` must be >= 0")
+        self.scoring  # checks marginal and max_evaluations
+
+    @property
+    def scoring(self) -> ScoringConfig:
+        return ScoringConfig(marginal=self.scoring_marginal, max_evaluations=self.scoring_max_evaluations)
+
+
+@dataclass
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 50051
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
+    port: int = field(default=50051, metadata={"help": "port to bind; 0 picks a free one"})
     min_contributors: int = field(default=3, metadata={
         "help": "submissions a round waits for until its timeout; then it closes with fewer if the rule can run"})
     quorum: int | None = field(default=None, metadata={"help": "close as soon as this many are in (default: min)"})
     round_timeout: float = field(default=600.0, metadata={"help": "seconds; then close once min_contributors are in"})
-    max_payload_bytes: int = 2048 * MiB
-    max_chunk_bytes: int = 4 * MiB
-    download_chunk_bytes: int = 1 * MiB
+    max_payload_bytes: int = field(default=2048 * MiB, metadata={"help": "largest delta upload accepted, in bytes"})
+    max_chunk_bytes: int = field(default=4 * MiB, metadata={"help": "largest upload message, in bytes (<= 64 MiB)"})
+    download_chunk_bytes: int = field(default=1 * MiB, metadata={
+        "help": "bytes per message of a checkpoint download (<= 64 MiB)"})
     # Capacity (zoo_gym/server/transport/upload_slots.py): the worker pool is max_uploads + max_pending_headers +
     # query_workers, so uploads never take the threads that health checks and queries answer on.
     max_uploads: int = field(default=32, metadata={"help": "uploads in progress at once (then RESOURCE_EXHAUSTED)"})
@@ -84,12 +117,22 @@ class ServerConfig:
         "help": "async: scale each flush by K / the sum of its buffer's staleness weights, so that the weights set "
                 "each delta's share (a staleness-weighted average) instead of shrinking the step; false: "
                 "FedBuff's sum / K. Ignored under DP"})
-    validation_file: str | None = field(default=None, metadata={"help": "held-out examples (alpaca/sharegpt)"})
-    validation_examples: int = 128
-    # DeltaSoup (zoo_gym.aggregation.SoupConfig) keys, validated there.
-    soup: dict[str, Any] = field(default_factory=dict)
-    # zoo_gym.rewards settings, validated there.
-    rewards: dict[str, Any] = field(default_factory=dict)
+    validation_data: str | None = field(default=None, metadata={
+        "help": "held-out examples every checkpoint is evaluated on: alpaca or sharegpt records, .json or .jsonl "
+                "(default: the file given to `init`, else the built-in task's validation set)",
+        "aliases": ("validation_file",)})
+    validation_examples: int = field(default=128, metadata={
+        "help": "held-out examples evaluated per checkpoint (0: no evaluation and no scoring)"})
+    log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR", "section": "Output"})
+    log_format: str = field(default="text", metadata={
+        "help": "text, or json (one object a line, with the event's fields)", "section": "Output"})
+    dashboard_port: int = field(default=0, metadata={
+        "help": "serve the read-only web dashboard, its JSON API and /metrics on this port of the same host (over "
+                "TLS when serving TLS); 0 = off", "section": "Output"})
+    # SoupConfig's own `min_contributors` (its refusal floor) stays at its default: the server's is above
+    soup: SoupConfig = field(default_factory=SoupConfig, metadata={"section": "Aggregation and privacy",
+                                                                   "exclude": ("min_contributors",)})
+    rewards: RewardsSettings = field(default_factory=RewardsSettings, metadata={"section": "Rewards"})
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -138,6 +181,12 @@ class ServerConfig:
             raise ConfigError("`server_lr` must be a finite number > 0")
         if not 0 <= self.staleness_exponent < float("inf"):
             raise ConfigError("`staleness_exponent` must be a finite number >= 0")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ConfigError(f"`log_level` must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"`log_format` must be text or json, got {self.log_format!r}")
+        if not 0 <= self.dashboard_port <= 65535:
+            raise ConfigError("`dashboard_port` must be in [0, 65535] (0: no dashboard)")
 
     @property
     def effective_quorum(self) -> int:
@@ -155,11 +204,10 @@ class ServerConfig:
         return self.upload_idle_timeout + payload_size / self.upload_min_bytes_per_s
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True, default=str)
 
 
-def _norm(key: str) -> str:
-    return key.strip().replace("-", "_")
+SECTIONS = ("server", "aggregation", "soup", "rewards", "privacy")
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
@@ -170,91 +218,25 @@ def read_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(str(exc)) from None
     flat: dict[str, Any] = {}
     for key, value in raw.items():
-        if isinstance(value, dict) and _norm(key) in ("server", "aggregation", "soup", "rewards", "privacy"):
+        if isinstance(value, dict) and norm_key(key) in SECTIONS:
             for k, v in value.items():  # sections are only for readability
-                flat[_norm(k)] = v
+                flat[norm_key(k)] = v
         else:
-            flat[_norm(key)] = value
+            flat[norm_key(key)] = value
     return flat
 
 
-_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
-
-
-def _check_type(key: str, value: Any, hint: Any) -> None:
-    """ConfigError naming `key` and the type it needs, for the plain types (int, float, str, bool, optional)."""
-    import types
-    import typing
-
-    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    optional = type(None) in args
-    wanted = [a for a in args if a is not type(None)]
-    if len(wanted) != 1 or wanted[0] not in _TYPE_NAMES or (value is None and optional):
-        return
-    want = wanted[0]
-    ok = (isinstance(value, bool) if want is bool else
-          isinstance(value, (int, float)) and not isinstance(value, bool) if want is float else
-          isinstance(value, want) and not isinstance(value, bool))
-    if not ok:
-        raise ConfigError(f"`{key}` must be {_TYPE_NAMES[want]}{' or empty' if optional else ''}, got {value!r} "
-                          f"({type(value).__name__})")
-
-
-def _rewards_key(key: str, value: Any) -> bool:
-    """Whether zoo_gym.server.rounds.settlement accepts `key` as a rewards setting (it validates the values)."""
-    from zoo_gym.server.rounds.settlement import validate_rewards_settings
-
+def build_config(file_values: Mapping[str, Any] | None = None, *, environ: Mapping[str, str] | None = None,
+                 **flags: Any) -> ServerConfig:
+    """Defaults < file values < environment (`ZOO_GYM_<KEY>`; none unless given) < flags (None: not given).
+    A value of the wrong type is an error naming its key and the type it needs; an unknown key one that names
+    the closest valid key."""
     try:
-        validate_rewards_settings(ServerConfig(rewards={key: value}))
-    except ConfigError as exc:
-        return not str(exc).startswith("unknown setting")
-    return True
-
-
-def _rewards_keys() -> set[str]:
-    from zoo_gym.rewards import ReputationConfig
-    from zoo_gym.server.rounds.settlement import _DEFAULTS
-
-    return set(_DEFAULTS) | {"min_quality"} | {f"reputation_{f.name}" for f in dataclasses.fields(ReputationConfig)}
-
-
-def _unknown_key(key: str, valid: set[str]) -> ConfigError:
-    import difflib
-
-    close = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.75)
-    hint = f"; did you mean `{close[0]}`?" if close else ""
-    return ConfigError(f"unknown setting `{key}`{hint} (valid settings: {', '.join(sorted(valid))}; dashes or "
-                       "underscores alike)")
-
-
-def build_config(file_values: dict[str, Any] | None = None, **flags: Any) -> ServerConfig:
-    """Defaults < file values < flags (flags that are None are 'not given'). A value of the wrong type is an
-    error naming its key and the type it needs; an unknown key one that names the closest valid key."""
-    import typing
-
-    merged: dict[str, Any] = {_norm(k): v for k, v in (file_values or {}).items()}
-    merged.update({_norm(k): v for k, v in flags.items() if v is not None})
-    from zoo_gym.aggregation import SoupConfig
-
-    own = {f.name for f in dataclasses.fields(ServerConfig)} - {"soup", "rewards"}
-    soup = {f.name for f in dataclasses.fields(SoupConfig)}
-    hints = {**typing.get_type_hints(SoupConfig), **typing.get_type_hints(ServerConfig)}
-    kwargs: dict[str, Any] = {"soup": {}, "rewards": {}}
-    for key, value in merged.items():
-        if key in own or key in soup:
-            _check_type(key, value, hints.get(key))
-        if key in own:
-            kwargs[key] = value
-        elif key in soup:
-            kwargs["soup"][key] = value
-        elif key in _rewards_keys() or _rewards_key(key, value):  # their values: validate_rewards_settings
-            kwargs["rewards"][key] = value
-        else:
-            raise _unknown_key(key, own | soup | _rewards_keys())
-    try:
-        return ServerConfig(**kwargs)
-    except TypeError as exc:
-        raise ConfigError(str(exc)) from exc
+        return resolve(ServerConfig, file_values=file_values, environ=environ, flags=flags)
+    except ConfigError:
+        raise
+    except SettingError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def round_size_error(soup, n: int) -> str | None:

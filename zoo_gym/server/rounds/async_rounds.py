@@ -118,7 +118,7 @@ def record_staleness(session, round_id: int, config: ServerConfig) -> str:
         staleness = round_id - (base_round if base_round is not None else round_id)
         contributors[sub.contributor_id] = {"base_round": base_round, "staleness": staleness,
                                             "weight": staleness_weight(staleness, exponent=config.staleness_exponent)}
-    soup = SoupConfig.from_mapping(config.soup)
+    soup = config.soup
     normalize = config.staleness_normalize and not soup.dp_enabled
     applied = staleness_applied(soup)
     weights = [c["weight"] for c in contributors.values()]

@@ -178,7 +178,7 @@ def evaluator_for(state: ServerState, config: ServerConfig, base_sha256: str) ->
     key = f"{state.root}:{base_sha256}"
     if key not in _cache:
         _cache.clear()  # one base at a time: a model in memory is enough
-        examples = list(_validation_examples(config.validation_file, config.validation_examples))
+        examples = list(_validation_examples(config.validation_data, config.validation_examples))
         base_dir = state.checkpoint_dir(base_sha256)
         ready = _prepared.pop(base_sha256, None)
         if ready is None and _prepared:

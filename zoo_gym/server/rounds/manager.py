@@ -66,7 +66,7 @@ class RoundManager:
         from zoo_gym.aggregation import SoupConfig
         from zoo_gym.server.config import rule_minimum
 
-        soup = SoupConfig.from_mapping(self.config.soup)
+        soup = self.config.soup
         needed = max(rule_minimum(soup), rnd.needs, 1)
         if n >= needed:
             log.info("round %d timed out with %d of %d submissions; closing with them (%s needs %d)", rnd.id, n,

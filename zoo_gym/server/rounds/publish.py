@@ -212,7 +212,7 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
     its gradient; the gradient is dropped once the slopes are taken and the model before the new
     checkpoint is loaded for its held-out loss.
     """
-    soup_config = SoupConfig.from_mapping(config.soup)
+    soup_config = config.soup
     log.info("round %d phase=load", rnd.id)
     base_archive = state.blobs.path(rnd.base_sha256)  # read in place: no unpacked copy is needed
     with SafetensorsReader.in_archive(base_archive) as r:

@@ -33,44 +33,16 @@ from zoo_gym.rewards import (
     score_round_first_order,
     Ledger,
     ReputationBook,
-    ReputationConfig,
-    ScoringConfig,
-    SettlementConfig,
     aggregation_weights as _rep_weights,
     score_round,
 )
 from zoo_gym.rewards.settle import SettlementPlan, plan_settlement
-from zoo_gym.server.config import ConfigError, ServerConfig
+from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.store.state import ServerState
-
-_DEFAULTS = {"reward_pool": 1000, "reputation_weighting": True, "scoring_method": "first-order",
-             "scoring_marginal": "gtg_shapley", "scoring_max_evaluations": 32}
-
 
 # Rows the tap keeps (references) for the exact checks; the server's StoredDeltas caches up to 512 MB of
 # decoded rows itself, so within that the references cost no memory and the checks decode nothing.
 _TAP_KEEP_BYTES = 512 << 20
-
-
-def _settings(config: ServerConfig) -> tuple[int, bool, ScoringConfig, SettlementConfig]:
-    values = {**_DEFAULTS, **config.rewards}
-    rep_keys = {"reputation_initial": "initial", "reputation_alpha": "alpha", "reputation_penalty_alpha":
-                "penalty_alpha", "reputation_floor": "floor", "reputation_cap": "cap"}
-    known = set(_DEFAULTS) | set(rep_keys) | {"min_quality"}
-    unknown = set(values) - known
-    if unknown:
-        raise ConfigError(f"unknown setting(s): {', '.join(sorted(unknown))} (rewards settings are "
-                          f"{', '.join(sorted(known))})")
-    if values["scoring_method"] not in ("first-order", "exact"):
-        raise ConfigError("`scoring_method` must be 'first-order' (one gradient, default) or 'exact'")
-    pool = int(values["reward_pool"])
-    if pool < 0:
-        raise ConfigError("`reward_pool` must be >= 0")
-    rep = ReputationConfig(**{v: float(values[k]) for k, v in rep_keys.items() if k in values})
-    scoring = ScoringConfig(marginal=values["scoring_marginal"],
-                            max_evaluations=int(values["scoring_max_evaluations"]))
-    settle = SettlementConfig(min_quality=float(values.get("min_quality", 0.8)), reputation=rep)
-    return pool, bool(values["reputation_weighting"]), scoring, settle
 
 
 def _factory(state: ServerState):
@@ -79,19 +51,10 @@ def _factory(state: ServerState):
     return lambda: Session(state.engine, expire_on_commit=False)
 
 
-def validate_rewards_settings(config: ServerConfig) -> None:
-    """Raise ConfigError naming any unknown or out-of-range rewards setting (called at startup)."""
-    try:
-        _settings(config)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(str(exc)) from exc
-
-
 def current_reputations(state: ServerState, config: ServerConfig, contributors: list[str], *,
                         session=None) -> dict[str, float]:
     """Each contributor's reputation now (a new identity's initial value if never settled)."""
-    _, _, _, settle = _settings(config)
-    return ReputationBook(_factory(state), settle.reputation).values(contributors, session=session)
+    return ReputationBook(_factory(state), config.rewards.settlement.reputation).values(contributors, session=session)
 
 
 def aggregation_weights(config: ServerConfig, contributors: list[str],
@@ -100,17 +63,16 @@ def aggregation_weights(config: ServerConfig, contributors: list[str],
 
     `reputations` are the values recorded when the round closed, so a redo weights exactly as the first run.
     """
-    _, weighting, _, settle = _settings(config)
-    if not weighting:
+    if not config.rewards.reputation_weighting:
         return None
-    rep = settle.reputation
+    rep = config.rewards.settlement.reputation
     return _rep_weights(contributors, reputations, floor=rep.floor, cap=rep.cap, initial=rep.initial,
                         dtype=torch.float32)
 
 
 def scoring_tap(config: ServerConfig, source, evaluator):
     """Wrap the round's DeltaSource so first-order slopes are taken from the rows aggregation decodes."""
-    if evaluator is None or {**_DEFAULTS, **config.rewards}["scoring_method"] != "first-order":
+    if evaluator is None or config.rewards.scoring_method != "first-order":
         return source
     return SlopeTap(source, evaluator.gradient().grad, keep_bytes=_TAP_KEEP_BYTES)
 
@@ -125,7 +87,7 @@ def plan_rewards(state: ServerState, config: ServerConfig, rnd, source, report, 
     """
     if evaluator is None:
         return None, {"skipped": "no validation set"}
-    pool, _, scoring, settle = _settings(config)
+    pool, scoring, settle = config.rewards.reward_pool, config.rewards.scoring, config.rewards.settlement
     contribs = report.contributors
     ids = list(source.contributors)
     scales = [c.clip_factor if c.accepted else 1.0 for c in contribs]
@@ -168,7 +130,7 @@ def record_settlement(state: ServerState, config: ServerConfig, plan: Settlement
     """
     if plan is None:
         return
-    _, _, _, settle = _settings(config)
+    settle = config.rewards.settlement
     ledger = Ledger(_factory(state), state.key)
     if ledger.has_round(plan.round_id, session=session):
         return
@@ -225,4 +187,4 @@ def verify_ledger(state: ServerState) -> dict[str, Any]:
 
 
 __all__ = ["aggregation_weights", "balance_of", "current_reputations", "ledger_entries", "plan_rewards",
-           "record_settlement", "scoring_tap", "validate_rewards_settings", "verify_ledger"]
+           "record_settlement", "scoring_tap", "verify_ledger"]

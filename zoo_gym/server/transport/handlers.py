@@ -311,9 +311,9 @@ def _check_payload(payload, h: SubmitHeader, base: dict[str, tuple[tuple[int, ..
     norm = math.sqrt(sq_norm)
     if norm == 0.0:
         raise InvalidArgument("the delta is all zeros: there is nothing to contribute (train first)")
-    if config.soup.get("max_delta_norm") and norm > float(config.soup["max_delta_norm"]):
+    if config.soup.max_delta_norm and norm > config.soup.max_delta_norm:
         raise InvalidArgument(f"the delta's L2 norm {norm:.4g} exceeds the server's limit "
-                              f"{config.soup['max_delta_norm']}")
+                              f"{config.soup.max_delta_norm}")
     return codecs_used
 
 

@@ -104,15 +104,15 @@ class GymServicer(gym_pb2_grpc.GymServicer):
             round_id=v.round.id, state=_STATES[v.round.state], base_checkpoint_id=v.round.id - 1,
             base_sha256=v.round.base_sha256, base_size=v.base_size, deadline_unix=v.round.deadline_unix,
             accepted_codecs=list(codec.CODECS), submissions=v.submissions, min_contributors=cfg.min_contributors,
-            you_submitted=v.you_submitted, message=v.round.message, aggregator=cfg.soup.get("aggregator", "mean"),
-            dp_epsilon_spent=v.dp_epsilon_spent, dp_delta=float(cfg.soup.get("dp_delta", 1e-5)),
+            you_submitted=v.you_submitted, message=v.round.message, aggregator=cfg.soup.aggregator,
+            dp_epsilon_spent=v.dp_epsilon_spent, dp_delta=cfg.soup.dp_delta,
             server_public_key=self.state.public_key, mode=cfg.mode,
             **({"buffer_size": cfg.buffer_size, "max_staleness": cfg.max_staleness,
                 "staleness_exponent": cfg.staleness_exponent, "server_lr": cfg.server_lr}
                if cfg.mode == "async" else {}),
             limits=gym_pb2.Limits(max_payload_bytes=cfg.max_payload_bytes, max_chunk_bytes=cfg.max_chunk_bytes,
                                   download_chunk_bytes=cfg.download_chunk_bytes,
-                                  max_delta_norm=float(cfg.soup.get("max_delta_norm") or 0.0)))
+                                  max_delta_norm=cfg.soup.max_delta_norm or 0.0))
         return sign_round_info(info, key=self.state.key)  # everything but you_submitted is signed
 
     @_guard_stream

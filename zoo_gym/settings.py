@@ -1,0 +1,228 @@
+"""Settings declared once: a dataclass field is a program's setting, with its flag, file key and environment variable.
+
+A leaf field's name is its key: config-file key ``trim_beta`` or ``trim-beta``, CLI flag ``--trim-beta``,
+environment variable ``ZOO_GYM_TRIM_BETA``; its default and ``metadata["help"]`` are the only ones. A field
+whose type is a dataclass is a section: its leaves are flattened (with ``metadata["prefix"]`` before their
+names) and shown under ``metadata["section"]`` in ``--help``. Precedence: flag > environment > file > default.
+(Written here rather than on pydantic-settings because the declarations are the libraries' own dataclasses,
+which are used without pydantic, and the same fields must also produce Typer options.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import typer
+
+ENV_PREFIX = "ZOO_GYM_"
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+class SettingError(ValueError):
+    """A setting is unknown, of the wrong type or out of range; the message names it."""
+
+
+@dataclass(frozen=True)
+class Leaf:
+    key: str                 # flat name: file key, flag and environment variable derive from it
+    path: tuple[str, ...]    # attribute path from the root settings object
+    kind: type               # int, float, str or bool
+    optional: bool           # None is a valid value ("unset")
+    default: Any
+    help: str
+    section: str
+    aliases: tuple[str, ...] = ()  # other file keys accepted for it (names a release wrote before)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.key.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.key.upper()
+
+
+def _plain(hint: Any) -> tuple[type, bool]:
+    """(int|float|str|bool, optional) of a leaf's annotation."""
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    wanted = [a for a in args if a is not type(None)]
+    if len(wanted) != 1 or wanted[0] not in _TYPE_NAMES:
+        raise TypeError(f"a setting must be int, float, str or bool (or optional), got {hint!r}")
+    return wanted[0], type(None) in args
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+
+
+def leaves(cls: type, *, prefix: str = "", path: tuple[str, ...] = (), section: str = "Server settings",
+           exclude: tuple[str, ...] = ()) -> list[Leaf]:
+    """Every leaf setting of the dataclass `cls`, sections flattened, in declaration order. A section field's
+    metadata may name `exclude`d fields of its class: they are not settings there and keep their defaults."""
+    hints = typing.get_type_hints(cls)
+    out: list[Leaf] = []
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name in exclude:
+            continue
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            out += leaves(hint, prefix=prefix + f.metadata.get("prefix", ""), path=(*path, f.name),
+                          section=f.metadata.get("section", section), exclude=tuple(f.metadata.get("exclude", ())))
+            continue
+        kind, optional = _plain(hint)
+        out.append(Leaf(key=prefix + f.name, path=(*path, f.name), kind=kind, optional=optional, default=_default(f),
+                        help=f.metadata.get("help", ""), section=f.metadata.get("section", section),
+                        aliases=tuple(prefix + a for a in f.metadata.get("aliases", ()))))
+    keys = [leaf.key for leaf in out]
+    if len(set(keys)) != len(keys):
+        raise TypeError(f"{cls.__name__}: two settings share a key: {sorted(k for k in keys if keys.count(k) > 1)}")
+    return out
+
+
+def norm_key(key: str) -> str:
+    return str(key).strip().replace("-", "_")
+
+
+def check_type(key: str, value: Any, leaf: Leaf) -> Any:
+    """`value` if it is of the leaf's type (an int where a float is wanted is widened), else SettingError."""
+    if value is None and leaf.optional:
+        return None
+    want = leaf.kind
+    ok = (isinstance(value, bool) if want is bool else
+          isinstance(value, (int, float)) and not isinstance(value, bool) if want is float else
+          isinstance(value, want) and not isinstance(value, bool))
+    if not ok:
+        raise SettingError(f"`{key}` must be {_TYPE_NAMES[want]}{' or empty' if leaf.optional else ''}, got "
+                           f"{value!r} ({type(value).__name__})")
+    return float(value) if want is float else value
+
+
+def parse_text(leaf: Leaf, text: str, *, source: str) -> Any:
+    """An environment variable's text as the leaf's type; SettingError naming `source`."""
+    text = text.strip()
+    if leaf.optional and text.lower() in ("", "none", "null"):
+        return None
+    try:
+        if leaf.kind is bool:
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        return leaf.kind(text)
+    except ValueError:
+        raise SettingError(f"{source}={text!r}: must be {_TYPE_NAMES[leaf.kind]}"
+                           f"{' or empty' if leaf.optional else ''}") from None
+
+
+def unknown_key(key: str, valid: list[str]) -> SettingError:
+    close = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.75)
+    hint = f"; did you mean `{close[0]}`?" if close else ""
+    return SettingError(f"unknown setting `{key}`{hint} (valid settings: {', '.join(sorted(valid))}; dashes or "
+                        "underscores alike)")
+
+
+def resolve(cls: type, *, file_values: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
+            flags: Mapping[str, Any] | None = None) -> Any:
+    """An instance of `cls` from flags (None: not given) > environment `ZOO_GYM_<KEY>` > file > defaults.
+
+    Unknown file or flag keys are refused with the closest valid key; values are type-checked by key; the
+    dataclasses' own checks (``__post_init__``) then run, their ValueErrors re-raised as SettingError."""
+    by_key = {leaf.key: leaf for leaf in leaves(cls)}
+    alias = {a: leaf.key for leaf in by_key.values() for a in leaf.aliases}
+    chosen: dict[str, Any] = {}
+    for key, value in (file_values or {}).items():
+        k = alias.get(norm_key(key), norm_key(key))
+        if k not in by_key:
+            raise unknown_key(k, list(by_key))
+        chosen[k] = check_type(k, value, by_key[k])
+    for leaf in by_key.values():
+        text = (environ or {}).get(leaf.env)
+        if text is not None:
+            chosen[leaf.key] = parse_text(leaf, text, source=leaf.env)
+    for key, value in (flags or {}).items():
+        k = norm_key(key)
+        if k not in by_key:
+            raise unknown_key(k, list(by_key))
+        if value is not None:
+            chosen[k] = check_type(k, value, by_key[k])
+    return build(cls, {by_key[k].path: v for k, v in chosen.items()})
+
+
+def build(cls: type, values: Mapping[tuple[str, ...], Any], path: tuple[str, ...] = ()) -> Any:
+    """`cls` with the given leaf values (by attribute path), sections built bottom-up, the rest defaults."""
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        here = (*path, f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            kwargs[f.name] = build(hints[f.name], values, here)
+        elif here in values:
+            kwargs[f.name] = values[here]
+    try:
+        return cls(**kwargs)
+    except SettingError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise SettingError(str(exc)) from exc
+
+
+def flat_values(settings: Any) -> dict[str, Any]:
+    """{key: value} of every leaf of a settings object (what --help's defaults and status show)."""
+    out = {}
+    for leaf in leaves(type(settings)):
+        value = settings
+        for name in leaf.path:
+            value = getattr(value, name)
+        out[leaf.key] = value
+    return out
+
+
+def _default_text(leaf: Leaf) -> str:
+    if leaf.default is None:
+        return "unset"
+    if leaf.kind is bool:
+        return leaf.flag.removeprefix("--") if leaf.default else "no-" + leaf.flag.removeprefix("--")
+    return str(leaf.default)
+
+
+def typer_parameters(cls: type) -> list[inspect.Parameter]:
+    """One keyword parameter per leaf, default None (= not given), for a Typer command's signature."""
+    params = []
+    for leaf in leaves(cls):
+        text = f"{leaf.help} \\[default: {_default_text(leaf)}; env {leaf.env}]".strip()
+        names = [f"{leaf.flag}/--no-{leaf.flag[2:]}"] if leaf.kind is bool else [leaf.flag]
+        option = typer.Option(None, *names, help=text, rich_help_panel=leaf.section, show_default=False)
+        params.append(inspect.Parameter(leaf.key, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                        annotation=Optional[leaf.kind]))
+    return params
+
+
+def with_settings(cls: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator for a Typer command `f(*, settings_flags: dict, **own)`: adds one option per leaf of `cls`
+    to `f`'s own parameters and hands the given ones (None: not given) to `f` as `settings_flags`."""
+
+    def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
+        hints = typing.get_type_hints(f)  # resolved: Typer cannot read string annotations from a signature
+        own = [p.replace(annotation=hints.get(p.name, p.annotation))
+               for p in inspect.signature(f).parameters.values() if p.name != "settings_flags"]
+        keys = [leaf.key for leaf in leaves(cls)]
+
+        def command(**kwargs: Any) -> Any:
+            flags = {k: kwargs.pop(k) for k in keys}
+            return f(settings_flags=flags, **kwargs)
+
+        command.__signature__ = inspect.Signature([*own, *typer_parameters(cls)])  # type: ignore[attr-defined]
+        command.__name__, command.__doc__ = f.__name__, f.__doc__
+        return command
+
+    return wrap
