@@ -308,3 +308,38 @@ def test_serve_refuses_async_settings_that_cannot_work(tmp_path):
         with pytest.raises(ConfigError, match=named):
             build_config({}, **bad)
     assert build_config({"mode": "async", "buffer-size": 4, "max-staleness": 2}).buffer_size == 4  # file keys
+
+
+def test_every_flush_holds_exactly_buffer_size_deltas_and_the_rest_wait(federation_with, caplog):
+    # Prepare: K = 3; the round manager is stopped while 5 deltas arrive, as when deltas land between the
+    # manager's count and its lock.
+    import logging
+
+    fed = federation_with(**{**ASYNC, "buffer_size": 3}, validation_examples=0)
+    fed.rounds.stop()
+    senders = [fed.register() for _ in range(6)]
+    for i, (key, cid) in enumerate(senders[:5]):
+        fed.submit(key, cid, codec.encode(fed.small_delta(seed=i), codec="fp16"), round_id=1)
+    manager = RoundManager(fed.state, fed.config)
+    # Execute: one flush
+    with caplog.at_level(logging.INFO, logger="zoo_gym.server"):
+        manager.step()
+    # Assert: version 1 from the first 3 deltas; the other 2 wait in the next buffer, and the log says 3
+    with fed.state.session() as s:
+        v1 = s.get(Round, 1)
+        buffered = list(s.exec(select(Submission).where(Submission.round_id == 2)))
+        first = json.loads(s.get(RoundInputs, 1).staleness_json)["contributors"]
+    assert v1.state == RoundState.PUBLISHED
+    assert sorted(first) == sorted(cid for _, cid in senders[:3])
+    assert sorted(x.contributor_id for x in buffered) == sorted(cid for _, cid in senders[3:5])
+    assert "round 1 closed with 3 submissions" in caplog.text
+    assert "from 3 submissions" in caplog.text or "3 submissions" in caplog.text
+    # the waiting deltas were trained on version 0: one version old in the second flush
+    key, cid = senders[5]
+    fed.submit(key, cid, codec.encode(fed.small_delta(seed=9), codec="fp16"), round_id=2)
+    manager.step()
+    with fed.state.session() as s:
+        second = json.loads(s.get(RoundInputs, 2).staleness_json)["contributors"]
+        assert s.get(Round, 2).state == RoundState.PUBLISHED
+    assert len(second) == 3
+    assert {second[c]["staleness"] for _, c in senders[3:5]} == {1} and second[cid]["staleness"] == 0

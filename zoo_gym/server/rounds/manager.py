@@ -87,6 +87,27 @@ class RoundManager:
                                                           "submissions": n})
         return False
 
+    def _close(self, round_id: int) -> int:
+        """Close the round with the submissions stored now, under the write lock; returns how many it holds.
+
+        An async buffer holds exactly buffer_size deltas: those that arrived after the K-th (between the count
+        and the lock) move to the next buffer, in the same transaction, in arrival order."""
+        with self.state.write_lock, self.state.session() as s:
+            rnd = s.get(Round, round_id)
+            rnd.state = RoundState.AGGREGATING
+            rnd.closed_at = datetime.now(timezone.utc)
+            s.add(rnd)
+            subs = list(s.exec(select(Submission).where(Submission.round_id == round_id).order_by(Submission.id)))
+            if self.config.mode == "async":
+                for later in subs[max(rnd.needs, self.config.buffer_size):]:
+                    later.round_id = round_id + 1
+                    s.add(later)
+                subs = subs[:max(rnd.needs, self.config.buffer_size)]
+            contributors = [sub.contributor_id for sub in subs]
+            record_round_inputs(self.state, self.config, round_id, contributors, s)  # same transaction
+            s.commit()
+        return len(contributors)
+
     def _ensure_deadline(self) -> None:
         if self.config.mode == "async":  # a buffer has no deadline: it flushes every buffer_size deltas
             return
@@ -127,15 +148,7 @@ class RoundManager:
                     ready = self._close_or_extend(rnd, n)
             if not ready:
                 return
-            with self.state.write_lock, self.state.session() as s:
-                rnd = s.get(Round, rnd.id)
-                rnd.state = RoundState.AGGREGATING
-                rnd.closed_at = datetime.now(timezone.utc)
-                s.add(rnd)
-                contributors = list(s.exec(select(Submission.contributor_id).where(Submission.round_id == rnd.id)
-                                           .order_by(Submission.id)))
-                record_round_inputs(self.state, self.config, rnd.id, contributors, s)  # same transaction
-                s.commit()
+            n = self._close(rnd.id)
             log.info("round %d closed with %d submissions; aggregating", rnd.id, n,
                      extra={"event": "round", "round": rnd.id, "state": "aggregating", "submissions": n})
         with self.state.session() as s:
