@@ -38,7 +38,7 @@ from zoo_gym import codec
 from zoo_gym.dashboard import DashboardServer, create_app
 from zoo_gym.rewards.ledger import Ledger, NewEntry
 from zoo_gym.server.store.models import Checkpoint, Contributor, Round, RoundState
-from zoo_gym.server.store.state import init_state
+from zoo_gym.server.genesis import init_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "server"))
 

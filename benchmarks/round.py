@@ -39,7 +39,7 @@ from zoo_gym.server.config import build_config
 from zoo_gym.server.store.models import Contributor, Round, Submission
 from zoo_gym.server.rounds.publish import publish_round
 from zoo_gym.server.transport.servicer import build_server
-from zoo_gym.server.store.state import init_state
+from zoo_gym.server.genesis import init_state
 
 
 def _store_submissions(state, n: int, seed: int = 0) -> list[Submission]:

@@ -28,7 +28,8 @@ from zoo_gym.rewards import Ledger, NewEntry
 from zoo_gym.server.config import build_config
 from zoo_gym.server.store.models import Submission
 from zoo_gym.server.transport.servicer import build_server
-from zoo_gym.server.store.state import init_state, open_state
+from zoo_gym.server.store.state import open_state
+from zoo_gym.server.genesis import init_state
 
 
 class Running:

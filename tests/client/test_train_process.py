@@ -27,7 +27,7 @@ def test_join_trains_in_a_child_and_never_loads_the_model_itself(tmp_path, monke
     from zoo_gym.client.join import JoinOptions, join
     from zoo_gym.server.config import build_config
     from zoo_gym.server.transport.servicer import build_server
-    from zoo_gym.server.store.state import init_state
+    from zoo_gym.server.genesis import init_state
 
     state = init_state(tmp_path / "state", base_model="tiny")
     # two contributors close the round: it stays open, so this process (the test's server) loads no model either

@@ -103,7 +103,8 @@ def _run(root: Path, fault: str | None, payloads: list[bytes]) -> dict:
     """One federation: 3 submissions to round 1, killed at `fault` (if any), restarted, round 1 published."""
     from zoo_gym.server.store.models import Checkpoint, Round, Submission
     from zoo_gym.server.rounds.settlement import ledger_entries, verify_ledger
-    from zoo_gym.server.store.state import init_state, open_state
+    from zoo_gym.server.store.state import open_state
+    from zoo_gym.server.genesis import init_state
 
     state_dir, log = root / "state", root / "server.log"
     init_state(state_dir, base_model="tiny").engine.dispose()

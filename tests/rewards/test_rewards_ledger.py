@@ -24,7 +24,7 @@ def engine(db_url):
     if db_url is None:
         eng = create_engine("sqlite://", connect_args={"check_same_thread": False}, poolclass=StaticPool)
     else:
-        from zoo_gym.server.store.state import make_engine
+        from zoo_gym.server.store.engine import make_engine
 
         eng = make_engine(db_url)
     create_ledger_tables(eng)

@@ -14,7 +14,7 @@ from zoo_gym.client.upload import build_header, register_request, request_stream
 from zoo_gym.proto import gym_pb2, gym_pb2_grpc, signing
 from zoo_gym.server.config import build_config
 from zoo_gym.server.transport.servicer import build_server
-from zoo_gym.server.store.state import init_state
+from zoo_gym.server.genesis import init_state
 
 
 class Federation:

@@ -21,7 +21,7 @@ from zoo_gym.server.store.master_weights import join_low16, master_of, needs_mas
 from zoo_gym.server.config import build_config
 from zoo_gym.server.store.models import Checkpoint, Contributor, Round, Submission
 from zoo_gym.server.rounds.publish import publish_round
-from zoo_gym.server.store.state import init_state
+from zoo_gym.server.genesis import init_state
 
 
 def _tiny_bf16(out: Path) -> Path:

@@ -24,7 +24,7 @@ from zoo_gym.server.config import build_config
 from zoo_gym.server.store.models import Checkpoint, Round, RoundState
 from zoo_gym.server.transport.servicer import build_server
 from zoo_gym.server.rounds.settlement import ledger_entries
-from zoo_gym.server.store.state import init_state
+from zoo_gym.server.genesis import init_state
 
 
 @pytest.fixture(scope="module")

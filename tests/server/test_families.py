@@ -31,7 +31,7 @@ from zoo_gym.server.cli import app
 from zoo_gym.server.config import build_config
 from zoo_gym.server.store.models import Checkpoint, Round, RoundState
 from zoo_gym.server.transport.servicer import build_server
-from zoo_gym.server.store.state import init_state
+from zoo_gym.server.genesis import init_state
 
 CASES = [  # family, ships a chat template, has a pad token
     ("qwen3", True, True),

@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 from zoo_gym.gym_train.families import make_random_base
 from zoo_gym.server.cli import app
 from zoo_gym.proto.model_card import model_card, round_summary
-from zoo_gym.server.store.state import init_state, open_state
+from zoo_gym.server.store.state import open_state
+from zoo_gym.server.genesis import init_state
 
 
 def _one_line_error(res) -> str:

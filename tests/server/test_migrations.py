@@ -30,7 +30,7 @@ from zoo_gym.client.upload import build_header, register_request, request_stream
 from zoo_gym.proto import gym_pb2, gym_pb2_grpc
 from zoo_gym.server.store import migrations
 from zoo_gym.server.cli import app
-from zoo_gym.server.store.state import make_engine
+from zoo_gym.server.store.engine import make_engine
 
 DATABASES = ("sqlite", "postgresql")  # tests using `db_url` run on each (tests/conftest.py)
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "state-v0.1.0"

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from typer.testing import CliRunner
 
 from zoo_gym.server.cli import app
-from zoo_gym.server.store.state import init_state
+from zoo_gym.server.genesis import init_state
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 

@@ -14,7 +14,7 @@ from zoo_gym.gym_train import heldout_loss
 from zoo_gym.proto import archive
 from zoo_gym.server.config import build_config
 from zoo_gym.server.rounds.evaluation import ServerEvaluator, evaluator_for
-from zoo_gym.server.store.state import init_state
+from zoo_gym.server.genesis import init_state
 
 
 def _publish_like(base_dir, out, *, seed: int):

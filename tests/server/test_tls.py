@@ -30,7 +30,7 @@ def _get_round(address, **transport):
 
 
 def test_serve_without_certificates_or_insecure_refuses_in_one_line(tmp_path):
-    from zoo_gym.server.store.state import init_state
+    from zoo_gym.server.genesis import init_state
 
     init_state(tmp_path / "s").engine.dispose()
     res = CliRunner().invoke(server_app, ["serve", "--state-dir", str(tmp_path / "s"), "--port", "0"])

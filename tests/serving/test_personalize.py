@@ -81,7 +81,7 @@ def test_join_keep_variant_keeps_the_round_delta(tmp_path):
     from zoo_gym.client.join import JoinOptions, join
     from zoo_gym.server.config import build_config
     from zoo_gym.server.transport.servicer import build_server
-    from zoo_gym.server.store.state import init_state
+    from zoo_gym.server.genesis import init_state
 
     state = init_state(tmp_path / "state", base_model="tiny")
     # two contributors close the round: it stays open, so no aggregation thread of this process runs while
@@ -112,7 +112,7 @@ def test_join_keep_variant_in_async_mode_keeps_each_submitted_delta(tmp_path):
     from zoo_gym.client.join import JoinOptions, join
     from zoo_gym.server.config import build_config
     from zoo_gym.server.transport.servicer import build_server
-    from zoo_gym.server.store.state import init_state
+    from zoo_gym.server.genesis import init_state
 
     state = init_state(tmp_path / "state", base_model="tiny")
     # a buffer of 2: the one delta stays in the buffer, so no flush runs in this process while the client distils

@@ -20,7 +20,8 @@ from sqlmodel import select
 
 from zoo_gym.server.config import ConfigError, ServerConfig, build_config, read_config_file
 from zoo_gym.settings import with_settings
-from zoo_gym.server.store.state import StateError, init_state, open_state
+from zoo_gym.server.store.state import StateError, open_state
+from zoo_gym.server.genesis import init_state
 
 app = typer.Typer(help="Zoo Gym server: runs federated rounds, merges deltas, publishes checkpoints.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)

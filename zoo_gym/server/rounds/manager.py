@@ -63,7 +63,6 @@ class RoundManager:
     def _close_or_extend(self, rnd: Round, n: int) -> bool:
         """The deadline passed with fewer than min_contributors: close with the `n` in hand when the robust
         rule can aggregate them, else reopen the round for another round_timeout with a message saying why."""
-        from zoo_gym.aggregation import SoupConfig
         from zoo_gym.server.config import rule_minimum
 
         soup = self.config.soup

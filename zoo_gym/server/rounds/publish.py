@@ -22,8 +22,7 @@ from cryptography.hazmat.primitives import serialization
 from sqlmodel import func, select
 
 from zoo_gym import codec
-from zoo_gym.aggregation import (DeltaSoup, NotRobustConfigError, PrivacyAccountant, PrivacyBudgetExceeded,
-                                 SoupConfig)
+from zoo_gym.aggregation import DeltaSoup, NotRobustConfigError, PrivacyAccountant, PrivacyBudgetExceeded
 from zoo_gym.server.rounds import async_rounds
 from zoo_gym.server.store import master_weights
 from zoo_gym.server.store.checkpoint_writer import CheckpointWriter, SafetensorsReader, master_path, threads_beside_writers

@@ -14,12 +14,7 @@
 Nothing in state.json names the directory itself, so a state directory can be copied or moved: the
 default database is always the `server.db` beside state.json, the validation file the copy beside it.
 
-`init` refuses a base that the federation could not use, in one line, before creating anything: the
-genesis tokenizer must render prompt/completion pairs (a base without a chat template gets
-`zoo_gym.gym_train.chat.PLAIN_TEMPLATE`, or the operator's `--chat-template FILE`, written into the
-genesis tokenizer files so every client and the server read the same one), one LoRA step of the
-client's `train()` must run and give a delta in the base's shapes, and the server's evaluator must load
-the genesis checkpoint and give a finite held-out loss.
+`gym-server init` creates it (zoo_gym/server/genesis.py); this module opens, locks and migrates it.
 """
 
 from __future__ import annotations
@@ -28,8 +23,6 @@ import fcntl
 import json
 import logging
 import os
-import shutil
-import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,16 +30,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from sqlalchemy import event, inspect
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError
-from sqlmodel import Session, SQLModel, create_engine, select
+from sqlmodel import Session, select
 
 from zoo_gym.proto import signing
 from zoo_gym.proto import archive
 from zoo_gym.server.store import migrations
 from zoo_gym.server.store.blobs import BlobStore
-from zoo_gym.server.store.models import Checkpoint, Round, RoundState
+from zoo_gym.server.store.engine import make_engine
+from zoo_gym.server.store.models import Round
 
 STATE_FILE = "state.json"
 DB_FILE = "server.db"
@@ -57,7 +50,7 @@ class StateError(RuntimeError):
     """The state directory is missing, incomplete, or already initialised."""
 
 
-def _register_tables() -> None:
+def register_tables() -> None:
     """Import every module that defines tables so create_all sees them (server's and rewards')."""
     import zoo_gym.server.store.models  # noqa: F401
 
@@ -121,26 +114,26 @@ def make_private(path: Path) -> None:
             failed[0].strerror)
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)
     with os.fdopen(fd, "w") as f:
         os.fchmod(fd, PRIVATE_FILE)  # an existing file keeps its mode through O_CREAT
         f.write(text)
 
 
-def _create_private_sqlite(url: str) -> None:
+def create_private_sqlite(url: str) -> None:
     """Create a SQLite database file 0600 before SQLite does (it would make it 0644); SQLite gives its
     -wal and -shm files the database file's mode."""
-    path = _sqlite_file(url)
+    path = sqlite_file(url)
     if path is not None and not path.exists():
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE))
 
 
-def _default_db_url(root: Path) -> str:
+def default_db_url(root: Path) -> str:
     return f"sqlite:///{(root / DB_FILE).resolve()}"
 
 
-def _sqlite_file(url: str) -> Path | None:
+def sqlite_file(url: str) -> Path | None:
     """The database file of a SQLite URL (None for other databases and in-memory SQLite)."""
     try:
         parsed = make_url(url)
@@ -160,14 +153,14 @@ def _stored_db_url(root: Path, stored: str | None) -> str:
     a server.db inside the directory for that default (a database chosen with --db lives at its URL), so
     an absolute SQLite URL ending in server.db means this directory's own database whenever one is here."""
     if stored in (None, "default"):
-        return _default_db_url(root)
-    path = _sqlite_file(stored)
+        return default_db_url(root)
+    path = sqlite_file(stored)
     if path is not None and path.name == DB_FILE and (root / DB_FILE).is_file():
-        return _default_db_url(root)
+        return default_db_url(root)
     return stored
 
 
-def _engine(url: str) -> Engine:
+def engine_for(url: str) -> Engine:
     """make_engine, with a URL SQLAlchemy cannot use (unknown dialect, driver not installed) as a StateError."""
     try:
         return make_engine(url)
@@ -180,31 +173,12 @@ def _engine(url: str) -> Engine:
         raise StateError(f"cannot use the database URL {url!r}: {exc}") from None
 
 
-def _shown(url: str) -> str:
+def shown_url(url: str) -> str:
     """A database URL fit for a message (no password)."""
     try:
         return make_url(url).render_as_string(hide_password=True)
     except ArgumentError:
         return url
-
-
-def make_engine(url: str) -> Engine:
-    if url.startswith("postgresql://") or url.startswith("postgres://"):
-        # SQLAlchemy's default PostgreSQL driver is psycopg2; the `postgres` extra installs psycopg 3
-        url = "postgresql+psycopg://" + url.split("://", 1)[1]
-    if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
-
-        @event.listens_for(engine, "connect")
-        def _sqlite_pragmas(dbapi_conn, _record):  # durable and concurrent enough for one server
-            cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA synchronous=FULL")
-            cur.execute("PRAGMA foreign_keys=ON")
-            cur.close()
-
-        return engine
-    return create_engine(url, pool_pre_ping=True)
 
 
 _UNPACK_LOCK = threading.Lock()
@@ -257,211 +231,6 @@ class ServerState:
         return dest
 
 
-def _resolve_base_model(base_model: str) -> Path:
-    if base_model == "tiny":
-        from zoo_gym.gym_train import tiny_model_dir
-
-        return tiny_model_dir()
-    path = Path(base_model).expanduser()
-    if path.is_dir():
-        return path
-    # A hub id already in the user's Hugging Face cache; never downloads.
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(base_model, local_files_only=True))
-    except Exception as exc:  # noqa: BLE001 - any failure means "not available locally"
-        raise StateError(
-            f"--base-model {base_model!r} is neither 'tiny', a local directory, nor a model in the local "
-            "Hugging Face cache (nothing is downloaded at run time)"
-        ) from exc
-
-
-def _normalised_copy(src: Path, dest: Path) -> None:
-    """Copy a model directory as a single-file safetensors Hugging Face directory."""
-    if (src / archive.WEIGHTS).is_file():
-        for p in sorted(src.iterdir()):
-            if p.is_file() and not p.name.startswith("."):
-                shutil.copyfile(p, dest / p.name)
-        return
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(src)
-    model.save_pretrained(dest, max_shard_size="1000GB")
-    AutoTokenizer.from_pretrained(src).save_pretrained(dest)
-
-
-def _set_chat_template(genesis: Path, template: str | None) -> str:
-    """Give the genesis tokenizer its chat template (and a pad token); returns where the template came from.
-
-    `template` (the text of --chat-template) wins; otherwise the base's own template stays, and a base
-    without one gets PLAIN_TEMPLATE. The tokenizer files are rewritten only when something changed, so a
-    base that needs nothing keeps its files byte for byte."""
-    from transformers import AutoTokenizer
-
-    from zoo_gym.gym_train.chat import PLAIN_TEMPLATE
-
-    try:
-        tok = AutoTokenizer.from_pretrained(str(genesis))
-    except Exception as exc:  # noqa: BLE001 - any failure: the base is unusable, say why in one line
-        raise StateError(f"the base's tokenizer does not load: {type(exc).__name__}: {str(exc).splitlines()[0]}"
-                         ) from None
-    source, changed = "base", False
-    if template is not None:
-        tok.chat_template, source, changed = template, "--chat-template", True
-    elif not getattr(tok, "chat_template", None):
-        tok.chat_template, source, changed = PLAIN_TEMPLATE, "plain", True
-    if tok.pad_token is None and tok.eos_token is not None:
-        tok.pad_token, changed = tok.eos_token, True
-    if changed:
-        tok.save_pretrained(str(genesis))
-    return source
-
-
-_checked: set[str] = set()  # digests of genesis directories that passed check_base in this process
-
-
-def _dir_digest(model_dir: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    for p in sorted(model_dir.iterdir()):
-        if p.is_file() and p.name != archive.LINEAGE:
-            h.update(p.name.encode() + b"\0")
-            with open(p, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    h.update(chunk)
-    return h.hexdigest()
-
-
-def check_base(model_dir: Path, examples: list[dict]) -> None:
-    """StateError (one line) unless a client can train `model_dir` (one LoRA step, delta in the base's
-    shapes) and the server's evaluator can load it and give a finite held-out loss on `examples`."""
-    import math
-
-    from zoo_gym.gym_train.preflight import PreflightError, check_trainable
-
-    digest = _dir_digest(model_dir)
-    if digest in _checked:
-        return
-    try:
-        check_trainable(model_dir, examples)
-    except PreflightError as exc:
-        raise StateError(f"a contributor could not train this base: {exc}") from None
-    try:
-        from zoo_gym.server.rounds.evaluation import ServerEvaluator
-        from zoo_gym.gym_train.memory import release_memory
-
-        release_memory()  # the training check's model goes before the evaluator's loads
-        loss = ServerEvaluator(model_dir, list(examples[:2]), scoring_examples=2).loss()  # no gradient needed
-    except Exception as exc:  # noqa: BLE001 - whatever breaks the evaluator breaks every round
-        text = str(exc).strip().splitlines()
-        raise StateError(f"the server could not evaluate this base: {type(exc).__name__}: "
-                         f"{text[0] if text else ''}") from None
-    if not math.isfinite(loss):
-        raise StateError(f"the server's held-out loss of this base is {loss}, not a finite number")
-    _checked.add(digest)
-
-
-def _validation_examples(validation_file: Path | None) -> list[dict]:
-    from zoo_gym import gym_train
-
-    if validation_file is None:
-        return gym_train.default_validation_examples(n=2)
-    return gym_train.load_examples(validation_file)  # DataError (a ValueError) names file, line and field
-
-
-def init_state(state_dir: Path, *, base_model: str = "tiny", db_url: str | None = None,
-               chat_template: Path | None = None, validation_file: Path | None = None,
-               check: bool = True) -> ServerState:
-    """Create a new state directory with the genesis checkpoint (round 0) and round 1 open.
-
-    `chat_template`: a Jinja chat-template file written into the genesis tokenizer (default: the base's
-    own, else chat.PLAIN_TEMPLATE). `validation_file`: the server's held-out examples (alpaca or sharegpt,
-    .json/.jsonl), copied into the directory and used by `serve` unless it is given another. `check`: try
-    one client LoRA step and the server's evaluator on the base first (see `check_base`); nothing is
-    created when the base is refused."""
-    root = Path(state_dir)
-    if (root / STATE_FILE).exists():
-        raise StateError(f"{root} is already initialised; `gym-server serve --state-dir {root}` resumes it")
-    src = _resolve_base_model(base_model)
-    template = None
-    if chat_template is not None:
-        try:
-            template = Path(chat_template).read_text()
-        except OSError as exc:
-            raise StateError(f"--chat-template {chat_template}: {exc.strerror or exc}") from None
-        if not template.strip():
-            raise StateError(f"--chat-template {chat_template} is empty")
-    examples = _validation_examples(Path(validation_file) if validation_file is not None else None)
-    url = db_url or _default_db_url(root)
-    _sqlite_file(url)
-    engine = _engine(url)  # a URL that cannot work fails here, before anything is created (no connection yet)
-    existed = root.exists()
-    root.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
-    try:
-        make_private(root)  # a directory the operator made beforehand too
-        _create_private_sqlite(url)
-        with engine.connect() as conn:
-            if inspect(conn).has_table("round"):
-                raise StateError(f"the database {_shown(url)} already holds a federation; give `init --db` an empty "
-                                 "database, or serve the state directory made with this one")
-        return _create(root, engine, src, base_model=base_model, db_url=db_url, template=template,
-                       examples=examples, validation_file=validation_file, check=check)
-    except BaseException:
-        engine.dispose()
-        if not existed:  # a refused base leaves nothing behind
-            shutil.rmtree(root, ignore_errors=True)
-        raise
-
-
-def _create(root: Path, engine: Engine, src: Path, *, base_model: str, db_url: str | None, template: str | None,
-            examples: list[dict], validation_file: Path | None, check: bool) -> ServerState:
-    work = root / "work"
-    work.mkdir(mode=PRIVATE_DIR, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=work) as tmp:
-        genesis = Path(tmp) / "genesis"
-        genesis.mkdir()
-        _normalised_copy(src, genesis)
-        template_source = _set_chat_template(genesis, template)
-        try:
-            from zoo_gym.gym_train.chat import ChatTemplateError, check_template
-            from zoo_gym.gym_train.evaluate import load_tokenizer
-
-            check_template(load_tokenizer(genesis))
-        except ChatTemplateError as exc:
-            raise StateError(f"the chat template of this base cannot be used: {exc}") from None
-        if check:
-            check_base(genesis, examples)
-        key, _ = signing.load_or_create_key(root / "server_key.pem")
-        _register_tables()
-        with engine.begin() as conn:  # the current models' tables, stamped with the newest migration
-            SQLModel.metadata.create_all(conn)
-            migrations.stamp_head(conn)
-        state = ServerState(root, engine, BlobStore(root / "blobs"), key, base_model, threading.RLock())
-        archive.write_lineage(genesis, {"round": 0, "parent_sha256": None, "base_model": base_model})
-        with state.blobs.writer() as w:
-            archive.pack(genesis, w)
-            sha = w.commit()
-        size = state.blobs.size(sha)
-    validation_name = None
-    if validation_file is not None:
-        validation_name = "validation" + Path(validation_file).suffix.lower()
-        shutil.copyfile(validation_file, root / validation_name)
-        os.chmod(root / validation_name, PRIVATE_FILE)
-        state.validation_file = root / validation_name
-    with state.session() as s:
-        s.add(Checkpoint(sha256=sha, round_id=0, parent_sha256=None, size=size,
-                         manifest_json=json.dumps({"round": 0, "base_model": base_model})))
-        s.add(Round(id=1, state=RoundState.OPEN, base_sha256=sha))
-        s.commit()
-    # the default database is stored as null: derived from the directory on open, so the directory can move
-    meta = {"db_url": db_url, "base_model": base_model, "chat_template": template_source,
-            "validation_file": validation_name}
-    _write_private(root / STATE_FILE, json.dumps(meta, indent=2) + "\n")
-    return state
-
-
 def open_state(state_dir: Path, *, db_url: str | None = None, exclusive: bool = False) -> ServerState:
     """Open an initialised state directory.
 
@@ -485,11 +254,11 @@ def open_state(state_dir: Path, *, db_url: str | None = None, exclusive: bool = 
         if exclusive:
             make_private(root)  # before SQLite opens (and makes -wal/-shm like) the database
         url = db_url or _stored_db_url(root, stored)
-        db_file = _sqlite_file(url)
+        db_file = sqlite_file(url)
         if db_file is not None and not db_file.is_file():  # SQLite would create an empty one
             raise StateError(f"the database {db_file} of {root} is missing; restore it from a backup")
-        engine = _engine(url)
-        _register_tables()
+        engine = engine_for(url)
+        register_tables()
         try:
             migrations.check_at_head(engine, str(root))  # an older schema: `gym-server migrate` upgrades it
         except migrations.SchemaError as exc:
@@ -534,10 +303,10 @@ def migrate_state(state_dir: Path, *, db_url: str | None = None, dry_run: bool =
     lock = StateLock(root)
     try:
         url = db_url or _stored_db_url(root, stored)
-        db_file = _sqlite_file(url)
+        db_file = sqlite_file(url)
         if db_file is not None and not db_file.is_file():
             raise StateError(f"the database {db_file} of {root} is missing; restore it from a backup")
-        engine = _engine(url)
+        engine = engine_for(url)
         try:
             with engine.connect() as conn:
                 current = migrations.current_revision(conn)

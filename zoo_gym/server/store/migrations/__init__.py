@@ -121,7 +121,7 @@ def stamp_head(conn: Connection) -> None:
 
 def _migration_engine(url: str) -> Engine:
     """An engine whose transactions cover DDL on SQLite too (pysqlite would autocommit CREATE/ALTER)."""
-    from zoo_gym.server.store.state import make_engine
+    from zoo_gym.server.store.engine import make_engine
 
     if not url.startswith("sqlite"):
         return make_engine(url)

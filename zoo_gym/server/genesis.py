@@ -1,0 +1,234 @@
+"""`gym-server init`: a new state directory with the genesis checkpoint (round 0) and round 1 open.
+
+It refuses, in one line and before creating anything, a base the federation could not use: the genesis
+tokenizer must render prompt/completion pairs (a base without a chat template gets
+`zoo_gym.gym_train.chat.PLAIN_TEMPLATE`, or the operator's `--chat-template FILE`), one LoRA step of the
+client's `train()` must run and give a delta in the base's shapes, and the server's evaluator must load the
+genesis checkpoint and give a finite held-out loss.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+from sqlalchemy import inspect
+from sqlalchemy.engine import Engine
+from sqlmodel import SQLModel
+
+from zoo_gym.proto import archive, signing
+from zoo_gym.server.store import migrations
+from zoo_gym.server.store.blobs import BlobStore
+from zoo_gym.server.store.models import Checkpoint, Round, RoundState
+from zoo_gym.server.store.state import (PRIVATE_DIR, PRIVATE_FILE, STATE_FILE, ServerState, StateError,
+                                        create_private_sqlite, default_db_url, engine_for, make_private,
+                                        register_tables, shown_url, sqlite_file, write_private)
+
+
+def _resolve_base_model(base_model: str) -> Path:
+    if base_model == "tiny":
+        from zoo_gym.gym_train import tiny_model_dir
+
+        return tiny_model_dir()
+    path = Path(base_model).expanduser()
+    if path.is_dir():
+        return path
+    # A hub id already in the user's Hugging Face cache; never downloads.
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(base_model, local_files_only=True))
+    except Exception as exc:  # noqa: BLE001 - any failure means "not available locally"
+        raise StateError(
+            f"--base-model {base_model!r} is neither 'tiny', a local directory, nor a model in the local "
+            "Hugging Face cache (nothing is downloaded at run time)"
+        ) from exc
+
+
+def _normalised_copy(src: Path, dest: Path) -> None:
+    """Copy a model directory as a single-file safetensors Hugging Face directory."""
+    if (src / archive.WEIGHTS).is_file():
+        for p in sorted(src.iterdir()):
+            if p.is_file() and not p.name.startswith("."):
+                shutil.copyfile(p, dest / p.name)
+        return
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src)
+    model.save_pretrained(dest, max_shard_size="1000GB")
+    AutoTokenizer.from_pretrained(src).save_pretrained(dest)
+
+
+def _set_chat_template(genesis: Path, template: str | None) -> str:
+    """Give the genesis tokenizer its chat template (and a pad token); returns where the template came from.
+
+    `template` (the text of --chat-template) wins; otherwise the base's own template stays, and a base
+    without one gets PLAIN_TEMPLATE. The tokenizer files are rewritten only when something changed, so a
+    base that needs nothing keeps its files byte for byte."""
+    from transformers import AutoTokenizer
+
+    from zoo_gym.gym_train.chat import PLAIN_TEMPLATE
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(genesis))
+    except Exception as exc:  # noqa: BLE001 - any failure: the base is unusable, say why in one line
+        raise StateError(f"the base's tokenizer does not load: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+                         ) from None
+    source, changed = "base", False
+    if template is not None:
+        tok.chat_template, source, changed = template, "--chat-template", True
+    elif not getattr(tok, "chat_template", None):
+        tok.chat_template, source, changed = PLAIN_TEMPLATE, "plain", True
+    if tok.pad_token is None and tok.eos_token is not None:
+        tok.pad_token, changed = tok.eos_token, True
+    if changed:
+        tok.save_pretrained(str(genesis))
+    return source
+
+
+_checked: set[str] = set()  # digests of genesis directories that passed check_base in this process
+
+
+def _dir_digest(model_dir: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in sorted(model_dir.iterdir()):
+        if p.is_file() and p.name != archive.LINEAGE:
+            h.update(p.name.encode() + b"\0")
+            with open(p, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+    return h.hexdigest()
+
+
+def check_base(model_dir: Path, examples: list[dict]) -> None:
+    """StateError (one line) unless a client can train `model_dir` (one LoRA step, delta in the base's
+    shapes) and the server's evaluator can load it and give a finite held-out loss on `examples`."""
+    import math
+
+    from zoo_gym.gym_train.preflight import PreflightError, check_trainable
+
+    digest = _dir_digest(model_dir)
+    if digest in _checked:
+        return
+    try:
+        check_trainable(model_dir, examples)
+    except PreflightError as exc:
+        raise StateError(f"a contributor could not train this base: {exc}") from None
+    try:
+        from zoo_gym.server.rounds.evaluation import ServerEvaluator
+        from zoo_gym.gym_train.memory import release_memory
+
+        release_memory()  # the training check's model goes before the evaluator's loads
+        loss = ServerEvaluator(model_dir, list(examples[:2]), scoring_examples=2).loss()  # no gradient needed
+    except Exception as exc:  # noqa: BLE001 - whatever breaks the evaluator breaks every round
+        text = str(exc).strip().splitlines()
+        raise StateError(f"the server could not evaluate this base: {type(exc).__name__}: "
+                         f"{text[0] if text else ''}") from None
+    if not math.isfinite(loss):
+        raise StateError(f"the server's held-out loss of this base is {loss}, not a finite number")
+    _checked.add(digest)
+
+
+def _validation_examples(validation_file: Path | None) -> list[dict]:
+    from zoo_gym import gym_train
+
+    if validation_file is None:
+        return gym_train.default_validation_examples(n=2)
+    return gym_train.load_examples(validation_file)  # DataError (a ValueError) names file, line and field
+
+
+def init_state(state_dir: Path, *, base_model: str = "tiny", db_url: str | None = None,
+               chat_template: Path | None = None, validation_file: Path | None = None,
+               check: bool = True) -> ServerState:
+    """Create a new state directory with the genesis checkpoint (round 0) and round 1 open.
+
+    `chat_template`: a Jinja chat-template file written into the genesis tokenizer (default: the base's
+    own, else chat.PLAIN_TEMPLATE). `validation_file`: the server's held-out examples (alpaca or sharegpt,
+    .json/.jsonl), copied into the directory and used by `serve` unless it is given another. `check`: try
+    one client LoRA step and the server's evaluator on the base first (see `check_base`); nothing is
+    created when the base is refused."""
+    root = Path(state_dir)
+    if (root / STATE_FILE).exists():
+        raise StateError(f"{root} is already initialised; `gym-server serve --state-dir {root}` resumes it")
+    src = _resolve_base_model(base_model)
+    template = None
+    if chat_template is not None:
+        try:
+            template = Path(chat_template).read_text()
+        except OSError as exc:
+            raise StateError(f"--chat-template {chat_template}: {exc.strerror or exc}") from None
+        if not template.strip():
+            raise StateError(f"--chat-template {chat_template} is empty")
+    examples = _validation_examples(Path(validation_file) if validation_file is not None else None)
+    url = db_url or default_db_url(root)
+    sqlite_file(url)
+    engine = engine_for(url)  # a URL that cannot work fails here, before anything is created (no connection yet)
+    existed = root.exists()
+    root.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    try:
+        make_private(root)  # a directory the operator made beforehand too
+        create_private_sqlite(url)
+        with engine.connect() as conn:
+            if inspect(conn).has_table("round"):
+                raise StateError(f"the database {shown_url(url)} already holds a federation; give `init --db` an empty "
+                                 "database, or serve the state directory made with this one")
+        return _create(root, engine, src, base_model=base_model, db_url=db_url, template=template,
+                       examples=examples, validation_file=validation_file, check=check)
+    except BaseException:
+        engine.dispose()
+        if not existed:  # a refused base leaves nothing behind
+            shutil.rmtree(root, ignore_errors=True)
+        raise
+
+
+def _create(root: Path, engine: Engine, src: Path, *, base_model: str, db_url: str | None, template: str | None,
+            examples: list[dict], validation_file: Path | None, check: bool) -> ServerState:
+    work = root / "work"
+    work.mkdir(mode=PRIVATE_DIR, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=work) as tmp:
+        genesis = Path(tmp) / "genesis"
+        genesis.mkdir()
+        _normalised_copy(src, genesis)
+        template_source = _set_chat_template(genesis, template)
+        try:
+            from zoo_gym.gym_train.chat import ChatTemplateError, check_template
+            from zoo_gym.gym_train.evaluate import load_tokenizer
+
+            check_template(load_tokenizer(genesis))
+        except ChatTemplateError as exc:
+            raise StateError(f"the chat template of this base cannot be used: {exc}") from None
+        if check:
+            check_base(genesis, examples)
+        key, _ = signing.load_or_create_key(root / "server_key.pem")
+        register_tables()
+        with engine.begin() as conn:  # the current models' tables, stamped with the newest migration
+            SQLModel.metadata.create_all(conn)
+            migrations.stamp_head(conn)
+        state = ServerState(root, engine, BlobStore(root / "blobs"), key, base_model, threading.RLock())
+        archive.write_lineage(genesis, {"round": 0, "parent_sha256": None, "base_model": base_model})
+        with state.blobs.writer() as w:
+            archive.pack(genesis, w)
+            sha = w.commit()
+        size = state.blobs.size(sha)
+    validation_name = None
+    if validation_file is not None:
+        validation_name = "validation" + Path(validation_file).suffix.lower()
+        shutil.copyfile(validation_file, root / validation_name)
+        os.chmod(root / validation_name, PRIVATE_FILE)
+        state.validation_file = root / validation_name
+    with state.session() as s:
+        s.add(Checkpoint(sha256=sha, round_id=0, parent_sha256=None, size=size,
+                         manifest_json=json.dumps({"round": 0, "base_model": base_model})))
+        s.add(Round(id=1, state=RoundState.OPEN, base_sha256=sha))
+        s.commit()
+    # the default database is stored as null: derived from the directory on open, so the directory can move
+    meta = {"db_url": db_url, "base_model": base_model, "chat_template": template_source,
+            "validation_file": validation_name}
+    write_private(root / STATE_FILE, json.dumps(meta, indent=2) + "\n")
+    return state
