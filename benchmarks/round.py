@@ -96,16 +96,10 @@ def round_overhead(n: int, root: Path) -> dict:
     bare = min(_bare(state, subs, rnd.base_sha256, root / f"bare{i}") for i in range(3))
     # Aggregation + publishing alone (no rewards, no evaluation): the pure server path.
     cfg = build_config({}, aggregator="mean")
-    import zoo_gym.server.rounds.publish as pub
-
-    saved_eval = pub.evaluator_for
-    pub.evaluator_for = lambda *a, **k: None  # no evaluator: no scoring and no settlement either
-    try:
-        t0 = time.perf_counter()
-        publish_round(state, cfg, rnd, subs)
-        publish_only = time.perf_counter() - t0
-    finally:
-        pub.evaluator_for = saved_eval
+    bare_cfg = build_config({}, aggregator="mean", validation_examples=0)  # no evaluator: no scoring, no settlement
+    t0 = time.perf_counter()
+    publish_round(state, bare_cfg, rnd, subs)
+    publish_only = time.perf_counter() - t0
     state.engine.dispose()
     # The whole round as served: + held-out evaluation and rewards scoring.
     state2 = init_state(root / "state2", base_model="tiny")

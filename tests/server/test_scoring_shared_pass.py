@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from zoo_gym.gym_train import heldout_loss
 from zoo_gym.proto import archive
 from zoo_gym.server.config import build_config
-from zoo_gym.server.rounds.evaluation import ServerEvaluator, evaluator_for
+from zoo_gym.server.rounds.evaluation import Evaluators, ServerEvaluator
 from zoo_gym.server.genesis import init_state
 
 
@@ -38,15 +38,16 @@ def test_published_base_is_scored_with_the_evaluator_that_measured_it(tmp_path):
     config = build_config({}, port=0, validation_examples=40)
     with state.session() as s:
         genesis = state.current_round(s).base_sha256
-    ev = evaluator_for(state, config, genesis)
+    evaluators = Evaluators(state, config)
+    ev = evaluators.for_base(genesis)
     assert ev._gradient is None  # noqa: SLF001 (the first base: nothing computed yet)
     out = tmp_path / "ckpt"
     _publish_like(state.checkpoint_dir(genesis), out, seed=1)
     # Execute: what publish_round does with the new checkpoint, then the next round's lookup
-    loss = ev.loss_of_dir(out)
+    loss = evaluators.measure_published(ev, out)
     want = heldout_loss(out, list(ev.examples))  # the padded reference on all 40 examples
     sha = _commit(state, out)
-    nxt = evaluator_for(state, config, sha)
+    nxt = evaluators.for_base(sha)
     # Assert: the same held-out loss; the next round reuses the evaluator and its gradient
     assert loss == pytest.approx(want, rel=1e-5)  # float32 sums in another order: ~1e-7 here, CPU-dependent
     assert loss != pytest.approx(ev.loss(None), rel=1e-4)  # it measured the new weights
@@ -57,9 +58,9 @@ def test_published_base_is_scored_with_the_evaluator_that_measured_it(tmp_path):
     assert g.base_loss == pytest.approx(ref.base_loss, rel=1e-5)  # float32 sums in another order: ~1e-7 here, CPU-dependent
     for k, v in ref.grad.items():
         assert float((g.grad[k] - v).norm()) <= 1e-4 * float(v.norm()) + 1e-9, k
-    assert evaluator_for(state, config, sha) is nxt  # cached for the round
+    assert evaluators.for_base(sha) is nxt  # cached for the round
     # A checkpoint that was not measured this way gets a fresh evaluator (no stale gradient).
     other = tmp_path / "other"
     _publish_like(state.checkpoint_dir(genesis), other, seed=2)
     sha2 = _commit(state, other)
-    assert evaluator_for(state, config, sha2)._gradient is None  # noqa: SLF001
+    assert evaluators.for_base(sha2)._gradient is None  # noqa: SLF001

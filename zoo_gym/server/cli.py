@@ -124,12 +124,9 @@ def serve(
             from zoo_gym.gym_train.formats import load_examples
 
             load_examples(Path(cfg.validation_data))  # a DataError names file, line and field
-        from zoo_gym.server.config import check_round_size
+        from zoo_gym.server.rounds.policy import policy_for
 
-        if cfg.mode == "async":  # fail now, not at the first flush
-            check_round_size(cfg.soup, cfg.buffer_size, flag="--buffer-size")
-        else:
-            check_round_size(cfg.soup, cfg.min_contributors)  # fail now, not at round end
+        policy_for(cfg).check_size()  # a round too small for the rule fails now, not when it closes
         # the directory's lock, held until this process ends: a second serve of it is refused
         state = open_state(state_dir, db_url=db, exclusive=True)
         if cfg.validation_data is None and state.validation_file is not None:

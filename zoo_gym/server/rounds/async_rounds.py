@@ -1,59 +1,20 @@
-"""Asynchronous buffered rounds (`gym-server serve --mode async`): FedBuff under a robust rule.
+"""Asynchronous buffered rounds (`--mode async`): FedBuff under a robust rule, with FedAsync's staleness weight.
 
-Sources: FedBuff (Nguyen et al., "Federated Learning with Buffered Asynchronous Aggregation", AISTATS
-2022) for the buffer and the server learning rate; FedAsync (Xie et al., "Asynchronous Federated
-Optimization", 2019) for the polynomial staleness weight.
-
-A round is a *version*: round r trains on version r - 1 (its base) and, when it flushes, publishes
-version r. A contributor may submit a delta against the base of any round r - s with
-0 <= s <= max_staleness (SubmitHeader.round_id names that round, base_sha256 its base); s is the
-delta's *staleness*, the number of versions published since its base. The delta is stored in the open
-round's buffer. An older base is FAILED_PRECONDITION naming the current version.
-
-Every `buffer_size` (K) accepted deltas the round closes and publishes through the synchronous path
-(rounds.py -> publish.py -> settlement.py), so a flush keeps everything a round guarantees: signed
-submissions, durable before acknowledged, one transaction per publish, an exact redo after a crash.
-What differs, with w(s) = (1 + s) ** -staleness_exponent (FedAsync's "polynomial" weight):
-
-    the mean (STALENESS_AS_WEIGHTS), without DP ("weights"):
-        aggregate  = mean(delta_1 .. delta_K; weights = reputation_i x w(s_i))
-        scale      = 1   (staleness_normalize, the default)   or   sum_i w(s_i) / K   (FedBuff's sum / K)
-    every robust rule, and every rule under DP ("rows"):
-        aggregate  = rule(w(s_1) delta_1 .. w(s_K) delta_K; weights = reputation_i)
-        scale      = K / sum_i w(s_i)   (staleness_normalize)   or   1
-    version r  = base_{r-1} + server_lr x scale x aggregate                         (FedBuff's eta)
-
-Either way the mean's step is the staleness-weighted *average* sum_i w_i delta_i / sum_i w_i by default
-(the normalised weighting of asynchronous FL such as Chen et al., "Asynchronous Online Federated Learning
-for Edge Devices with Non-IID Data", 2020): the weights set each delta's share of the step, and a buffer of
-stale deltas does not take a step shrunk by their mean weight. A robust rule selects and trims on the
-weighted rows it averages: a row's share is its count share, so an attacker who always claims the newest
-base (weight 1) cannot hide among the deltas as submitted and then outweigh the stale honest ones it hid
-among (with weights, ALIE's colluding rows took 0.4-0.97 of Multi-Krum's step). Under DP the rows stay weighted
-before clipping (w <= 1, so a weighted row is never longer than the one submitted and the sensitivity is
-the clip C; DeltaSoup makes the weights uniform there) and scale is 1: it would depend on who is in the
-buffer, and the noise is calibrated for the 1/K step. Which of the two a flush used, and its scale, are
-recorded when the buffer closes (`staleness_applied`, `step_scale`; the sum runs over every delta in the
-buffer as it closed, refused ones included), so a redo merges exactly as the first run did; a flush
-recorded before `staleness_applied` existed is redone with weighted rows.
-
-Stale deltas are applied to the current base, as FedBuff does. The staleness and the weights are
-recorded in RoundInputs.staleness_json when the buffer closes, so a redo merges and pays exactly what
-the first run did.
-
-Pay: a delta is scored and its share of the pool split as in a synchronous round (acceptance and
-reputation from its own score, so being slow never makes it refused); then its amount and score are
-multiplied by w(s) (the amount rounded down; the rest stays unpaid): a stale delta within
-max_staleness is paid less than the same delta fresh, never refused for being slow. Its ledger
-entry's reason names the flush, its staleness and its weight.
+Sources: FedBuff (Nguyen et al., AISTATS 2022) for the buffer and the server learning rate; FedAsync (Xie et
+al., 2019) for w(s) = (1 + s) ** -staleness_exponent. Round r is version r; a delta may name any of the last
+max_staleness bases. Every K deltas the buffer flushes through the synchronous publish path. The mean takes w(s)
+as aggregation weights; every robust rule, and any rule under DP, aggregates the weighted rows w(s) x delta.
+Version r = base + server_lr x step_scale x aggregate. What a flush used is recorded when its buffer closes
+(`Staleness`), so a redo is exact; a stale delta is paid amount x w(s), never refused for being slow.
+Design reasoning: docs/design/async-rounds.md.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 from sqlmodel import select
@@ -63,15 +24,7 @@ from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.errors import FailedPrecondition
 from zoo_gym.server.store.models import Round, RoundInputs, RoundState, Submission
 
-# Rules for which a delta's staleness is an aggregation weight (DeltaSoup's `weights=`): the mean, whose result
-# is the same staleness-weighted average either way, but whose rows then reach DeltaSoup as submitted (LoRA
-# factors: one matmul, no dense rows; validation checks the norms as submitted). Every other rule keeps
-# weighted rows, so that it selects and trims on what it averages: with weights, Multi-Krum chose the
-# colluding ALIE rows (inside the honest deltas' spread) and then gave each, claiming the newest base, 8 to
-# 27 times the weight of an honest delta one or two versions stale (0.4-0.97 of the step: ALIE 1.42x its
-# clean loss); on weighted rows a row's share is its count share, as in a synchronous round. The median and
-# Bulyan take no weights; the geometric median and centered clipping are robust while the outliers' total
-# WEIGHT is below one half (benchmarks/async.py, README "Asynchronous rounds: measured").
+# Rules for which a delta's staleness is an aggregation weight (the rest aggregate weighted rows; see the design)
 STALENESS_AS_WEIGHTS = frozenset({"mean"})
 
 
@@ -143,13 +96,6 @@ def buffer_multi_krum_m(soup: SoupConfig, buffer_size: int) -> int | None:
     return soup.multi_krum_m if soup.multi_krum_m is not None else max(1, buffer_size // 2)
 
 
-def flush_soup(soup: SoupConfig, staleness: dict | None) -> SoupConfig:
-    """The soup a flush aggregates with: Multi-Krum's m as recorded when its buffer closed (a flush recorded
-    before m was recorded, and a synchronous round, keep the configured soup, so a redo is exact)."""
-    m = staleness.get("multi_krum_m") if staleness is not None else None
-    return soup if m is None else replace(soup, multi_krum_m=int(m))
-
-
 def staleness_applied(soup: SoupConfig) -> str:
     """How a flush under `soup` applies w(s): "weights" (aggregation weights on the deltas as submitted: a rule
     in STALENESS_AS_WEIGHTS, no DP) or "rows" (each row multiplied by its weight first)."""
@@ -168,10 +114,6 @@ def step_scale(weights: list[float], *, normalize: bool, applied: str = "rows") 
     return float(ratio if applied == "rows" else 1.0 / ratio)
 
 
-def parse(staleness_json: str | None) -> dict | None:
-    return json.loads(staleness_json) if staleness_json else None
-
-
 def recorded_mode(session) -> dict:
     """The serve mode as the latest closed round recorded it (for `gym-server status`): {"mode": "sync" |
     "async" | None (no round closed yet), "as_of_round", and in async the buffer size, max staleness, server
@@ -179,7 +121,7 @@ def recorded_mode(session) -> dict:
     inputs = session.exec(select(RoundInputs).order_by(RoundInputs.round_id.desc())).first()
     if inputs is None:
         return {"mode": None, "as_of_round": None}
-    recorded = parse(inputs.staleness_json)
+    recorded = json.loads(inputs.staleness_json) if inputs.staleness_json else None
     if recorded is None:
         return {"mode": "sync", "as_of_round": inputs.round_id}
     keys = ("buffer_size", "max_staleness", "server_lr", "staleness_exponent")
@@ -234,54 +176,111 @@ class StalenessScaled:
         return sq * self._w.double() ** 2, numel
 
 
-def weighted_source(source, contributors: list[str], staleness: dict | None):
-    """`source` with each row weighted by its staleness weight (unchanged when every weight is 1)."""
-    if staleness is None:
-        return source
-    weights = [float(staleness["contributors"][c]["weight"]) for c in contributors]
-    if all(w == 1.0 for w in weights):
-        return source
-    return StalenessScaled(source, weights)
+@dataclass(frozen=True)
+class Staleness:
+    """What a flush recorded when its buffer closed (RoundInputs.staleness_json), exactly as stored: the
+    published lineage carries `recorded`; flushes recorded before a field existed read its old meaning."""
+
+    recorded: dict
+
+    @classmethod
+    def parse(cls, text: str | None) -> Staleness | None:
+        return cls(json.loads(text)) if text else None
+
+    @property
+    def applied(self) -> str:
+        return self.recorded.get("staleness_applied", "rows")
+
+    @property
+    def step(self) -> float:
+        """server_lr x step_scale, the factor on the aggregate."""
+        return float(self.recorded["server_lr"]) * float(self.recorded.get("step_scale", 1.0))
+
+    @property
+    def multi_krum_m(self) -> int | None:
+        m = self.recorded.get("multi_krum_m")
+        return None if m is None else int(m)
+
+    def contributor(self, cid: str) -> dict:
+        return self.recorded["contributors"][cid]
+
+    def weights(self, contributors: list[str]) -> list[float]:
+        return [float(self.contributor(c)["weight"]) for c in contributors]
 
 
-def apply_staleness(source, contributors: list[str], staleness: dict | None, weights):
-    """(source, weights) for DeltaSoup.run as the flush recorded (`staleness_applied`): the deltas as submitted
-    and weights x w(s) ("weights"; `weights` None: w(s) alone), or weighted rows and `weights` unchanged ("rows",
-    and every flush recorded before the field existed). Sync rounds (staleness None): both unchanged."""
-    if staleness is None or staleness.get("staleness_applied", "rows") == "rows":
-        return weighted_source(source, contributors, staleness), weights
-    w = torch.tensor([float(staleness["contributors"][c]["weight"]) for c in contributors], dtype=torch.float64)
-    return source, w if weights is None else torch.as_tensor(weights, dtype=torch.float64) * w
+class SyncFlush:
+    """A synchronous round: nothing to adjust."""
 
+    adjusts_pay = False
 
-def server_lr_sink(sink: Callable[[str, torch.Tensor], None], staleness: dict | None):
-    """`sink` receiving server_lr x step_scale x each aggregated tensor, both as recorded when the buffer
-    closed (unchanged in sync mode, or when both are 1; a flush recorded before step_scale existed: 1)."""
-    lr = 1.0 if staleness is None else float(staleness["server_lr"]) * float(staleness.get("step_scale", 1.0))
-    if lr == 1.0:
+    def soup(self, soup: SoupConfig) -> SoupConfig:
+        return soup
+
+    def rows(self, source, contributors: list[str], weights):
+        return source, weights
+
+    def sink(self, sink: Callable[[str, torch.Tensor], None]):
         return sink
-    return lambda name, agg: sink(name, agg * lr)
 
-
-def discount_payouts(plan, staleness: dict | None, *, pool: int):
-    """The settlement plan with each amount scaled by its delta's staleness weight (floor of amount x w;
-    what that withholds stays unpaid), its score likewise, and every entry's reason naming the flush, the
-    delta's staleness and its weight. Who is paid and the reputations are the plan's own, from the raw
-    scores: a stale delta is paid less than the same delta fresh, never refused for being slow."""
-    if plan is None or staleness is None:
+    def payouts(self, plan, *, pool: int):
         return plan
-    info: Mapping[str, dict] = staleness["contributors"]
-    payouts = []
-    for p in plan.payouts:
-        st = info[p.contributor]
-        w = float(st["weight"])
-        amount = int(math.floor(p.amount * w + 1e-9))  # w = 1: exactly the amount
-        tag = (f"flush of version {plan.round_id}: staleness {st['staleness']} (trained on the base of round "
-               f"{st['base_round']}), weight {w:.4g}")
-        if p.paid:
-            reason = (f"paid {amount} of {pool}: score {p.score:.4g} x reputation {p.reputation_before:.3g} "
-                      f"gave {p.amount}, x staleness weight {w:.4g}; {tag}")
-        else:
-            reason = f"{p.reason}; {tag}"
-        payouts.append(replace(p, amount=amount, score=p.score * w, reason=reason))
-    return replace(plan, payouts=payouts)
+
+    def lineage(self) -> dict:
+        return {}
+
+
+class StalenessFlush:
+    """An async flush: the rule, rows, step and pay adjusted by the staleness recorded at close."""
+
+    adjusts_pay = True
+
+    def __init__(self, staleness: Staleness) -> None:
+        self.staleness = staleness
+
+    def soup(self, soup: SoupConfig) -> SoupConfig:
+        """Multi-Krum's m as recorded when the buffer closed (recorded before m was: the configured soup)."""
+        m = self.staleness.multi_krum_m
+        return soup if m is None else replace(soup, multi_krum_m=m)
+
+    def rows(self, source, contributors: list[str], weights):
+        """(source, weights) for DeltaSoup.run: weighted rows ("rows"), or the rows as submitted with weights
+        x w(s) ("weights"; `weights` None: w(s) alone)."""
+        w = self.staleness.weights(contributors)
+        if self.staleness.applied == "rows":
+            return (source if all(x == 1.0 for x in w) else StalenessScaled(source, w)), weights
+        wt = torch.tensor(w, dtype=torch.float64)
+        return source, wt if weights is None else torch.as_tensor(weights, dtype=torch.float64) * wt
+
+    def sink(self, sink: Callable[[str, torch.Tensor], None]):
+        """`sink` receiving server_lr x step_scale x each aggregated tensor."""
+        lr = self.staleness.step
+        return sink if lr == 1.0 else (lambda name, agg: sink(name, agg * lr))
+
+    def payouts(self, plan, *, pool: int):
+        """Each amount and score x its delta's w(s) (amount rounded down; the rest unpaid), every reason naming
+        the flush, the staleness and the weight. Who is paid and the reputations come from the raw scores."""
+        if plan is None:
+            return plan
+        payouts = []
+        for p in plan.payouts:
+            st = self.staleness.contributor(p.contributor)
+            w = float(st["weight"])
+            amount = int(math.floor(p.amount * w + 1e-9))  # w = 1: exactly the amount
+            tag = (f"flush of version {plan.round_id}: staleness {st['staleness']} (trained on the base of round "
+                   f"{st['base_round']}), weight {w:.4g}")
+            if p.paid:
+                reason = (f"paid {amount} of {pool}: score {p.score:.4g} x reputation {p.reputation_before:.3g} "
+                          f"gave {p.amount}, x staleness weight {w:.4g}; {tag}")
+            else:
+                reason = f"{p.reason}; {tag}"
+            payouts.append(replace(p, amount=amount, score=p.score * w, reason=reason))
+        return replace(plan, payouts=payouts)
+
+    def lineage(self) -> dict:
+        return {"async": self.staleness.recorded}
+
+
+def flush_for(staleness_json: str | None) -> SyncFlush | StalenessFlush:
+    """The adjustments of a round as recorded when it closed (no staleness recorded: a synchronous round)."""
+    staleness = Staleness.parse(staleness_json)
+    return SyncFlush() if staleness is None else StalenessFlush(staleness)

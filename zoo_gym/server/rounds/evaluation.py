@@ -1,10 +1,10 @@
 """Held-out evaluation on the server's validation set (built-in for the tiny model, a file otherwise).
 
 One pass per published base serves both the held-out loss and rewards scoring: when a round publishes
-a checkpoint, `loss_of_dir` builds the next round's `ServerEvaluator`, whose `heldout_loss()` takes
+a checkpoint, `Evaluators.measure_published` builds the next round's `ServerEvaluator`, whose `heldout_loss()` takes
 the scoring set's part of the loss from the forward pass of the scoring gradient (so the gradient
 costs scoring only its backward) and evaluates the other validation examples without gradients;
-`evaluator_for` hands that evaluator to the next round (recognised by its weights' sha256). The first
+`Evaluators.for_base` hands that evaluator to the next round (recognised by its weights' sha256). The first
 base after a start has no such pass: its gradient is computed in full when its round is scored.
 """
 
@@ -112,21 +112,6 @@ class ServerEvaluator:
             total, count = total + t, count + c
         return total / max(count, 1)
 
-    def loss_of_dir(self, model_dir: Path, *, checkpoint_sha256: str | None = None) -> float:
-        """Held-out loss of a newly published checkpoint, measured by the evaluator of the round
-        it starts: its scoring gradient is computed in the same pass (`heldout_loss`) and the
-        evaluator is handed to `evaluator_for` when that round is scored (no second model load,
-        no second forward over the scoring set). It is recognised there by `checkpoint_sha256`
-        when given, else by the sha256 of its weights file. Call `release()` first to hold one
-        model at a time."""
-        _cache.clear()  # this base is superseded
-        _prepared.clear()  # one prepared base at a time
-        nxt = ServerEvaluator(Path(model_dir), self.examples, scoring_examples=len(self.scoring_set),
-                              spill_dir=self.spill_dir)
-        loss = nxt.heldout_loss()
-        _prepared[checkpoint_sha256 or _weights_digest(Path(model_dir))] = nxt
-        return loss
-
 
 def _loss_sum(model, tokenizer, examples: list[dict]) -> tuple[float, int]:
     """(summed completion cross-entropy, completion tokens) without gradients."""
@@ -159,33 +144,52 @@ def _weights_digest(model_dir: Path) -> str:
     return h.hexdigest()
 
 
-_cache: dict[str, ServerEvaluator] = {}
-_prepared: dict[str, ServerEvaluator] = {}  # weights sha256 -> evaluator built when it was published
+class Evaluators:
+    """The evaluators of the bases one round manager scores: the current base's (one model in memory), and the
+    one built when the next base was published, whose held-out pass computed that base's scoring gradient
+    (handed back when its round is scored: no second model load, no second forward over the scoring set)."""
 
+    def __init__(self, state: ServerState, config: ServerConfig) -> None:
+        self.state, self.config = state, config
+        self._current: dict[str, ServerEvaluator] = {}
+        self._prepared: dict[str, ServerEvaluator] = {}  # weights sha256 -> evaluator built when it was published
 
-def forget(evaluator: ServerEvaluator) -> None:
-    """Drop `evaluator` from the caches (the next `evaluator_for` of its base builds a fresh one)."""
-    for cache in (_cache, _prepared):
-        for k in [k for k, v in cache.items() if v is evaluator]:
-            del cache[k]
+    def for_base(self, base_sha256: str) -> ServerEvaluator | None:
+        """The evaluator of a base checkpoint (None when `validation_examples` is 0: no held-out loss and no
+        scoring)."""
+        if self.config.validation_examples <= 0:
+            return None
+        if base_sha256 not in self._current:
+            self._current.clear()  # one base at a time: a model in memory is enough
+            examples = list(_validation_examples(self.config.validation_data, self.config.validation_examples))
+            base_dir = self.state.checkpoint_dir(base_sha256)
+            ready = self._prepared.pop(base_sha256, None)
+            if ready is None and self._prepared:
+                ready = self._prepared.pop(_weights_digest(base_dir), None)
+            self._prepared.clear()
+            if ready is not None and ready.examples == examples:
+                self._current[base_sha256] = ready  # its scoring gradient came with the held-out loss
+            else:
+                self._current[base_sha256] = ServerEvaluator(base_dir, examples, spill_dir=self.state.work_dir)
+        return self._current[base_sha256]
 
+    def measure_published(self, evaluator: ServerEvaluator, model_dir: Path, *,
+                          checkpoint_sha256: str | None = None) -> float:
+        """Held-out loss of a newly published checkpoint, measured by the evaluator of the round it starts
+        (kept for `for_base`, recognised by `checkpoint_sha256`, else by its weights' sha256). Call
+        `evaluator.release()` first to hold one model at a time."""
+        self._current.clear()  # this base is superseded
+        self._prepared.clear()  # one prepared base at a time
+        nxt = ServerEvaluator(Path(model_dir), evaluator.examples, scoring_examples=len(evaluator.scoring_set),
+                              spill_dir=evaluator.spill_dir)
+        loss = nxt.heldout_loss()
+        self._prepared[checkpoint_sha256 or _weights_digest(Path(model_dir))] = nxt
+        return loss
 
-def evaluator_for(state: ServerState, config: ServerConfig, base_sha256: str) -> ServerEvaluator | None:
-    """The evaluator of a base checkpoint (None when `validation_examples` is 0: no held-out loss and no
-    scoring)."""
-    if config.validation_examples <= 0:
-        return None
-    key = f"{state.root}:{base_sha256}"
-    if key not in _cache:
-        _cache.clear()  # one base at a time: a model in memory is enough
-        examples = list(_validation_examples(config.validation_data, config.validation_examples))
-        base_dir = state.checkpoint_dir(base_sha256)
-        ready = _prepared.pop(base_sha256, None)
-        if ready is None and _prepared:
-            ready = _prepared.pop(_weights_digest(base_dir), None)
-        _prepared.clear()
-        if ready is not None and ready.examples == examples:
-            _cache[key] = ready  # built at publish; its scoring gradient came with the held-out loss
-        else:
-            _cache[key] = ServerEvaluator(base_dir, examples, spill_dir=state.work_dir)
-    return _cache[key]
+    def forget(self, evaluator: ServerEvaluator | None) -> None:
+        """Drop a released `evaluator` (the next `for_base` of its base builds a fresh one)."""
+        if evaluator is None or not evaluator.released:
+            return
+        for cache in (self._current, self._prepared):
+            for k in [k for k, v in cache.items() if v is evaluator]:
+                del cache[k]

@@ -21,12 +21,13 @@ from datetime import datetime, timezone
 
 from sqlmodel import select
 
-from zoo_gym.server.transport import handlers
 from zoo_gym.server.config import ServerConfig
-from zoo_gym.server.transport.metrics import ServerMetrics
+from zoo_gym.server.metrics import ServerMetrics
 from zoo_gym.server.store.models import Round, RoundState, Submission
+from zoo_gym.server.rounds.evaluation import Evaluators
+from zoo_gym.server.rounds.policy import policy_for
 from zoo_gym.server.rounds.publish import publish_round, record_round_inputs
-from zoo_gym.server.store.state import ServerState
+from zoo_gym.server.store.state import ServerState, count_submissions
 
 log = logging.getLogger("zoo_gym.server")
 
@@ -37,6 +38,8 @@ class RoundManager:
     def __init__(self, state: ServerState, config: ServerConfig) -> None:
         self.state = state
         self.config = config
+        self.policy = policy_for(config)  # sync or async, chosen once
+        self.evaluators = Evaluators(state, config)  # the bases' evaluators, kept from round to round
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="round-manager", daemon=True)
@@ -97,18 +100,19 @@ class RoundManager:
             rnd.closed_at = datetime.now(timezone.utc)
             s.add(rnd)
             subs = list(s.exec(select(Submission).where(Submission.round_id == round_id).order_by(Submission.id)))
-            if self.config.mode == "async":
-                for later in subs[max(rnd.needs, self.config.buffer_size):]:
+            holds = self.policy.holds(rnd)
+            if holds is not None:
+                for later in subs[holds:]:
                     later.round_id = round_id + 1
                     s.add(later)
-                subs = subs[:max(rnd.needs, self.config.buffer_size)]
+                subs = subs[:holds]
             contributors = [sub.contributor_id for sub in subs]
-            record_round_inputs(self.state, self.config, round_id, contributors, s)  # same transaction
+            record_round_inputs(self.state, self.config, self.policy, round_id, contributors, s)  # same transaction
             s.commit()
         return len(contributors)
 
     def _ensure_deadline(self) -> None:
-        if self.config.mode == "async":  # a buffer has no deadline: it flushes every buffer_size deltas
+        if not self.policy.has_deadline:
             return
         with self.state.write_lock, self.state.session() as s:
             rnd = self.state.current_round(s)
@@ -137,14 +141,10 @@ class RoundManager:
         if rnd is None or rnd.state in (RoundState.HALTED, RoundState.PUBLISHED):
             return
         if rnd.state == RoundState.OPEN:
-            n = handlers.submissions_count(self.state, rnd.id)
-            if self.config.mode == "async":  # a buffer flushes every buffer_size deltas (async_rounds.py)
-                ready = n >= max(rnd.needs, self.config.buffer_size)
-            else:
-                ready = n >= rnd.needs and (n >= self.config.effective_quorum or (
-                    handlers.deadline_passed(rnd) and n >= self.config.min_contributors))
-                if not ready and handlers.deadline_passed(rnd):
-                    ready = self._close_or_extend(rnd, n)
+            n = count_submissions(self.state, rnd.id)
+            ready = self.policy.ready(rnd, n)
+            if not ready and self.policy.timed_out(rnd):
+                ready = self._close_or_extend(rnd, n)
             if not ready:
                 return
             n = self._close(rnd.id)
@@ -153,7 +153,7 @@ class RoundManager:
         with self.state.session() as s:
             subs = list(s.exec(select(Submission).where(Submission.round_id == rnd.id).order_by(Submission.id)))
         started = time.perf_counter()
-        outcome = publish_round(self.state, self.config, rnd, subs)
+        outcome = publish_round(self.state, self.config, rnd, subs, policy=self.policy, evaluators=self.evaluators)
         seconds = time.perf_counter() - started
         if outcome.startswith("published"):
             self.metrics.publish.observe(seconds)

@@ -14,7 +14,7 @@ import json
 import logging
 import math
 from contextlib import ExitStack
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from datetime import datetime, timezone
 
 import torch
@@ -22,12 +22,13 @@ from cryptography.hazmat.primitives import serialization
 from sqlmodel import func, select
 
 from zoo_gym import codec
-from zoo_gym.aggregation import DeltaSoup, NotRobustConfigError, PrivacyAccountant, PrivacyBudgetExceeded
+from zoo_gym.aggregation import DeltaSoup, NotRobustConfigError, PrivacyAccountant, PrivacyBudgetExceeded, SoupConfig
 from zoo_gym.server.rounds import async_rounds
 from zoo_gym.server.store import master_weights
 from zoo_gym.server.store.checkpoint_writer import CheckpointWriter, SafetensorsReader, master_path, threads_beside_writers
 from zoo_gym.server.config import ServerConfig
-from zoo_gym.server.rounds.evaluation import evaluator_for, forget
+from zoo_gym.server.rounds.evaluation import Evaluators, ServerEvaluator
+from zoo_gym.server.rounds.policy import policy_for
 from zoo_gym.server.rounds.faults import crash_point
 from zoo_gym.gym_train.memory import release_memory
 from zoo_gym.server.store.models import Checkpoint, Contributor, Round, RoundInputs, RoundState, Submission
@@ -161,7 +162,7 @@ def round_generator(state: ServerState, base_sha256: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "big"))
 
 
-def record_round_inputs(state: ServerState, config: ServerConfig, round_id: int, contributors: list[str],
+def record_round_inputs(state: ServerState, config: ServerConfig, policy, round_id: int, contributors: list[str],
                         session) -> RoundInputs:
     """Copy what the round's outcome depends on (reputations, clip norm) into its row, with the population
     (registered contributors, for the record: privacy is accounted with q = 1, not from it).
@@ -171,17 +172,16 @@ def record_round_inputs(state: ServerState, config: ServerConfig, round_id: int,
     reps = current_reputations(state, config, contributors, session=session)
     inputs = RoundInputs(round_id=round_id, reputations_json=json.dumps(reps, sort_keys=True),
                          dp_clip=_last_dp_clip(session, round_id), population=max(population, 1))
-    if config.mode == "async":  # each delta's staleness and weight, as the buffer closed (async_rounds.py)
-        inputs.staleness_json = async_rounds.record_staleness(session, round_id, config)
+    inputs.staleness_json = policy.record(session, round_id)  # async: each delta's staleness and weight
     session.add(inputs)
     return inputs
 
 
-def _round_inputs(state: ServerState, config: ServerConfig, rnd: Round, contributors: list[str]) -> RoundInputs:
+def _round_inputs(state: ServerState, config: ServerConfig, policy, rnd: Round, contributors: list[str]) -> RoundInputs:
     with state.write_lock, state.session() as s:
         inputs = s.get(RoundInputs, rnd.id)
         if inputs is None:  # closed by a version that did not record them: record them now, once
-            inputs = record_round_inputs(state, config, rnd.id, contributors, s)
+            inputs = record_round_inputs(state, config, policy, rnd.id, contributors, s)
             s.commit()
         return inputs
 
@@ -197,169 +197,247 @@ def _reopen(state: ServerState, round_id: int, needs: int, message: str) -> None
         s.commit()
 
 
-def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: list[Submission]) -> str:
+@dataclass
+class RoundJob:
+    """What `load` gathers for one round's publish: the inputs recorded at close and the history before it."""
+
+    rnd: Round
+    subs: list[Submission]
+    contributors: list[str]
+    inputs: RoundInputs
+    reputations: dict[str, float]
+    flush: async_rounds.SyncFlush | async_rounds.StalenessFlush
+    soup: SoupConfig
+    accountant: PrivacyAccountant
+    shapes: dict[str, tuple[int, ...]]
+    keep_master: bool
+    parent_measured: bool
+    ancestors: list[dict]
+
+
+@dataclass
+class Streams:
+    """The round's open inputs and outputs while it aggregates and writes (closed by the ExitStack)."""
+
+    source: object
+    evaluator: ServerEvaluator | None
+    writer: CheckpointWriter
+    ckpt_blob: object
+    master_blob: object | None
+
+
+@dataclass
+class Written:
+    """What `write` produced: the checkpoint blob and everything `commit` records with it."""
+
+    sha: str
+    size: int
+    lineage: dict
+    report_json: str
+    privacy: object
+    plan: object
+    parent_loss: float | None
+    heldout: float | None
+
+
+def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: list[Submission], *,
+                  policy=None, evaluators: Evaluators | None = None) -> str:
     """Aggregate `subs` onto the round's base, publish, open the next round. Returns a one-line outcome.
 
-    A pure function of what is stored: the submissions, the inputs recorded at close, the rounds
-    published before and the base's float32 master. Nothing is written until the checkpoint blob
-    (content-addressed, so a redo writes the same one; the master blob likewise) and then one
-    transaction: ledger entries, reputations, checkpoint row, round report, next round. A crash
-    anywhere before that commit is redone from the start with the same result.
-
-    Memory: one tensor x contributors for the aggregation (the new weights stream to disk as they are
-    aggregated, zoo_gym/server/store/checkpoint_writer.py), plus, with scoring, the evaluator's model and
-    its gradient; the gradient is dropped once the slopes are taken and the model before the new
-    checkpoint is loaded for its held-out loss.
+    A pure function of what is stored: the submissions, the inputs recorded at close, the rounds published
+    before and the base's float32 master. Steps: load -> aggregate -> settle -> write -> commit. Nothing is
+    written until the checkpoint blob (content-addressed, so a redo writes the same one) and then one
+    transaction (ledger entries, reputations, checkpoint row, round report, next round): a crash anywhere
+    before that commit is redone from the start with the same result. Memory: one tensor x contributors for
+    the aggregation, plus, with scoring, the evaluator's model and its gradient (dropped once used).
     """
-    soup_config = config.soup
+    policy = policy or policy_for(config)
+    evaluators = evaluators or Evaluators(state, config)
+    job = load(state, config, policy, rnd, subs)
+    with ExitStack() as stack:
+        streams = open_streams(state, config, job, evaluators, stack)
+        report = aggregate(state, config, job, streams)
+        if isinstance(report, str):
+            return report  # reopened or halted
+        crash_point("aggregated")
+        plan, rewards_summary = settle(state, config, job, streams, report)
+        crash_point("settled")
+        written = write(state, job, streams, evaluators, report, plan, rewards_summary)
+    crash_point("blob-written")
+    commit(state, config, job, written)
+    crash_point("committed")
+    log.info("round %d phase=done", rnd.id)
+    loss = f", held-out loss {written.heldout:.4f}" if written.heldout is not None else ""
+    return f"published {written.sha[:12]} from {len(job.contributors)} submissions{loss}"
+
+
+def load(state: ServerState, config: ServerConfig, policy, rnd: Round, subs: list[Submission]) -> RoundJob:
+    """The base's shapes, the inputs recorded at close, the privacy history and the lineage before it."""
     log.info("round %d phase=load", rnd.id)
-    base_archive = state.blobs.path(rnd.base_sha256)  # read in place: no unpacked copy is needed
-    with SafetensorsReader.in_archive(base_archive) as r:
+    with SafetensorsReader.in_archive(state.blobs.path(rnd.base_sha256)) as r:  # read in place
         shapes = r.shapes()
         keep_master = master_weights.needs_master(r.infos)
     contributors = [s.contributor_id for s in subs]
-    inputs = _round_inputs(state, config, rnd, contributors)
-    reputations = json.loads(inputs.reputations_json)
-    staleness = async_rounds.parse(inputs.staleness_json)  # None: a synchronous round
-    soup_config = async_rounds.flush_soup(soup_config, staleness)  # async Multi-Krum: m as recorded
+    inputs = _round_inputs(state, config, policy, rnd, contributors)
+    flush = async_rounds.flush_for(inputs.staleness_json)  # as recorded: a sync round adjusts nothing
     with state.session() as s:
         # Every round is accounted with q = 1: contributors choose to submit and the server samples nobody,
-        # so amplification by subsampling does not apply (aggregation/privacy.py). Rounds that an older
-        # version recorded with q = m / registered contributors (which free registrations shrank) count at q = 1.
+        # so amplification by subsampling does not apply (aggregation/privacy.py).
         history = [(r.dp_noise_multiplier, 1.0, 1) for r in s.exec(
             select(Round).where(Round.dp_noise_multiplier.is_not(None), Round.state == RoundState.PUBLISHED,
                                 Round.id < rnd.id).order_by(Round.id))]
         parent = s.get(Checkpoint, rnd.base_sha256)
         parent_measured = parent is None or parent.heldout_loss is not None
         ancestors = _ancestors(s, parent)
-    accountant = PrivacyAccountant(history)
+    return RoundJob(rnd=rnd, subs=subs, contributors=contributors, inputs=inputs,
+                    reputations=json.loads(inputs.reputations_json), flush=flush, soup=flush.soup(config.soup),
+                    accountant=PrivacyAccountant(history), shapes=shapes, keep_master=keep_master,
+                    parent_measured=parent_measured, ancestors=ancestors)
+
+
+def open_streams(state: ServerState, config: ServerConfig, job: RoundJob, evaluators: Evaluators,
+                 stack: ExitStack) -> Streams:
+    """Map the payloads, get the base's evaluator (scoring), open the checkpoint (and master) blob writers."""
+    rnd = job.rnd
+    payloads = [stack.enter_context(state.blobs.mapped(sub.payload_sha256)) for sub in job.subs]
+    evaluator = evaluators.for_base(rnd.base_sha256)
+    stack.callback(evaluators.forget, evaluator)  # a retry of this round rebuilds a released one
+    log.info("round %d phase=scoring-gradient", rnd.id)
+    stored = StoredDeltas(payloads, job.contributors, job.shapes)
+    source = scoring_tap(config, stored, evaluator)
+    ckpt_blob = stack.enter_context(state.blobs.writer(streamed=True))
+    master_blob = stack.enter_context(state.blobs.writer(streamed=True)) if job.keep_master else None
     master_file = master_path(state, rnd.base_sha256)
+    master = stack.enter_context(SafetensorsReader(master_file, streamed=True)) if master_file is not None else None
+    writer = CheckpointWriter(state.blobs.path(rnd.base_sha256), master=master, changed=stored.names(),
+                              ckpt_blob=ckpt_blob, master_blob=master_blob)
+    stack.callback(writer.close)
+    return Streams(source=source, evaluator=evaluator, writer=writer, ckpt_blob=ckpt_blob, master_blob=master_blob)
 
-    with ExitStack() as stack:
-        payloads = []
-        for sub in subs:
-            payloads.append(stack.enter_context(state.blobs.mapped(sub.payload_sha256)))
-        evaluator = evaluator_for(state, config, rnd.base_sha256)
-        stack.callback(_forget_if_released, evaluator)
-        log.info("round %d phase=scoring-gradient", rnd.id)
-        stored = StoredDeltas(payloads, contributors, shapes)
-        source = scoring_tap(config, stored, evaluator)
-        weights = aggregation_weights(config, contributors, reputations)
-        gen = round_generator(state, rnd.base_sha256)
-        ckpt_blob = stack.enter_context(state.blobs.writer(streamed=True))
-        master_blob = stack.enter_context(state.blobs.writer(streamed=True)) if keep_master else None
-        master = (stack.enter_context(SafetensorsReader(master_file, streamed=True))
-                  if master_file is not None else None)
-        writer = CheckpointWriter(base_archive, master=master, changed=stored.names(), ckpt_blob=ckpt_blob,
-                                  master_blob=master_blob)
-        stack.callback(writer.close)
-        log.info("round %d phase=aggregation", rnd.id)
-        try:
-            # async: w(s) as aggregation weights or on the rows, as recorded; server_lr x step_scale x out
-            rows, row_weights = async_rounds.apply_staleness(source, contributors, staleness, weights)
-            with threads_beside_writers():  # the writer's two threads stream while the soup computes
-                report = DeltaSoup(soup_config, dp_clip=inputs.dp_clip).run(
-                    rows, async_rounds.server_lr_sink(writer.sink, staleness), weights=row_weights, generator=gen,
-                    accountant=accountant)  # q = 1, as above
-        except NotRobustConfigError as exc:
-            _reopen(state, rnd.id, len(subs) + 1, f"waiting for more submissions: {exc}")
-            return f"REOPENED ({exc})"
-        except PrivacyBudgetExceeded as exc:
-            with state.write_lock, state.session() as s:
-                r = s.get(Round, rnd.id)
-                r.state = RoundState.HALTED
-                r.message = f"halted: {exc}"
-                s.add(r)
-                s.commit()
-            return f"HALTED ({exc})"
-        crash_point("aggregated")
-        log.info("round %d phase=scoring", rnd.id)
-        if evaluator is not None:
-            evaluator.release_gradient()  # the slopes are taken: keep its loss and norm, free the tensors
-        plan, rewards_summary = plan_rewards(state, config, rnd, source, report, evaluator, reputations=reputations)
-        if staleness is not None and plan is not None:  # a stale delta is paid less (async_rounds.py)
-            plan = async_rounds.discount_payouts(plan, staleness, pool=plan.pool)
-            rewards_summary["payouts"] = [asdict(p) for p in plan.payouts]
-        crash_point("settled")
 
-        report_json = json.dumps(_jsonable({"soup": report, "rewards": rewards_summary}), sort_keys=True)
-        privacy = getattr(report, "privacy", None)
-        parent_loss = None
-        if evaluator is not None and not parent_measured:
-            log.info("round %d phase=parent-evaluation", rnd.id)
-            parent_loss = evaluator.loss(None)  # genesis: measured once, on the same set
-        accepted = _accepted(report, len(contributors))
-        lineage = {
-            "round": rnd.id,
-            "base_model": state.base_model,
-            "parent_sha256": rnd.base_sha256,
-            "contributors": contributors,
-            "accepted": [c for c, ok in zip(contributors, accepted) if ok],
-            "submissions": [{"contributor": sub.contributor_id, "method": _method(sub), "accepted": ok}
-                            for sub, ok in zip(subs, accepted)],
-            "aggregator": soup_config.aggregator,
-            **({"async": staleness} if staleness is not None else {}),
-            "privacy": _jsonable(privacy),
-            # earlier rounds, genesis first, so a pulled checkpoint's model card shows the whole lineage
-            "history": [*ancestors[:-1], {**ancestors[-1], "heldout_loss": parent_loss}] if parent_loss is not None
-            else ancestors,
-        }
-        log.info("round %d phase=write", rnd.id)
-        writer.finish_weights()
-        if master_blob is not None:
-            lineage["master_sha256"] = master_blob.commit()  # what the published weights lack of float32
-            lineage["master_dtype"] = "float32"  # its precision (stored as low halves: master_weights.py)
-        writer.finish(sign_lineage(lineage, key=state.key))  # the archive's manifest carries the server's signature
-        log.info("round %d phase=pack", rnd.id)
-        sha = ckpt_blob.commit()
-        size = state.blobs.size(sha)
-        heldout = None
-        if evaluator is not None:
-            log.info("round %d phase=evaluation", rnd.id)
-            evaluator.release()  # one model in memory: this base's goes before the new one loads
-            stored = source = None  # and the decoded rows they cached (up to 512 MB)
-            release_memory()
-            heldout = evaluator.loss_of_dir(state.checkpoint_dir(sha), checkpoint_sha256=sha)  # unpacked here
-    crash_point("blob-written")
+def aggregate(state: ServerState, config: ServerConfig, job: RoundJob, streams: Streams):
+    """DeltaSoup over the stored deltas into the checkpoint writer; a string outcome when the round reopens
+    (too few acceptable deltas for the rule) or halts (the privacy budget is spent)."""
+    rnd = job.rnd
+    weights = aggregation_weights(config, job.contributors, job.reputations)
+    gen = round_generator(state, rnd.base_sha256)
+    log.info("round %d phase=aggregation", rnd.id)
+    try:
+        # async: w(s) as aggregation weights or on the rows, as recorded; server_lr x step_scale x out
+        rows, row_weights = job.flush.rows(streams.source, job.contributors, weights)
+        with threads_beside_writers():  # the writer's two threads stream while the soup computes
+            return DeltaSoup(job.soup, dp_clip=job.inputs.dp_clip).run(
+                rows, job.flush.sink(streams.writer.sink), weights=row_weights, generator=gen,
+                accountant=job.accountant)  # q = 1, as above
+    except NotRobustConfigError as exc:
+        _reopen(state, rnd.id, len(job.subs) + 1, f"waiting for more submissions: {exc}")
+        return f"REOPENED ({exc})"
+    except PrivacyBudgetExceeded as exc:
+        with state.write_lock, state.session() as s:
+            r = s.get(Round, rnd.id)
+            r.state = RoundState.HALTED
+            r.message = f"halted: {exc}"
+            s.add(r)
+            s.commit()
+        return f"HALTED ({exc})"
+
+
+def settle(state: ServerState, config: ServerConfig, job: RoundJob, streams: Streams, report):
+    """Score the contributions and plan the pay (an async flush pays amount x w(s))."""
+    log.info("round %d phase=scoring", job.rnd.id)
+    if streams.evaluator is not None:
+        streams.evaluator.release_gradient()  # the slopes are taken: keep its loss and norm, free the tensors
+    plan, rewards_summary = plan_rewards(state, config, job.rnd, streams.source, report, streams.evaluator,
+                                         reputations=job.reputations)
+    if job.flush.adjusts_pay and plan is not None:
+        plan = job.flush.payouts(plan, pool=plan.pool)
+        rewards_summary["payouts"] = [asdict(p) for p in plan.payouts]
+    return plan, rewards_summary
+
+
+def write(state: ServerState, job: RoundJob, streams: Streams, evaluators: Evaluators, report, plan,
+          rewards_summary) -> Written:
+    """Finish the checkpoint with its signed lineage, pack it into the blob store, and measure its held-out loss."""
+    rnd, evaluator = job.rnd, streams.evaluator
+    report_json = json.dumps(_jsonable({"soup": report, "rewards": rewards_summary}), sort_keys=True)
+    privacy = getattr(report, "privacy", None)
+    parent_loss = None
+    if evaluator is not None and not job.parent_measured:
+        log.info("round %d phase=parent-evaluation", rnd.id)
+        parent_loss = evaluator.loss(None)  # genesis: measured once, on the same set
+    lineage = _lineage(state, job, report, privacy, parent_loss)
+    log.info("round %d phase=write", rnd.id)
+    streams.writer.finish_weights()
+    if streams.master_blob is not None:
+        lineage["master_sha256"] = streams.master_blob.commit()  # what the published weights lack of float32
+        lineage["master_dtype"] = "float32"  # its precision (stored as low halves: master_weights.py)
+    streams.writer.finish(sign_lineage(lineage, key=state.key))  # the manifest carries the server's signature
+    log.info("round %d phase=pack", rnd.id)
+    sha = streams.ckpt_blob.commit()
+    heldout = None
+    if evaluator is not None:
+        log.info("round %d phase=evaluation", rnd.id)
+        evaluator.release()  # one model in memory: this base's goes before the new one loads
+        streams.source = None  # and the decoded rows it cached (up to 512 MB)
+        release_memory()
+        heldout = evaluators.measure_published(evaluator, state.checkpoint_dir(sha), checkpoint_sha256=sha)
+    return Written(sha=sha, size=state.blobs.size(sha), lineage=lineage, report_json=report_json, privacy=privacy,
+                   plan=plan, parent_loss=parent_loss, heldout=heldout)
+
+
+def _lineage(state: ServerState, job: RoundJob, report, privacy, parent_loss: float | None) -> dict:
+    rnd, contributors = job.rnd, job.contributors
+    accepted = [bool(c.accepted) for c in report.contributors]
+    ancestors = job.ancestors
+    return {
+        "round": rnd.id,
+        "base_model": state.base_model,
+        "parent_sha256": rnd.base_sha256,
+        "contributors": contributors,
+        "accepted": [c for c, ok in zip(contributors, accepted) if ok],
+        "submissions": [{"contributor": sub.contributor_id, "method": _method(sub), "accepted": ok}
+                        for sub, ok in zip(job.subs, accepted)],
+        "aggregator": job.soup.aggregator,
+        **job.flush.lineage(),
+        "privacy": _jsonable(privacy),
+        # earlier rounds, genesis first, so a pulled checkpoint's model card shows the whole lineage
+        "history": [*ancestors[:-1], {**ancestors[-1], "heldout_loss": parent_loss}] if parent_loss is not None
+        else ancestors,
+    }
+
+
+def commit(state: ServerState, config: ServerConfig, job: RoundJob, w: Written) -> None:
+    """One transaction: ledger entries and reputations, the checkpoint row, the round's report, the next round."""
+    rnd = job.rnd
     log.info("round %d phase=commit", rnd.id)
     with state.write_lock, state.session() as s:
-        record_settlement(state, config, plan, s)
+        record_settlement(state, config, w.plan, s)
         parent = s.get(Checkpoint, rnd.base_sha256)
-        if parent is not None and parent.heldout_loss is None and parent_loss is not None:
-            parent.heldout_loss = parent_loss
+        if parent is not None and parent.heldout_loss is None and w.parent_loss is not None:
+            parent.heldout_loss = w.parent_loss
             s.add(parent)
-        if s.get(Checkpoint, sha) is None:
-            # The archive holds what defines the checkpoint, so the same inputs publish the same bytes;
-            # the row adds when things happened and the loss measured on the written weights (the rows
-            # themselves are the history).
-            row_manifest = {k: v for k, v in lineage.items() if k != "history"}
-            row_manifest.update(heldout_loss=heldout, opened_at=_iso(rnd.opened_at), closed_at=_iso(rnd.closed_at),
-                                received_at={sub.contributor_id: _iso(sub.received_at) for sub in subs})
-            s.add(Checkpoint(sha256=sha, round_id=rnd.id, parent_sha256=rnd.base_sha256, size=size,
-                             heldout_loss=heldout, manifest_json=json.dumps(row_manifest, sort_keys=True)))
+        if s.get(Checkpoint, w.sha) is None:
+            # The archive holds what defines the checkpoint, so the same inputs publish the same bytes; the
+            # row adds when things happened and the loss measured on the written weights.
+            row_manifest = {k: v for k, v in w.lineage.items() if k != "history"}
+            row_manifest.update(heldout_loss=w.heldout, opened_at=_iso(rnd.opened_at), closed_at=_iso(rnd.closed_at),
+                                received_at={sub.contributor_id: _iso(sub.received_at) for sub in job.subs})
+            s.add(Checkpoint(sha256=w.sha, round_id=rnd.id, parent_sha256=rnd.base_sha256, size=w.size,
+                             heldout_loss=w.heldout, manifest_json=json.dumps(row_manifest, sort_keys=True)))
         r = s.get(Round, rnd.id)
         r.state = RoundState.PUBLISHED
-        r.published_sha256 = sha
-        r.aggregator = soup_config.aggregator
-        r.report_json = report_json
-        if privacy is not None:
-            r.dp_epsilon_round = privacy.epsilon_round
-            r.dp_epsilon_total = privacy.epsilon_total
-            r.dp_noise_multiplier = privacy.noise_multiplier
-            r.dp_sample_rate = privacy.q
+        r.published_sha256 = w.sha
+        r.aggregator = job.soup.aggregator
+        r.report_json = w.report_json
+        if w.privacy is not None:
+            r.dp_epsilon_round = w.privacy.epsilon_round
+            r.dp_epsilon_total = w.privacy.epsilon_total
+            r.dp_noise_multiplier = w.privacy.noise_multiplier
+            r.dp_sample_rate = w.privacy.q
         s.add(r)
         if s.get(Round, rnd.id + 1) is None:
-            s.add(Round(id=rnd.id + 1, state=RoundState.OPEN, base_sha256=sha, aggregator=soup_config.aggregator))
+            s.add(Round(id=rnd.id + 1, state=RoundState.OPEN, base_sha256=w.sha, aggregator=job.soup.aggregator))
         s.commit()
-    crash_point("committed")
-    log.info("round %d phase=done", rnd.id)
-    loss = f", held-out loss {heldout:.4f}" if heldout is not None else ""
-    return f"published {sha[:12]} from {len(contributors)} submissions{loss}"
-
-
-def _forget_if_released(evaluator) -> None:
-    if evaluator is not None and evaluator.released:
-        forget(evaluator)  # a retry of this round rebuilds it
 
 
 def _iso(when: datetime | None) -> str | None:
@@ -391,10 +469,6 @@ def _ancestors(session, parent: Checkpoint | None) -> list[dict]:
         chain.append({**manifest, "sha256": node.sha256, "heldout_loss": node.heldout_loss})
         node = session.get(Checkpoint, node.parent_sha256) if node.parent_sha256 else None
     return chain[::-1]
-
-
-def _accepted(report, n: int) -> list[bool]:
-    return [bool(c.accepted) for c in report.contributors]
 
 
 def _last_dp_clip(session, round_id: int) -> float | None:

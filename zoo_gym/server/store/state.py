@@ -39,7 +39,7 @@ from zoo_gym.proto import archive
 from zoo_gym.server.store import migrations
 from zoo_gym.server.store.blobs import BlobStore
 from zoo_gym.server.store.engine import make_engine
-from zoo_gym.server.store.models import Round
+from zoo_gym.server.store.models import Round, Submission
 
 STATE_FILE = "state.json"
 DB_FILE = "server.db"
@@ -325,3 +325,11 @@ def migrate_state(state_dir: Path, *, db_url: str | None = None, dry_run: bool =
         return report
     finally:
         lock.release()
+
+
+def count_submissions(state: ServerState, round_id: int) -> int:
+    """Submissions stored in round `round_id`."""
+    from sqlmodel import func
+
+    with state.session() as s:
+        return int(s.exec(select(func.count()).select_from(Submission).where(Submission.round_id == round_id)).one())

@@ -42,7 +42,6 @@ from zoo_gym.server.store.models import (
     Checkpoint,
     Contributor,
     Round,
-    RoundState,
     SpentInvite,
     Submission,
     UsedNonce,
@@ -230,7 +229,7 @@ def base_manifest(state: ServerState, sha256: str) -> dict[str, tuple[tuple[int,
     return _base_manifest(str(state.blobs.path(sha256)))
 
 
-def _check_header(h: SubmitHeader, state: ServerState, config: ServerConfig) -> tuple[Round, bytes]:
+def _check_header(h: SubmitHeader, state: ServerState, config: ServerConfig, policy) -> tuple[Round, bytes]:
     if not _ID.match(h.contributor_id):
         raise InvalidArgument("contributor_id must be the 32-hex id returned by Register")
     for field_name in ("base_sha256", "payload_sha256"):
@@ -256,25 +255,8 @@ def _check_header(h: SubmitHeader, state: ServerState, config: ServerConfig) -> 
         if s.get(UsedNonce, (h.contributor_id, h.nonce.hex())) is not None:
             raise AlreadyExists("this nonce was already used: a replayed submission is refused")
         rnd = state.current_round(s)
-        _check_round(s, rnd, h, config)
+        policy.check_base(s, rnd, round_id=h.round_id, base_sha256=h.base_sha256, contributor_id=h.contributor_id)
     return rnd, bytes.fromhex(contributor.public_key)
-
-
-def _check_round(s, rnd: Round | None, h: SubmitHeader, config: ServerConfig) -> None:
-    if config.mode == "async":  # any of the last max_staleness bases (async_rounds.py), one delta per buffer
-        from zoo_gym.server.rounds.async_rounds import check_base
-
-        check_base(s, rnd, round_id=h.round_id, base_sha256=h.base_sha256, max_staleness=config.max_staleness)
-    elif rnd is None or rnd.id != h.round_id or rnd.state != RoundState.OPEN:
-        current = f"round {rnd.id} is {rnd.state.value}" if rnd else "no round exists"
-        raise FailedPrecondition(f"round {h.round_id} is not open for submissions ({current}); "
-                                 "fetch the current round and train on its base")
-    elif h.base_sha256 != rnd.base_sha256:
-        raise FailedPrecondition(f"the delta is relative to base {h.base_sha256[:12]}..., but round {rnd.id} "
-                                 f"trains on {rnd.base_sha256[:12]}...: download the current base and retrain")
-    if s.exec(select(Submission.id).where(Submission.round_id == rnd.id,
-                                         Submission.contributor_id == h.contributor_id)).first() is not None:
-        raise AlreadyExists(f"contributor {h.contributor_id} already has an accepted submission in round {rnd.id}")
 
 
 def _check_payload(payload, h: SubmitHeader, base: dict[str, tuple[tuple[int, ...], str]],
@@ -340,14 +322,14 @@ class UploadGate:
 
 
 def submit_delta(header: SubmitHeader, chunks: Iterable[bytes], *, state: ServerState,
-                 config: ServerConfig, gate: UploadGate) -> Submission:
+                 config: ServerConfig, policy, gate: UploadGate) -> Submission:
     """Verify, receive, validate, store durably, then record. Raises GymError; stores nothing on error.
 
     The blob becomes visible in the store only under the write lock, after the round and the nonce
     were checked again there, and in the same critical section as the row's commit: a refusal at any
     stage leaves neither a blob nor a temporary file.
     """
-    rnd, _ = _check_header(header, state, config)
+    rnd, _ = _check_header(header, state, config, policy)
     try:
         meta = json.loads(header.metadata_json or "{}")
         if not isinstance(meta, dict):
@@ -382,7 +364,8 @@ def submit_delta(header: SubmitHeader, chunks: Iterable[bytes], *, state: Server
         with state.write_lock, state.session() as s:
             # Re-check under the lock: the round may have closed, or a twin request won the race.
             rnd = state.current_round(s)  # async: a flush may have opened the next buffer meanwhile
-            _check_round(s, rnd, header, config)
+            policy.check_base(s, rnd, round_id=header.round_id, base_sha256=header.base_sha256,
+                              contributor_id=header.contributor_id)
             sub.round_id = rnd.id
             if s.get(UsedNonce, (header.contributor_id, header.nonce.hex())) is not None:
                 raise AlreadyExists("this nonce was already used: a replayed submission is refused")
@@ -406,12 +389,4 @@ def submit_delta(header: SubmitHeader, chunks: Iterable[bytes], *, state: Server
             s.refresh(sub)
     return sub
 
-
-def submissions_count(state: ServerState, round_id: int) -> int:
-    with state.session() as s:
-        return int(s.exec(select(func.count()).select_from(Submission).where(Submission.round_id == round_id)).one())
-
-
-def deadline_passed(rnd: Round) -> bool:
-    return rnd.deadline_unix > 0 and time.time() >= rnd.deadline_unix
 

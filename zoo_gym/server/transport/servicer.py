@@ -24,7 +24,7 @@ from zoo_gym.server.errors import GymError, InvalidArgument
 from zoo_gym.server.store.models import RoundState
 from zoo_gym.server.rounds.manager import RoundManager
 from zoo_gym.server.rounds.signed_state import ledger_head, sign_round_info
-from zoo_gym.server.store.state import ServerState
+from zoo_gym.server.store.state import ServerState, count_submissions
 from zoo_gym.server.transport.streams import BoundedStream
 from zoo_gym.server.transport.wire import MalformedRequests
 from zoo_gym.server.transport.first_message import FirstMessageDeadline, PendingSlots
@@ -106,10 +106,7 @@ class GymServicer(gym_pb2_grpc.GymServicer):
             accepted_codecs=list(codec.CODECS), submissions=v.submissions, min_contributors=cfg.min_contributors,
             you_submitted=v.you_submitted, message=v.round.message, aggregator=cfg.soup.aggregator,
             dp_epsilon_spent=v.dp_epsilon_spent, dp_delta=cfg.soup.dp_delta,
-            server_public_key=self.state.public_key, mode=cfg.mode,
-            **({"buffer_size": cfg.buffer_size, "max_staleness": cfg.max_staleness,
-                "staleness_exponent": cfg.staleness_exponent, "server_lr": cfg.server_lr}
-               if cfg.mode == "async" else {}),
+            server_public_key=self.state.public_key, mode=self.rounds.policy.name, **self.rounds.policy.round_info(),
             limits=gym_pb2.Limits(max_payload_bytes=cfg.max_payload_bytes, max_chunk_bytes=cfg.max_chunk_bytes,
                                   download_chunk_bytes=cfg.download_chunk_bytes,
                                   max_delta_norm=cfg.soup.max_delta_norm or 0.0))
@@ -142,13 +139,14 @@ class GymServicer(gym_pb2_grpc.GymServicer):
                     manifest=tuple((t.name, tuple(t.shape), t.dtype, t.codec) for t in h.manifest),
                     nonce=h.nonce, signature=h.signature, metadata_json=h.metadata_json)
                 admission.on_verified = lambda: stream.set_deadline(cfg.upload_deadline_s(header.payload_size))
-                sub = handlers.submit_delta(header, _chunks(stream), state=self.state, config=cfg, gate=admission)
+                sub = handlers.submit_delta(header, _chunks(stream), state=self.state, config=cfg,
+                                             policy=self.rounds.policy, gate=admission)
             finally:
                 stream.close()
         self.rounds.notify()
         return gym_pb2.SubmitResponse(submission_id=sub.id, round_id=sub.round_id,
                                       payload_sha256=sub.payload_sha256,
-                                      submissions=handlers.submissions_count(self.state, sub.round_id))
+                                      submissions=count_submissions(self.state, sub.round_id))
 
     @_guard
     def GetBalance(self, request, context):
