@@ -179,41 +179,39 @@ def _chunks(request_iterator) -> Iterator[bytes]:
         yield req.chunk
 
 
-def build_server(state: ServerState, config: ServerConfig) -> tuple[grpc.Server, int, RoundManager]:
-    """Create (not start) the gRPC server on config.host:config.port; returns (server, bound port, rounds).
-
-    Raises OSError naming the port when another process listens on it. grpcio's Python server sets
-    SO_REUSEPORT by default, and then a second server on the port starts as well and the kernel splits
-    the clients between two federations; it is turned off, and the port is tried with a plain socket
-    first so that the refusal is one line (grpc's own bind failure also logs its C-core error)."""
+def _bind_error(host: str, port: int) -> OSError | None:
+    """Why binding host:port as gRPC does (SO_REUSEADDR, no SO_REUSEPORT) fails; None if it would not."""
     import errno
     import socket
 
-    def bind_error(host: str, port: int) -> OSError | None:
-        """Why binding host:port as gRPC does (SO_REUSEADDR, no SO_REUSEPORT) fails; None if it would not."""
-        try:
-            addrs = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        except socket.gaierror as exc:
-            return OSError(f"cannot bind {host}:{port}: {exc.strerror}")
-        failures = []
-        for family, kind, proto, _, addr in addrs:
-            with socket.socket(family, kind, proto) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    probe.bind(addr)
-                except OSError as exc:
-                    if exc.errno == errno.EADDRINUSE:
-                        return OSError(f"port {port} is already in use on {host} (another gym-server or program "
-                                       "listens there); stop it or choose another --port")
-                    failures.append(exc)
-        if failures and len(failures) == len(addrs):  # gRPC binds what it can of several addresses
-            return OSError(f"cannot bind {host}:{port}: {failures[0].strerror} (not an address of this machine?)")
-        return None
+    try:
+        addrs = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return OSError(f"cannot bind {host}:{port}: {exc.strerror}")
+    failures = []
+    for family, kind, proto, _, addr in addrs:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(addr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return OSError(f"port {port} is already in use on {host} (another gym-server or program "
+                                   "listens there); stop it or choose another --port")
+                failures.append(exc)
+    if failures and len(failures) == len(addrs):  # gRPC binds what it can of several addresses
+        return OSError(f"cannot bind {host}:{port}: {failures[0].strerror} (not an address of this machine?)")
+    return None
 
-    config.check_transport()
-    if config.port != 0 and (refused := bind_error(config.host, config.port)):
-        raise refused
-    rounds = RoundManager(state, config)
+
+def _grpc_server(config: ServerConfig, pending: PendingSlots, rounds: RoundManager) -> grpc.Server:
+    """The gRPC server with its thread pool sized by the slots and its interceptors.
+
+    One pool serves every RPC, and grpcio queues an RPC when all its threads are taken. A call takes a slot
+    without waiting: a pending slot until its first message arrives (first_message.py), an upload slot while it
+    uploads (upload_slots.py), a download slot while it streams (download_slots.py); the query_workers left over
+    always answer health, GetRound, Register and balance queries. `maximum_concurrent_rpcs` stays unset: it is
+    one counter over all methods, so reaching it would refuse health checks and GetRound too."""
     options = [
         # Large data travels in chunks; a message is at most one chunk plus a small header.
         ("grpc.max_receive_message_length", config.max_chunk_bytes + (1 << 20)),
@@ -221,31 +219,26 @@ def build_server(state: ServerState, config: ServerConfig) -> tuple[grpc.Server,
         # One server per port: without this a second server binds the same port and takes half the clients.
         ("grpc.so_reuseport", 0),
     ]
-    # One pool serves every RPC, and grpcio queues an RPC when all its threads are taken. A call takes a slot
-    # without waiting: a pending slot until its first message arrives (an upload's signed header, a unary
-    # call's request, within header_timeout: first_message.py), an upload slot while it uploads
-    # (upload_slots.py). So calls waiting for their first message and uploads hold at most max_pending_headers
-    # + max_uploads threads (a refused call only for the moment its refusal takes), and the query_workers
-    # left over always answer health, GetRound, Register and balance queries. Server-streamed calls (downloads,
-    # ledger streams) hold max_downloads slots and threads of their own (download_slots.py): an unread stream
-    # blocks its thread in grpcio's send until its reader stalls past download_idle_timeout.
-    # `maximum_concurrent_rpcs` is left unset on purpose: it is one counter over all methods, so reaching it
-    # would refuse health checks and GetRound too.
     workers = config.max_uploads + config.max_pending_headers + config.max_downloads + config.query_workers
-    pending = PendingSlots(total=config.max_pending_headers, per_peer=config.max_pending_headers_per_peer)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gym-rpc"),
-                         options=options,
-                         # outermost first: a unary call's request must arrive in time (first_message.py);
-                         # bytes that do not parse are INVALID_ARGUMENT (wire.py), not INTERNAL
-                         interceptors=[FirstMessageDeadline(pending, timeout=config.header_timeout),
-                                       MalformedRequests(), rounds.metrics.interceptor])  # then metrics and logs
-    gym_pb2_grpc.add_GymServicer_to_server(GymServicer(state, config, rounds, pending=pending), server)
+    return grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gym-rpc"),
+                       options=options,
+                       # outermost first: a unary call's request must arrive in time (first_message.py);
+                       # bytes that do not parse are INVALID_ARGUMENT (wire.py), not INTERNAL
+                       interceptors=[FirstMessageDeadline(pending, timeout=config.header_timeout),
+                                     MalformedRequests(), rounds.metrics.interceptor])  # then metrics and logs
+
+
+def _add_services(server: grpc.Server, servicer: GymServicer) -> None:
+    gym_pb2_grpc.add_GymServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set("zoo_gym.v1.Gym", health_pb2.HealthCheckResponse.SERVING)
     names = (gym_pb2.DESCRIPTOR.services_by_name["Gym"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
+
+
+def _bind(server: grpc.Server, config: ServerConfig) -> int:
     address = f"{config.host}:{config.port}"
     credentials = None
     if not config.insecure:
@@ -259,6 +252,23 @@ def build_server(state: ServerState, config: ServerConfig) -> tuple[grpc.Server,
     except RuntimeError:  # grpcio >= 1.5x raises where older ones returned 0
         port = 0
     if port == 0:  # taken between the check and here, or an address the check could not judge
-        raise bind_error(config.host, config.port) or OSError(
+        raise _bind_error(config.host, config.port) or OSError(
             f"cannot bind {config.host}:{config.port} (in use, or not an address of this machine)")
-    return server, port, rounds
+    return port
+
+
+def build_server(state: ServerState, config: ServerConfig) -> tuple[grpc.Server, int, RoundManager]:
+    """Create (not start) the gRPC server on config.host:config.port; returns (server, bound port, rounds).
+
+    Raises OSError naming the port when another process listens on it. grpcio's Python server sets
+    SO_REUSEPORT by default, and then a second server on the port starts as well and the kernel splits
+    the clients between two federations; it is turned off, and the port is tried with a plain socket
+    first so that the refusal is one line (grpc's own bind failure also logs its C-core error)."""
+    config.check_transport()
+    if config.port != 0 and (refused := _bind_error(config.host, config.port)):
+        raise refused
+    rounds = RoundManager(state, config)
+    pending = PendingSlots(total=config.max_pending_headers, per_peer=config.max_pending_headers_per_peer)
+    server = _grpc_server(config, pending, rounds)
+    _add_services(server, GymServicer(state, config, rounds, pending=pending))
+    return server, _bind(server, config), rounds
