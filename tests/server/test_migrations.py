@@ -5,6 +5,10 @@ two real clients, round 1 published, a verified ledger). The current code refuse
 migrate` upgrades it; then it serves round 2 on round 1's checkpoint and the ledger, old entries and new,
 still verifies. On PostgreSQL the same rows are loaded into a database with v0.1.0's schema (revision 0001,
 no version table, as v0.1.0 leaves it) first.
+
+tests/fixtures/state-f956b6f (and -postgresql, a pg_dump) were written by the first code users ran, commit
+f956b6f (tests/fixtures/make_f956b6f_state.py), whose schema has no roundinputs table (revision 0000): the same
+upgrade, checks and next round.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ def test_the_models_and_the_migrations_head_agree(tmp_path, db_url):
     `python -m zoo_gym.server.store.migrations new "what changed"`, review it, commit it."""
     url = _scratch_url(tmp_path, db_url)
     applied = migrations.upgrade(url, empty_ok=True)
-    assert [s.revision for s in applied][0] == migrations.BASELINE and applied[-1].revision == migrations.head()
+    assert [s.revision for s in applied][0] == migrations.ROOT and applied[-1].revision == migrations.head()
     engine = make_engine(url)
     try:
         with engine.connect() as conn:
@@ -122,7 +126,7 @@ def _load_fixture(tmp_path: Path, db_url: str | None) -> Path:
     return state
 
 
-def _serve_round_2(state_dir: Path) -> None:
+def _serve_round_2(state_dir: Path, base_sha256: str = MADE_BY["round_1_checkpoint"]) -> None:
     """Round 2 on the migrated state: an in-process server, two new contributors, until it is published."""
     from zoo_gym.server.config import build_config
     from zoo_gym.server.store.models import Round, RoundState
@@ -141,7 +145,7 @@ def _serve_round_2(state_dir: Path) -> None:
     try:
         stub = gym_pb2_grpc.GymStub(channel)
         info = stub.GetRound(gym_pb2.GetRoundRequest())
-        assert (info.round_id, info.base_sha256) == (2, MADE_BY["round_1_checkpoint"])
+        assert (info.round_id, info.base_sha256) == (2, base_sha256)
         with safe_open(str(state.checkpoint_dir(info.base_sha256) / "model.safetensors"), framework="pt") as f:
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         names = [k for k, s in shapes.items() if len(s) == 2][:3]
@@ -200,6 +204,80 @@ def test_a_v0_1_0_state_is_refused_then_migrated_and_serves_the_next_round(tmp_p
 
     after = json.loads(_cli("ledger", "show", "--state-dir", state, "--json").output)
     assert after[:2] == MADE_BY["ledger"] and len(after) == 4 and {e["round_id"] for e in after[2:]} == {2}
+    verified = _cli("ledger", "verify", "--state-dir", state)
+    assert verified.exit_code == 0 and "ledger OK: 4 entries" in verified.output, verified.output
+
+
+F956B6F = Path(__file__).resolve().parents[1] / "fixtures" / "state-f956b6f"
+F956B6F_PG = Path(__file__).resolve().parents[1] / "fixtures" / "state-f956b6f-postgresql"
+
+
+def _load_f956b6f(tmp_path: Path, db_url: str | None) -> tuple[Path, dict]:
+    """A copy of the state directory f956b6f's code wrote (tests/fixtures/make_f956b6f_state.py) and its
+    made_by.json; on PostgreSQL f956b6f's own database (its pg_dump) restored into `db_url`."""
+    state = tmp_path / "state"
+    if db_url is None:
+        shutil.copytree(F956B6F, state)
+        return state, json.loads((F956B6F / "made_by.json").read_text())
+    import psycopg
+
+    shutil.copytree(F956B6F_PG, state, ignore=shutil.ignore_patterns("database.sql"))
+    dump = (F956B6F_PG / "database.sql").read_text()
+    sql = "\n".join(line for line in dump.splitlines() if not line.startswith("\\"))  # psql's meta-commands
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(sql)
+    meta = json.loads((state / "state.json").read_text())
+    (state / "state.json").write_text(json.dumps({**meta, "db_url": db_url}))
+    return state, json.loads((F956B6F_PG / "made_by.json").read_text())
+
+
+def test_the_root_revision_is_the_schema_f956b6f_wrote(tmp_path, db_url, db_backend, new_database):
+    """Revision 0000, applied to an empty database, gives the tables, columns, keys and indexes that f956b6f's
+    `gym-server init` and one published round left in the fixture (its SQLite file, or its pg_dump restored)."""
+    url = new_database(db_backend) or _scratch_url(tmp_path, None)
+    migrations.upgrade(url, empty_ok=True, to=migrations.ROOT)
+    state, _ = _load_f956b6f(tmp_path, db_url)  # a copy: never open the fixture itself
+    root, released = make_engine(url), make_engine(db_url or f"sqlite:///{state / 'server.db'}")
+    try:
+        made = MetaData()
+        made.reflect(root)
+        made.remove(made.tables["alembic_version"])
+        with released.connect() as conn:
+            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), made)
+            assert sorted(inspect(conn).get_table_names()) == sorted(made.tables)
+            assert migrations.current_revision(conn) == migrations.ROOT
+    finally:
+        root.dispose()
+        released.dispose()
+    assert diff == []
+
+
+def test_a_f956b6f_state_is_migrated_and_serves_the_next_round(tmp_path, db_url):
+    """The first code users ran (f956b6f) wrote no roundinputs table: `gym-server migrate` takes its state to the
+    head, keeps every round, checkpoint and ledger entry, and the next round is served and paid on it."""
+    state, made_by = _load_f956b6f(tmp_path, db_url)
+    line = _one_line_error(_cli("status", "--state-dir", state))
+    assert "schema revision 0000" in line and "gym-server migrate" in line
+
+    done = _cli("migrate", "--state-dir", state)
+    assert done.exit_code == 0 and f"migrated {state} to revision {migrations.head()}" in done.output, done.output
+    if db_url is None:
+        assert f"backed up the database to {state / 'server.db.0000.bak'}" in done.output
+    assert "nothing to migrate" in _cli("migrate", "--state-dir", state).output
+
+    status = _cli("status", "--state-dir", state, "--json")
+    assert status.exit_code == 0, status.output
+    doc = json.loads(status.output)
+    assert doc["round"]["id"] == 2 and {r["id"]: r["state"] for r in doc["rounds"]} == {1: "published", 2: "open"}
+    assert {c["round"]: c["sha256"] for c in doc["checkpoints"]}[1] == made_by["round_1_checkpoint"]
+    verified = _cli("ledger", "verify", "--state-dir", state)
+    assert verified.exit_code == 0 and "ledger OK: 2 entries" in verified.output, verified.output
+    assert json.loads(_cli("ledger", "show", "--state-dir", state, "--json").output) == made_by["ledger"]
+
+    _serve_round_2(state, made_by["round_1_checkpoint"])
+
+    after = json.loads(_cli("ledger", "show", "--state-dir", state, "--json").output)
+    assert after[:2] == made_by["ledger"] and len(after) == 4 and {e["round_id"] for e in after[2:]} == {2}
     verified = _cli("ledger", "verify", "--state-dir", state)
     assert verified.exit_code == 0 and "ledger OK: 4 entries" in verified.output, verified.output
 

@@ -1,13 +1,14 @@
 """Schema migrations of the server's database (Alembic), shipped inside the package.
 
-One revision per schema change in ``versions/``: ``0001`` is the schema of the first release (v0.1.0),
-every later one a change since. ``gym-server init`` creates the tables of the current models and stamps
-the head; every other command refuses a database below the head in one line naming ``gym-server
-migrate``, which backs up a SQLite file (``server.db.<old revision>.bak``) and applies what is pending in
-one transaction (SQLite's DDL included: the migration engine issues its own BEGIN).
+One revision per schema change in ``versions/``: ``0000`` is the schema of the first code users ran (commit
+f956b6f), ``0001`` the tag v0.1.0's (0000 plus ``roundinputs``), every later one a change since. ``gym-server
+init`` creates the tables of the current models and stamps the head; every other command refuses a database
+below the head in one line naming ``gym-server migrate``, which backs up a SQLite file (``server.db.<old
+revision>.bak``) and applies what is pending in one transaction (SQLite's DDL included: the migration engine
+issues its own BEGIN).
 
-A v0.1.0 database carries no ``alembic_version`` table: one that holds the ``round`` table but no version
-is read as revision ``0001``.
+Neither f956b6f nor v0.1.0 wrote an ``alembic_version`` table: an unversioned database holding the ``round``
+table is read as ``0001`` when it holds ``roundinputs`` too, else as ``0000``.
 
 Changing a table model needs a new revision: ``python -m zoo_gym.server.store.migrations new "what changed"``
 writes one by comparing the models with a database at the head (review it before committing);
@@ -31,7 +32,8 @@ from sqlalchemy import create_engine, event, inspect
 from sqlalchemy.engine import Connection, Engine
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent
-BASELINE = "0001"  # the schema v0.1.0's `gym-server init` wrote (no version table)
+ROOT = "0000"  # the schema f956b6f's `gym-server init` wrote (no version table)
+BASELINE = "0001"  # the schema v0.1.0's `gym-server init` wrote (no version table): ROOT plus roundinputs
 
 
 class SchemaError(RuntimeError):
@@ -80,11 +82,12 @@ def _quiet() -> None:
 
 
 def current_revision(conn: Connection) -> str | None:
-    """The database's revision: its stamp, BASELINE for an unstamped v0.1.0 database, None when empty."""
+    """The database's revision: its stamp; for an unstamped database BASELINE (v0.1.0's) when it holds
+    ``roundinputs``, ROOT (f956b6f's) when it does not; None when it holds no gym-server tables."""
     _quiet()
     rev = MigrationContext.configure(conn).get_current_revision()
     if rev is None and inspect(conn).has_table("round"):
-        return BASELINE
+        return BASELINE if inspect(conn).has_table("roundinputs") else ROOT
     return rev
 
 
@@ -160,7 +163,7 @@ def backup_sqlite(db_file: Path, revision: str) -> Path:
 
 def upgrade(url: str, *, empty_ok: bool = False, to: str = "head") -> list[Step]:
     """Apply every pending revision (up to `to`) in one transaction; returns what was applied. `empty_ok`: build
-    an empty database from revision 0001 up (tests and `new`; `gym-server init` creates the tables itself)."""
+    an empty database from revision 0000 up (tests and `new`; `gym-server init` creates the tables itself)."""
     engine = _migration_engine(url)
     try:
         with engine.begin() as conn:
@@ -169,7 +172,7 @@ def upgrade(url: str, *, empty_ok: bool = False, to: str = "head") -> list[Step]
                 return []
             start = current_revision(conn)
             if start is not None and MigrationContext.configure(conn).get_current_revision() is None:
-                MigrationContext.configure(conn).stamp(script(), start)  # an unstamped v0.1.0 database
+                MigrationContext.configure(conn).stamp(script(), start)  # an unstamped f956b6f or v0.1.0 database
 
             def fn(rev, _context):
                 return script()._upgrade_revs(to, rev)

@@ -1,12 +1,12 @@
-"""v0.1.0: the schema the first release's `gym-server init` wrote
+"""v0.1.0: the round inputs table, the schema the tag v0.1.0's `gym-server init` wrote
 
 Revision ID: 0001
-Revises:
+Revises: 0000
 Create Date: 2026-11-23
 
-A v0.1.0 database has these tables and no alembic_version table; zoo_gym.server.store.migrations reads it as this
-revision. Written from v0.1.0's models (Alembic autogenerate against an empty database), with SQLModel's
-AutoString and UTCDateTime written as the plain types they store (VARCHAR, TIMESTAMP WITH TIME ZONE).
+RoundInputs (what a round's outcome depends on besides its submissions, recorded when it closes). A database
+made by v0.1.0 has the tables of 0000 and this one, and no alembic_version table; zoo_gym.server.store.migrations
+reads it as this revision. Rounds closed before it have no row: publishing records one when it needs it.
 """
 from typing import Sequence, Union
 
@@ -14,76 +14,12 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0001"
-down_revision: Union[str, Sequence[str], None] = None
+down_revision: Union[str, Sequence[str], None] = "0000"
 branch_labels: Union[str, Sequence[str], None] = None
 depends_on: Union[str, Sequence[str], None] = None
 
 
 def upgrade() -> None:
-    op.create_table('checkpoint',
-    sa.Column('sha256', sa.String(length=64), nullable=False),
-    sa.Column('round_id', sa.Integer(), nullable=False),
-    sa.Column('parent_sha256', sa.String(length=64), nullable=True),
-    sa.Column('size', sa.Integer(), nullable=False),
-    sa.Column('heldout_loss', sa.Float(), nullable=True),
-    sa.Column('manifest_json', sa.String(), nullable=False),
-    sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
-    sa.PrimaryKeyConstraint('sha256')
-    )
-    with op.batch_alter_table('checkpoint', schema=None) as batch_op:
-        batch_op.create_index(batch_op.f('ix_checkpoint_round_id'), ['round_id'], unique=False)
-
-    op.create_table('contributor',
-    sa.Column('id', sa.String(length=32), nullable=False),
-    sa.Column('public_key', sa.String(length=64), nullable=False),
-    sa.Column('display_name', sa.String(length=64), nullable=False),
-    sa.Column('registered_at', sa.DateTime(timezone=True), nullable=False),
-    sa.PrimaryKeyConstraint('id')
-    )
-    op.create_table('ledger_entry',
-    sa.Column('round_id', sa.Integer(), nullable=False),
-    sa.Column('contributor', sa.String(length=128), nullable=False),
-    sa.Column('kind', sa.String(length=32), nullable=False),
-    sa.Column('amount', sa.BigInteger(), nullable=False),
-    sa.Column('score', sa.Float(), nullable=False),
-    sa.Column('reputation_after', sa.Float(), nullable=False),
-    sa.Column('reason', sa.String(), nullable=False),
-    sa.Column('prev_hash', sa.String(length=64), nullable=False),
-    sa.Column('entry_hash', sa.String(length=64), nullable=False),
-    sa.Column('signature', sa.String(length=128), nullable=False),
-    sa.Column('seq', sa.Integer(), autoincrement=False, nullable=False),
-    sa.PrimaryKeyConstraint('seq'),
-    sa.UniqueConstraint('entry_hash')
-    )
-    with op.batch_alter_table('ledger_entry', schema=None) as batch_op:
-        batch_op.create_index(batch_op.f('ix_ledger_entry_contributor'), ['contributor'], unique=False)
-        batch_op.create_index(batch_op.f('ix_ledger_entry_round_id'), ['round_id'], unique=False)
-
-    op.create_table('reputation',
-    sa.Column('value', sa.Float(), nullable=False),
-    sa.Column('rounds', sa.Integer(), nullable=False),
-    sa.Column('updated_round', sa.Integer(), nullable=False),
-    sa.Column('contributor', sa.String(length=128), nullable=False),
-    sa.PrimaryKeyConstraint('contributor')
-    )
-    op.create_table('round',
-    sa.Column('id', sa.Integer(), nullable=False),
-    sa.Column('state', sa.Enum('OPEN', 'AGGREGATING', 'PUBLISHED', 'HALTED', name='roundstate'), nullable=False),
-    sa.Column('base_sha256', sa.String(length=64), nullable=False),
-    sa.Column('opened_at', sa.DateTime(timezone=True), nullable=False),
-    sa.Column('deadline_unix', sa.Float(), nullable=False),
-    sa.Column('closed_at', sa.DateTime(timezone=True), nullable=True),
-    sa.Column('published_sha256', sa.String(length=64), nullable=True),
-    sa.Column('aggregator', sa.String(), nullable=False),
-    sa.Column('report_json', sa.String(), nullable=False),
-    sa.Column('dp_epsilon_round', sa.Float(), nullable=True),
-    sa.Column('dp_epsilon_total', sa.Float(), nullable=True),
-    sa.Column('dp_noise_multiplier', sa.Float(), nullable=True),
-    sa.Column('dp_sample_rate', sa.Float(), nullable=True),
-    sa.Column('message', sa.String(), nullable=False),
-    sa.Column('needs', sa.Integer(), nullable=False),
-    sa.PrimaryKeyConstraint('id')
-    )
     op.create_table('roundinputs',
     sa.Column('round_id', sa.Integer(), nullable=False),
     sa.Column('reputations_json', sa.String(), nullable=False),
@@ -91,39 +27,7 @@ def upgrade() -> None:
     sa.Column('population', sa.Integer(), nullable=False),
     sa.PrimaryKeyConstraint('round_id')
     )
-    op.create_table('submission',
-    sa.Column('id', sa.Integer(), nullable=False),
-    sa.Column('round_id', sa.Integer(), nullable=False),
-    sa.Column('contributor_id', sa.String(length=32), nullable=False),
-    sa.Column('base_sha256', sa.String(length=64), nullable=False),
-    sa.Column('payload_sha256', sa.String(length=64), nullable=False),
-    sa.Column('payload_size', sa.Integer(), nullable=False),
-    sa.Column('codecs', sa.String(), nullable=False),
-    sa.Column('metadata_json', sa.String(), nullable=False),
-    sa.Column('received_at', sa.DateTime(timezone=True), nullable=False),
-    sa.PrimaryKeyConstraint('id'),
-    sa.UniqueConstraint('round_id', 'contributor_id', name='one_submission_per_round')
-    )
-    with op.batch_alter_table('submission', schema=None) as batch_op:
-        batch_op.create_index(batch_op.f('ix_submission_contributor_id'), ['contributor_id'], unique=False)
-        batch_op.create_index(batch_op.f('ix_submission_round_id'), ['round_id'], unique=False)
-
-    op.create_table('usednonce',
-    sa.Column('contributor_id', sa.String(length=32), nullable=False),
-    sa.Column('nonce', sa.String(length=32), nullable=False),
-    sa.Column('method', sa.String(), nullable=False),
-    sa.Column('used_at', sa.DateTime(timezone=True), nullable=False),
-    sa.PrimaryKeyConstraint('contributor_id', 'nonce')
-    )
 
 
 def downgrade() -> None:
-    op.drop_table('usednonce')
-    op.drop_table('submission')
     op.drop_table('roundinputs')
-    op.drop_table('round')
-    op.drop_table('reputation')
-    op.drop_table('ledger_entry')
-    op.drop_table('contributor')
-    op.drop_table('checkpoint')
-    sa.Enum(name="roundstate").drop(op.get_bind(), checkfirst=True)
