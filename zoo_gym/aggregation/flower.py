@@ -3,8 +3,8 @@
 Flower clients send back full model arrays; the strategy turns each reply into a delta against
 the arrays it sent out, runs `DeltaSoup` (validate -> clip -> robust aggregate -> DP noise) and
 publishes `global + aggregate`. Weights are never taken from the clients' `num-examples`
-(kept only for metric averaging). This is the only module of `zoo_gym.aggregation` that
-imports flwr. Use it in a ServerApp: `DeltaSoupStrategy(SoupConfig(...)).start(grid=..., ...)`.
+(kept only for metric averaging). This is the only module of zoo_gym that imports flwr (the
+`flower` extra). Use it in a ServerApp: `DeltaSoupStrategy(SoupConfig(...)).start(grid=..., ...)`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,15 @@ from collections.abc import Iterable
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
-from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
+try:
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
+    from flwr.serverapp import Grid
+    from flwr.serverapp.strategy import FedAvg
+except ModuleNotFoundError as exc:
+    if exc.name != "flwr":  # flwr is there but broken: keep its own error
+        raise
+    raise ImportError(f"{__name__} needs Flower: pip install 'zoo-gym[flower]'",
+                      name="flwr") from None
 
 from .config import SoupConfig
 from .errors import AggregationError, PrivacyBudgetExceeded

@@ -3,7 +3,9 @@
     python -m zoo_gym.proto.generate            # rewrite zoo_gym/proto/gym_pb2*.py(i)
     python -m zoo_gym.proto.generate --out DIR  # write them elsewhere (the staleness test uses this)
 
-Needs grpcio-tools 1.81.x (the `dev` extra): newer grpcio-tools require protobuf >= 7, which flwr refuses.
+Needs grpcio-tools 1.81.x (the `dev` extra), the last on protobuf 6: its 6.x gencode loads on the
+protobuf 6 runtime that the `flower` extra pins and on the 7.x a base install gets; 7.x gencode
+would not load on 6.
 """
 
 from __future__ import annotations
@@ -16,11 +18,17 @@ from pathlib import Path
 PROTO_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PROTO_DIR.parent.parent
 GENERATED = ("gym_pb2.py", "gym_pb2.pyi", "gym_pb2_grpc.py")
+TOOLS_SERIES = "1.81."
 
 
 def generate(out_dir: Path) -> list[Path]:
     """Run protoc on gym.proto; write the three generated files into `out_dir`."""
+    from importlib.metadata import version
+
     from grpc_tools import protoc  # dev-only dependency, imported on use
+
+    if not (tools := version("grpcio-tools")).startswith(TOOLS_SERIES):
+        raise RuntimeError(f"grpcio-tools {tools} found; the stubs need {TOOLS_SERIES}x (see this module)")
 
     with tempfile.TemporaryDirectory() as tmp:
         # Compile from the repository root so the generated imports read `from zoo_gym.proto import ...`.
