@@ -118,6 +118,17 @@ def krum_selection(distances: Tensor, *, f: int, m: int | None = None) -> tuple[
     return torch.from_numpy(scores), torch.from_numpy(shares)
 
 
+def multi_krum_coefficients(distances: Tensor, *, f: int, m: int | None,
+                            weights: Tensor) -> tuple[Tensor, Tensor]:
+    """((n,) Krum scores, (n,) float64 coefficients summing to 1): the chosen groups' shares times
+    `weights` (n,), normalised; copies share one row's weight."""
+    scores, shares = krum_selection(distances, f=f, m=m)
+    coeff = shares * weights
+    if float(coeff.sum()) <= 0:
+        raise AggregationError("every selected contributor has weight 0")
+    return scores, coeff / coeff.sum()
+
+
 def multi_krum_select(distances: Tensor, *, f: int, m: int | None = None) -> Tensor:
     """Indices int64 of the rows in the m lowest-scoring groups (m rows when no two are copies), lowest
     score first (ties by index)."""
@@ -143,11 +154,7 @@ def multi_krum(deltas: Tensor, *, f: int, m: int | None = None, weights: Tensor 
     dist = pairwise_sq_distances(deltas) if distances is None else distances
     if m is not None and not 1 <= m <= n:
         raise AggregationError(f"`m` (contributors to keep) must be in [1, {n}], got {m}")
-    scores, shares = krum_selection(dist, f=f, m=m)
-    coeff = shares * check_weights(weights, n=n)
-    if float(coeff.sum()) <= 0:
-        raise AggregationError("every selected contributor has weight 0")
-    coeff /= coeff.sum()
+    scores, coeff = multi_krum_coefficients(dist, f=f, m=m, weights=check_weights(weights, n=n))
     selected = coeff > 0
     return AggregateResult(
         aggregate=combine(coeff, deltas),
