@@ -1,25 +1,13 @@
 """Krum and Multi-Krum (Blanchard et al. 2017, "Machine Learning with Adversaries: Byzantine
 Tolerant Gradient Descent", NeurIPS; arXiv:1703.02757).
 
-Score of contributor i: the sum of squared distances to its n - f - 2 nearest OTHER
-contributors (self excluded by index, not by assuming it sorts first). Krum returns the
-lowest-scoring delta; Multi-Krum averages the m lowest-scoring ones (default m = n - f), with
-server-given weights if any (never self-reported sample counts). The guarantee needs
-n >= 2f + 3, so n <= 2f + 2 is refused. Ties are broken by contributor index (stable).
-
-Copies count once. Rows closer to each other than `DUPLICATE_SQ_DISTANCE` times the rows' median
-squared distance to their nearest neighbour are one group: Krum scores the group as one row,
-Multi-Krum chooses it as one and splits that one row's weight among its members (it is still
-within the m rows averaged), and each copy beyond the first counts against f. Honest deltas trained on different data
-are never that close, but colluders who send one crafted row (ALIE, Baruch et al. 2019) are each
-other's nearest neighbours at distance 0, which is what made Krum choose them: in async mode up to
-4 of Multi-Krum's 5 rows were the same ALIE row (benchmarks/async.py). Colluders who spread out to
-an honest distance from each other lose that advantage (the same reasoning as FoolsGold, Fung et al.
-2020, which down-weights contributors whose updates are too similar).
-
-Selection is separate from aggregation: `krum_scores` / `multi_krum_shares` work on an (n, n)
-whole-model distance matrix (summed over tensors while streaming), and the per-tensor call
-reuses that one selection through `distances=`.
+Score of a row: the sum of squared distances to its n - f - 2 nearest OTHER rows (self excluded
+by index). Krum returns the lowest-scoring row; Multi-Krum averages the m lowest-scoring ones
+(default m = n - f) with server-given weights. Needs n >= 2f + 3; ties broken by index (stable).
+Copies count once: rows closer than `DUPLICATE_SQ_DISTANCE` x the median nearest-neighbour squared
+distance are one group, scored and chosen as one row whose weight its members split; each copy
+beyond the first counts against f (against colluders sending one crafted row: ALIE, Baruch et al.
+2019). Selection works on an (n, n) whole-model distance matrix, so a streamed round selects once.
 """
 
 from __future__ import annotations
