@@ -1,24 +1,9 @@
-"""`SoupConfig`: the DeltaSoup pipeline's settings (server CLI flags and config-file keys).
+"""`SoupConfig`: the flat, operator-facing settings of the DeltaSoup pipeline.
 
-CLI flag `--byzantine-f` <-> config key `byzantine-f` or `byzantine_f` <-> field `byzantine_f`.
-
-Defaults survive one huge delta. One finite delta with every weight changed by 1e30, next to two
-honest ones, used to be averaged in (held-out loss = ln(vocab), a uniform predictor). Now:
-* `aggregator="trimmed-mean"` with `trim_beta=0.1` trims max(1, floor(0.1 n)) values from each
-  end of every coordinate: at n = 3 the coordinate-wise median, so it needs n >= 3 submissions
-  (if validation then refuses one, the other two are averaged; see soup.py). `"mean"` stays an
-  explicit choice (it is what DP's guarantee covers, and the only rule usable at n <= 2).
-* `max_norm_ratio=10`: refuse a delta whose whole-delta L2 norm exceeds 10 x the lower median
-  norm of the round's finite, non-zero deltas. Relative to the round, so no unit or model size to
-  tune; 10 because honest fine-tunes of one base and recipe differ in norm by small factors
-  (learning rate, steps, data), while an attack that must move a robust mean far, or a broken
-  client, is off by orders of magnitude. The lower median (statistics.median_low) is the smaller
-  of two deltas, so with 2 contributors the larger is refused above 10x the smaller. Ignored
-  under DP, where the clip already bounds every delta (see `DeltaSoup._validate`).
-* Copies count once in every robust rule but Bulyan: rows within 1% of the rows' typical nearest-neighbour
-  distance (`krum.duplicate_groups`) are one row whose weight their senders split, so identities sending one
-  crafted row weigh one row (copies.py; the whole-model distances cost one more pass, from the BitDelta bits
-  when the deltas are packed).
+Each field is one setting: field `byzantine_f` <-> config key `byzantine-f` or `byzantine_f` <->
+CLI flag `--byzantine-f`; every check names its field. `aggregator` names the rule, turned into an
+object once by `SoupConfig.rule` (rules/registry.py); the dp_* fields configure the DP step (dp.py).
+Why the defaults are what they are: docs/design/aggregation.md.
 """
 
 from __future__ import annotations
@@ -30,10 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import SoupConfigError
+from .rules import RULES, Rule, create_rule
 
-AGGREGATORS = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan",
-               "geometric-median", "centered-clip")
-
+AGGREGATORS = tuple(RULES)  # the rules' names, in the order the help text lists them
 
 
 @dataclass
@@ -47,8 +31,6 @@ class SoupConfig:
     cc_tau: float = dataclasses.field(default=1.0, metadata={"help": "centered-clipping radius (whole-delta L2)"})
     cc_iters: int = dataclasses.field(default=3, metadata={"help": "centered-clipping iterations"})
     gm_eps: float = dataclasses.field(default=1e-8, metadata={"help": "geometric median: stop once the iterate moves less than this x the median distance to it"})
-    # one pass over the model per Weiszfeld step; from the median start 13-16 steps reach gm_eps
-    # on honest rounds, with or without outliers up to 1e30 (tests/aggregation/test_outliers.py)
     gm_max_iter: int = dataclasses.field(default=32, metadata={"help": "geometric median: Weiszfeld steps at most (one pass over the model each)"})
     gm_nu: float = dataclasses.field(default=1e-6, metadata={"help": "geometric median: smoothing (distance floor)"})
     max_delta_norm: float | None = dataclasses.field(default=None, metadata={"help": "validation: refuse deltas with larger whole-delta L2 norm"})
@@ -116,6 +98,11 @@ class SoupConfig:
     @property
     def dp_enabled(self) -> bool:
         return self.dp_noise_multiplier > 0
+
+    @property
+    def rule(self) -> Rule:
+        """The rule `aggregator` names, with its settings from these fields (built on each access)."""
+        return create_rule(self)
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> SoupConfig:

@@ -1,25 +1,13 @@
 """Krum and Multi-Krum (Blanchard et al. 2017, "Machine Learning with Adversaries: Byzantine
 Tolerant Gradient Descent", NeurIPS; arXiv:1703.02757).
 
-Score of contributor i: the sum of squared distances to its n - f - 2 nearest OTHER
-contributors (self excluded by index, not by assuming it sorts first). Krum returns the
-lowest-scoring delta; Multi-Krum averages the m lowest-scoring ones (default m = n - f), with
-server-given weights if any (never self-reported sample counts). The guarantee needs
-n >= 2f + 3, so n <= 2f + 2 is refused. Ties are broken by contributor index (stable).
-
-Copies count once. Rows closer to each other than `DUPLICATE_SQ_DISTANCE` times the rows' median
-squared distance to their nearest neighbour are one group: Krum scores the group as one row,
-Multi-Krum chooses it as one and splits that one row's weight among its members (it is still
-within the m rows averaged), and each copy beyond the first counts against f. Honest deltas trained on different data
-are never that close, but colluders who send one crafted row (ALIE, Baruch et al. 2019) are each
-other's nearest neighbours at distance 0, which is what made Krum choose them: in async mode up to
-4 of Multi-Krum's 5 rows were the same ALIE row (benchmarks/async.py). Colluders who spread out to
-an honest distance from each other lose that advantage (the same reasoning as FoolsGold, Fung et al.
-2020, which down-weights contributors whose updates are too similar).
-
-Selection is separate from aggregation: `krum_scores` / `multi_krum_shares` work on an (n, n)
-whole-model distance matrix (summed over tensors while streaming), and the per-tensor call
-reuses that one selection through `distances=`.
+Score of a row: the sum of squared distances to its n - f - 2 nearest OTHER rows (self excluded
+by index). Krum returns the lowest-scoring row; Multi-Krum averages the m lowest-scoring ones
+(default m = n - f) with server-given weights. Needs n >= 2f + 3; ties broken by index (stable).
+Copies count once: rows closer than `DUPLICATE_SQ_DISTANCE` x the median nearest-neighbour squared
+distance are one group, scored and chosen as one row whose weight its members split; each copy
+beyond the first counts against f (against colluders sending one crafted row: ALIE, Baruch et al.
+2019). Selection works on an (n, n) whole-model distance matrix, so a streamed round selects once.
 """
 
 from __future__ import annotations
@@ -118,6 +106,17 @@ def krum_selection(distances: Tensor, *, f: int, m: int | None = None) -> tuple[
     return torch.from_numpy(scores), torch.from_numpy(shares)
 
 
+def multi_krum_coefficients(distances: Tensor, *, f: int, m: int | None,
+                            weights: Tensor) -> tuple[Tensor, Tensor]:
+    """((n,) Krum scores, (n,) float64 coefficients summing to 1): the chosen groups' shares times
+    `weights` (n,), normalised; copies share one row's weight."""
+    scores, shares = krum_selection(distances, f=f, m=m)
+    coeff = shares * weights
+    if float(coeff.sum()) <= 0:
+        raise AggregationError("every selected contributor has weight 0")
+    return scores, coeff / coeff.sum()
+
+
 def multi_krum_select(distances: Tensor, *, f: int, m: int | None = None) -> Tensor:
     """Indices int64 of the rows in the m lowest-scoring groups (m rows when no two are copies), lowest
     score first (ties by index)."""
@@ -143,11 +142,7 @@ def multi_krum(deltas: Tensor, *, f: int, m: int | None = None, weights: Tensor 
     dist = pairwise_sq_distances(deltas) if distances is None else distances
     if m is not None and not 1 <= m <= n:
         raise AggregationError(f"`m` (contributors to keep) must be in [1, {n}], got {m}")
-    scores, shares = krum_selection(dist, f=f, m=m)
-    coeff = shares * check_weights(weights, n=n)
-    if float(coeff.sum()) <= 0:
-        raise AggregationError("every selected contributor has weight 0")
-    coeff /= coeff.sum()
+    scores, coeff = multi_krum_coefficients(dist, f=f, m=m, weights=check_weights(weights, n=n))
     selected = coeff > 0
     return AggregateResult(
         aggregate=combine(coeff, deltas),

@@ -1,0 +1,74 @@
+"""Rules as objects: the registry names each once, and each rule says what it needs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from zoo_gym.aggregation import (AGGREGATORS, RULES, Bulyan, CenteredClip, GeometricMedian, Krum, Mean,
+                                 Median, MultiKrum, SoupConfig, TrimmedMean, create_rule)
+from zoo_gym.aggregation.errors import AggregationError, NotRobustConfigError
+
+
+def test_registry_builds_each_rule_with_its_own_settings():
+    cfg = SoupConfig(aggregator="multi-krum", byzantine_f=2, multi_krum_m=4, trim_beta=0.2, cc_tau=0.5,
+                     cc_iters=5, gm_eps=1e-6, gm_max_iter=9, gm_nu=1e-5)
+    built = {name: create_rule(dataclasses.replace(cfg, aggregator=name)) for name in AGGREGATORS}
+    assert tuple(RULES) == AGGREGATORS
+    assert built == {"mean": Mean(), "median": Median(), "trimmed-mean": TrimmedMean(beta=0.2),
+                     "krum": Krum(f=2), "multi-krum": MultiKrum(f=2, m=4), "bulyan": Bulyan(f=2),
+                     "geometric-median": GeometricMedian(eps=1e-6, max_iter=9, nu=1e-5),
+                     "centered-clip": CenteredClip(tau=0.5, iters=5)}
+    assert all(rule.name == name for name, rule in built.items())
+    assert cfg.rule == MultiKrum(f=2, m=4) and Krum(f=1).m == 1
+
+
+def test_settings_are_keyword_only_and_checked():
+    with pytest.raises(TypeError):
+        TrimmedMean(0.1)  # type: ignore[misc]
+    with pytest.raises(AggregationError, match="beta"):
+        TrimmedMean(beta=0.5)
+    with pytest.raises(AggregationError, match="`f`"):
+        Bulyan(f=-1)
+
+
+@pytest.mark.parametrize("rule", [Mean(), Median(), TrimmedMean(beta=0.0), TrimmedMean(beta=0.1),
+                                  TrimmedMean(beta=0.45), Krum(f=0), Krum(f=2), MultiKrum(f=3, m=2),
+                                  Bulyan(f=1), GeometricMedian(), CenteredClip()])
+def test_minimum_n_is_the_fewest_check_n_accepts(rule):
+    accepted = [n for n in range(0, 40) if _accepts(rule, n)]
+    assert accepted[0] == rule.minimum_n()
+    assert accepted == list(range(rule.minimum_n(), 40))
+
+
+def _accepts(rule, n: int) -> bool:
+    try:
+        rule.check_n(n)
+    except ValueError:
+        return False
+    return True
+
+
+def test_check_n_says_why():
+    with pytest.raises(NotRobustConfigError, match=r"multi-krum with f=2 needs n >= 2f \+ 3 = 7"):
+        MultiKrum(f=2).check_n(6)
+    with pytest.raises(NotRobustConfigError, match=r"Bulyan with f=1 needs n >= 4f \+ 3 = 7"):
+        Bulyan(f=1).check_n(6)
+    with pytest.raises(NotRobustConfigError, match="needs at least 3 contributors"):
+        TrimmedMean(beta=0.1).check_n(2)
+    with pytest.raises(NotRobustConfigError, match="nothing to aggregate"):
+        Mean().check_n(0)
+
+
+def test_what_each_rule_needs():
+    needs = {name: (cls.needs_distances, cls.counts_copies_once, cls.iterated, cls.staleness_as_weights,
+                    cls.dp_exact) for name, cls in RULES.items()}
+    assert needs == {"mean": (False, False, False, True, True),
+                     "median": (True, True, False, False, False),
+                     "trimmed-mean": (True, True, False, False, False),
+                     "krum": (True, False, False, False, False),
+                     "multi-krum": (True, False, False, False, False),
+                     "bulyan": (True, False, False, False, False),
+                     "geometric-median": (True, True, True, False, False),
+                     "centered-clip": (True, True, True, False, False)}

@@ -1,0 +1,136 @@
+"""Differential privacy as a step around any rule: clip each whole delta, check the budget before
+anything is published, noise the rule's output, then adapt the clip and account the release
+(DP-FedAvg, McMahan et al. 2018, arXiv:1710.06963; adaptive clipping, Andrew et al. 2021,
+arXiv:1905.03871). Like Flower's `DifferentialPrivacyServerSideFixedClipping(strategy, ...)` it
+wraps the rule without changing it. Noise multiplier 0: clipping only (when a clip norm is set).
+The mechanism's maths and what its guarantee covers: privacy.py, clipping.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .clipping import adaptive_clip_update, clip_factors, update_noise_multiplier
+from .errors import InvalidDeltaError, PrivacyBudgetExceeded
+from .privacy import PrivacyAccountant, PrivacyReport, gaussian_noise, rdp_epsilon, secure_generator
+from .rules.base import Rule
+
+
+@dataclass(frozen=True)
+class Weighting:
+    """The round's weights as the mechanism allows them (fields of `rules.RoundView`)."""
+
+    weights: Tensor              # (k,) float64 shares
+    weighted: bool               # False: uniform by construction
+    denominator: float | None    # the mean's fixed denominator
+    factored: bool               # the mean may skip the decoded rows
+
+
+class DifferentialPrivacy:
+    """Clip -> rule -> noise -> account; holds the (adaptive) clip norm between rounds."""
+
+    def __init__(self, rule: Rule, *, noise_multiplier: float = 0.0, clip: float | None = None,
+                 adaptive: bool = False, target_quantile: float = 0.5, clip_lr: float = 0.2,
+                 count_stddev: float | None = None, expected_contributors: int | None = None,
+                 delta: float = 1e-5, target_epsilon: float | None = None, secure: bool = False) -> None:
+        self.rule = rule
+        self.noise_multiplier, self.clip, self.adaptive = noise_multiplier, clip, adaptive
+        self.target_quantile, self.clip_lr, self.count_stddev = target_quantile, clip_lr, count_stddev
+        self.expected_contributors, self.delta = expected_contributors, delta
+        self.target_epsilon, self.secure = target_epsilon, secure
+
+    @classmethod
+    def from_config(cls, rule: Rule, config: Any, *, clip: float | None = None) -> DifferentialPrivacy:
+        """From a `SoupConfig`'s dp_* fields; `clip` overrides `dp_clip` (the adapted norm)."""
+        return cls(rule, noise_multiplier=config.dp_noise_multiplier,
+                   clip=config.dp_clip if clip is None else clip, adaptive=config.dp_adaptive_clip,
+                   target_quantile=config.dp_target_quantile, clip_lr=config.dp_clip_lr,
+                   count_stddev=config.dp_clip_count_stddev,
+                   expected_contributors=config.dp_expected_contributors, delta=config.dp_delta,
+                   target_epsilon=config.dp_target_epsilon, secure=config.dp_secure_noise)
+
+    @property
+    def enabled(self) -> bool:
+        return self.noise_multiplier > 0
+
+    def clip_factors(self, norms: Tensor) -> Tensor:
+        """(k,) float64 factors min(1, C / norm) over each whole delta; ones without a clip norm."""
+        if self.clip is None:
+            return torch.ones(norms.numel(), dtype=torch.float64)
+        return clip_factors(norms, max_norm=self.clip)
+
+    def open(self, *, submitted: int, population: int | None,
+             accountant: PrivacyAccountant | None) -> Release:
+        """This round's release; raises PrivacyBudgetExceeded before anything is published."""
+        m_exp = self.expected_contributors or submitted
+        count_std = self.count_stddev or m_exp / 20.0
+        z_update = self.noise_multiplier
+        if not self.enabled:
+            return Release(self, expected=m_exp, count_stddev=count_std, z_update=z_update, privacy=None)
+        if self.adaptive:
+            z_update = update_noise_multiplier(noise_multiplier=self.noise_multiplier,
+                                               count_stddev=count_std)
+        z, delta = self.noise_multiplier, self.delta
+        q = min(1.0, m_exp / population) if population else 1.0
+        acct = accountant if accountant is not None else PrivacyAccountant()
+        eps_before = acct.epsilon(delta=delta)
+        eps_after = acct.epsilon_if_step(noise_multiplier=z, sample_rate=q, delta=delta)
+        if self.target_epsilon is not None and eps_after > self.target_epsilon:
+            raise PrivacyBudgetExceeded(epsilon_spent=eps_before, epsilon_if_published=eps_after,
+                                        target=self.target_epsilon, delta=delta)
+        privacy = PrivacyReport(
+            epsilon_round=rdp_epsilon([(z, q, 1)], delta=delta), epsilon_total=eps_after, delta=delta,
+            q=q, noise_multiplier=z, clip=float(self.clip), expected_contributors=m_exp,
+            covers_aggregator=self.rule.dp_exact)
+        return Release(self, expected=m_exp, count_stddev=count_std, z_update=z_update, privacy=privacy)
+
+
+class Release:
+    """One round through the mechanism: its weighting, its noise, and closing it."""
+
+    def __init__(self, dp: DifferentialPrivacy, *, expected: int, count_stddev: float, z_update: float,
+                 privacy: PrivacyReport | None) -> None:
+        self.dp, self.expected, self.count_stddev, self.privacy = dp, expected, count_stddev, privacy
+        self.clip = dp.clip
+        # per-coordinate std on the published average: (z C) on the sum over m expected contributors
+        self.noise_std = z_update * self.clip / expected if dp.enabled else 0.0
+        self.generator: torch.Generator | None = None
+
+    def weighting(self, k: int, server: Callable[[], Tensor]) -> Weighting:
+        """Inside the mechanism every contribution weighs the same and the mean divides by m;
+        otherwise the server's weights (`server()`, called only then)."""
+        if self.dp.enabled:
+            return Weighting(torch.full((k,), 1.0 / k, dtype=torch.float64), weighted=False,
+                             denominator=float(self.expected), factored=False)
+        return Weighting(server(), weighted=True, denominator=None, factored=True)
+
+    def start(self, generator: torch.Generator | None) -> None:
+        """Take the noise's randomness before the first tensor is published."""
+        self.generator = secure_generator() if self.dp.secure else generator
+        if self.dp.enabled and self.generator is None:
+            raise InvalidDeltaError("DP noise needs randomness: pass `generator=` or set dp_secure_noise")
+
+    def noise(self, agg: Tensor) -> Tensor:
+        """The rule's aggregate of one tensor plus N(0, noise_std^2) per coordinate under DP."""
+        if not self.dp.enabled:
+            return agg
+        return agg + gaussian_noise(tuple(agg.shape), std=self.noise_std, generator=self.generator,
+                                    secure=self.dp.secure, dtype=agg.dtype)
+
+    def close(self, norms: Tensor, *, accountant: PrivacyAccountant | None) -> float | None:
+        """After publishing: the next round's clip norm (adapted from the accepted `norms` (k,)
+        before clipping) and the release accounted. Returns that clip norm."""
+        dp = self.dp
+        if dp.enabled and dp.adaptive:
+            dp.clip = adaptive_clip_update(norms, clip=self.clip, target_quantile=dp.target_quantile,
+                                           lr=dp.clip_lr, count_stddev=self.count_stddev,
+                                           expected_contributors=self.expected,
+                                           generator=self.generator, secure=dp.secure)
+        if dp.enabled and accountant is not None:
+            accountant.step(noise_multiplier=dp.noise_multiplier, sample_rate=self.privacy.q)
+        return dp.clip if dp.enabled and dp.adaptive else self.clip

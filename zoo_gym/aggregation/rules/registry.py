@@ -1,0 +1,30 @@
+"""Names to rules, once, at the edge (as Opacus' `create_accountant`): `create_rule(config)`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from ..errors import SoupConfigError
+from .averaging import CenteredClip, GeometricMedian, Mean
+from .base import Rule
+from .coordinatewise import Median, TrimmedMean
+from .selection import Bulyan, Krum, MultiKrum
+
+if TYPE_CHECKING:
+    from ..config import SoupConfig
+
+# read-only: the operator-facing names, in the order the help text lists them
+RULES: Mapping[str, type[Rule]] = MappingProxyType({rule.name: rule for rule in (
+    Mean, Median, TrimmedMean, Krum, MultiKrum, Bulyan, GeometricMedian, CenteredClip)})
+
+
+def create_rule(config: SoupConfig) -> Rule:
+    """The rule `config.aggregator` names, with its settings from the config's flat fields."""
+    try:
+        cls = RULES[config.aggregator]
+    except KeyError:
+        raise SoupConfigError(f"`aggregator` must be one of {', '.join(RULES)}; got "
+                              f"{config.aggregator!r}") from None
+    return cls.from_config(config)

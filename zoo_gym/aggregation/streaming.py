@@ -1,0 +1,70 @@
+"""The accepted, clipped rows of a `DeltaSource`, one tensor at a time, and the whole-model passes
+over them: exact pairwise squared distances (from the BitDelta bits when the source has them,
+consecutive packed tensors batched) and the distances to a combination sum_j a_j x_j (one pass per
+iteration of the iterated rules). Memory grows with one tensor x n, never the model x n.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .distances import combination_sq_distances, packed_model_sq_distances, pairwise_sq_distances
+
+# sign bytes per contributor batched into one compressed-domain distance pass: bounds memory at
+# about n x 16 MiB while removing per-tensor Python work on models with many small tensors
+_PACKED_BATCH_BYTES = 16 << 20
+
+
+class ClippedRows:
+    """Rows `acc` (k,) of the source's n contributions, each scaled by its clip factor (k,)."""
+
+    def __init__(self, source: Any, names: Sequence[str], acc: Tensor, factors: Tensor, n: int) -> None:
+        self.source, self.names, self.acc, self.factors, self.n = source, list(names), acc, factors, n
+
+    def rows(self, name: str) -> Tensor:
+        """(k, numel) float32 clipped rows of tensor `name`. Without a refusal or a clip this is the
+        source's own tensor (no copy; nothing downstream mutates it)."""
+        x = self.source.stacked(name)  # (n, numel)
+        if self.acc.numel() < self.n:
+            x = x[self.acc]
+        if bool((self.factors != 1).any()):
+            x = x * self.factors.to(torch.float32)[:, None]
+        return x
+
+    def pairwise_sq_distances(self) -> Tensor:
+        """(k, k) float64 whole-model squared distances, summed over the tensors."""
+        idx = self.acc.tolist()
+        k = len(idx)
+        dist = torch.zeros((k, k), dtype=torch.float64)
+        batch: list[list[Any]] = [[] for _ in idx]  # batch[j]: accepted contributor j's tensors
+        batch_bytes = 0
+        for name in self.names:
+            packed = self.source.packed(name)
+            if packed is not None:  # BitDelta: batch tensors into one whole-model XOR pass
+                for j, i in enumerate(idx):
+                    batch[j].append(packed[i])
+                batch_bytes += int(packed[idx[0]].signs.numel())
+                if batch_bytes >= _PACKED_BATCH_BYTES:
+                    dist += packed_model_sq_distances(batch, scale=self.factors)
+                    batch, batch_bytes = [[] for _ in idx], 0
+            else:
+                dist += pairwise_sq_distances(self.rows(name))
+        if batch_bytes:
+            dist += packed_model_sq_distances(batch, scale=self.factors)
+        return dist
+
+    def sq_distances_to(self, coefficients: Tensor | None, previous: Tensor | None = None
+                        ) -> tuple[Tensor, float]:
+        """One pass: ((k,) squared distances of the rows to sum_j a_j x_j (None: the coordinate-wise
+        median), squared distance of that iterate from `previous`'s), summed over the tensors."""
+        sq = torch.zeros(self.acc.numel(), dtype=torch.float64)
+        move = 0.0
+        for name in self.names:
+            s, m = combination_sq_distances(self.rows(name), coefficients, previous=previous)
+            sq += s
+            move += m
+        return sq, move
