@@ -16,7 +16,7 @@ from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
-from zoo_gym.dashboard import queries
+from zoo_gym.server.store import queries
 from zoo_gym.dashboard.charts import line_chart
 
 HERE = Path(__file__).parent

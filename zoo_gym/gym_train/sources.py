@@ -23,7 +23,7 @@ import pathlib
 import re
 from collections.abc import Iterable, Iterator
 
-from .formats import DataError
+from .errors import DataError
 
 FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
