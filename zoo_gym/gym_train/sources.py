@@ -35,16 +35,6 @@ def looks_like_hub_id(source: str) -> bool:
     return bool(_HUB_ID.match(source)) and pathlib.Path(source).suffix.lower() not in FILE_SUFFIXES
 
 
-def describe(source: str | pathlib.Path) -> str:
-    """What ``iter_records`` will read ``source`` as (for messages)."""
-    p = pathlib.Path(source)
-    if p.is_dir():
-        return "a datasets save_to_disk directory"
-    if p.suffix.lower() in FILE_SUFFIXES:
-        return f"a {p.suffix.lower()[1:]} file"
-    return "a Hugging Face dataset from the local cache"
-
-
 def iter_records(source: str | pathlib.Path) -> Iterator[tuple[str, object]]:
     """``(where, record)`` for every record of ``source``; raises :class:`DataError` naming the source."""
     p = pathlib.Path(source)

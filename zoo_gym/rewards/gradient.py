@@ -225,11 +225,3 @@ def base_gradient(model: torch.nn.Module,
     numel = sum(p.numel() for p in {id(p): p for p in params.values()}.values())
     return _with_summary(BaseGradient(base_loss=total / tokens, grad=grad, examples=examples, tokens=tokens),
                          norm=float(sq.sqrt()), numel=numel)
-
-
-def gradient_from_mapping(*, base_loss: float, grad: Mapping[str, Tensor], examples: int = 0,
-                          tokens: int = 0) -> BaseGradient:
-    """A `BaseGradient` from numbers computed elsewhere (tests, a GPU worker)."""
-    return BaseGradient(base_loss=float(base_loss),
-                        grad={k: v.detach().float() for k, v in grad.items()},
-                        examples=examples, tokens=tokens)
