@@ -96,10 +96,13 @@ from statistics import NormalDist
 
 import torch
 
-from zoo_gym.aggregation import DeltaSoup, NotRobustConfigError, SoupConfig, attacks
+from zoo_gym.aggregation import DeltaSoup, NotRobustConfigError, SoupConfig
 from zoo_gym.aggregation.sources import DictDeltaSource
 from zoo_gym.gym_train import (Evaluator, TrainConfig, builtin_examples,
                                default_validation_examples, tiny_model_dir, train)
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run as a script: the repo root
+from benchmarks import attacks  # noqa: E402
 
 RULES = ("mean", "trimmed-mean", "multi-krum", "median", "mean-unchecked")  # last: mean, norm check off
 ATTACKS = ("none", "sign_flip", "alie", "scaling")

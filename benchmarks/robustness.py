@@ -23,7 +23,7 @@ Protocol (also written into the JSON under "protocol"):
     rules see mostly init noise).
   * A trajectory is one (aggregator, attack) pair run for R rounds from the shipped tiny base.
     Each round: the honest contributors train; the Byzantine ones either craft their deltas from
-    the honest deltas of the same round (model poisoning, `zoo_gym.aggregation.attacks`; they
+    the honest deltas of the same round (model poisoning, `benchmarks/attacks.py`; they
     see every honest delta, the strongest threat model) or train on label-flipped data (data
     poisoning: their shard's outputs permuted among its examples, a derangement) and submit that
     delta honestly. No attack: the same n contributors, all honest. `DeltaSoup` aggregates the n
@@ -70,11 +70,14 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from zoo_gym.aggregation import DeltaSoup, NotRobustConfigError, SoupConfig, attacks
+from zoo_gym.aggregation import DeltaSoup, NotRobustConfigError, SoupConfig
 from zoo_gym.aggregation.bulyan import check_bulyan_config
 from zoo_gym.aggregation.sources import DictDeltaSource
 from zoo_gym.gym_train import (Evaluator, TrainConfig, builtin_examples,
                                default_validation_examples, tiny_model_dir, train)
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run as a script: the repo root
+from benchmarks import attacks  # noqa: E402
 
 ATTACKS = ("none", "sign_flip", "scaling", "gaussian", "alie", "ipm", "free_rider_zero",
            "free_rider_random", "label_flip")

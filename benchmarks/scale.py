@@ -550,7 +550,7 @@ def forward_backward_seconds(model_dir: Path, scoring_examples: int = 32) -> tup
     yet (on this VM, 2.3-2.4 s/GiB: benchmarks/fresh_memory.py); the best is the warm figure."""
     from zoo_gym import gym_train
     from zoo_gym.gym_train.evaluate import load_model, load_tokenizer, tokenize_examples
-    from zoo_gym.rewards.packing import pack_shared_prefix, packed_loss_sum
+    from zoo_gym.rewards.packed_batch import pack_shared_prefix, packed_loss_sum
 
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir, attn_implementation="sdpa")

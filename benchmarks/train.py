@@ -20,7 +20,8 @@ import time
 import torch
 
 from zoo_gym.gym_train import TrainConfig, builtin_examples, default_validation_examples, tiny_model_dir, train
-from zoo_gym.gym_train.train import _lora_config, _quiet, common_training_args, quiet_trainer, sft_dataset
+from zoo_gym.gym_train.common import common_training_args, lora_config, quiet_libraries, quiet_trainer
+from zoo_gym.gym_train.train import sft_dataset
 
 
 def plain_trl(base, examples, cfg: TrainConfig) -> tuple[float, float, int]:
@@ -34,7 +35,7 @@ def plain_trl(base, examples, cfg: TrainConfig) -> tuple[float, float, int]:
     tok = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     if cfg.method == "lora":
-        model = get_peft_model(model, _lora_config(cfg))
+        model = get_peft_model(model, lora_config(cfg))
     with tempfile.TemporaryDirectory() as tmp:
         # "train seconds" spans trainer construction (dataset tokenisation) + train(), exactly what
         # our metadata["train_seconds"] spans, so the two train-only figures compare like for like.
@@ -60,7 +61,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
-    _quiet(False)
+    quiet_libraries(False)
     base = tiny_model_dir()
     examples = builtin_examples("default", shard=0, n_shards=3, n=512)
     val = default_validation_examples(32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zoo_gym.aggregation import attacks
+from benchmarks import attacks
 
 H = torch.tensor([[1.0, 2.0], [3.0, 2.0]])  # mean (2, 2), population std (1, 0)
 

@@ -9,7 +9,7 @@ import math
 import torch
 
 from zoo_gym.aggregation import DeltaSoup, SoupConfig, multi_krum
-from zoo_gym.aggregation.attacks import alie, alie_z
+from benchmarks.attacks import alie, alie_z
 from zoo_gym.aggregation.krum import duplicate_groups
 from zoo_gym.aggregation.distances import pairwise_sq_distances
 from zoo_gym.aggregation.sources import DictDeltaSource

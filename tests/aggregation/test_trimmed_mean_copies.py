@@ -11,7 +11,7 @@ import math
 import torch
 
 from zoo_gym.aggregation import DeltaSoup, SoupConfig
-from zoo_gym.aggregation.attacks import scaling, sign_flip
+from benchmarks.attacks import scaling, sign_flip
 from zoo_gym.aggregation.sources import DictDeltaSource
 from zoo_gym.aggregation.trimmed_mean import trimmed_mean
 

@@ -5,7 +5,7 @@ import torch
 
 from zoo_gym.gym_train import TrainConfig, TrainConfigError, tiny_model_dir, train
 from zoo_gym.gym_train.tasks import builtin_examples
-from zoo_gym.gym_train.train import common_training_args
+from zoo_gym.gym_train.common import common_training_args
 
 
 def test_epochs_become_steps_as_the_trainer_counts_them():

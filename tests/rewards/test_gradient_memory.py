@@ -22,7 +22,7 @@ from zoo_gym.gym_train.evaluate import load_model, load_tokenizer, tokenize_exam
 from zoo_gym.gym_train.head_loss import linear_cross_entropy_sum
 from zoo_gym.rewards import base_gradient
 from zoo_gym.rewards.activation_budget import checkpoint_beyond, decoder_layers
-from zoo_gym.rewards.packing import pack_shared_prefix, packed_loss_sum
+from zoo_gym.rewards.packed_batch import pack_shared_prefix, packed_loss_sum
 from zoo_gym.rewards.spill import SpilledTensors
 
 
@@ -98,7 +98,7 @@ _PEAK = textwrap.dedent("""
     import json, sys, torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from zoo_gym.rewards import base_gradient
-    from zoo_gym.rewards.packing import pack_shared_prefix
+    from zoo_gym.rewards.packed_batch import pack_shared_prefix
     torch.manual_seed(0)
     torch.set_num_threads(1)
     cfg = Qwen3Config(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,

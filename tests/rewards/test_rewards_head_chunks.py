@@ -15,7 +15,7 @@ from zoo_gym.gym_train import evaluate as ev
 from zoo_gym.gym_train.evaluate import collate, completion_loss_sum, load_model, load_tokenizer, tokenize_examples
 from zoo_gym.gym_train.families import make_random_base
 from zoo_gym.rewards import SlopeTap, base_gradient
-from zoo_gym.rewards.packing import pack_shared_prefix, packed_loss_sum
+from zoo_gym.rewards.packed_batch import pack_shared_prefix, packed_loss_sum
 
 BASES = ("tiny", "gpt2", "llama", "qwen3", "gemma", "phi3")
 

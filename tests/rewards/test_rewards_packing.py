@@ -14,7 +14,8 @@ from zoo_gym.aggregation.sources import DictDeltaSource
 from zoo_gym.gym_train import Evaluator, default_validation_examples, tiny_model_dir
 from zoo_gym.gym_train.evaluate import collate, completion_loss_sum, tokenize_examples
 from zoo_gym.rewards import ScoringInputError, SlopeTap, base_gradient
-from zoo_gym.rewards.packing import PackedScoringSet, pack_shared_prefix, supports_packing
+from zoo_gym.rewards.packed_batch import pack_shared_prefix, supports_packing
+from zoo_gym.rewards.packing import PackedScoringSet
 
 
 @pytest.fixture(scope="module")

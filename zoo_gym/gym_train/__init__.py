@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import pathlib
 
+from .common import TrainResult
 from .config import TrainConfig, TrainConfigError
 from .evaluate import Evaluator, heldout_loss
-from .formats import DataError, load_examples
-from .hardware import HardwareError
+from .errors import DataError, HardwareError
+from .formats import load_examples
 from .tasks import builtin_examples, default_validation_examples
-from .train import TrainResult, train
+from .train import train
 
 
 def tiny_model_dir() -> pathlib.Path:

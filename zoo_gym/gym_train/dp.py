@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from .common import TrainResult, quiet_libraries, split_heldout, with_lora
 from .config import TrainConfig
 from .delta import load_base_state, trained_delta
 from .evaluate import Evaluator, collate, load_model, load_tokenizer, tokenize_examples
@@ -61,12 +62,10 @@ def train_dp(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader, TensorDataset
 
-    from .train import TrainResult, _quiet, _split_heldout, with_lora
-
-    _quiet(progress)
+    quiet_libraries(progress)
     torch.manual_seed(config.seed)
     base_dir = pathlib.Path(base_dir)
-    train_ex, held = _split_heldout(examples, eval_examples)
+    train_ex, held = split_heldout(examples, eval_examples)
     names, base_state = load_base_state(base_dir)
     tokenizer = load_tokenizer(base_dir)
     model = load_model(base_dir, attn_implementation=config.attn_implementation or "eager")

@@ -185,10 +185,6 @@ class Evaluator:
         self._batches = [collate(pairs[i:i + batch_size], pad_id=pad) for i in range(0, len(pairs), batch_size)]
         self._params = dict(self.model.named_parameters(remove_duplicate=True))
 
-    @property
-    def parameter_names(self) -> list[str]:
-        return list(self._params)
-
     def _target(self, name: str) -> torch.nn.Parameter:
         p = self._params.get(name)
         if p is None and name == "lm_head.weight":

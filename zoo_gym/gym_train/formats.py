@@ -20,16 +20,11 @@ from __future__ import annotations
 
 import pathlib
 
+from .errors import DataError
+from .sources import iter_records
+
 _USER_ROLES = {"human", "user"}
 _ASSISTANT_ROLES = {"gpt", "assistant", "model"}
-
-
-class DataError(ValueError):
-    """A training record cannot be used; the message names file, line (or record index) and field."""
-
-    def __init__(self, file: str, where: str, field: str, problem: str):
-        self.file, self.where, self.field, self.problem = file, where, field, problem
-        super().__init__(f"{file}: {where}: field {field!r}: {problem}")
 
 
 def _need_str(rec: dict, key: str, *, file: str, where: str, required: bool = True, prefix: str = "") -> str:
@@ -170,8 +165,6 @@ def load_examples(path: str | pathlib.Path, *, allow_text: bool = False) -> list
     """Read and normalise every record of ``path`` (a .json/.jsonl/.parquet/.csv file, a ``save_to_disk``
     directory or a dataset id in the local Hugging Face cache); alpaca dicts, plus ``{"text": ...}``
     records when ``allow_text``. Raises :class:`DataError` naming the source, line or row, and field."""
-    from .sources import iter_records
-
     name = str(path)
     out = [normalise_record(rec, file=name, where=where, allow_text=allow_text)
            for where, rec in iter_records(path)]

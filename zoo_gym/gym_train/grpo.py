@@ -18,6 +18,8 @@ import time
 import torch
 
 from .chat import prompt_messages, render_prompt_with
+from .common import (TrainResult, common_training_args, load_training_model, quiet_libraries, quiet_trainer,
+                     split_heldout, with_lora)
 from .config import TrainConfig
 from .delta import adapter_delta, load_base_state
 from .evaluate import Evaluator, load_tokenizer
@@ -81,13 +83,10 @@ def train_grpo(base_dir, examples, config: TrainConfig, *, base_sha256: str, eva
     from transformers import set_seed
     from trl import GRPOConfig, GRPOTrainer
 
-    from .train import (TrainResult, _quiet, _split_heldout, common_training_args, load_training_model, quiet_trainer,
-                        with_lora)
-
-    _quiet(progress)
+    quiet_libraries(progress)
     set_seed(config.seed)
     base_dir = pathlib.Path(base_dir)
-    train_ex, held = _split_heldout(examples, eval_examples)
+    train_ex, held = split_heldout(examples, eval_examples)
     held = (held or [])[: config.grpo_eval_prompts]
     names, base_state = load_base_state(base_dir)
     tokenizer = load_tokenizer(base_dir)

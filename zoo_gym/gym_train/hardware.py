@@ -7,9 +7,8 @@ import pathlib
 
 import torch
 
-
-class HardwareError(RuntimeError):
-    """The requested feature (flash attention, 4-bit QLoRA) cannot run on this machine."""
+from .errors import HardwareError
+from .qlora import check_qlora
 
 
 def check_flash_attention() -> None:
@@ -30,6 +29,4 @@ def check_hardware(config, base_dir: pathlib.Path | None = None) -> None:
     if config.attn_implementation == "flash_attention_2":
         check_flash_attention()
     if config.quantization == "4bit":
-        from .qlora import check_qlora
-
         check_qlora(base_dir)

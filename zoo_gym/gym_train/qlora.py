@@ -17,7 +17,7 @@ import pathlib
 
 import torch
 
-from .hardware import HardwareError
+from .errors import HardwareError
 
 GRAD_RTOL = 1e-3  # relative L2 difference allowed between 4-bit and reference LoRA gradients
 

@@ -23,7 +23,7 @@ import pathlib
 import re
 from collections.abc import Iterable, Iterator
 
-from .formats import DataError
+from .errors import DataError
 
 FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -33,16 +33,6 @@ _NESTED = ("conversations", "messages", "history", "prompt", "completion")
 
 def looks_like_hub_id(source: str) -> bool:
     return bool(_HUB_ID.match(source)) and pathlib.Path(source).suffix.lower() not in FILE_SUFFIXES
-
-
-def describe(source: str | pathlib.Path) -> str:
-    """What ``iter_records`` will read ``source`` as (for messages)."""
-    p = pathlib.Path(source)
-    if p.is_dir():
-        return "a datasets save_to_disk directory"
-    if p.suffix.lower() in FILE_SUFFIXES:
-        return f"a {p.suffix.lower()[1:]} file"
-    return "a Hugging Face dataset from the local cache"
 
 
 def iter_records(source: str | pathlib.Path) -> Iterator[tuple[str, object]]:

@@ -10,12 +10,13 @@ from .errors import (ConfigError, LedgerConflictError, LedgerError, RewardsError
                      RoundAlreadySettledError, ScoringInputError, SplitError)
 from .first_order import SlopeTap, directional_slopes, linear_losses, linear_shapley, streamed_slopes
 from .first_order_scoring import FirstOrderConfig, score_round_first_order
-from .gradient import BaseGradient, base_gradient, gradient_from_mapping
-from .ledger import (GENESIS_HASH, LEDGER_KINDS, Ledger, LedgerEntry, LedgerEntryBase,
-                     LedgerEntryPublic, NewEntry, canonical_entry_bytes, compute_entry_hash,
-                     create_ledger_tables, signing_message)
+from .gradient import BaseGradient, base_gradient
+from .entry_hash import GENESIS_HASH, canonical_entry_bytes, compute_entry_hash, signing_message
+from .ledger import (LEDGER_KINDS, Ledger, LedgerEntry, LedgerEntryBase, LedgerEntryPublic, NewEntry,
+                     create_ledger_tables)
 from .marginal import MarginalEstimate
-from .packing import PackedBatch, PackedScoringSet, pack_shared_prefix, packed_loss_sum, supports_packing
+from .packed_batch import PackedBatch, pack_shared_prefix, packed_loss_sum, supports_packing
+from .packing import PackedScoringSet
 from .reputation import (Reputation, ReputationBase, ReputationBook, ReputationConfig,
                          ReputationPublic, aggregation_weights, next_reputation)
 from .scoring import (ContributionDiagnostics, ContributionScore, RoundScoring, ScoringConfig,
@@ -26,7 +27,7 @@ from .split import split_pool
 from .verify import VerifyReport, load_public_key, verify_chain, verify_entries
 
 __all__ = [
-    "BaseGradient", "FirstOrderConfig", "SlopeTap", "base_gradient", "combine_scores", "gradient_from_mapping",
+    "BaseGradient", "FirstOrderConfig", "SlopeTap", "base_gradient", "combine_scores",
     "linear_shapley", "score_round_first_order", "streamed_slopes",
     "PackedBatch", "PackedScoringSet", "pack_shared_prefix", "packed_loss_sum", "supports_packing",
     "GENESIS_HASH", "LEDGER_KINDS", "ConfigError", "ContributionDiagnostics", "ContributionScore",

@@ -12,7 +12,7 @@ Cost: one forward and one backward over the examples (about 3 forward passes; th
 at scored positions), plus the recomputed forward of the decoder layers checkpointed to stay within the
 activation budget (``activation_budget.py``). Memory: the model, the activations within the budget and
 one gradient tensor at a time; the finished gradient goes to disk (``spill.py``) on the server. On the
-tiny model with 32 examples, 1 CPU thread, about 0.1 s padded, about 0.07 s packed (``packing.py``:
+tiny model with 32 examples, 1 CPU thread, about 0.1 s padded, about 0.07 s packed (``packed_batch.py``:
 the shared chat prefix computed once per row, no padding).
 """
 
@@ -30,7 +30,7 @@ from zoo_gym.gym_train.evaluate import head_loss_sum, scored_positions
 
 from .activation_budget import checkpoint_beyond
 from .errors import ScoringInputError
-from .packing import PackedBatch, packed_loss_sum
+from .packed_batch import PackedBatch, packed_loss_sum
 from .spill import SpilledTensors
 
 
@@ -143,7 +143,7 @@ def base_gradient(model: torch.nn.Module,
 
     ``batches`` yields ``(input_ids, attention_mask, labels)``, each ``(B, T)``, labels ``-100``
     where no loss is taken (``gym_train.evaluate.collate`` makes them), or ``PackedBatch`` es
-    (``packing.pack_shared_prefix``: the same loss on fewer positions). The model's parameters and
+    (``packed_batch.pack_shared_prefix``: the same loss on fewer positions). The model's parameters and
     their ``.grad`` are left as they were (``.grad`` is reset to None before and after).
 
     One backward over everything by default (``rows_per_backward=None``). Each parameter's gradient
@@ -225,11 +225,3 @@ def base_gradient(model: torch.nn.Module,
     numel = sum(p.numel() for p in {id(p): p for p in params.values()}.values())
     return _with_summary(BaseGradient(base_loss=total / tokens, grad=grad, examples=examples, tokens=tokens),
                          norm=float(sq.sqrt()), numel=numel)
-
-
-def gradient_from_mapping(*, base_loss: float, grad: Mapping[str, Tensor], examples: int = 0,
-                          tokens: int = 0) -> BaseGradient:
-    """A `BaseGradient` from numbers computed elsewhere (tests, a GPU worker)."""
-    return BaseGradient(base_loss=float(base_loss),
-                        grad={k: v.detach().float() for k, v in grad.items()},
-                        examples=examples, tokens=tokens)

@@ -6,16 +6,8 @@ Entry ``k`` (``seq`` dense from 1) carries ``prev_hash`` = entry ``k-1``'s ``ent
     entry_hash = sha256(canonical_entry_bytes(entry)).hexdigest()
     signature  = Ed25519_sign(server_key, signing_message(entry_hash)).hex()
 
-``canonical_entry_bytes`` is the exact encoding a client re-implements to verify: UTF-8 JSON of
-the object below with keys sorted, separators ``","`` and ``":"``, ``ensure_ascii=True``; ints as
-JSON integers, floats in Python's shortest round-trip ``repr`` (``0.1``, ``1e-07``, ``0.0``),
-strings JSON-escaped; non-finite floats are refused::
-
-    {"amount": int, "contributor": str, "kind": str, "prev_hash": str, "reason": str,
-     "reputation_after": float, "round_id": int, "score": float, "seq": int, "v": 1}
-
-``signing_message(h) = b"zoo-gym/ledger/v1\\n" + bytes.fromhex(h)`` (domain separation: the
-server key may sign other things too). Each entry binds its ``seq`` and its predecessor, so an
+``canonical_entry_bytes`` and ``signing_message`` (the exact bytes a client re-implements to
+verify) are defined in ``entry_hash.py``. Each entry binds its ``seq`` and its predecessor, so an
 edited field breaks its hash, a re-signed edit needs the server key, a deletion leaves a gap in
 ``seq`` and a broken ``prev_hash`` link, and swapping two entries breaks both. Deleting the
 *newest* entries leaves a valid shorter chain: pass ``expected_head`` (a (seq, hash) a client
@@ -25,11 +17,9 @@ kept) to ``verify_chain`` to catch that. Appends take one transaction and a prim
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,17 +28,13 @@ from sqlalchemy import BigInteger, func
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Field, Session, SQLModel, select
 
+from .entry_hash import GENESIS_HASH, compute_entry_hash, signing_message
 from .errors import LedgerConflictError, LedgerError
 
 if TYPE_CHECKING:
     from .verify import VerifyReport
 
-GENESIS_HASH = "0" * 64
 LEDGER_KINDS = ("reward", "refusal", "adjustment")
-SIGNING_CONTEXT = b"zoo-gym/ledger/v1\n"
-CANONICAL_VERSION = 1
-HASHED_FIELDS = ("seq", "round_id", "contributor", "kind", "amount", "score",
-                 "reputation_after", "reason", "prev_hash")
 
 
 class LedgerEntryBase(SQLModel):
@@ -100,40 +86,6 @@ class NewEntry:
                 raise LedgerError(f"`{name}` must be finite, got {getattr(self, name)!r}")
         if not self.contributor:
             raise LedgerError("`contributor` must be a non-empty id")
-
-
-def _field(entry: Any, name: str) -> Any:
-    return entry[name] if isinstance(entry, Mapping) else getattr(entry, name)
-
-
-def canonical_entry_bytes(entry: Any) -> bytes:
-    """The exact bytes hashed into ``entry_hash`` (encoding in the module docstring).
-
-    ``entry`` is a mapping or any object with the ``HASHED_FIELDS`` as attributes (a
-    `LedgerEntryPublic`, a protobuf message, a dict from JSON).
-    """
-    obj: dict[str, Any] = {"v": CANONICAL_VERSION}
-    for name in ("seq", "round_id", "amount"):
-        obj[name] = int(_field(entry, name))
-    for name in ("score", "reputation_after"):
-        v = float(_field(entry, name))
-        if not math.isfinite(v):
-            raise LedgerError(f"`{name}` must be finite to be hashed, got {v!r}")
-        obj[name] = v
-    for name in ("contributor", "kind", "reason", "prev_hash"):
-        obj[name] = str(_field(entry, name))
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                      allow_nan=False).encode("utf-8")
-
-
-def compute_entry_hash(entry: Any) -> str:
-    """sha256 hex of `canonical_entry_bytes`."""
-    return hashlib.sha256(canonical_entry_bytes(entry)).hexdigest()
-
-
-def signing_message(entry_hash: str) -> bytes:
-    """The bytes the server signs for an entry."""
-    return SIGNING_CONTEXT + bytes.fromhex(entry_hash)
 
 
 def create_ledger_tables(engine: Any) -> None:

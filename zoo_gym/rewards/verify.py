@@ -26,7 +26,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from .errors import LedgerError
-from .ledger import GENESIS_HASH, _field, compute_entry_hash, signing_message
+from .entry_hash import GENESIS_HASH, compute_entry_hash, entry_field, signing_message
 
 
 @dataclass(frozen=True)
@@ -57,12 +57,12 @@ def _check_entry(entry: Any, key: Ed25519PublicKey) -> str | None:
         recomputed = compute_entry_hash(entry)
     except (LedgerError, ValueError, TypeError, KeyError, AttributeError) as exc:
         return f"entry cannot be encoded: {exc}"
-    stored = str(_field(entry, "entry_hash"))
+    stored = str(entry_field(entry, "entry_hash"))
     if recomputed != stored:
         return (f"entry_hash mismatch: the fields hash to {recomputed[:16]}..., the entry says "
                 f"{stored[:16]}... (a field was edited)")
     try:
-        key.verify(bytes.fromhex(str(_field(entry, "signature"))), signing_message(stored))
+        key.verify(bytes.fromhex(str(entry_field(entry, "signature"))), signing_message(stored))
     except (InvalidSignature, ValueError):
         return "bad signature: not signed by the server key over this entry_hash"
     return None
@@ -84,19 +84,19 @@ def verify_chain(entries: Iterable[Any], public_key: Ed25519PublicKey | bytes | 
 
     for entry in entries:
         try:
-            seq = int(_field(entry, "seq"))
+            seq = int(entry_field(entry, "seq"))
         except (ValueError, TypeError, KeyError, AttributeError):
             return report(prev_seq + 1, "entry without a readable seq")
         if seq != prev_seq + 1:
             return report(prev_seq + 1, f"seq gap or reorder: expected seq {prev_seq + 1}, found "
                                         f"{seq} (an entry was deleted or entries were swapped)")
-        if str(_field(entry, "prev_hash")) != prev_hash:
+        if str(entry_field(entry, "prev_hash")) != prev_hash:
             return report(seq, f"prev_hash does not link to entry {prev_seq}'s hash "
                                "(an entry was deleted, replaced or swapped)")
         bad = _check_entry(entry, key)
         if bad is not None:
             return report(seq, bad)
-        prev_seq, prev_hash, checked = seq, str(_field(entry, "entry_hash")), checked + 1
+        prev_seq, prev_hash, checked = seq, str(entry_field(entry, "entry_hash")), checked + 1
         if expected_head is not None and seq == expected_head[0]:
             seen_head_hash = prev_hash
     if expected_head is not None:
@@ -118,18 +118,18 @@ def verify_entries(entries: Iterable[Any], public_key: Ed25519PublicKey | bytes 
     key = load_public_key(public_key)
     prev_seq, prev_hash, checked = 0, None, 0
     for entry in entries:
-        seq = int(_field(entry, "seq"))
+        seq = int(entry_field(entry, "seq"))
         bad = None
         if seq <= prev_seq:
             bad = f"seq {seq} does not increase after {prev_seq} (entries reordered or repeated)"
         elif seq == prev_seq + 1 and prev_hash is not None \
-                and str(_field(entry, "prev_hash")) != prev_hash:
+                and str(entry_field(entry, "prev_hash")) != prev_hash:
             bad = f"prev_hash does not link to entry {prev_seq}'s hash"
-        elif seq == 1 and str(_field(entry, "prev_hash")) != GENESIS_HASH:
+        elif seq == 1 and str(entry_field(entry, "prev_hash")) != GENESIS_HASH:
             bad = "entry 1 must link to the genesis hash"
         else:
             bad = _check_entry(entry, key)
         if bad is not None:
             return VerifyReport(ok=False, checked=checked, first_bad_seq=seq, reason=bad)
-        prev_seq, prev_hash, checked = seq, str(_field(entry, "entry_hash")), checked + 1
+        prev_seq, prev_hash, checked = seq, str(entry_field(entry, "entry_hash")), checked + 1
     return VerifyReport(ok=True, checked=checked, head_seq=prev_seq or None, head_hash=prev_hash)

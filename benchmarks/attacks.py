@@ -20,8 +20,8 @@ from statistics import NormalDist
 import torch
 from torch import Tensor
 
-from ._checks import check_deltas
-from .errors import AggregationError
+from zoo_gym.aggregation import AggregationError
+from zoo_gym.aggregation._checks import check_deltas
 
 
 def _count(n_byzantine: int) -> int:

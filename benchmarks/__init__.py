@@ -1,0 +1,1 @@
+"""Benchmark scripts (run as ``python benchmarks/NAME.py``) and what they and the tests share (``attacks``)."""

@@ -1,0 +1,131 @@
+"""What every local training path (SFT/LoRA in train.py, DP-SGD in dp.py, GRPO in grpo.py) shares.
+
+The result type, the held-out split, library quieting, the LoRA config, the TrainingArguments
+common to TRL's trainers, and loading the model to train. Nothing here imports the paths themselves.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import TrainConfig
+from .delta import capture_initial_factors
+from .evaluate import load_model
+
+
+@dataclass
+class TrainResult:
+    delta: dict  # base parameter name -> Tensor (dense) or zoo_gym.codec.LoraFactors
+    base_sha256: str
+    metadata: dict = field(default_factory=dict)
+
+
+def quiet_libraries(progress: bool) -> None:
+    """Hide library deprecation notices; without progress, also transformers' and datasets' logs and bars."""
+    import warnings
+
+    import datasets
+    import transformers
+
+    # transformers/TRL/PEFT deprecation notices (FutureWarning) are for us, not for a contributor's terminal
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    if progress:
+        return
+    if transformers.utils.logging.get_verbosity() >= transformers.utils.logging.WARNING:  # not raised by --log-level
+        transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.utils.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+
+
+def split_heldout(examples: list[dict], eval_examples: list[dict] | None) -> tuple[list[dict], list[dict] | None]:
+    """Without explicit eval examples, hold out the last tenth (at most 64) of the data when there are >= 10."""
+    if eval_examples is not None:
+        return examples, list(eval_examples) or None
+    if len(examples) < 10:
+        return examples, None
+    k = min(64, len(examples) // 10)
+    return examples[:-k], examples[-k:]
+
+
+def lora_config(cfg: TrainConfig):
+    """PEFT's LoraConfig for ``cfg`` (a causal LM, no bias training)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=cfg.target_modules,
+        use_dora=cfg.use_dora,
+        use_rslora=cfg.use_rslora,
+        init_lora_weights=cfg.init_lora_weights,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def common_training_args(cfg: TrainConfig, output_dir: str, *, progress: bool) -> dict:
+    """Keyword arguments shared by SFTConfig and GRPOConfig (transformers TrainingArguments)."""
+    if cfg.report_to == "tensorboard":  # the run's output_dir is a temporary directory: keep the curves
+        os.environ.setdefault("TENSORBOARD_LOGGING_DIR", os.path.abspath("runs"))
+    return dict(
+        output_dir=output_dir,
+        max_steps=cfg.max_steps,
+        per_device_train_batch_size=cfg.batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        learning_rate=cfg.learning_rate,
+        lr_scheduler_type="linear",
+        warmup_steps=cfg.warmup_steps,
+        weight_decay=cfg.weight_decay,
+        logging_steps=max(1, cfg.max_steps // 10),
+        save_strategy="no",
+        report_to=cfg.report_to,  # tensorboard: $TENSORBOARD_LOGGING_DIR, else ./runs (set in train())
+        use_cpu=cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()),
+        bf16=cfg.bf16,
+        fp16=cfg.fp16,
+        seed=cfg.seed,
+        data_seed=cfg.seed,
+        disable_tqdm=not progress,
+        log_level="warning" if progress else "error",  # not the "share your model on huggingface.co" line
+        dataloader_num_workers=0,
+        include_num_input_tokens_seen="non_padding",
+        gradient_checkpointing=cfg.gradient_checkpointing,  # TRL defaults it on; the tiny model needs no memory saving
+    )
+
+
+def quiet_trainer(trainer, progress: bool) -> None:
+    """Without progress, drop the callbacks that print every log dict to stdout and draw the bar, and
+    print a step/loss/ETA line at least every 10 s instead (zoo_gym/gym_train/heartbeat.py)."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    from zoo_gym.gym_train.heartbeat import Heartbeat, training_bar
+
+    trainer.remove_callback(PrinterCallback)  # raw log dicts
+    trainer.remove_callback(ProgressCallback)  # writes every log dict under its bar
+    trainer.add_callback(training_bar() if progress else Heartbeat())
+
+
+def with_lora(model, config: TrainConfig):
+    """(PEFT model, initial factors): the initial factors are kept only for inits where B0 @ A0 != 0
+    (PiSSA, OLoRA ...), whose delta must subtract them (see delta.lora_factors)."""
+    from peft import get_peft_model
+
+    model = get_peft_model(model, lora_config(config))
+    initial = capture_initial_factors(model) if config.init_lora_weights not in (True, False, "gaussian") else None
+    return model, initial
+
+
+def load_training_model(base_dir, config: TrainConfig):
+    """The base model to train: 4-bit NF4 for QLoRA (prepared for k-bit training), else float32."""
+    if config.quantization == "4bit":
+        from peft import prepare_model_for_kbit_training
+
+        from .qlora import load_4bit_model
+
+        model = load_4bit_model(base_dir, attn_implementation=config.attn_implementation)
+        return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return load_model(base_dir, attn_implementation=config.attn_implementation)
