@@ -1,7 +1,5 @@
 """The encode phase has its own progress bar, and encoding through it gives the very same payload."""
 
-import io
-
 import torch
 
 from zoo_gym import codec
