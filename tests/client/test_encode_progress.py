@@ -1,11 +1,9 @@
 """The encode phase has its own progress bar, and encoding through it gives the very same payload."""
 
-import io
-
 import torch
 
 from zoo_gym import codec
-from zoo_gym.client.join import EncodeProgress
+from zoo_gym.client.contribute import EncodeProgress
 
 
 def test_encode_through_the_progress_bar_gives_the_same_payload_and_shows_an_encode_bar(capsys):

@@ -1,0 +1,239 @@
+"""One contribution, the path both join loops take: download the base a verified RoundInfo names (its lineage
+checked against the pinned server key), train and encode in a child process (this process never holds the
+model), sign the header, upload with retries, and keep the delta as a variant when asked.
+
+`contribute(info, contributor=..., opts=..., cadence=...)` returns a SubmitResult, or None when the server
+would not take the delta (the round closed, or the delta grew too stale); it raises JoinError (one line) when
+the contributor cannot go on. The cadence (join.py's rounds, join_async.py's versions) names the base in what
+is said and decides when the upload is sent.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import grpc
+
+from zoo_gym import codec
+from zoo_gym.client.download import DownloadError, fetch_checkpoint
+from zoo_gym.client.train_process import run_in_child
+from zoo_gym.client.upload import build_header, get_round_request, request_stream
+from zoo_gym.proto import gym_pb2
+
+
+class JoinError(RuntimeError):
+    """The contributor cannot go on; the message says why and what to do."""
+
+
+@dataclass
+class Contributor:
+    """The connection, identity and helpers join() sets up once; every contribution goes through them."""
+
+    stub: object
+    cid: str
+    key: object
+    retry: Callable  # retry(fn, what)
+    verified: Callable  # verified(info) -> info, raising when the server's signature does not verify
+    trainer: object  # RoundTrainer: trains and encodes in a child process
+    say: Callable[[str], None]
+    server_key: bytes  # pinned on first contact; checkpoints' lineage signatures are checked against it
+
+    def round_info(self, *, signed: bool = True) -> gym_pb2.RoundInfo:
+        """The server's current RoundInfo, its signature verified; signed asks (you_submitted is ours)."""
+        def ask():  # a signed request is fresh on every try: the server takes one only within minutes
+            request = get_round_request(self.key, self.cid) if signed else gym_pb2.GetRoundRequest()
+            return self.stub.GetRound(request, timeout=30)
+
+        return self.verified(self.retry(ask, "get round"))
+
+    def upload(self, info: gym_pb2.RoundInfo, payload: bytes, metadata: dict, *, progress: bool):
+        """Sign a fresh header for a delta trained on `info`'s base and stream it, retried; grpc.RpcError when
+        the server refuses it."""
+        header = build_header(key=self.key, contributor_id=self.cid, round_id=info.round_id,
+                              base_sha256=info.base_sha256, payload=payload, metadata=metadata)
+        chunk = min(info.limits.max_chunk_bytes or (1 << 20), 1 << 20)
+        return self.retry(lambda: self.stub.SubmitDelta(request_stream(header, payload, chunk_bytes=chunk,
+                                                                       progress=progress), timeout=600), "upload")
+
+
+@dataclass
+class SubmitResult:
+    """A delta the server took: `trained_on` is the round whose base it trained on, `round_id` the round (in
+    async mode the buffer) it was stored under."""
+
+    trained_on: int
+    round_id: int
+    contributor: str
+    payload_bytes: int
+    payload_sha256: str
+    submissions_in_round: int
+    metadata: dict
+    codecs: list[str]
+    variant: str | None = None
+
+    @property
+    def staleness(self) -> int:
+        return self.round_id - self.trained_on
+
+    def summary(self, **first) -> dict:
+        """The join summary: `first`'s keys, then what every contribution reports."""
+        out = {**first, "contributor": self.contributor, "payload_bytes": self.payload_bytes,
+               "payload_sha256": self.payload_sha256, "submissions_in_round": self.submissions_in_round,
+               "loss_before": self.metadata.get("loss_before"), "loss_after": self.metadata.get("loss_after"),
+               "codecs": self.codecs}
+        if self.variant is not None:
+            out["variant"] = self.variant
+        return out
+
+
+class Cadence(Protocol):
+    """What differs between synchronous rounds and async versions inside one contribution."""
+
+    def label(self, info: gym_pb2.RoundInfo) -> str:
+        """The base's name in errors and variant file names: "round 3", "version 2"."""
+
+    def training(self, info: gym_pb2.RoundInfo) -> str:
+        """What the training line calls the base."""
+
+    def send(self, c: Contributor, info: gym_pb2.RoundInfo, payload: bytes, metadata: dict):
+        """Upload when the server can take it (c.upload): the SubmitResponse, or None when it cannot."""
+
+    def submitted(self, c: Contributor, result: SubmitResult) -> None:
+        """Say that `result` was taken."""
+
+
+def refused(exc: grpc.RpcError) -> JoinError:
+    return JoinError(f"submission refused ({exc.code().name}): {exc.details()}")
+
+
+def contribute(info: gym_pb2.RoundInfo, *, contributor: Contributor, opts, cadence: Cadence) -> SubmitResult | None:
+    """Train on `info`'s base (a verified RoundInfo) and submit the delta; None when the server did not take it."""
+    c = contributor
+    try:  # the sha256 comes from the signed RoundInfo; the lineage's own signature is checked after unpacking
+        model_dir = fetch_checkpoint(c.stub, info.base_sha256, info.base_size, opts.workdir, progress=opts.progress,
+                                     retry=lambda fn: c.retry(fn, "download"), server_key=c.server_key)
+    except DownloadError as exc:
+        raise JoinError(f"{cadence.label(info)}: refusing the base checkpoint: {exc}") from None
+    c.say(f"{cadence.training(info)}: training ({opts.method}) on base {info.base_sha256[:12]}")
+    payload, metadata, kept = c.trainer.train(model_dir, info.base_sha256)  # kept: made a variant once taken
+    resp = None
+    try:
+        resp = cadence.send(c, info, payload, metadata)
+    finally:
+        if kept is not None and resp is None:  # not taken: no variant
+            kept.unlink(missing_ok=True)
+    if resp is None:
+        return None
+    result = SubmitResult(trained_on=int(info.round_id), round_id=int(resp.round_id), contributor=c.cid,
+                          payload_bytes=len(payload), payload_sha256=resp.payload_sha256,
+                          submissions_in_round=resp.submissions, metadata=metadata,
+                          codecs=sorted({e.codec for e in codec.read_manifest(payload).entries}))
+    cadence.submitted(c, result)
+    if kept is not None:
+        name = f"{c.cid[:8]}-{cadence.label(info).replace(' ', '')}.zgd"
+        result.variant = c.trainer.keep_variant(kept, model_dir, out=opts.workdir / "variants" / name,
+                                                checkpoint_sha256=info.base_sha256)
+    return result
+
+
+class EncodeProgress(Mapping):
+    """A delta that `codec.encode` reads tensor by tensor through a progress bar: the encode phase gets its
+    own bar beside download, train and upload (a 0.6B-sized full delta takes tens of seconds to encode)."""
+
+    def __init__(self, delta: Mapping, *, progress: bool) -> None:
+        self._delta, self._progress = delta, progress
+
+    def __getitem__(self, name):
+        return self._delta[name]
+
+    def __len__(self) -> int:
+        return len(self._delta)
+
+    def __iter__(self):
+        from tqdm import tqdm
+
+        return iter(tqdm(self._delta, desc="encode", unit="tensor", disable=not self._progress, leave=False))
+
+
+def _payload(result, opts, feedback) -> bytes:
+    delta = result.delta
+    if feedback is not None:
+        delta = feedback.add_to(delta)
+    payload = codec.encode(EncodeProgress(delta, progress=opts.progress), codec=opts.codec,
+                           group_size=opts.group_size, metadata={"base_sha256": result.base_sha256, **result.metadata})
+    if feedback is not None:  # decoded a tensor at a time: never a dense copy of the whole delta
+        from zoo_gym.gym_train.error_feedback import DecodedPayload
+
+        feedback.update(delta, DecodedPayload(payload))
+    return payload
+
+
+def _train_and_encode(model_dir: Path, opts, config, feedback, train_ex: list[dict], held_ex: list[dict], *,
+                      base_sha256: str, payload_path: Path, delta_path: Path | None) -> dict:
+    """In the training process: train, write the payload to `payload_path` (and, for --keep-variant, the
+    delta itself to `delta_path`); return the training metadata to sign."""
+    import torch
+
+    from zoo_gym import gym_train
+
+    result = gym_train.train(model_dir, train_ex, config, base_sha256=base_sha256, eval_examples=held_ex,
+                             progress=opts.progress)
+    payload_path.write_bytes(_payload(result, opts, feedback))
+    if delta_path is not None:
+        torch.save(result.delta, delta_path)
+    return result.metadata
+
+
+def _keep_variant(delta_path: Path, model_dir: Path, *, out: Path, checkpoint_sha256: str,
+                  calib_examples: list[dict]) -> dict:
+    """In a training process: the delta that `_train_and_encode` saved, distilled into a variant at `out`."""
+    import torch
+
+    from zoo_gym.client.personalize import keep_round_variant
+    from zoo_gym.codec import LoraFactors
+
+    with torch.serialization.safe_globals([LoraFactors]):
+        delta = torch.load(delta_path, weights_only=True)
+    return keep_round_variant(delta, model_dir, out=out, checkpoint_sha256=checkpoint_sha256,
+                              calib_examples=calib_examples, say=lambda _m: None)
+
+
+@dataclass
+class RoundTrainer:
+    """Trains a round in a child process; the model never enters this one."""
+
+    opts: object  # join.JoinOptions
+    config: object  # TrainConfig
+    feedback: object  # gym_train.ErrorFeedback or None
+    train_ex: list[dict]
+    held_ex: list[dict]
+    say: Callable[[str], None]
+
+    def train(self, model_dir: Path, base_sha256: str) -> tuple[bytes, dict, Path | None]:
+        """(payload, metadata to sign, the delta's file for `keep_variant` or None)."""
+        fd, name = tempfile.mkstemp(dir=self.opts.workdir, prefix="payload-", suffix=".zgd")
+        os.close(fd)
+        payload_path = Path(name)
+        delta_path = payload_path.with_suffix(".delta.pt") if self.opts.keep_variant else None
+        try:
+            metadata = run_in_child(_train_and_encode, model_dir, self.opts, self.config, self.feedback,
+                                    self.train_ex, self.held_ex, base_sha256=base_sha256, payload_path=payload_path,
+                                    delta_path=delta_path)
+            return payload_path.read_bytes(), metadata, delta_path
+        finally:
+            payload_path.unlink(missing_ok=True)
+
+    def keep_variant(self, delta_path: Path, model_dir: Path, *, out: Path, checkpoint_sha256: str) -> str:
+        """`--keep-variant`: the round's delta (from `train`) as a personal variant at `out`; its path."""
+        try:
+            summary = run_in_child(_keep_variant, delta_path, model_dir, out=out, checkpoint_sha256=checkpoint_sha256,
+                                   calib_examples=self.train_ex)
+        finally:
+            delta_path.unlink(missing_ok=True)
+        self.say(f"kept this round's delta as variant {out} ({summary['bytes']} bytes)")
+        return summary["path"]
