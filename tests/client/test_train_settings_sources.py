@@ -78,7 +78,8 @@ def test_precedence_is_flag_then_env_then_file_then_default(run):
                                                                              "max_steps": 10})
     assert code == 0, output
     assert (o["lora_r"], o["seed"], o["lora_alpha"], o["num_train_epochs"]) == (4, 6, 9.0, 2.0)
-    assert "max_steps" not in o and "learning_rate" not in o and method == "lora"  # epochs from env beat the file's steps
+    # epochs from the environment beat the file's max_steps
+    assert "max_steps" not in o and "learning_rate" not in o and method == "lora"
 
 
 def test_bad_env_value_is_one_line_naming_the_variable(run):

@@ -33,7 +33,8 @@ def _settings(config: Optional[Path], flags: dict[str, Any]) -> ServeSettings:
         raw = read_settings_file(config) if config else {}
         file_values: dict[str, Any] = {}
         for key, value in raw.items():
-            file_values.update({norm_key(k): v for k, v in (value if isinstance(value, dict) else {key: value}).items()})
+            section = value if isinstance(value, dict) else {key: value}
+            file_values.update({norm_key(k): v for k, v in section.items()})
         settings = resolve(ServeSettings, file_values=file_values, environ=os.environ, flags=flags)
     except (SettingsFileError, SettingError) as exc:
         _fail(f"--config {exc}" if isinstance(exc, SettingsFileError) else str(exc))
