@@ -4,6 +4,9 @@ A leaf field's name is its key: config-file key ``trim_beta`` or ``trim-beta``, 
 environment variable ``ZOO_GYM_TRIM_BETA``; its default and ``metadata["help"]`` are the only ones. A field
 whose type is a dataclass is a section: its leaves are flattened (with ``metadata["prefix"]`` before their
 names) and shown under ``metadata["section"]`` in ``--help``. Precedence: flag > environment > file > default.
+Optional metadata: ``aliases`` (other file keys), ``value_aliases`` ({text: value}), ``alias_values`` ({alias key:
+{value: value}}, an alias whose values are spelled differently). A leaf is int, float, str or bool (or optional),
+or a union of str with bool and/or list[str] (text: true/false, comma-separated names).
 (Written here rather than on pydantic-settings because the declarations are the libraries' own dataclasses,
 which are used without pydantic, and the same fields must also produce Typer options.)
 """
@@ -15,8 +18,8 @@ import difflib
 import inspect
 import types
 import typing
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import typer
@@ -39,6 +42,9 @@ class Leaf:
     help: str
     section: str
     aliases: tuple[str, ...] = ()  # other file keys accepted for it (names a release wrote before)
+    accepts: tuple[type, ...] = ()  # a union leaf's types (str with bool and/or list); kind is then str
+    value_aliases: Mapping[Any, Any] = field(default_factory=dict, compare=False)  # text -> value
+    alias_values: Mapping[str, Mapping[Any, Any]] = field(default_factory=dict, compare=False)  # alias -> values
 
     @property
     def flag(self) -> str:
@@ -49,13 +55,24 @@ class Leaf:
         return ENV_PREFIX + self.key.upper()
 
 
-def _plain(hint: Any) -> tuple[type, bool]:
-    """(int|float|str|bool, optional) of a leaf's annotation."""
+def _plain(hint: Any) -> tuple[type, bool, tuple[type, ...]]:
+    """(int|float|str|bool, optional, a union's types or ()) of a leaf's annotation."""
     args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
     wanted = [a for a in args if a is not type(None)]
-    if len(wanted) != 1 or wanted[0] not in _TYPE_NAMES:
-        raise TypeError(f"a setting must be int, float, str or bool (or optional), got {hint!r}")
-    return wanted[0], type(None) in args
+    if len(wanted) == 1 and wanted[0] in _TYPE_NAMES:
+        return wanted[0], type(None) in args, ()
+    accepts = tuple(list if a == list[str] else a for a in wanted)
+    if len(accepts) > 1 and str in accepts and set(accepts) <= {str, bool, list}:
+        return str, type(None) in args, accepts
+    raise TypeError(f"a setting must be int, float, str or bool (or optional), or str | bool | list[str], "
+                    f"got {hint!r}")
+
+
+def _type_name(leaf: Leaf) -> str:
+    if not leaf.accepts:
+        return _TYPE_NAMES[leaf.kind]
+    return " or ".join(["true or false"] * (bool in leaf.accepts) + ["a string"] +
+                       ["a comma-separated list of strings"] * (list in leaf.accepts))
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -78,10 +95,13 @@ def leaves(cls: type, *, prefix: str = "", path: tuple[str, ...] = (), section: 
             out += leaves(hint, prefix=prefix + f.metadata.get("prefix", ""), path=(*path, f.name),
                           section=f.metadata.get("section", section), exclude=tuple(f.metadata.get("exclude", ())))
             continue
-        kind, optional = _plain(hint)
+        kind, optional, accepts = _plain(hint)
+        alias_values = {prefix + a: v for a, v in f.metadata.get("alias_values", {}).items()}
         out.append(Leaf(key=prefix + f.name, path=(*path, f.name), kind=kind, optional=optional, default=_default(f),
                         help=f.metadata.get("help", ""), section=f.metadata.get("section", section),
-                        aliases=tuple(prefix + a for a in f.metadata.get("aliases", ()))))
+                        aliases=tuple(prefix + a for a in (*f.metadata.get("aliases", ()), *alias_values)),
+                        accepts=accepts, value_aliases=dict(f.metadata.get("value_aliases", {})),
+                        alias_values=alias_values))
     keys = [leaf.key for leaf in out]
     if len(set(keys)) != len(keys):
         raise TypeError(f"{cls.__name__}: two settings share a key: {sorted(k for k in keys if keys.count(k) > 1)}")
@@ -96,6 +116,8 @@ def check_type(key: str, value: Any, leaf: Leaf) -> Any:
     """`value` if it is of the leaf's type (an int where a float is wanted is widened), else SettingError."""
     if value is None and leaf.optional:
         return None
+    if leaf.accepts:
+        return _check_union(key, value, leaf)
     want = leaf.kind
     ok = (isinstance(value, bool) if want is bool else
           isinstance(value, (int, float)) and not isinstance(value, bool) if want is float else
@@ -103,7 +125,31 @@ def check_type(key: str, value: Any, leaf: Leaf) -> Any:
     if not ok:
         raise SettingError(f"`{key}` must be {_TYPE_NAMES[want]}{' or empty' if leaf.optional else ''}, got "
                            f"{value!r} ({type(value).__name__})")
+    if want is str:
+        return leaf.value_aliases.get(value, value)
     return float(value) if want is float else value
+
+
+def _check_union(key: str, value: Any, leaf: Leaf) -> Any:
+    if isinstance(value, str):
+        return parse_text(leaf, value, source=key)
+    if isinstance(value, bool) and bool in leaf.accepts:
+        return value
+    if isinstance(value, (list, tuple)) and list in leaf.accepts and value and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise SettingError(f"`{key}` must be {_type_name(leaf)}{' or empty' if leaf.optional else ''}, got "
+                       f"{value!r} ({type(value).__name__})")
+
+
+def _parse_union(leaf: Leaf, text: str) -> Any:
+    if bool in leaf.accepts and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if text in leaf.value_aliases:
+        return leaf.value_aliases[text]
+    if list in leaf.accepts:
+        names = [v.strip() for v in text.split(",") if v.strip()]
+        return names[0] if len(names) == 1 else names
+    return text
 
 
 def parse_text(leaf: Leaf, text: str, *, source: str) -> Any:
@@ -111,6 +157,10 @@ def parse_text(leaf: Leaf, text: str, *, source: str) -> Any:
     text = text.strip()
     if leaf.optional and text.lower() in ("", "none", "null"):
         return None
+    if leaf.accepts:
+        return _parse_union(leaf, text)
+    if leaf.kind is str:
+        return leaf.value_aliases.get(text, text)
     try:
         if leaf.kind is bool:
             if text.lower() in ("1", "true", "yes", "on"):
@@ -120,15 +170,58 @@ def parse_text(leaf: Leaf, text: str, *, source: str) -> Any:
             raise ValueError(text)
         return leaf.kind(text)
     except ValueError:
-        raise SettingError(f"{source}={text!r}: must be {_TYPE_NAMES[leaf.kind]}"
+        raise SettingError(f"{source}={text!r}: must be {_type_name(leaf)}"
                            f"{' or empty' if leaf.optional else ''}") from None
 
 
-def unknown_key(key: str, valid: list[str]) -> SettingError:
-    close = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.75)
+def unknown_key(key: str, valid: list[str], also: Sequence[str] = ()) -> SettingError:
+    """The error for an unknown `key`: the closest of `valid` and `also` (other accepted spellings), and `valid`."""
+    close = difflib.get_close_matches(key, sorted({*valid, *also}), n=1, cutoff=0.75)
     hint = f"; did you mean `{close[0]}`?" if close else ""
     return SettingError(f"unknown setting `{key}`{hint} (valid settings: {', '.join(sorted(valid))}; dashes or "
                         "underscores alike)")
+
+
+def _leaves_of(spec: Any) -> list[Leaf]:
+    return leaves(spec) if isinstance(spec, type) else list(spec)
+
+
+def collect(spec: Any, *, file_values: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
+            flags: Mapping[str, Any] | None = None, file_text: bool = False) -> tuple[dict, dict, dict]:
+    """The checked values ({key: value}) that the file, the environment `ZOO_GYM_<KEY>` and the flags (None: not
+    given) set, in that order of precedence, lowest first. `spec`: a settings dataclass or its leaves.
+
+    Unknown file or flag keys are refused with the closest valid key; values are type-checked by key. With
+    `file_text`, a string in the file for a number or a flag is read as the environment's text would be."""
+    by_key = {leaf.key: leaf for leaf in _leaves_of(spec)}
+    alias = {a: leaf.key for leaf in by_key.values() for a in leaf.aliases}
+    layers: tuple[dict, dict, dict] = ({}, {}, {})
+    for key, value in (file_values or {}).items():
+        n = norm_key(key)
+        k = alias.get(n, n)
+        if k not in by_key:
+            raise unknown_key(k, list(by_key), also=list(alias))
+        leaf = by_key[k]
+        if n in leaf.alias_values:
+            spelled = leaf.alias_values[n]
+            if not any(value == v and type(value) is type(v) for v in spelled):
+                raise SettingError(f"`{n}` must be one of {', '.join(map(repr, spelled))}, got {value!r}")
+            value = spelled[value]
+        if file_text and isinstance(value, str) and leaf.kind is not str:
+            layers[0][k] = parse_text(leaf, value, source=key)
+        else:
+            layers[0][k] = check_type(k, value, leaf)
+    for leaf in by_key.values():
+        text = (environ or {}).get(leaf.env)
+        if text is not None:
+            layers[1][leaf.key] = parse_text(leaf, text, source=leaf.env)
+    for key, value in (flags or {}).items():
+        k = norm_key(key)
+        if k not in by_key:
+            raise unknown_key(k, list(by_key), also=list(alias))
+        if value is not None:
+            layers[2][k] = check_type(k, value, by_key[k])
+    return layers
 
 
 def resolve(cls: type, *, file_values: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
@@ -138,23 +231,9 @@ def resolve(cls: type, *, file_values: Mapping[str, Any] | None = None, environ:
     Unknown file or flag keys are refused with the closest valid key; values are type-checked by key; the
     dataclasses' own checks (``__post_init__``) then run, their ValueErrors re-raised as SettingError."""
     by_key = {leaf.key: leaf for leaf in leaves(cls)}
-    alias = {a: leaf.key for leaf in by_key.values() for a in leaf.aliases}
     chosen: dict[str, Any] = {}
-    for key, value in (file_values or {}).items():
-        k = alias.get(norm_key(key), norm_key(key))
-        if k not in by_key:
-            raise unknown_key(k, list(by_key))
-        chosen[k] = check_type(k, value, by_key[k])
-    for leaf in by_key.values():
-        text = (environ or {}).get(leaf.env)
-        if text is not None:
-            chosen[leaf.key] = parse_text(leaf, text, source=leaf.env)
-    for key, value in (flags or {}).items():
-        k = norm_key(key)
-        if k not in by_key:
-            raise unknown_key(k, list(by_key))
-        if value is not None:
-            chosen[k] = check_type(k, value, by_key[k])
+    for layer in collect(cls, file_values=file_values, environ=environ, flags=flags):
+        chosen.update(layer)
     return build(cls, {by_key[k].path: v for k, v in chosen.items()})
 
 
@@ -195,14 +274,17 @@ def _default_text(leaf: Leaf) -> str:
     return str(leaf.default)
 
 
-def typer_parameters(cls: type) -> list[inspect.Parameter]:
-    """One keyword parameter per leaf, default None (= not given), for a Typer command's signature."""
+def typer_parameters(spec: Any, *, name_prefix: str = "", alias_flags: bool = False) -> list[inspect.Parameter]:
+    """One keyword parameter per leaf (named `name_prefix` + key), default None (= not given), for a Typer
+    command's signature; with `alias_flags`, a leaf's aliases of two letters or more are flags too."""
     params = []
-    for leaf in leaves(cls):
+    for leaf in _leaves_of(spec):
         text = f"{leaf.help} \\[default: {_default_text(leaf)}; env {leaf.env}]".strip()
-        names = [f"{leaf.flag}/--no-{leaf.flag[2:]}"] if leaf.kind is bool else [leaf.flag]
+        names = [leaf.flag] + ["--" + a.replace("_", "-") for a in leaf.aliases
+                               if alias_flags and len(a) > 1 and a not in leaf.alias_values]
+        names = [f"{leaf.flag}/--no-{leaf.flag[2:]}"] if leaf.kind is bool else names
         option = typer.Option(None, *names, help=text, rich_help_panel=leaf.section, show_default=False)
-        params.append(inspect.Parameter(leaf.key, inspect.Parameter.KEYWORD_ONLY, default=option,
+        params.append(inspect.Parameter(name_prefix + leaf.key, inspect.Parameter.KEYWORD_ONLY, default=option,
                                         annotation=Optional[leaf.kind]))
     return params
 

@@ -87,8 +87,9 @@ def test_config_file_with_llama_factory_names_and_flags_win(tmp_path, captured):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("lora_rnk: 8\n", "unknown training setting 'lora_rnk'; did you mean 'lora_rank'?"),
-    ("learning_rat: 0.1\n", "did you mean 'learning_rate'?"),
+    ("lora_rnk: 8\n", "unknown setting `lora_rnk`; did you mean `lora_rank`?"),
+    ("learning_rat: 0.1\n", "did you mean `learning_rate`?"),
+    ("lora_r: 8\nlora_rank: 4\n", "'lora_r' is given twice"),
     ("max_steps: 10\nepochs: 2\n", "either max_steps or num_train_epochs"),
     ("method: dpo\n", "method must be one of"),
     ("lora_r: [\n", "not valid YAML"),

@@ -97,7 +97,8 @@ def _training(*, method, data: str, train_flags, train_config_file, threads) -> 
         _fail(f"--data {data}: no such file or directory (use 'builtin', a {'/'.join(FILE_SUFFIXES)} file, "
               "a save_to_disk directory or a cached Hub dataset id)")
     try:
-        method, train_overrides = resolve(train_flags or {}, train_config_file, method=method)
+        method, train_overrides = resolve(train_flags or {}, train_config_file, method=method,
+                                          environ=os.environ)
     except ValueError as exc:
         _fail(str(exc))
     if method not in METHODS:

@@ -1,25 +1,25 @@
 """A contributor's training settings: one ``gym-client join`` flag per ``TrainConfig`` field, and ``--config``.
 
-The flags are generated from the dataclass fields and their ``help`` / ``group`` / ``aliases`` metadata,
-so a new field is a new flag. Names are TRL's and PEFT's (``--learning-rate``, ``--num-train-epochs``,
-``--use-dora``); LLaMA-Factory's are accepted where they differ (``lora_rank``, ``cutoff_len``,
-``per_device_train_batch_size``, ``lora_target``, ``pissa_init``). Precedence: flag, then config file,
-then the TrainConfig default. An unknown key is an error naming it and the closest valid key.
+Declared once in ``TrainConfig`` (help, group, aliases metadata) and derived by ``zoo_gym.settings``: flag
+``--learning-rate``, file key ``learning_rate``/``learning-rate``, environment ``ZOO_GYM_LEARNING_RATE``.
+Names are TRL's and PEFT's; LLaMA-Factory's are accepted where they differ (``lora_rank``, ``cutoff_len``,
+``per_device_train_batch_size``, ``lora_target``, ``pissa_init``). Precedence: flag > environment > file >
+default; ``max_steps`` and ``num_train_epochs`` exclude each other, the higher source's one wins.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import inspect
-import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 
 from zoo_gym.gym_train.config import TrainConfig
+from zoo_gym.settings import Leaf, SettingError, collect, leaves, typer_parameters
 from zoo_gym.settings_file import SettingsFileError, read_settings_file
 
 
@@ -29,49 +29,18 @@ class TrainSettingsError(ValueError):
 
 # fields with a hand-written join option of their own (it picks the built-in task too)
 _OWN_OPTION = ("method",)
-_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-# LLaMA-Factory spellings whose values differ from ours: key -> (field, value converter)
-_VALUE_ALIASES = {"pissa_init": ("init_lora_weights", lambda v: "pissa" if v else True)}
-
-
-def _aliases() -> dict[str, str]:
-    out = {}
-    for name, f in _FIELDS.items():
-        for alias in f.metadata.get("aliases", ()):
-            out[alias] = name
-    return out
-
-
-ALIASES = _aliases()
-
-
-def _flag_type(name: str):
-    """The CLI type of a field: its base type, or str for unions that a command line spells as text."""
-    hint = typing.get_type_hints(TrainConfig)[name]
-    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-    if len(args) == 1 and args[0] in (int, float, str, bool):
-        return args[0]
-    return str  # str | list[str] (comma-separated), bool | str (true, false, pissa ...)
+_EXCLUSIVE = ("max_steps", "num_train_epochs")  # one measure of the round; a higher source's wins
+_PARAM_PREFIX = "train__"
 
 
 def _panel(group: str) -> str:
     return "Training" if group == "Training" else f"Training: {group}"
 
 
-def _option(name: str) -> inspect.Parameter:
-    f = _FIELDS[name]
-    kind = _flag_type(name)
-    flag = "--" + name.replace("_", "-")
-    decls = [flag] + ["--" + a.replace("_", "-") for a in f.metadata.get("aliases", ()) if len(a) > 1]
-    if kind is bool:
-        decls = [f"{flag}/--no-{flag[2:]}"]
-    default = f.default
-    shown = "all-linear" if name == "target_modules" else ("unset" if default is None else str(default).lower()
-                                                            if isinstance(default, bool) else default)
-    info = typer.Option(None, *decls, help=f"{f.metadata.get('help', '')} \\[default: {shown}]",
-                        rich_help_panel=_panel(f.metadata.get("group", "Training")), show_default=False)
-    return inspect.Parameter(f"train__{name}", inspect.Parameter.KEYWORD_ONLY, default=info,
-                             annotation=Optional[kind])
+def train_leaves() -> list[Leaf]:
+    """TrainConfig's settings, each shown under its group's panel."""
+    group = {f.name: f.metadata.get("group", "Training") for f in dataclasses.fields(TrainConfig)}
+    return [dataclasses.replace(leaf, section=_panel(group[leaf.key])) for leaf in leaves(TrainConfig)]
 
 
 def with_train_options(fn):
@@ -84,13 +53,15 @@ def with_train_options(fn):
     config_param = inspect.Parameter(
         "train_config_file", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
         default=typer.Option(None, "--config", help="Training settings from a YAML or TOML file (TrainConfig, "
-                                                    "TRL/PEFT or LLaMA-Factory names); flags win over it.",
+                                                    "TRL/PEFT or LLaMA-Factory names); flags and ZOO_GYM_<KEY> "
+                                                    "environment variables win over it.",
                              rich_help_panel=_panel("Training")))
-    extra = [_option(name) for name in _FIELDS if name not in _OWN_OPTION]
+    extra = typer_parameters([leaf for leaf in train_leaves() if leaf.key not in _OWN_OPTION],
+                             name_prefix=_PARAM_PREFIX, alias_flags=True)
 
     @functools.wraps(fn)
     def wrapper(**kwargs):
-        flags = {p.name[len("train__"):]: kwargs.pop(p.name) for p in extra}
+        flags = {p.name[len(_PARAM_PREFIX):]: kwargs.pop(p.name) for p in extra}
         config_file = kwargs.pop("train_config_file")
         return fn(**kwargs, train_flags={k: v for k, v in flags.items() if v is not None},
                   train_config_file=config_file)
@@ -110,79 +81,49 @@ def read_train_file(path: Path) -> dict[str, Any]:
         raise TrainSettingsError(f"--config {exc}") from None
     flat: dict[str, Any] = {}
     for key, value in raw.items():
-        if isinstance(value, dict):
-            flat.update(value)
-        else:
-            flat[key] = value
-    return flat
+        flat.update(value if isinstance(value, dict) else {key: value})
+    return {str(k).strip().lower(): v for k, v in flat.items()}
 
 
-def _canonical(key: str, *, origin: str) -> str:
-    k = str(key).strip().lower().replace("-", "_")
-    if k in _FIELDS or k in _VALUE_ALIASES:
-        return k
-    if k in ALIASES:
-        return ALIASES[k]
-    valid = sorted({*_FIELDS, *ALIASES, *_VALUE_ALIASES})
-    close = difflib.get_close_matches(k, valid, n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise TrainSettingsError(f"{origin}: unknown training setting {key!r}{hint}")
+def _layer(origin: str, index: int, **source: Any) -> dict[str, Any]:
+    """Source `index` (0 file, 1 environment, 2 flags) as checked values by field name; errors name it."""
+    try:
+        if index == 0:
+            _refuse_twice(source["file_values"])
+        return collect(train_leaves(), file_text=True, **source)[index]
+    except SettingError as exc:
+        raise TrainSettingsError(f"{origin}: {exc}") from None
 
 
-def _parse_bool_or_str(value: Any) -> bool | str:
-    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
-    return value
-
-
-def _parse_modules(value: Any) -> str | list[str]:
-    if isinstance(value, str):
-        if value.strip().lower() in ("all", "all-linear", "all_linear"):
-            return "all-linear"
-        names = [v.strip() for v in value.split(",") if v.strip()]
-        return names[0] if len(names) == 1 else names
-    return list(value) if isinstance(value, list | tuple) else value
-
-
-def normalise_settings(values: dict[str, Any], *, origin: str) -> dict[str, Any]:
-    """Keys to TrainConfig field names, values to their types (unknown keys are errors)."""
-    out: dict[str, Any] = {}
-    for key, value in values.items():
-        name = _canonical(key, origin=origin)
-        if name in _VALUE_ALIASES:
-            name, convert = _VALUE_ALIASES[name]
-            value = convert(value)
-        if name == "target_modules":
-            value = _parse_modules(value)
-        elif name == "init_lora_weights":
-            value = _parse_bool_or_str(value)
-        elif value is not None and _flag_type(name) is float and isinstance(value, int | str) \
-                and not isinstance(value, bool):
-            try:
-                value = float(value)  # YAML reads 3e-4 as a string
-            except ValueError:
-                raise TrainSettingsError(f"{origin}: {key!r} must be a number, got {value!r}") from None
-        if name in out:
-            raise TrainSettingsError(f"{origin}: {name!r} is given twice (as {key!r} too)")
-        out[name] = value
-    return out
+def _refuse_twice(values: dict[str, Any]) -> None:
+    field_of = {a: leaf.key for leaf in train_leaves() for a in (leaf.key, *leaf.aliases)}
+    seen: dict[str, str] = {}
+    for key in values:
+        name = field_of.get(key.replace("-", "_"), key)
+        if name in seen:
+            raise SettingError(f"{name!r} is given twice (as {seen[name]!r} and {key!r})")
+        seen[name] = key
 
 
 def resolve(train_flags: dict[str, Any], config_file: Path | None, *, method: str | None,
-            max_steps: int | None = None) -> tuple[str, dict[str, Any]]:
-    """(method, TrainConfig keyword overrides) from the flags, the config file and the defaults.
+            max_steps: int | None = None, environ: Mapping[str, str] | None = None) -> tuple[str, dict[str, Any]]:
+    """(method, TrainConfig keyword overrides) from the flags, ``ZOO_GYM_<KEY>`` in ``environ``, the config
+    file and the defaults (TrainConfig's own checks run when the round's config is built).
 
     ``max_steps``: the join option of the same name, for callers of the library API."""
-    file_values = normalise_settings(read_train_file(config_file), origin=f"--config {config_file}") \
+    file_values = _layer(f"--config {config_file}", 0, file_values=read_train_file(config_file)) \
         if config_file else {}
-    flags = normalise_settings(train_flags, origin="flags")
+    env_values = _layer("environment", 1, environ=environ)
+    flags = _layer("flags", 2, flags=train_flags)
     if max_steps is not None:
         flags.setdefault("max_steps", max_steps)
-    if "num_train_epochs" in flags and "max_steps" in file_values:
-        file_values.pop("max_steps")  # a flag wins over the file, whichever way the round is measured
-    if "max_steps" in flags and "num_train_epochs" in file_values:
-        file_values.pop("num_train_epochs")
-    merged = {**file_values, **flags}
+    layers = [flags, env_values, file_values]  # highest first
+    for i, higher in enumerate(layers):
+        for key in _EXCLUSIVE:
+            if key in higher:
+                for lower in layers[i + 1:]:
+                    lower.pop(_EXCLUSIVE[1 - _EXCLUSIVE.index(key)], None)
+    merged = {**file_values, **env_values, **flags}
     if "max_steps" in merged and merged.get("num_train_epochs") is not None:
         raise TrainSettingsError("set either max_steps or num_train_epochs (epochs), not both")
     chosen = method or merged.pop("method", None) or "lora"

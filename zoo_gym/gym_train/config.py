@@ -48,13 +48,13 @@ class TrainConfig:
     lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input", "group": "LoRA"})
     target_modules: str | list[str] = field(default="all-linear", metadata={
         "help": "PEFT target_modules: all-linear or comma-separated module names", "group": "LoRA",
-        "aliases": ("lora_target",)})
+        "aliases": ("lora_target",), "value_aliases": {"all": "all-linear", "all_linear": "all-linear"}})
     use_dora: bool = field(default=False, metadata={"help": "DoRA (PEFT use_dora)", "group": "LoRA"})
     use_rslora: bool = field(default=False, metadata={"help": "rank-stabilised LoRA (PEFT use_rslora)",
                                                       "group": "LoRA"})
     init_lora_weights: bool | str = field(default=True, metadata={
         "help": "PEFT init_lora_weights: true, false, gaussian, pissa, pissa_niter_N, olora ...",
-        "group": "LoRA"})
+        "group": "LoRA", "alias_values": {"pissa_init": {True: "pissa", False: True}}})
     merged_delta: bool = field(default=False, metadata={"help": "lora/grpo: dense merged delta instead of factors",
                                                         "group": "LoRA"})
     # GRPO (TRL GRPOTrainer)

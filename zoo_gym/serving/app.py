@@ -129,9 +129,75 @@ class _Detok:
         return out
 
 
-def create_app(service: Service) -> FastAPI:
-    app = FastAPI(title="gym-serve", docs_url=None, redoc_url=None)
+def _model_entry(name: str, parent: str | None = None) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "zoo-gym",
+            **({"parent": parent} if parent else {})}
 
+
+async def _resolve(service: Service, model: str) -> str | None:
+    if model == service.base_name:
+        return None
+    try:
+        await run_in_threadpool(service.registry.get, model)  # 404 / refusal now, before any streaming
+    except (UnknownVariant, VariantError) as exc:
+        raise _variant_error(exc) from None
+    return model
+
+
+def _make_job(service: Service, prompt_ids: list[int], req: _Request, max_tokens: int | None,
+              variant: str | None) -> Job:
+    limit = service.opts.max_tokens
+    want = max_tokens if max_tokens is not None else min(limit, service.context - len(prompt_ids))
+    if want > limit:
+        raise ApiError(400, f"max_tokens {want} is more than this server allows ({limit})", param="max_tokens")
+    if len(prompt_ids) + want > service.context or not prompt_ids:
+        raise ApiError(400, f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({want}) exceeds the "
+                            f"model's context of {service.context} tokens", code="context_length_exceeded")
+    return Job(prompt=prompt_ids, variant=variant, max_tokens=want, temperature=req.temperature,
+               seed=req.seed, top_p=req.top_p, loop=asyncio.get_running_loop())
+
+
+async def _run(service: Service, job: Job, detok: _Detok) -> AsyncIterator[tuple[str, str | None]]:
+    """(text piece, None) ... then ("", finish_reason)."""
+    service.batcher.submit(job)
+    while True:
+        kind, value = await job.out.get()
+        if kind == "token":
+            piece = detok.add(value)
+            if piece:
+                yield piece, None
+            if detok.stopped:
+                yield "", "stop"
+                return
+        elif kind == "done":
+            tail = detok.flush()
+            if tail:
+                yield tail, None
+            yield "", value
+            return
+        else:
+            raise ApiError(500, value, type_="server_error")
+
+
+def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    async def body():
+        async for c in chunks:
+            yield f"data: {json.dumps(c)}\n\n"
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _usage(job: Job, detok: _Detok) -> dict:
+    return {"prompt_tokens": len(job.prompt), "completion_tokens": len(detok.ids),
+            "total_tokens": len(job.prompt) + len(detok.ids)}
+
+
+def _stops(req: _Request) -> list[str]:
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+
+
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError):
         return JSONResponse(_error_body(exc.message, type_=exc.type, code=exc.code, param=exc.param),
@@ -150,15 +216,13 @@ def create_app(service: Service) -> FastAPI:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(_error_body(str(exc.detail), type_=type_), status_code=exc.status_code)
 
-    def model_entry(name: str, parent: str | None = None) -> dict:
-        return {"id": name, "object": "model", "created": 0, "owned_by": "zoo-gym",
-                **({"parent": parent} if parent else {})}
 
+def _add_model_routes(app: FastAPI, service: Service) -> None:
     @app.get("/v1/models")
     async def list_models():
         names = await run_in_threadpool(service.registry.names)
-        return {"object": "list", "data": [model_entry(service.base_name)]
-                + [model_entry(n, service.base_name) for n in names]}
+        return {"object": "list", "data": [_model_entry(service.base_name)]
+                + [_model_entry(n, service.base_name) for n in names]}
 
     @app.get("/health")
     async def health():
@@ -177,7 +241,7 @@ def create_app(service: Service) -> FastAPI:
             v = await run_in_threadpool(service.registry.add, name=body.name, path=body.path)
         except (UnknownVariant, VariantError) as exc:
             raise _variant_error(exc) from None
-        return {**model_entry(v.name, service.base_name), "bytes": v.nbytes}
+        return {**_model_entry(v.name, service.base_name), "bytes": v.nbytes}
 
     @app.delete("/v1/variants/{name}")
     async def delete_variant(name: str):
@@ -187,65 +251,11 @@ def create_app(service: Service) -> FastAPI:
             raise _variant_error(exc) from None
         return {"id": name, "object": "model", "deleted": True}
 
-    async def resolve(model: str) -> str | None:
-        if model == service.base_name:
-            return None
-        try:
-            await run_in_threadpool(service.registry.get, model)  # 404 / refusal now, before any streaming
-        except (UnknownVariant, VariantError) as exc:
-            raise _variant_error(exc) from None
-        return model
 
-    def make_job(prompt_ids: list[int], req: _Request, max_tokens: int | None, variant: str | None) -> Job:
-        limit = service.opts.max_tokens
-        want = max_tokens if max_tokens is not None else min(limit, service.context - len(prompt_ids))
-        if want > limit:
-            raise ApiError(400, f"max_tokens {want} is more than this server allows ({limit})", param="max_tokens")
-        if len(prompt_ids) + want > service.context or not prompt_ids:
-            raise ApiError(400, f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({want}) exceeds the "
-                                f"model's context of {service.context} tokens", code="context_length_exceeded")
-        return Job(prompt=prompt_ids, variant=variant, max_tokens=want, temperature=req.temperature,
-                   seed=req.seed, top_p=req.top_p, loop=asyncio.get_running_loop())
-
-    async def run(job: Job, detok: _Detok) -> AsyncIterator[tuple[str, str | None]]:
-        """(text piece, None) ... then ("", finish_reason)."""
-        service.batcher.submit(job)
-        while True:
-            kind, value = await job.out.get()
-            if kind == "token":
-                piece = detok.add(value)
-                if piece:
-                    yield piece, None
-                if detok.stopped:
-                    yield "", "stop"
-                    return
-            elif kind == "done":
-                tail = detok.flush()
-                if tail:
-                    yield tail, None
-                yield "", value
-                return
-            else:
-                raise ApiError(500, value, type_="server_error")
-
-    def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
-        async def body():
-            async for c in chunks:
-                yield f"data: {json.dumps(c)}\n\n"
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    def usage(job: Job, detok: _Detok) -> dict:
-        return {"prompt_tokens": len(job.prompt), "completion_tokens": len(detok.ids),
-                "total_tokens": len(job.prompt) + len(detok.ids)}
-
-    def stops(req: _Request) -> list[str]:
-        return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-
+def _add_completion_routes(app: FastAPI, service: Service) -> None:
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
-        variant = await resolve(req.model)
+        variant = await _resolve(service, req.model)
         tok = service.tokenizer
         if not getattr(tok, "chat_template", None):
             raise ApiError(400, f"the base {service.base_name!r} has no chat template; use /v1/completions",
@@ -256,48 +266,54 @@ def create_app(service: Service) -> FastAPI:
         except Exception as exc:  # noqa: BLE001 - a template may refuse a message order
             raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from None
         ids = tok(text, add_special_tokens=False)["input_ids"]
-        job = make_job(ids, req, req.max_completion_tokens or req.max_tokens, variant)
-        detok = _Detok(tok, stops(req))
+        job = _make_job(service, ids, req, req.max_completion_tokens or req.max_tokens, variant)
+        detok = _Detok(tok, _stops(req))
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": cid, "created": created, "model": req.model}
         if req.stream:
             async def chunks():
                 yield {**head, "object": "chat.completion.chunk",
                        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
-                async for piece, finish in run(job, detok):
+                async for piece, finish in _run(service, job, detok):
                     delta = {"content": piece} if piece else {}
                     yield {**head, "object": "chat.completion.chunk",
                            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-            return sse(chunks())
+            return _sse(chunks())
         parts, finish = [], None
-        async for piece, finish in run(job, detok):
+        async for piece, finish in _run(service, job, detok):
             parts.append(piece)
-        return {**head, "object": "chat.completion", "usage": usage(job, detok),
+        return {**head, "object": "chat.completion", "usage": _usage(job, detok),
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
                              "finish_reason": finish}]}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
-        variant = await resolve(req.model)
+        variant = await _resolve(service, req.model)
         prompt = req.prompt
         if isinstance(prompt, list):
             if len(prompt) != 1:
                 raise ApiError(400, "give one prompt per request", param="prompt")
             prompt = prompt[0]
         ids = service.tokenizer(prompt)["input_ids"]
-        job = make_job(ids, req, req.max_tokens, variant)
-        detok = _Detok(service.tokenizer, stops(req))
+        job = _make_job(service, ids, req, req.max_tokens, variant)
+        detok = _Detok(service.tokenizer, _stops(req))
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": cid, "object": "text_completion", "created": created, "model": req.model}
         if req.stream:
             async def chunks():
-                async for piece, finish in run(job, detok):
+                async for piece, finish in _run(service, job, detok):
                     yield {**head, "choices": [{"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}]}
-            return sse(chunks())
+            return _sse(chunks())
         parts, finish = [], None
-        async for piece, finish in run(job, detok):
+        async for piece, finish in _run(service, job, detok):
             parts.append(piece)
-        return {**head, "usage": usage(job, detok),
+        return {**head, "usage": _usage(job, detok),
                 "choices": [{"index": 0, "text": "".join(parts), "logprobs": None, "finish_reason": finish}]}
 
+
+def create_app(service: Service) -> FastAPI:
+    app = FastAPI(title="gym-serve", docs_url=None, redoc_url=None)
+    _add_error_handlers(app)
+    _add_model_routes(app, service)
+    _add_completion_routes(app, service)
     return app

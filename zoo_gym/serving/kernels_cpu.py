@@ -103,6 +103,19 @@ def _bf16_dot(builder, dot, acc, a, b):
     return builder.fadd(acc, builder.fadd(even, odd))
 
 
+def _store_row_sums(builder, tot: list, o_p) -> None:
+    """out[r] = the sum of the lanes of the vector at tot[r], for each row r."""
+    for r, at in enumerate(tot):
+        v, width = builder.load(at), at.type.pointee.count
+        while width > 1:  # pairwise halving reduction
+            width //= 2
+            half = ir.VectorType(ir.IntType(32), width)
+            v = builder.fadd(builder.shuffle_vector(v, v, ir.Constant(half, list(range(width)))),
+                             builder.shuffle_vector(v, v, ir.Constant(half, list(range(width, 2 * width)))))
+        builder.store(builder.extract_element(v, ir.Constant(ir.IntType(32), 0)),
+                      builder.gep(o_p, [ir.Constant(ir.IntType(64), r)]))
+
+
 def _signed_dot_intrinsic(kind: str, rows: int):
     """out[r] = sum_g scale(r, g) sum_{i in g} x[i] (+1 if bit i of sign row r is set, else -1), r < `rows`.
 
@@ -174,15 +187,7 @@ def _signed_dot_intrinsic(kind: str, rows: int):
                     k = builder.add(builder.mul(ir.Constant(i64, r), sc_st), g)
                     scale = _splat(builder, _group_scale(builder, sc_f32, sc_u8, tab, k, ref_v), acc_t)
                     builder.store(builder.fadd(builder.load(tot[r]), builder.fmul(builder.load(acc[r]), scale)), tot[r])
-            for r in range(rows):
-                v, width = builder.load(tot[r]), acc_t.count
-                while width > 1:  # pairwise halving reduction
-                    width //= 2
-                    half = ir.VectorType(ir.IntType(32), width)
-                    v = builder.fadd(builder.shuffle_vector(v, v, ir.Constant(half, list(range(width)))),
-                                     builder.shuffle_vector(v, v, ir.Constant(half, list(range(width, 2 * width)))))
-                builder.store(builder.extract_element(v, ir.Constant(ir.IntType(32), 0)),
-                              builder.gep(o_p, [ir.Constant(i64, r)]))
+            _store_row_sums(builder, tot, o_p)
             return context.get_dummy_value()
 
         return sig, codegen
