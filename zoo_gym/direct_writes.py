@@ -1,20 +1,11 @@
 """Write a file of gigabytes front to back without the page cache (O_DIRECT), where the platform allows.
 
-A publish writes 2.1 GB at Qwen3-0.6B's size (the checkpoint and its master) while its main thread
-aggregates, on a 2-core machine. Written through the page cache, each byte is first copied into a
-page the kernel must find (zoo_gym/page_cache.py: on this project's VM, fresh pages cost ~2 s/GiB),
-and the writer threads' CPU time competed with the aggregation: 0.6-2.4 s of CPU per 2 GB. With
-O_DIRECT the device reads our own buffer: 0.2-0.3 s of CPU for the same 2 GB, and the wait for the
-device is spent blocked, off the CPU (measured with a 2 GB stream; the publish: benchmarks/publish_profile.py).
-
-O_DIRECT wants the buffer, the file offset and the length aligned to the device's block. So writes
-are gathered in two page-aligned buffers (anonymous mmaps) of `BUFFER` bytes: while one is written
-by a background thread, the caller fills the other. The last, partial buffer is written through the
-page cache after O_DIRECT is switched off (the file offset is aligned by then). Python has no
-aligned-write API in a library (`os.write` with `O_DIRECT` is the whole interface), hence this file.
-
-Where O_DIRECT is refused (tmpfs, macOS, some network file systems), the file is written through the
-page cache, its pages dropped as the stream goes (`page_cache.StreamedRanges`).
+O_DIRECT wants the buffer, the file offset and the length aligned to the device's block, so writes are
+gathered in two page-aligned buffers (anonymous mmaps) of `BUFFER` bytes: a background thread writes one
+while the caller fills the other. The last, partial buffer is written through the page cache once
+O_DIRECT is switched off (the offset is aligned by then). Where O_DIRECT is refused (tmpfs, macOS, some
+network file systems) the file goes through the page cache, its pages dropped as the stream goes
+(`page_cache.StreamedRanges`). Why: docs/design/checkpoint-publishing.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """Streaming gigabytes through files without growing the page cache by their size.
 
-A publish writes the next checkpoint and its master (2.1 GB at Qwen3-0.6B's size) and the scoring pass
-spills the model-sized gradient (2.4 GB); nobody reads those back soon, or only once. Left to the kernel,
-each would grow the page cache by its size. On this project's 2-core VM that growth was most of their
-cost: memory the kernel has not touched in the last ~3 s is handed back to the hypervisor, and touching
-it again costs ~2 s/GiB (1 GiB of fresh memory: 2.5 s; the same memory again: 0.07 s). Dropping the
-pages as the stream goes lets the next writes reuse them. Elsewhere it keeps a publish from evicting
-what the server does read often. Writes now bypass the cache altogether where the file system allows
-(O_DIRECT, zoo_gym/direct_writes.py); this file serves the reads, and the writes where it does not.
-
-`StreamedRanges` does this for a file written front to back: every `step` bytes it hands the new pages
-to writeback and drops the previous step's (clean by then), so at most two steps stay cached.
+`drop_cached` asks the kernel to drop a range's clean pages (and start writing back its dirty ones), for
+files read once. `StreamedRanges` does it for a file written front to back: every `step` bytes it hands
+the new pages to writeback and drops the previous step's (clean by then), so at most two steps stay
+cached. Writes bypass the cache altogether where the file system allows (zoo_gym/direct_writes.py); this
+module serves the reads, and the writes where O_DIRECT is refused. All of it is a hint: nothing happens
+without posix_fadvise. Why: docs/design/checkpoint-publishing.md.
 """
 
 from __future__ import annotations

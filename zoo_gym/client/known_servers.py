@@ -1,16 +1,12 @@
 """The servers a client trusts, pinned per address like ssh's `known_hosts`.
 
 One file, `known_servers` beside the contributor key (or the pull cache), or `$ZOO_GYM_KNOWN_SERVERS`;
-mode 0600, one line per server address:
-
-    # ADDRESS  SERVER_ED25519_KEY_HEX  [LEDGER_ENTRIES  LEDGER_LAST_HASH]
-    gym.example.org:50051  3b6a27bc...  42  9f86d081...
-
-The first contact with an address pins the key it presents (trust on first use, said plainly). Later
-contacts must present the same key: a different one is refused, naming the file and line to delete if
-the operator announced a new key. The last ledger head the client verified for that server is kept on
-the same line, so a later answer with fewer entries or another chain is caught. One contributor key can
-therefore be used with any number of federations: the pin belongs to the server's address, not the key.
+mode 0600, one line per server address: ``ADDRESS SERVER_ED25519_KEY_HEX [LEDGER_ENTRIES LEDGER_LAST_HASH]``
+(``#`` starts a comment). The first contact with an address pins the key it presents (trust on first
+use); a different key later is refused, naming the file and line to delete if the operator announced a
+new key. The last ledger head verified for the server is kept on its line, so a later answer with fewer
+entries or another chain is caught. The pin belongs to the address, not the contributor key, so one key
+can be used with any number of federations. Design: docs/design/signing.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """The public codec API: encode a delta to bytes, read its manifest, decode it whole or tensor by tensor.
 
-Codec choice (``codec="auto"``, the client's default): per tensor, among the candidates
-(bitdelta with the given group size, int4, int8, fp16, and for LoRA factors the factors themselves
-under ``lora_codec``) take the SMALLEST encoding whose relative L2 error against the input is
-``<= max_rel_error``; the exact passthrough of the tensor's own dtype is the last resort, so a choice
-always exists. The default ``max_rel_error=0.7`` is chosen so that a 1-bit sign code is accepted on
-dense fine-tuning deltas: its error on Gaussian data is ``sqrt(1 - 2/pi) = 0.603`` (0.600-0.603 in
-benchmarks/codec.py for per-tensor, per-row and group scales). It is NOT a quality guarantee: on the
-tiny model a per-row sign code kept only 77-79% of a full fine-tune's held-out gain (FINDINGS.md).
-For a rank-r LoRA delta the factors are exact and, once ``r * (in + out) * 2 bytes`` is below the
-``in * out / 8`` bytes of signs (square matrices wider than 32 r), smaller too, so auto keeps them. On
-narrower matrices (the 1.8M tiny model, hidden 192) the sign code of the merged matrix is smaller and
-its error (0.68 measured on a real rank-8 LoRA with one scale per matrix; 0.60-0.63 on random factors)
-is under 0.7, so auto sends signs: pass ``max_rel_error=0.5`` to keep exact factors there. Lower bounds
-trade bytes for fidelity (0.3 picks int4, 0.05 int8 on Gaussian data).
+``codec="auto"`` (the client's default) takes per tensor the SMALLEST candidate encoding (bitdelta with
+the given group size, int4, int8, fp16, and for LoRA factors the factors under ``lora_codec``) whose
+relative L2 error against the input is ``<= max_rel_error``, else the exact passthrough of the tensor's
+own dtype, so a choice always exists. The default 0.7 admits a 1-bit sign code on dense deltas
+(``sqrt(1 - 2/pi) = 0.603`` on Gaussian data); it bounds the error, it does not guarantee quality.
+Lower bounds trade bytes for fidelity (0.3 picks int4, 0.05 int8 on Gaussian data; 0.5 keeps exact
+LoRA factors on narrow matrices). Why these numbers: docs/design/codec.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """BitDelta: a 1-bit sign code with one scale per group.
 
 Liu et al., "BitDelta: Your Fine-Tune May Only Be Worth One Bit" (NeurIPS 2024, arXiv:2402.10193).
-A delta ``x`` is coded as ``s * sign(x)`` with one scale ``s`` per group; ``s = mean |x|`` over the group
-minimises ``||x - s * sign(x)||_2`` (d/ds sum (|x| - s)^2 = 0). On Gaussian data the relative L2 error is
-``sqrt(1 - 2/pi) = 0.603``; in general ``err^2 = sum x^2 - sum_g n_g s_g^2`` (an exact identity the
-tests check).
-
-Layout of the packed view (the aggregation part XORs and popcounts it, so it is exact):
-``signs`` is uint8 (rows, ceil(cols/8)); bit = 1 means ``x >= 0`` (decodes to ``+s``), bit = 0 means
-``-s``; bits are in numpy ``packbits(bitorder="little")`` order within each row, and each row is padded
-with 0 bits to a whole byte. Groups are a multiple of 8 long (or the whole row), so every group starts
-on a byte boundary.
-
-Speed: both directions work in row chunks of about 1 MiB so temporaries stay in cache; decoding builds
-the float32 bit pattern directly (scale bits OR a sign-bit mask looked up per byte), which is
-``scale * sign`` exactly because scales are finite and >= 0.
+A delta ``x`` is coded as ``s * sign(x)`` with ``s = mean |x|`` per group, the L2-optimal scale, so
+``err^2 = sum x^2 - sum_g n_g s_g^2`` exactly (relative error ``sqrt(1 - 2/pi) = 0.603`` on Gaussian data).
+Packed view (exact for XOR and popcount): ``signs`` is uint8 (rows, ceil(cols/8)), bit 1 = ``x >= 0``
+(decodes to ``+s``), bit 0 = ``-s``, numpy ``packbits(bitorder="little")`` order, each row padded with
+0 bits to a whole byte. Groups are a multiple of 8 long (or the whole row), so each starts on a byte.
+Both directions work in row chunks of about 1 MiB; decoding builds the float32 bits (scale OR a sign
+mask), which is ``scale * sign`` exactly because scales are finite and >= 0.
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
-"""The payload container: an explicit binary format, never pickle.
+"""The payload container: an explicit binary format, never pickle (integers little-endian).
 
-Layout (all integers little-endian)::
-
-    offset 0   magic          8 bytes  b"ZGDELTA\\x00"
-           8   format version u16      (this module writes and reads 1)
-          10   flags          u16      must be 0
-          12   header length  u32      bytes of the UTF-8 JSON header that follows
-          16   header crc32   u32      zlib.crc32 of those header bytes
-          20   header         JSON     {"body_size", "metadata", "entries": [...]}
-               zero padding to a multiple of 64 bytes
-    body_start body           body_size bytes; the payload ends exactly here
+    0 magic b"ZGDELTA\\x00" | 8 format version u16 (1) | 10 flags u16 (0) | 12 header length u32
+    16 header crc32 u32 (zlib.crc32) | 20 UTF-8 JSON header {"body_size", "metadata", "entries": [...]},
+    zero-padded to a multiple of 64 bytes | body_start: body_size bytes, where the payload ends
 
 Each entry declares name, shape, dtype, codec, group_size, scale_dtype and the byte range
-``[offset, offset + nbytes)`` of its data relative to ``body_start``. A ``lora`` entry declares rank
-and two factor entries ``A`` (r, in) and ``B`` (out, r). The CRC makes any damage to the header
-detectable (the wire layer carries a sha256 of the whole payload for the body); independently of it,
-every field is checked for type, range and consistency with the others before anything is allocated.
+``[offset, offset + nbytes)`` of its data from ``body_start``; a ``lora`` entry declares rank and factor
+entries ``A`` (r, in) and ``B`` (out, r). Every field is checked for type, range and consistency before
+anything is allocated. Layout and reasons: docs/design/codec.md.
 """
 
 from __future__ import annotations

@@ -1,35 +1,13 @@
 """``log8`` scale storage: one float32 reference per tensor and one uint8 log-grid code per group.
 
-Why: with groups of 128, float32 scales cost 32/128 = 0.25 bit per parameter and bf16 0.125 bit, so a
-1-bit sign code cannot reach 30x smaller than fp32 (issue 2: ``1 + 16/128 = 1.125`` bits is 28.4x).
-One byte per group gives ``1 + 8/128 = 1.0625`` bits (30.1x) plus one 4-byte reference per tensor.
-
-Grid (the same log-domain idea as the shared-exponent block formats of Rouhani et al., "Microscaling
-Data Formats for Deep Learning", 2023, arXiv:2310.10537, with a finer mantissa-free grid)::
-
-    code 0          -> scale 0                      (an all-zero group)
-    code c in 1..255 -> scale r * 2 ** (-(255 - c) / 16)
-
-with ``r`` the largest group scale of the tensor, so the largest group gets code 255 exactly. Steps of
-1/16 octave (ratio 2**(1/16) = 1.0443) round a scale by at most 2.2% and cover 254/16 = 15.9 octaves
-(a factor 60,000) below ``r``; a group smaller than that holds < 2**-31 of the largest group's energy per
-element, so flushing it to the nearest of {0, smallest code} changes a tensor's L2 error by nothing
-measurable. Finer steps (1/32) would span only 8 octaves; coarser ones (1/8) round by 4.4%.
-
-Choosing the code (BitDelta, ``nearest``): the squared error of a sign code with scale ``s`` on a group
-of ``n`` values is ``sum x^2 - 2 s sum |x| + n s^2 = const + n (s - m)^2`` with ``m = mean |x|``, so the
-best grid point is the one nearest ``m`` in LINEAR distance; we compare the two log-neighbours of ``m``
-(and 0). For Gaussian data the extra error is ``(s - m)^2 / m^2 <= 0.022^2`` of ``m^2`` against the
-sign code's own ``(pi/2 - 1) m^2``: the relative L2 error grows by at most ~0.04% (tests measure it).
-Integer codes (``ceil``) take the smallest grid point ``>= max|x| / qmax`` so nothing is clipped.
-
-Decoding is deterministic in float32: ``scale = float32(r * MULT[c])`` (one IEEE multiply), where
-``MULT[c] = FRAC[j] * 2**-q`` for ``255 - c = 16 q + j`` is exact, ``FRAC`` being the 16 float32
-constants below (each the float32 nearest to ``2**(-j/16)``; a test checks them).
-
-Byte layout of the scale part: ``r`` as little-endian float32, then the codes, uint8 in (scale_rows,
-n_groups) row-major order. Consistency the decoder checks: ``r`` finite and >= 0; ``r == 0`` iff every
-code is 0; otherwise the largest code is 255 (the encoder always writes it for the reference group).
+Grid (log-domain, as the shared-exponent formats of Rouhani et al., "Microscaling Data Formats for Deep
+Learning", 2023, arXiv:2310.10537): code 0 -> scale 0; code c in 1..255 -> ``r * 2 ** (-(255 - c) / 16)``,
+``r`` the tensor's largest group scale (its group gets code 255). ``mode="nearest"`` (BitDelta) picks the
+grid point nearest each scale in linear distance, ``mode="ceil"`` (integer codes) the smallest one
+``>=`` it, so nothing is clipped. Decoding is ``float32(r * MULT[c])``: one IEEE multiply by an exact
+constant. Bytes: ``r`` as little-endian float32, then the codes, uint8 (scale_rows, n_groups) row-major;
+the decoder checks ``r`` finite and >= 0, ``r == 0`` iff every code is 0, else a largest code of 255.
+Design: docs/design/codec.md.
 """
 
 from __future__ import annotations
@@ -73,7 +51,7 @@ def log8_codes(scales: np.ndarray, *, mode: str) -> tuple[np.float32, np.ndarray
     """(reference, uint8 codes) for finite scales >= 0 of any shape (float32 or float64).
 
     ``mode="nearest"``: the grid point nearest each scale in linear distance (BitDelta's L2-optimal
-    choice, see the module docstring). ``mode="ceil"``: the smallest grid point >= each scale (int codes
+    choice, see docs/design/codec.md). ``mode="ceil"``: the smallest grid point >= each scale (int codes
     must not clip). The reference is float32(max scale) (rounded up in ``ceil`` mode).
     """
     if mode not in ("nearest", "ceil"):

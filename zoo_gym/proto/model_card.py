@@ -1,19 +1,13 @@
 """The README.md model card of an exported or pulled checkpoint, computed from lineage manifests.
 
-Pure functions over JSON (no database, no torch; beside the archive format it describes), so the server's `gym-server export` and the client's
-`gym-client pull` write the same card:
-
-* ``round_summary(manifest, sha256=..., heldout_loss=...)`` turns one lineage manifest (a Checkpoint
-  row's ``manifest_json``, or a checkpoint's ``zoo_gym_checkpoint.json``) into one row;
-* ``model_card(rows, base_model=...)`` renders the card: a Hugging Face metadata header (YAML front
-  matter: ``base_model``, ``library_name: transformers``, ``tags``) and a body with the base model, the
-  lineage (parent sha256, rounds, contributors, aggregator) and the privacy spent and held-out loss
-  of every round;
-* ``write_model_card(model_dir, rows, base_model=...)`` writes it to ``model_dir/README.md``;
-  ``write_model_card_from_dir(model_dir)`` does so from the checkpoint's own manifest (its
-  ``history``, when the manifest carries one, gives the earlier rounds).
-
-A manifest key that an older server did not write is shown as "-".
+Pure functions over JSON (no database, no torch), so `gym-server export` and `gym-client pull` write the
+same card: ``round_summary(manifest, sha256=..., heldout_loss=...)`` turns one lineage manifest (a
+Checkpoint row's ``manifest_json`` or a checkpoint's ``zoo_gym_checkpoint.json``) into one row;
+``model_card(rows, base_model=...)`` renders a Hugging Face metadata header (``base_model``,
+``library_name: transformers``, ``tags``) and a body with the base model, the lineage (parent sha256,
+rounds, contributors, aggregator) and each round's privacy spent and held-out loss;
+``write_model_card(model_dir, rows, base_model=...)`` and ``write_model_card_from_dir(model_dir)`` (from
+the checkpoint's manifest and its ``history``) write ``model_dir/README.md``. A missing key shows as "-".
 """
 
 from __future__ import annotations

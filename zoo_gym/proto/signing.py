@@ -1,31 +1,13 @@
 """What a contributor signs, byte for byte, and the Ed25519 helpers both sides use.
 
-A signature binds the method, the contributor, the round, the payload hash, a fresh nonce and (for
-deltas) the base checkpoint, so that a signature taken from one request is worthless in any other:
-
-    canonical_bytes = b"zoo-gym/v1\\n" + "\\n".join([method, contributor_id, str(round_id),
-                                                    payload_sha256, nonce.hex(), base_sha256]).utf8
-
-Each field is validated first (no newlines, hex where hex is expected), so two different requests can
-never produce the same canonical bytes.
-
-The server signs with its own Ed25519 key, each kind of message under its own domain string (never the
-contributor one above), so a signature of one kind is worthless as another:
-
-    round_info_bytes  = b"zoo-gym/round-info/v1\n" + canonical JSON of RoundInfo's fields except
-                        you_submitted and signature (round_id, state, base_checkpoint_id, base_sha256,
-                        base_size, deadline_unix, accepted_codecs, limits, min_contributors, aggregator,
-                        dp_epsilon_spent, dp_delta, message, server_public_key; submissions too; and,
-                        when mode is neither "" nor "sync", mode, buffer_size, max_staleness,
-                        staleness_exponent and server_lr)
-    ledger_head_bytes = b"zoo-gym/ledger-head/v1\n" + canonical JSON of {entries, last_hash, signed_at_unix}
-    lineage_bytes     = b"zoo-gym/lineage/v1\n" + canonical JSON of a checkpoint's lineage manifest without
-                        its "server_signature"
-
-Canonical JSON: keys sorted, separators "," and ":", ASCII only; integers as JSON integers, floats as
-`float.hex()` strings (exact, and defined for inf and nan), bytes as lowercase hex, the codec list in
-its order (the lineage keeps its floats as JSON numbers: see lineage_bytes). A JSON object cannot be
-read two ways, so two different messages never share their bytes.
+A contributor signs ``b"zoo-gym/v1\\n" + "\\n".join([method, contributor_id, str(round_id),
+payload_sha256, nonce.hex(), base_sha256]).utf8``, each field validated first (no newlines, hex where hex
+is expected), so a signature binds one request and is worthless in any other. The server signs each kind
+of message under its own domain (``zoo-gym/round-info/v1``, ``zoo-gym/ledger-head/v1``,
+``zoo-gym/lineage/v1``, each + ``\\n``) over canonical JSON: keys sorted, separators "," and ":", ASCII,
+floats as `float.hex()` strings, bytes as lowercase hex (a lineage keeps its floats as JSON numbers).
+RoundInfo leaves out you_submitted and signature, and a sync RoundInfo the async fields.
+Fields and reasons: docs/design/signing.md.
 """
 
 from __future__ import annotations
@@ -96,7 +78,7 @@ def _canonical_json(obj) -> bytes:
 
 
 def round_info_bytes(info) -> bytes:
-    """The exact bytes the server signs for a RoundInfo (any object with its fields; see the docstring).
+    """The exact bytes the server signs for a RoundInfo (any object with its fields; docs/design/signing.md).
 
     you_submitted (it differs per asker) and signature are left out; everything else is covered."""
     lim = info.limits
@@ -113,7 +95,7 @@ def round_info_bytes(info) -> bytes:
         "server_public_key": bytes(info.server_public_key).hex(),
     }
     mode = str(getattr(info, "mode", "") or "")
-    if mode not in ("", "sync"):  # a synchronous RoundInfo signs the same bytes as before these fields existed
+    if mode not in ("", "sync"):  # a synchronous RoundInfo's bytes leave these fields out
         obj.update({"mode": mode, "buffer_size": int(info.buffer_size), "max_staleness": int(info.max_staleness),
                     "staleness_exponent": float(info.staleness_exponent).hex(),
                     "server_lr": float(info.server_lr).hex()})

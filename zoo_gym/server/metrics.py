@@ -1,15 +1,12 @@
 """Prometheus metrics and the operator's RPC log lines, without touching a handler.
 
 One `ServerMetrics` per server, each with its own `CollectorRegistry` (tests run many servers in one
-process). Three sources feed it:
-
-- `RpcInterceptor`, a `grpc.ServerInterceptor`: RPCs by method and status code, message bytes received
-  and sent, submissions accepted and refused by status, and one INFO line per registration and per
-  submission (accepted, or refused with its status and the reason the peer was given);
-- `PhaseTimer`, a logging handler on the round manager's own thread: the seconds of each publish phase
-  that `publish.py` already logs (`round N phase=X`), so the aggregation phase is timed where it runs;
-- `StateCollector`, read at scrape time with a few cheap queries: rounds published, the current round
-  and its submissions, epsilon spent, the last held-out loss, registered contributors.
+process), fed by `RpcInterceptor` (RPCs by method and status code, message bytes, submissions accepted
+and refused by status, and one INFO line per registration and per submission, a refusal with the reason
+the peer was given), `PhaseTimer` (a logging handler on the round manager's thread timing each publish
+phase `publish.py` logs as `round N phase=X`) and `StateCollector` (a few cheap queries at scrape time:
+rounds published, the current round and its submissions, epsilon spent, the last held-out loss,
+registered contributors).
 """
 
 from __future__ import annotations

@@ -88,8 +88,7 @@ def buffer_multi_krum_m(soup: SoupConfig, buffer_size: int) -> int | None:
     for other rules). Not n - f as in a round: f per buffer is the attackers' average share, not a bound
     (one delta per contributor per buffer, so a buffer can hold all of them), and with m = n - f every
     attacker past K - m is averaged in whatever its score. With m = K // 2 none is forced in while they are
-    at most half the buffer (benchmarks/async.py: attackers got no weight in any of 32 publishes under sign
-    flip and scaling, against 9 of 9 over-f buffers with n - f). Krum's own bound n >= 2f + 3 keeps
+    at most half the buffer (docs/design/async-rounds.md). Krum's own bound n >= 2f + 3 keeps
     K // 2 <= n - f."""
     if soup.aggregator != "multi-krum":
         return None
@@ -238,7 +237,7 @@ class StalenessFlush:
         self.staleness = staleness
 
     def soup(self, soup: SoupConfig) -> SoupConfig:
-        """Multi-Krum's m as recorded when the buffer closed (recorded before m was: the configured soup)."""
+        """Multi-Krum's m as recorded when the buffer closed (a flush that recorded none: the configured soup)."""
         m = self.staleness.multi_krum_m
         return soup if m is None else replace(soup, multi_krum_m=m)
 

@@ -34,7 +34,7 @@ class ServerEvaluator:
     Rewards scoring uses a smaller fixed scoring set (the first `scoring_examples` validation
     examples): `scoring.loss(delta, scale=c)` for exact losses and `gradient()` for the base's
     gradient (computed once per base). Both run on the scoring set packed with its shared chat
-    prefix computed once (zoo_gym.rewards.packing: same loss, ~0.6x the positions of padded
+    prefix computed once (zoo_gym.rewards.packing: same loss, fewer positions than padded
     batches); a model whose attention cannot take the packing mask falls back to padded batches.
     """
 

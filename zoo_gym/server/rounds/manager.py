@@ -1,15 +1,12 @@
 """The round state machine: OPEN -> AGGREGATING -> PUBLISHED (next round OPEN), or HALTED.
 
-A round closes when `quorum` submissions are in, or when its deadline has passed with at least
-`min_contributors`; at the deadline with fewer, it closes with whoever submitted when the robust rule can
-aggregate that many (`config.rule_minimum`), and otherwise reopens for another `round_timeout` with a
-message. In async mode (async_rounds.py) a round is a buffer and closes at `buffer_size` deltas.
-
-Closing commits AGGREGATING together with the round's inputs (reputations, clip norm, population,
-async staleness: RoundInputs); publishing commits the ledger entries, reputations, checkpoint row, the round's
-report and the next OPEN round in one transaction, so a crash anywhere in between is recovered by
-aggregating again on restart from the same stored inputs, with the same result (blobs are
-content-addressed, so nothing is duplicated).
+A round closes at `quorum` submissions, or at its deadline with at least `min_contributors`; with fewer,
+it closes with whoever submitted when the robust rule can aggregate that many (`config.rule_minimum`),
+else reopens for another `round_timeout` with a message. In async mode (async_rounds.py) it closes at
+`buffer_size` deltas. Closing commits AGGREGATING with the round's inputs (RoundInputs); publishing
+commits the ledger entries, reputations, checkpoint row, report and next OPEN round in one transaction,
+so a crash in between is recovered by aggregating again on restart from the same stored inputs, with
+the same result (blobs are content-addressed, so nothing is duplicated).
 """
 
 from __future__ import annotations

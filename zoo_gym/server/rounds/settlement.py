@@ -1,21 +1,13 @@
 """The server's side of rewards: score a round, settle it on the ledger, answer balance/ledger queries.
 
-zoo_gym.rewards holds the formulas and the ledger; this module only feeds it the server's numbers:
-held-out losses from the validation set and the DeltaSoup report of the round.
-
-Default (`scoring-method = "first-order"`, zoo_gym/rewards/first_order_scoring.py): one gradient of
-the base's loss on a fixed 32-example scoring set (computed once per base), slopes <g, delta_i> taken
-from the rows the aggregation decodes anyway (SlopeTap: no second decode, memory one tensor x n), the
-linear Shapley game, a random-direction gate, and exact forward passes for the top 2 only (on the rows
-the tap kept, no decode). The gradient and the checks run on the scoring set packed with its shared chat
-prefix computed once (zoo_gym/rewards/packing.py, evaluation.py). Measured cost, gradient included:
-see benchmarks/results/rewards.json (`first_order_32_tap`, target <= 1x the aggregation at n = 10).
-
-`scoring-method = "exact"`: 1 + n + (marginal evaluations, bounded by `scoring-max-evaluations`)
-forward passes. The marginal game V(S) evaluates base + the aggregate of subset S, where the subset
-aggregate is the report-weighted mean of the parts of the deltas the aggregator actually used
-(clip factor x selected x untrimmed share): exact for the mean, the standard linearisation for robust
-aggregators (re-running Krum on every subset would be both costly and ill-defined for small subsets).
+zoo_gym.rewards holds the formulas and the ledger; this module feeds it the server's numbers: held-out
+losses on the validation set and the round's DeltaSoup report. `scoring-method = "first-order"` (the
+default, zoo_gym/rewards/first_order_scoring.py): one gradient of the base's loss on a fixed 32-example
+scoring set, slopes <g, delta_i> from the rows the aggregation decodes anyway (SlopeTap), the linear
+Shapley game, a random-direction gate and exact forward passes for the top 2 only. `"exact"`: 1 + n +
+(marginal evaluations, at most `scoring-max-evaluations`) forward passes of base + a subset's
+report-weighted aggregate (clip factor x selected x untrimmed share: exact for the mean, the standard
+linearisation for robust rules). Design: docs/design/rewards-settlement.md.
 """
 
 from __future__ import annotations

@@ -1,37 +1,12 @@
 """Stream the next checkpoint into the blob store tensor by tensor: base in, aggregate added, archive and master out.
 
-Memory at publish grows with one tensor, never with the model (STYLE 17): the base is read one tensor
-at a time, in place from its archive blob, each aggregated tensor is added as DeltaSoup's sink delivers
-it, and its bytes go in one sequential pass to two blobs, each written and hashed on its own thread:
-
-* the checkpoint archive (a `zoo_gym.proto.archive.TarStream`: the very bytes `archive.pack` would
-  write of the directory, so the content address is the same as packing it);
-* the master of the weights (item 5 below).
-
-Nothing else is written: no unpacked copy of the new checkpoint (the next publish reads the archive in
-place; evaluation unpacks it on demand, `ServerState.checkpoint_dir`). Each byte written is a byte the
-store must keep; at Qwen3-0.6B's size a publish used to write 4.8 GB (an unpacked copy, the archive
-and a float32 master) and now writes 2.1 GB.
-
-The safetensors file is hand-written because the `safetensors` library has no incremental writer
-(`save_file` wants every tensor in memory at once). The format is simple: an 8-byte little-endian
-header length, a JSON header (padded with spaces to a multiple of 8) giving each tensor's dtype, shape
-and byte range, then the tensors' bytes back to back. Shapes and dtypes are the base's; the data order
-is: the tensors the deltas touch, in the order the aggregation delivers them, then the untouched ones
-in the base's order, so every byte is written once, sequentially. The base is read with `os.pread`
-rather than `safe_open`'s memory map: touched pages of a map stay in the process's resident set until
-it is closed, which at 0.6B is another 1.2 GB counted against the server.
-
-Publishing into a bf16 base must not drop updates (issue 13 item 5). A round's aggregate is mostly far
-below bf16's resolution (8 bits of mantissa: a weight of 0.02 moves in steps of 1.2e-4, a few LoRA
-steps change it by ~1e-5), so `bf16(base + aggregate)` would silently keep little of what the round
-agreed on. The server therefore keeps a float32 master of every weight: round r adds its aggregate to
-the master of round r-1 (the base itself, exactly widened, at genesis) and publishes the master
-rounded to the base's dtype. What rounding drops in one round is still in the master, so over rounds
-published + carried = the sum of the aggregates (up to float32 rounding). The master file stores what
-the published tensors lack: for bf16 the low 16 bits of each float32 (zoo_gym/server/store/master_weights.py).
-It is a blob in the content-addressed store, named in the checkpoint's lineage (`master_sha256`); a
-base stored in float32 needs none (the published weights are the master).
+Memory grows with one tensor, never with the model (STYLE 17): the base is read in place from its
+archive blob with `os.pread`, each aggregated tensor is added as DeltaSoup's sink delivers it, and the
+bytes go once, sequentially, to two blobs written and hashed on their own threads: the checkpoint
+archive (byte for byte what `archive.pack` writes, so the same content address) and the float32 master
+(master_weights.py). The published weights are the master rounded to the base's dtype, so what rounding
+drops is carried to the next round. The safetensors data order: the tensors the deltas touch in the
+order they are delivered, then the rest in the base's order. Design: docs/design/checkpoint-publishing.md.
 """
 
 from __future__ import annotations
@@ -392,9 +367,9 @@ class CheckpointWriter:
 @contextmanager
 def threads_beside_writers() -> Iterator[None]:
     """torch's intra-op threads (and the master kernel's) while a CheckpointWriter streams: the cores its
-    two writer threads leave, at least one. OpenMP threads that share a core with a busy writer wait at
-    their barriers for the preempted one: at Qwen3-0.6B's size on 2 cores a publish took 4.5-4.6 s with
-    2 threads and 3.4-3.7 s with 1 (benchmarks/publish_profile.py). Global to the process, restored on exit."""
+    two writer threads leave, at least one (OpenMP threads that share a core with a busy writer wait at
+    their barriers for the preempted one: docs/design/checkpoint-publishing.md). Global to the process,
+    restored on exit."""
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, before - _WRITER_THREADS))
     try:

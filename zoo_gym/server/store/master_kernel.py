@@ -1,22 +1,11 @@
 """One compiled pass per tensor for a bf16 checkpoint's publish: join the master, add the aggregate, split.
 
-`master_weights.py` defines the arithmetic with torch: the float32 master of a bf16 weight is its
-published value widened plus the stored low half (`join_low16`), the round's aggregate is added, and
-the new master is split again into the rounded bf16 value and its low half (`split_low16`). As torch
-ops that is about eight whole-tensor passes (widen, shift, add, add the aggregate, round, slice the
-low halves, look for ties, gather them), each writing a scratch tensor as large as the weights: at
-Qwen3-0.6B's size 2.2 CPU-seconds of a publish (`benchmarks/publish_profile.py --profile`).
-
-Written by hand (numba) because no library fuses these: the loop reads each bf16 value, low half and
-aggregate value once and writes the new bf16 value and low half in place over the ones it read, so a
-tensor costs one read and one write of its own bytes. The numbers are the torch definition's bit for
-bit: float32 addition, round to nearest even (NaN becomes the quiet NaN 0x7FC0, as in torch), and the
-tie rule of `split_low16` (tests/server/test_master_kernel.py compares them on random values, ties,
-subnormals and overflow to infinity).
-
-The loop releases the GIL and takes a range, so the two halves of a tensor run on two threads
-(`packed_kernels.in_group_ranges`); compiled code is cached on disk (`cache=True`), and `warm_up()`
-loads it at server start.
+Bit for bit the torch definition of `master_weights.py` (`join_low16`, float32 addition, round to
+nearest even with NaN as the quiet NaN 0x7FC0, the tie rule of `split_low16`; tests/server/
+test_master_kernel.py compares them), reading each bf16 value, low half and aggregate value once and
+writing the new bf16 value and low half in place. The numba loop releases the GIL and takes a range, so
+a tensor's two halves run on two threads (`packed_kernels.in_group_ranges`); compiled code is cached on
+disk (`cache=True`) and `warm_up()` loads it at server start. Why by hand: docs/design/checkpoint-publishing.md.
 """
 
 from __future__ import annotations
@@ -63,9 +52,8 @@ def _update(published, low, agg, has_low):
     """For every i: master = bits(published[i]) << 16 + low[i] (low 0 when not has_low) as float32,
     master += agg[i]; published[i], low[i] = the new master rounded to bf16 and its low half (int16).
 
-    Branch free in 32-bit integers over whole (sliced) arrays, so LLVM vectorises it: a loop over
-    range(i0, i1) of the full arrays was not (numba's index wraparound for a possibly negative i), and
-    ran 8x slower."""
+    Branch free in 32-bit integers over whole (sliced) arrays, so LLVM vectorises it; a loop over
+    range(i0, i1) of the full arrays does not vectorise (numba's index wraparound for a possibly negative i)."""
     for i in range(published.shape[0]):
         lo = np.uint32(np.int32(low[i])) if has_low else np.uint32(0)
         hi = np.uint32(np.uint32(np.uint16(published[i])) << np.uint32(16))

@@ -1,26 +1,12 @@
 """The float32 master of a checkpoint stored below float32, kept as what the published tensors lack.
 
-Publishing into a bf16 base must not drop updates (issue 13 item 5): the server keeps every weight in
-float32 and publishes it rounded (zoo_gym/server/store/checkpoint_writer.py). The master need not be a second
-float32 copy of the model. A bf16 number is the high half of a float32's bits, so for a bf16 tensor the
-master stores only the low half: the signed 16-bit difference between the float32 master's bits and
-the published bf16 value's bits widened (`split_low16`). Published + low half is the float32 master
-again (`join_low16`), and the master blob is half the size of a float32 copy (at Qwen3-0.6B's size
-1.2 GB less written, hashed and read per publish).
-
-Round to nearest puts the master within half a bf16 step of the published value: the difference in
-bits lies in [-32768, 32768]. Only 32768 does not fit in 16 bits: an exact tie that rounded down to an
-even value. There the master is kept one float32 unit (2^-24 relative) below the tie, which rounds to the
-same published value; nothing else is ever changed.
-
-What the master file holds, tensor by tensor (a safetensors blob in the content store, named by the
-checkpoint's lineage `master_sha256`):
-
-* `I16`: the low half of a bf16 tensor's master;
-* `F32`: the master itself (float16 tensors, whose bits are not a float32's high half; and every
-  tensor of a master written before the low-half format, which is read the same way);
-* absent: the master is the published tensor widened exactly (a float32 tensor, or one no round has
-  changed since genesis).
+The master is a safetensors blob (the lineage's `master_sha256`) holding, tensor by tensor:
+`I16`, the low half of a bf16 tensor's float32 master (the published bits widened plus the low half are
+the master: `split_low16` / `join_low16`); `F32`, the master itself (float16 tensors, and every tensor
+of a master in the all-float32 layout, read the same way); absent, the published tensor widened exactly
+(a float32 tensor, or one no round has changed since genesis). The one difference int16 cannot hold,
++32768 (a tie rounded down to even), is kept one float32 unit (2^-24 relative) below the tie, which
+rounds to the same published value. Design: docs/design/checkpoint-publishing.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """The server's state directory: database, blob store, signing key, genesis checkpoint.
 
-    <state-dir>/
-      state.json        base model, the database URL when one was chosen (--db), the validation file
-                        when one was given (--validation-data) and where the chat template came from;
-                        written once by `gym-server init`
-      validation.json[l] the server's held-out examples (a copy of --validation-data), when given
-      server.db         SQLite (default; any SQLAlchemy URL through --db)
-      server.lock       held (flock) by the one `gym-server serve` of this directory; holds its PID
-      server_key.pem    the server's Ed25519 key (signs the ledger)
-      blobs/            content-addressed checkpoints and submissions (see blobs.py)
-      work/             scratch space for aggregation
-
-Nothing in state.json names the directory itself, so a state directory can be copied or moved: the
-default database is always the `server.db` beside state.json, the validation file the copy beside it.
-
-`gym-server init` creates it (zoo_gym/server/genesis.py); this module opens, locks and migrates it.
+    state.json         base model, database URL (--db), validation file, chat template source (by init)
+    validation.json[l] the server's held-out examples (a copy of --validation-data), when given
+    server.db          SQLite (default; any SQLAlchemy URL through --db)
+    server.lock        held (flock) by the one `gym-server serve` of the directory; holds its PID
+    server_key.pem     the server's Ed25519 key (signs the ledger)
+    blobs/ and work/   content-addressed checkpoints and submissions (blobs.py); aggregation scratch
+Nothing in state.json names the directory itself, so it can be copied or moved. `gym-server init`
+creates it (zoo_gym/server/genesis.py); this module opens, locks and migrates it.
 """
 
 from __future__ import annotations
@@ -147,9 +140,9 @@ def sqlite_file(url: str) -> Path | None:
 def _stored_db_url(root: Path, stored: str | None) -> str:
     """The database of a state directory from what its state.json says.
 
-    None (or "default") is init's default, the server.db beside state.json. State directories made before
-    that stored the default as an absolute ``sqlite:///<dir>/server.db``; when such a directory was
-    copied or moved it must use its own server.db, not the one where it was made. init only ever creates
+    None (or "default") is init's default, the server.db beside state.json. Some state directories store
+    that default as an absolute ``sqlite:///<dir>/server.db``; once such a directory is copied or moved it
+    must use its own server.db, not the one where it was made. init only ever creates
     a server.db inside the directory for that default (a database chosen with --db lives at its URL), so
     an absolute SQLite URL ending in server.db means this directory's own database whenever one is here."""
     if stored in (None, "default"):
@@ -219,8 +212,8 @@ class ServerState:
     def checkpoint_dir(self, sha256: str) -> Path:
         """The unpacked Hugging Face directory of a stored checkpoint (cached under work/).
 
-        Concurrent submissions for a base not unpacked yet used to unpack it side by side into
-        one temporary directory and break each other; one unpack at a time, the rest wait for it."""
+        One unpack at a time, the rest wait for it: concurrent submissions for a base not unpacked yet
+        would otherwise unpack it side by side into one temporary directory and break each other."""
         dest = self.work_dir / "checkpoints" / sha256
         if not (dest / archive.WEIGHTS).is_file():
             with _UNPACK_LOCK:

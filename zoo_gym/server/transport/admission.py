@@ -1,20 +1,13 @@
 """Who may register: token buckets against Sybil bursts, and operator-signed single-use invitations.
 
-An identity is an Ed25519 key, free to make, so the server bounds how fast NEW identities appear:
-
-* One token bucket per peer address and one for the whole server (`register_rate_per_peer` /
-  `register_burst_per_peer`, `register_rate_global` / `register_burst_global`; rates per minute). A
-  bucket holds at most `burst` tokens and refills at `rate`; each new identity takes one token from
-  both. An empty bucket is RESOURCE_EXHAUSTED with the seconds until the next token. The peer is
-  `context.peer()` without its port; an IPv6 peer counts by its /64 prefix (one host is routinely given
-  a whole /64). Buckets live in memory: a restart refills them. At most `MAX_PEERS` peer buckets are
-  kept; the least recently used one is dropped past that (the global bucket still bounds the total).
-* A key that is already registered passes without touching either bucket, and writes nothing.
-* With `admission = "invite"` a new key must also spend an invitation the operator made with
-  `gym-server invite`: base64url (no padding) of 16 random bytes (the invitation's id) followed by the
-  server's Ed25519 signature over ``INVITE_DOMAIN + id``. Any holder of the server's key can make them
-  offline; the `SpentInvite` table records each spent id, in the transaction that registers the key,
-  so each one admits exactly one key.
+A new identity (a key not yet registered; a registered one passes and writes nothing) takes one token
+from its peer's bucket and one from the server's (`register_rate_*` per minute, `register_burst_*`);
+either empty: RESOURCE_EXHAUSTED with the seconds until the next token. A peer is `context.peer()`
+without its port, an IPv6 peer its /64; buckets live in memory (a restart refills them), at most
+`MAX_PEERS` peer buckets, the least recently used dropped first. With `admission = "invite"` a new key
+must also spend an invitation from `gym-server invite`: base64url (no padding) of a 16-byte random id and
+the server's Ed25519 signature over ``INVITE_DOMAIN + id``, recorded as spent (`SpentInvite`) in the
+transaction that registers the key, so each admits exactly one key. Why: docs/design/transport.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Bounds on server-streamed calls (checkpoint downloads, ledger streams), so unread streams cannot hold
 the threads health checks and GetRound need.
 
-grpcio's synchronous server hands a streamed message to the transport and then waits on the handler's
-pool thread, with no time limit, until the peer's HTTP/2 flow-control window has taken it
-(`grpc._server._send_response`). A client that opens a large download and never reads held that thread
-for as long as its connection stayed open. So a stream now:
-
-- takes a slot without waiting (`max_downloads`; none free: RESOURCE_EXHAUSTED "server busy ... retry
-  later" at once, which clients retry), and the servicer adds `max_downloads` threads to the pool;
-- is cancelled by a watchdog when the reader has taken nothing for `idle_timeout` seconds: the blocked
-  send then returns, the handler ends and the slot comes back.
-
-Progress is seen from the generator side: grpcio asks for the next message only once the previous one
-was sent, so the time since the last hand-over is the time the reader has been stalled.
+A stream takes a slot without waiting (`max_downloads`; none free: RESOURCE_EXHAUSTED "server busy ...
+retry later" at once, which clients retry; the servicer adds `max_downloads` threads to the pool), and a
+watchdog cancels it once its reader has taken nothing for `idle_timeout` seconds: the blocked send
+returns, the handler ends and the slot comes back. Stalls are seen from the generator side: grpcio asks
+for the next message only once the previous one is sent. Why: docs/design/transport.md.
 """
 
 from __future__ import annotations

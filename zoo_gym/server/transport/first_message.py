@@ -1,13 +1,11 @@
 """Every call's first message must arrive in time, and only a few calls may wait for theirs at once.
 
-grpcio's synchronous server takes a pool thread for a unary call (GetRound, health Check, ...) and then
-waits inside grpcio, with no time limit, for its request message: calls that never send one used to
-hold every thread, and health checks queued behind them. `FirstMessageDeadline`, the outermost server
-interceptor, serves unary methods as client-streaming ones (the bytes on the wire are the same), so
-their request is read through `BoundedStream`: a request not there within `GRACE_S` is waited for
-`header_timeout` seconds more, and only on a `PendingSlots` slot, taken without waiting. SubmitDelta
-takes one of the same slots until its signed header verifies (upload_slots.py). No free slot:
-RESOURCE_EXHAUSTED "server busy ... retry later" at once.
+`FirstMessageDeadline`, the outermost server interceptor, serves unary methods as client-streaming ones
+(the bytes on the wire are the same), so their request is read through `BoundedStream`: a request not
+there within `GRACE_S` is waited for `header_timeout` seconds more, and only on a `PendingSlots` slot,
+taken without waiting. SubmitDelta takes one of the same slots until its signed header verifies
+(upload_slots.py). No free slot: RESOURCE_EXHAUSTED "server busy ... retry later" at once.
+Why: docs/design/transport.md.
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ def check_contributor_id(contributor_id: str, *, field: str = "contributor_id", 
 
 
 def check_ledger_query(*, contributor_id: str, since_seq: int) -> None:
-    """Range checks of a LedgerRequest before any query (a seq past 2^63 - 1 was an INTERNAL error)."""
+    """Range checks of a LedgerRequest before any query (SQL integers stop at 2^63 - 1)."""
     check_contributor_id(contributor_id, required=False)
     if not 0 <= since_seq <= SQL_INT_MAX:
         raise InvalidArgument(f"since_seq must be in [0, 2^63 - 1], got {since_seq}")

@@ -1,18 +1,13 @@
 """Bounds on SubmitDelta streams, so that uploads can never take the threads other RPCs need.
 
-grpcio's synchronous server runs each RPC on a thread of one pool and queues the RPC when the pool is
-busy, so streams that send nothing used to take every thread and health checks queued behind them.
-A stream now needs a slot before it holds anything, and a slot is taken without waiting:
-
-- a *pending* slot (`max_pending_headers` in all, `max_pending_headers_per_peer` per peer address,
-  shared with unary calls waiting for their request: first_message.py) from the moment the stream opens
-  until its signed header verifies; the header must arrive within `header_timeout` seconds;
-- then an *upload* slot (`max_uploads` in all, and one per contributor through `UploadGate`) until the
-  stream ends; the pending slot is handed back at that moment.
-
-No free slot: RESOURCE_EXHAUSTED at once with a "server busy ... retry later" message (`proto/busy.py`),
-never a queue. The servicer sizes the pool as uploads + pending headers + a reserve, so the reserve is
-always left to health, GetRound, Register, balance and ledger queries.
+A stream takes a slot before it holds anything, without waiting: a *pending* slot (`max_pending_headers`
+in all, `max_pending_headers_per_peer` per peer address, shared with unary calls waiting for their
+request: first_message.py) from the moment it opens until its signed header verifies, which must arrive
+within `header_timeout` seconds; then an *upload* slot (`max_uploads` in all, one per contributor through
+`UploadGate`) until it ends, the pending slot handed back. No free slot: RESOURCE_EXHAUSTED "server
+busy ... retry later" at once (`proto/busy.py`), never a queue. The servicer sizes the pool as uploads +
+pending headers + a reserve, which is left to health, GetRound, Register, balance and ledger queries.
+Why: docs/design/transport.md.
 """
 
 from __future__ import annotations
