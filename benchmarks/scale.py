@@ -343,7 +343,7 @@ def serve_round(state: Path, payloads: list[bytes], env: dict, work: Path, *, sc
 # it prints the joining process's own VmRSS once the child that trained and encoded has returned.
 CLIENT_WRAPPER = """
 import sys
-import zoo_gym.client.join as j
+import zoo_gym.client.contribute as j
 def _rss():
     with open('/proc/self/status') as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith('VmRSS:'))

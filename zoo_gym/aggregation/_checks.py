@@ -50,7 +50,7 @@ def check_weights(weights: Tensor | None, *, n: int) -> Tensor:
 _COMBINE_CHUNK = 1 << 20
 
 
-def _terms(weights: Tensor, *, total: float | None) -> tuple[list[tuple[int, float]], float]:
+def weighted_terms(weights: Tensor, *, total: float | None) -> tuple[list[tuple[int, float]], float]:
     """([(row, weight)] of the rows with w_i != 0, divisor) that `combine64` uses: equal weights (every
     row with w_i > 0 weighs the same) are a plain sum divided by their count, so the uniform mean never
     goes through a rounded 1/n; otherwise sum_i w_i x_i / total (`total` defaults to sum_i w_i)."""
@@ -92,7 +92,7 @@ def combine64(weights: Tensor, deltas: Tensor, *, total: float | None = None) ->
     Equal weights (every row with w_i > 0 weighs the same) are a plain float64 sum of those rows
     divided by their count, so the uniform mean never goes through a rounded 1/n.
     """
-    terms, denom = _terms(weights, total=total)
+    terms, denom = weighted_terms(weights, total=total)
     return _accumulate(torch.zeros(deltas.shape[1], dtype=torch.float64), terms, deltas) / denom
 
 
@@ -106,7 +106,7 @@ def combine(weights: Tensor, deltas: Tensor, *, total: float | None = None) -> T
     `_COMBINE_CHUNK` columns at a time through reused float64 buffers instead of (d,) float64
     vectors (at a 0.6B model that was most of the aggregation's time: memory traffic and page faults).
     """
-    terms, denom = _terms(weights, total=total)
+    terms, denom = weighted_terms(weights, total=total)
     d = deltas.shape[1]
     out = torch.empty(d, dtype=deltas.dtype)
     acc = torch.empty(min(d, _COMBINE_CHUNK), dtype=torch.float64)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ._checks import _terms
+from ._checks import weighted_terms
 
 
 def factored_mean(source, name: str, acc: Tensor, clip: Tensor, coeff: Tensor, *,
@@ -30,7 +30,7 @@ def factored_mean(source, name: str, acc: Tensor, clip: Tensor, coeff: Tensor, *
     factors: Sequence | None = get(name) if get is not None else None
     if factors is None:
         return None
-    terms, denom = _terms(coeff, total=total)
+    terms, denom = weighted_terms(coeff, total=total)
     bs, as_ = [], []
     for j, wj in terms:
         f = factors[int(acc[j])]

@@ -93,7 +93,7 @@ _set8x4 = _sum8x4_intrinsic(accumulate=False)
 _axpy8x4 = _sum8x4_intrinsic(accumulate=True)
 
 
-def _pointer_intrinsic(element):
+def pointer_intrinsic(element):
     """An intrinsic turning an integer address into a pointer to `element` (for `numba.carray`)."""
     ptr = types.CPointer(element)
 
@@ -125,8 +125,8 @@ def _memcpy(typingctx, dst, src, nbytes):
     return types.void(dst, src, nbytes), codegen
 
 
-_f32_at = _pointer_intrinsic(types.float32)
-_f64_at = _pointer_intrinsic(types.float64)
+_f32_at = pointer_intrinsic(types.float32)
+_f64_at = pointer_intrinsic(types.float64)
 
 
 # columns of `gather`'s per-tensor table (bytes, groups)

@@ -239,33 +239,9 @@ def build_config(file_values: Mapping[str, Any] | None = None, *, environ: Mappi
         raise ConfigError(str(exc)) from None
 
 
-def round_size_error(soup, n: int) -> str | None:
-    """Why the configured rule cannot aggregate `n` deltas (None: it can)."""
-    from zoo_gym.aggregation.bulyan import check_bulyan_config
-    from zoo_gym.aggregation.krum import check_krum_config
-    from zoo_gym.aggregation.trimmed_mean import trim_count
-
-    try:
-        if n < 1:
-            return "there is nothing to aggregate"
-        if soup.aggregator in ("krum", "multi-krum"):
-            check_krum_config(n=n, f=soup.byzantine_f, rule=soup.aggregator)
-        elif soup.aggregator == "bulyan":
-            check_bulyan_config(n=n, f=soup.byzantine_f)
-        elif soup.aggregator == "trimmed-mean":
-            trim_count(n=n, beta=soup.trim_beta)
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
-def rule_minimum(soup, *, limit: int = 4096) -> int:
-    """The fewest deltas the configured robust rule can aggregate (e.g. Krum with f: 2f + 3)."""
-    return next((n for n in range(1, limit + 1) if round_size_error(soup, n) is None), limit)
-
-
 def check_round_size(soup, min_contributors: int, *, flag: str = "--min-contributors") -> None:
     """Refuse a --min-contributors (or --buffer-size) too small for the robust rule (named in the message)."""
-    error = round_size_error(soup, min_contributors)
-    if error is not None:
-        raise ConfigError(f"{flag} {min_contributors} is too few for --aggregator {soup.aggregator}: {error}")
+    try:
+        soup.rule.check_n(min_contributors)
+    except ValueError as exc:
+        raise ConfigError(f"{flag} {min_contributors} is too few for --aggregator {soup.rule.name}: {exc}") from None

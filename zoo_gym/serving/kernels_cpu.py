@@ -32,12 +32,12 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from zoo_gym.aggregation.packed_kernels import _pointer_intrinsic  # address -> pointer, shared
+from zoo_gym.aggregation.packed_kernels import pointer_intrinsic  # address -> pointer, shared
 
 __all__ = ["HAS_BF16_DOT", "OUT_BLOCK", "delta_rows", "n_items"]
 
 
-_u8_at = _pointer_intrinsic(types.uint8)
+_u8_at = pointer_intrinsic(types.uint8)
 
 OUT_BLOCK = 64  # output rows per parallel work item (a multiple of ROWS)
 ROWS = 8  # output rows per kernel call: 8 independent accumulators hide the add's latency

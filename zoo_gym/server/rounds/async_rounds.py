@@ -24,8 +24,6 @@ from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.errors import FailedPrecondition
 from zoo_gym.server.store.models import Round, RoundInputs, RoundState, Submission
 
-# Rules for which a delta's staleness is an aggregation weight (the rest aggregate weighted rows; see the design)
-STALENESS_AS_WEIGHTS = frozenset({"mean"})
 
 
 def staleness_weight(staleness: int, *, exponent: float) -> float:
@@ -90,15 +88,15 @@ def buffer_multi_krum_m(soup: SoupConfig, buffer_size: int) -> int | None:
     attacker past K - m is averaged in whatever its score. With m = K // 2 none is forced in while they are
     at most half the buffer (docs/design/async-rounds.md). Krum's own bound n >= 2f + 3 keeps
     K // 2 <= n - f."""
-    if soup.aggregator != "multi-krum":
+    if soup.rule.name != "multi-krum":
         return None
     return soup.multi_krum_m if soup.multi_krum_m is not None else max(1, buffer_size // 2)
 
 
 def staleness_applied(soup: SoupConfig) -> str:
     """How a flush under `soup` applies w(s): "weights" (aggregation weights on the deltas as submitted: a rule
-    in STALENESS_AS_WEIGHTS, no DP) or "rows" (each row multiplied by its weight first)."""
-    return "weights" if soup.aggregator in STALENESS_AS_WEIGHTS and not soup.dp_enabled else "rows"
+    whose `staleness_as_weights`, no DP) or "rows" (each row multiplied by its weight first)."""
+    return "weights" if soup.rule.staleness_as_weights and not soup.dp_enabled else "rows"
 
 
 def step_scale(weights: list[float], *, normalize: bool, applied: str = "rows") -> float:

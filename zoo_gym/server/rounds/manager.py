@@ -1,7 +1,7 @@
 """The round state machine: OPEN -> AGGREGATING -> PUBLISHED (next round OPEN), or HALTED.
 
 A round closes at `quorum` submissions, or at its deadline with at least `min_contributors`; with fewer,
-it closes with whoever submitted when the robust rule can aggregate that many (`config.rule_minimum`),
+it closes with whoever submitted when the robust rule can aggregate that many (`rule.minimum_n()`),
 else reopens for another `round_timeout` with a message. In async mode (async_rounds.py) it closes at
 `buffer_size` deltas. Closing commits AGGREGATING with the round's inputs (RoundInputs); publishing
 commits the ledger entries, reputations, checkpoint row, report and next OPEN round in one transaction,
@@ -63,10 +63,8 @@ class RoundManager:
     def _close_or_extend(self, rnd: Round, n: int) -> bool:
         """The deadline passed with fewer than min_contributors: close with the `n` in hand when the robust
         rule can aggregate them, else reopen the round for another round_timeout with a message saying why."""
-        from zoo_gym.server.config import rule_minimum
-
         soup = self.config.soup
-        needed = max(rule_minimum(soup), rnd.needs, 1)
+        needed = max(soup.rule.minimum_n(), rnd.needs, 1)
         if n >= needed:
             log.info("round %d timed out with %d of %d submissions; closing with them (%s needs %d)", rnd.id, n,
                      self.config.min_contributors, soup.aggregator, needed,
