@@ -23,16 +23,16 @@ def test_version(app, name):
 
 
 def test_serve_help_shows_the_new_flags_and_their_defaults():
-    result = runner.invoke(server_app, ["serve", "--help"], env={"COLUMNS": "200"})
+    result = runner.invoke(server_app, ["serve", "--help"], env={"COLUMNS": "2000"})
     text = " ".join(result.output.split())
-    assert "--dashboard-port" in text and "0 = off" in text and "[default: 0]" in text
-    assert "--log-format" in text and "[default: text]" in text
+    assert "--dashboard-port" in text and "0 = off" in text and "[default: 0;" in text
+    assert "--log-format" in text and "[default: text;" in text
 
 
 def test_a_bad_log_format_is_one_line(tmp_path):
     result = runner.invoke(server_app, ["serve", "--state-dir", str(tmp_path), "--insecure", "--log-format", "xml"])
     assert result.exit_code == 2
-    assert result.output.strip().splitlines() == ["error: --log-format must be text or json, not 'xml'"]
+    assert result.output.strip().splitlines() == ["error: `log_format` must be text or json, got 'xml'"]
 
 
 @pytest.fixture
