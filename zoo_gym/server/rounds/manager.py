@@ -143,6 +143,8 @@ class RoundManager:
             if not ready:
                 return
             n = self._close(rnd.id)
+            with self.state.session() as s:
+                rnd = s.get(Round, rnd.id)  # as closed: closed_at goes into the checkpoint's row
             log.info("round %d closed with %d submissions; aggregating", rnd.id, n,
                      extra={"event": "round", "round": rnd.id, "state": "aggregating", "submissions": n})
         with self.state.session() as s:
