@@ -88,7 +88,8 @@ def _serve_until_interrupted(server: subprocess.Popen, dashboard_port: int) -> N
 def main(
     clients: int = typer.Option(3, min=1, help="Contributor processes."),
     rounds: int = typer.Option(2, min=1, help="Federated rounds."),
-    method: str = typer.Option("lora", help="lora, sft or grpo."),
+    stage: str = typer.Option("sft", help="sft, dpo, kto, orpo, simpo, rloo, grpo or gspo (gym-client's --stage)."),
+    finetuning_type: str = typer.Option("lora", "--finetuning-type", help="lora, full, freeze or oft."),
     aggregator: Optional[str] = typer.Option(None, help="DeltaSoup aggregator (trimmed-mean, multi-krum, mean, "
                                                         "...) \\[default: the server's, trimmed-mean]."),
     workdir: Optional[Path] = typer.Option(None, help="Keep state here (default: a temporary directory)."),
@@ -128,14 +129,14 @@ def main(
         port = _wait_port(port_file, server, logs / "server.log")
         typer.echo(f"gym-server on 127.0.0.1:{port} over TLS (private CA {tls.ca}); starting {clients} "
                    f"contributors for {rounds} rounds "
-                   f"({method}); logs in {logs}")
+                   f"({stage}+{finetuning_type}); logs in {logs}")
         if dashboard_port:
             typer.echo(f"dashboard: https://127.0.0.1:{dashboard_port}/ (JSON API under /api, Prometheus metrics at "
                        f"/metrics; its certificate is from the demo's private CA {tls.ca}: tell the browser to "
                        "accept it)")
         for i in range(clients):
             args = ["join", "--server", f"127.0.0.1:{port}", "--root-certificates", str(tls.ca),
-                    "--rounds", str(rounds), "--method", method,
+                    "--rounds", str(rounds), "--stage", stage, "--finetuning-type", finetuning_type,
                     "--shard", str(i), "--n-shards", str(max(clients, 8)), "--workdir", str(root / f"client{i}"),
                     "--key", str(root / f"client{i}" / "key.pem"), "--threads", "1", "--quiet", "--json",
                     "--name", f"demo-{i}"]

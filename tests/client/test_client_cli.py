@@ -48,7 +48,7 @@ def test_refusals_are_not_retried():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--method", "dpo"], "--method must be one of"),
+    (["--method", "dpo"], "--method must be one of"), (["--stage", "ppo2"], "`stage` must be one of"),
     (["--codec", "zip"], "--codec must be one of"),
     (["--data", "/nonexistent/data.jsonl"], "no such file"),
 ])

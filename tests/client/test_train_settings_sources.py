@@ -14,15 +14,15 @@ from zoo_gym.client.cli import app
 from zoo_gym.client.train_settings import train_leaves
 
 LEAVES = train_leaves()
-SPECIAL = {"method": "sft", "target_modules": ["q_proj", "v_proj"], "init_lora_weights": "pissa",
-           "grpo_importance_sampling_level": "sequence", "device": "cpu", "quantization": "4bit",
+SPECIAL = {"method": "sft", "stage": "dpo", "finetuning_type": "full", "loss_type": "ipo", "target_modules": ["q_proj", "v_proj"], "init_lora_weights": "pissa",
+           "importance_sampling_level": "sequence", "device": "cpu", "quantization": "4bit",
            "attn_implementation": "sdpa", "report_to": "wandb", "num_train_epochs": 2.0,
            "dp_noise_multiplier": 0.5, "dp_target_epsilon": 8.0}
 
 
 @pytest.fixture
 def run(monkeypatch, tmp_path):
-    """join up to its options: returns (exit code, output, (method, TrainConfig overrides))."""
+    """join up to its options: returns (exit code, output, TrainConfig overrides)."""
     seen = {}
     monkeypatch.setattr(join_module, "join", lambda opts, say: seen.update(opts=opts) or [])
 
@@ -35,7 +35,7 @@ def run(monkeypatch, tmp_path):
         res = CliRunner().invoke(app, ["join", "--server", "127.0.0.1:1", "--workdir", str(tmp_path), *args],
                                  env=env or {})
         opts = seen.get("opts")
-        return res.exit_code, res.output, (opts.method, opts.train_overrides) if opts else None
+        return res.exit_code, res.output, opts.train_overrides if opts else None
 
     return invoke
 
@@ -68,21 +68,30 @@ def test_each_training_setting_is_set_by_flag_env_and_file(leaf, run):
                                   ([], None, {leaf.key: value}):
         code, output, got = run(args, env=env, file_values=file_values)
         assert code == 0 and got is not None, output
-        method, overrides = got
-        assert (method if leaf.key == "method" else overrides[leaf.key]) == value
+        if leaf.key == "method":  # deprecated: it sets the stage and fine-tuning type, and says so once
+            assert (got["stage"], got["finetuning_type"]) == ("sft", "full") and "method" not in got
+            assert "is deprecated: use --stage sft --finetuning-type full" in output
+        else:
+            assert got[leaf.key] == value
 
 
 def test_precedence_is_flag_then_env_then_file_then_default(run):
     env = {"ZOO_GYM_LORA_R": "5", "ZOO_GYM_SEED": "6", "ZOO_GYM_NUM_TRAIN_EPOCHS": "2"}
-    code, output, (method, o) = run(["--lora-r", "4"], env=env, file_values={"lora_r": 7, "seed": 8, "lora_alpha": 9.0,
+    code, output, o = run(["--lora-r", "4"], env=env, file_values={"lora_r": 7, "seed": 8, "lora_alpha": 9.0,
                                                                              "max_steps": 10})
     assert code == 0, output
     assert (o["lora_r"], o["seed"], o["lora_alpha"], o["num_train_epochs"]) == (4, 6, 9.0, 2.0)
     # epochs from the environment beat the file's max_steps
-    assert "max_steps" not in o and "learning_rate" not in o and method == "lora"
+    assert "max_steps" not in o and "learning_rate" not in o and "stage" not in o
 
 
 def test_bad_env_value_is_one_line_naming_the_variable(run):
     code, output, _ = run([], env={"ZOO_GYM_LORA_R": "eight"})
     assert code == 2 and "ZOO_GYM_LORA_R='eight'" in output and "integer" in output, output
+    assert len(output.strip().splitlines()) == 1
+
+
+def test_method_contradicting_the_stage_is_refused_in_one_line(run):
+    code, output, _ = run(["--method", "grpo", "--stage", "dpo"])
+    assert code == 2 and "--method grpo means stage 'grpo', but stage is 'dpo'" in output, output
     assert len(output.strip().splitlines()) == 1

@@ -39,7 +39,7 @@ def test_lora_continued_pretraining_lowers_the_heldout_loss_on_text():
 
 
 def test_text_with_grpo_or_mixed_with_instructions_is_refused_before_training():
-    with pytest.raises(ValueError, match="lora or sft"):
+    with pytest.raises(ValueError, match="--stage sft without DP-SGD"):
         train(tiny_model_dir(), _corpus(8), TrainConfig(method="grpo", max_steps=2, warmup_steps=0),
               base_sha256="0" * 64)
     mixed = _corpus(8) + [{"instruction": "Add 1 and 2.", "input": "", "output": "3"}]

@@ -38,7 +38,7 @@ def test_lora_delta_matches_base_names_and_shapes_and_lowers_heldout_loss(lora_r
     for k, v in d.items():
         assert isinstance(v, LoraFactors) and v.rank == 8 and tuple(v.merged().shape) == shapes[k]
     m = lora_run.metadata
-    assert lora_run.base_sha256 == "ab" * 32 and m["method"] == "lora" and m["steps"] == 30
+    assert lora_run.base_sha256 == "ab" * 32 and (m["stage"], m["finetuning_type"], m["method"]) == ("sft", "lora", "sft+lora") and m["steps"] == 30
     assert m["examples_seen"] == 480 and m["tokens_seen"] > 0 and m["epsilon"] is None
     assert m["loss_after"] < 0.9 * m["loss_before"]  # >= 10% lower on the held-out validation set
     # the reported loss is the Evaluator's loss of base + merged factors (the delta is the whole change)
@@ -92,8 +92,8 @@ def test_grpo_raises_mean_reward_and_gspo_runs():
     m = r.metadata
     assert m["reward_after"] > m["reward_before"]
     assert all(isinstance(v, LoraFactors) for v in r.delta.values())
-    r2 = train(BASE, ex[:32], TrainConfig(method="grpo", max_steps=1, batch_size=8, grpo_num_generations=4,
-                                          grpo_importance_sampling_level="sequence"),
+    r2 = train(BASE, ex[:32], TrainConfig(method="grpo", max_steps=1, batch_size=8, num_generations=4,
+                                          importance_sampling_level="sequence"),
                base_sha256="g", eval_examples=val[:4])
     assert r2.metadata["importance_sampling_level"] == "sequence" and r2.metadata["steps"] == 1
 
@@ -127,7 +127,7 @@ def test_config_checks_name_the_field():
     with pytest.raises(TrainConfigError, match="`method`"):
         TrainConfig(method="rl")
     with pytest.raises(TrainConfigError, match="`batch_size`"):
-        TrainConfig(method="grpo", batch_size=10, grpo_num_generations=4)
+        TrainConfig(method="grpo", batch_size=10, num_generations=4)
     with pytest.raises(TrainConfigError, match="`dp_target_epsilon`"):
         TrainConfig(dp_noise_multiplier=1.0, dp_target_epsilon=2.0)
     with pytest.raises(TrainConfigError, match="`quantization`"):

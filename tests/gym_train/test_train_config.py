@@ -13,7 +13,7 @@ def test_epochs_become_steps_as_the_trainer_counts_them():
     assert TrainConfig(num_train_epochs=1, batch_size=8).steps_for(100) == 13  # ceil(100 / 8)
     assert TrainConfig(num_train_epochs=2, batch_size=8, gradient_accumulation_steps=2).steps_for(100) == 12
     assert TrainConfig(num_train_epochs=0.5, batch_size=8).steps_for(100) == 7
-    assert TrainConfig(method="grpo", num_train_epochs=1, batch_size=16, grpo_num_generations=8).steps_for(10) == 5
+    assert TrainConfig(method="grpo", num_train_epochs=1, batch_size=16, num_generations=8).steps_for(10) == 5
 
 
 @pytest.mark.parametrize("kwargs, field", [

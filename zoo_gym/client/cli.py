@@ -18,7 +18,6 @@ app = typer.Typer(help="Zoo Gym contributor: fine-tune the federation's model on
 
 DEFAULT_HOME = Path(os.environ.get("ZOO_GYM_HOME", Path.home() / ".zoo-gym"))
 CODECS = ("auto", "bitdelta", "int8", "int4", "fp16", "bf16", "lora")
-METHODS = ("lora", "sft", "grpo")
 
 
 def _print_version(value: bool) -> None:
@@ -85,29 +84,27 @@ def _say(message: str) -> None:
     typer.echo(message, err=True)
 
 
-def _training(*, method, data: str, train_flags, train_config_file, threads) -> tuple[str, dict]:
-    """join's and personalize's shared checks, before any work: (method, TrainConfig overrides) from the
-    flags and --config, a --data that exists, and torch's thread count."""
+def _training(*, method, data: str, train_flags, train_config_file, threads) -> dict:
+    """join's and personalize's shared checks, before any work: TrainConfig overrides from the flags,
+    the environment and --config (warnings printed), a --data that exists, and torch's thread count."""
     from zoo_gym.client.train_settings import resolve
     from zoo_gym.gym_train.sources import FILE_SUFFIXES, looks_like_hub_id
 
-    if method is not None and method not in METHODS:
-        _fail(f"--method must be one of {', '.join(METHODS)}")
     if data != "builtin" and not Path(data).exists() and not looks_like_hub_id(data):
         _fail(f"--data {data}: no such file or directory (use 'builtin', a {'/'.join(FILE_SUFFIXES)} file, "
               "a save_to_disk directory or a cached Hub dataset id)")
     try:
-        method, train_overrides = resolve(train_flags or {}, train_config_file, method=method,
-                                          environ=os.environ)
+        train_overrides, warnings = resolve(train_flags or {}, train_config_file, method=method,
+                                            environ=os.environ)
     except ValueError as exc:
         _fail(str(exc))
-    if method not in METHODS:
-        _fail(f"method must be one of {', '.join(METHODS)}, got {method!r} from --config")
+    for line in warnings:
+        _say(f"warning: {line}")
     if threads:
         import torch
 
         torch.set_num_threads(threads)
-    return method, train_overrides
+    return train_overrides
 
 
 @app.command()
@@ -122,7 +119,8 @@ def join(
                                              "Hugging Face cache (never downloaded). Records: alpaca "
                                              "(instruction/input/output), sharegpt (conversations), messages "
                                              "(role/content) or prompt/completion."),
-    method: Optional[str] = typer.Option(None, help="lora, sft (full fine-tune) or grpo \\[default: lora].",
+    method: Optional[str] = typer.Option(None, help="Deprecated: lora = --stage sft --finetuning-type lora, "
+                                         "sft = --finetuning-type full, grpo = --stage grpo.",
                                          rich_help_panel="Training"),
     rounds: int = typer.Option(1, min=1, help="Rounds to contribute to before exiting."),
     key: Optional[Path] = typer.Option(None, help="Ed25519 key (PEM); created if missing "
@@ -164,11 +162,11 @@ def join(
     _set_log_level(log_level)
     if codec not in CODECS:
         _fail(f"--codec must be one of {', '.join(CODECS)}")
-    method, train_overrides = _training(method=method, data=data, train_flags=train_flags,
+    train_overrides = _training(method=method, data=data, train_flags=train_flags,
                                         train_config_file=train_config_file, threads=threads)
     home = workdir or DEFAULT_HOME
     opts = JoinOptions(server=server, workdir=home, key_path=key or DEFAULT_HOME / "contributor.pem", rounds=rounds,
-                       data=data, method=method, codec=codec, group_size=(None if group_size == 0 else group_size),
+                       data=data, codec=codec, group_size=(None if group_size == 0 else group_size),
                        train_overrides=train_overrides, shard=shard, n_shards=n_shards, display_name=name,
                        wait_for_publish=not no_wait, progress=not quiet and sys.stderr.isatty(),
                        root_certificates=str(root_certificates) if root_certificates else None, insecure=insecure,
@@ -194,7 +192,8 @@ def personalize(
     base: str = typer.Option(..., help="The base: a Hugging Face directory, a hub id already in your cache, or "
                                        "'tiny'. The variant is served only over these exact weights."),
     out: Path = typer.Option(..., help="The variant file to write, NAME.zgd (NAME is its model id in gym-serve)."),
-    method: Optional[str] = typer.Option(None, help="lora, sft (full fine-tune) or grpo \\[default: lora].",
+    method: Optional[str] = typer.Option(None, help="Deprecated: lora = --stage sft --finetuning-type lora, "
+                                         "sft = --finetuning-type full, grpo = --stage grpo.",
                                          rich_help_panel="Training"),
     distill_steps: int = typer.Option(50, min=0, help="Scale distillation steps (BitDelta's calibration); 0 = off."),
     threads: Optional[int] = typer.Option(None, help="CPU threads for training \\[default: torch's]."),
@@ -208,9 +207,9 @@ def personalize(
     from zoo_gym.client.personalize import PersonalizeError, PersonalizeOptions
     from zoo_gym.client.personalize import personalize as run_personalize
 
-    method, train_overrides = _training(method=method, data=data, train_flags=train_flags,
+    train_overrides = _training(method=method, data=data, train_flags=train_flags,
                                         train_config_file=train_config_file, threads=threads)
-    opts = PersonalizeOptions(data=data, base=base, out=out, method=method, train_overrides=train_overrides,
+    opts = PersonalizeOptions(data=data, base=base, out=out, train_overrides=train_overrides,
                               distill_steps=distill_steps, progress=not quiet and sys.stderr.isatty())
     try:
         summary = run_personalize(opts, say=_say)

@@ -119,7 +119,7 @@ def contribute(info: gym_pb2.RoundInfo, *, contributor: Contributor, opts, caden
                                      retry=lambda fn: c.retry(fn, "download"), server_key=c.server_key)
     except DownloadError as exc:
         raise JoinError(f"{cadence.label(info)}: refusing the base checkpoint: {exc}") from None
-    c.say(f"{cadence.training(info)}: training ({opts.method}) on base {info.base_sha256[:12]}")
+    c.say(f"{cadence.training(info)}: training ({c.trainer.config.label}) on base {info.base_sha256[:12]}")
     payload, metadata, kept = c.trainer.train(model_dir, info.base_sha256)  # kept: made a variant once taken
     resp = None
     try:

@@ -33,7 +33,7 @@ class JoinOptions:
     key_path: Path
     rounds: int = 1
     data: str = "builtin"
-    method: str = "lora"
+    method: str | None = None  # deprecated: stage and finetuning_type in train_overrides
     codec: str = "auto"
     group_size: int | None = 128
     max_steps: int | None = None
@@ -63,8 +63,8 @@ def prepare(opts: JoinOptions) -> tuple[TrainConfig, list[dict] | None]:
     from zoo_gym import gym_train
     from zoo_gym.client.train_settings import check_round
 
-    settings = {"method": opts.method, **({"max_steps": opts.max_steps} if opts.max_steps else {}),
-                **opts.train_overrides}
+    settings = {**({"method": opts.method} if opts.method else {}),
+                **({"max_steps": opts.max_steps} if opts.max_steps else {}), **opts.train_overrides}
     config = gym_train.TrainConfig(**settings)
     examples = None
     if opts.data == "builtin":
@@ -72,16 +72,16 @@ def prepare(opts: JoinOptions) -> tuple[TrainConfig, list[dict] | None]:
     else:
         examples = gym_train.load_examples(opts.data, allow_text=True)
         n = len(examples)
-        if any("text" in ex for ex in examples) and (config.method == "grpo" or config.dp_enabled):
-            raise JoinError(f"{opts.data}: plain `text` records train only with --method lora or sft without "
-                            "DP-SGD (GRPO needs prompts with answers to reward)")
+        if any("text" in ex for ex in examples) and (config.stage != "sft" or config.dp_enabled):
+            raise JoinError(f"{opts.data}: plain `text` records train only with --stage sft without DP-SGD "
+                            "(preference and RL stages need prompts with answers)")
         if n < 4:
             raise JoinError(f"{opts.data} ({n} examples): at least 4 examples are needed "
                             "(some are held out to measure the round)")
     return check_round(config, n_train=n - _held_count(n)), examples
 
 
-def _examples(opts: JoinOptions, contributor_id: str, user_examples: list[dict] | None = None
+def _examples(opts: JoinOptions, config: TrainConfig, contributor_id: str, user_examples: list[dict] | None = None
               ) -> tuple[list[dict], list[dict], str]:
     """(train, local held-out, description) for this contributor."""
     from zoo_gym import gym_train
@@ -91,7 +91,7 @@ def _examples(opts: JoinOptions, contributor_id: str, user_examples: list[dict] 
         desc = f"{opts.data} ({len(examples)} examples)"
     elif opts.data == "builtin":
         shard = opts.shard if opts.shard is not None else int(contributor_id[:8], 16) % opts.n_shards
-        task = "grpo" if opts.method == "grpo" else "default"
+        task = gym_train.builtin_task(config.stage)
         examples = gym_train.builtin_examples(task, shard=shard, n_shards=opts.n_shards, n=opts.n_examples)
         desc = f"built-in {task} shard {shard}/{opts.n_shards}"
     else:
@@ -146,7 +146,7 @@ def _connect(opts: JoinOptions, config, user_examples: list[dict] | None,
         raise JoinError(str(exc)) from None
     say(f"contributor {cid} {'registered' if reg.created else 'already registered'} at {opts.server}")
     opts.workdir.mkdir(parents=True, exist_ok=True)
-    train_ex, held_ex, desc = _examples(opts, cid, user_examples)
+    train_ex, held_ex, desc = _examples(opts, config, cid, user_examples)
     say(f"training data: {desc}")
     feedback = None
     if opts.error_feedback and opts.codec not in ("fp16", "bf16", "fp32", "lora"):

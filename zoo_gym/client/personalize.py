@@ -31,7 +31,7 @@ class PersonalizeOptions:
     data: str
     base: str  # a Hugging Face directory, a hub id in the local cache, or 'tiny'
     out: pathlib.Path
-    method: str = "lora"
+    method: str | None = None  # deprecated: stage and finetuning_type in train_overrides
     train_overrides: dict = field(default_factory=dict)  # TrainConfig keywords
     distill_steps: int = DEFAULT_DISTILL_STEPS  # 0: keep the mean-|delta| scales
     progress: bool = False
@@ -85,17 +85,16 @@ def personalize(opts: PersonalizeOptions, *, say: Callable[[str], None] = print)
         base_dir = resolve_base_dir(opts.base)
     except ValueError as exc:
         raise PersonalizeError(f"--base: {exc}") from None
-    config = gym_train.TrainConfig(method=opts.method, **opts.train_overrides)
+    config = gym_train.TrainConfig(**({"method": opts.method} if opts.method else {}), **opts.train_overrides)
     if opts.data == "builtin":
-        examples = gym_train.builtin_examples("grpo" if opts.method == "grpo" else "default", shard=0, n_shards=1,
-                                              n=256)
+        examples = gym_train.builtin_examples(gym_train.builtin_task(config.stage), shard=0, n_shards=1, n=256)
     else:
         examples = gym_train.load_examples(opts.data, allow_text=True)
     if len(examples) < 2:
         raise PersonalizeError(f"{opts.data}: {len(examples)} example(s); at least 2 are needed")
     config = check_round(config, n_train=len(examples))
     sha = weights_sha256(base_dir)
-    say(f"training {name} ({config.method}, {config.max_steps} steps) on {len(examples)} examples over base "
+    say(f"training {name} ({config.label}, {config.max_steps} steps) on {len(examples)} examples over base "
         f"{base_dir} (weights {sha[:12]})")
     result = gym_train.train(base_dir, examples, config, base_sha256=sha, progress=opts.progress)
     meta = result.metadata

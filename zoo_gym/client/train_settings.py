@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import typer
 
-from zoo_gym.gym_train.config import TrainConfig
+from zoo_gym.gym_train.config import METHODS, TrainConfig
 from zoo_gym.settings import Leaf, SettingError, collect, leaves, typer_parameters
 from zoo_gym.settings_file import SettingsFileError, read_settings_file
 
@@ -105,11 +105,13 @@ def _refuse_twice(values: dict[str, Any]) -> None:
         seen[name] = key
 
 
-def resolve(train_flags: dict[str, Any], config_file: Path | None, *, method: str | None,
-            max_steps: int | None = None, environ: Mapping[str, str] | None = None) -> tuple[str, dict[str, Any]]:
-    """(method, TrainConfig keyword overrides) from the flags, ``ZOO_GYM_<KEY>`` in ``environ``, the config
+def resolve(train_flags: dict[str, Any], config_file: Path | None, *, method: str | None = None,
+            max_steps: int | None = None, environ: Mapping[str, str] | None = None
+            ) -> tuple[dict[str, Any], list[str]]:
+    """(TrainConfig keyword overrides, warnings) from the flags, ``ZOO_GYM_<KEY>`` in ``environ``, the config
     file and the defaults (TrainConfig's own checks run when the round's config is built).
 
+    ``method``: the deprecated ``--method`` (it becomes stage and finetuning_type, with one warning);
     ``max_steps``: the join option of the same name, for callers of the library API."""
     file_values = _layer(f"--config {config_file}", 0, file_values=read_train_file(config_file)) \
         if config_file else {}
@@ -126,9 +128,26 @@ def resolve(train_flags: dict[str, Any], config_file: Path | None, *, method: st
     merged = {**file_values, **env_values, **flags}
     if "max_steps" in merged and merged.get("num_train_epochs") is not None:
         raise TrainSettingsError("set either max_steps or num_train_epochs (epochs), not both")
-    chosen = method or merged.pop("method", None) or "lora"
+    warnings: list[str] = []
+    chosen = method or merged.pop("method", None)
     merged.pop("method", None)
-    return chosen, merged
+    if chosen is not None:
+        _apply_method(chosen, merged, warnings, given="--method" if method else "method")
+    return merged, warnings
+
+
+def _apply_method(method: str, merged: dict[str, Any], warnings: list[str], *, given: str) -> None:
+    """The deprecated `method` as the stage and fine-tuning type it names; refused where they disagree."""
+    if method not in METHODS:
+        raise TrainSettingsError(f"{given} must be one of {', '.join(METHODS)}, got {method!r} "
+                                 "(deprecated: use --stage and --finetuning-type)")
+    stage, kind = METHODS[method]
+    for key, value in (("stage", stage), ("finetuning_type", kind)):
+        if merged.get(key, value) != value:
+            raise TrainSettingsError(f"{given} {method} means {key} {value!r}, but {key} is {merged[key]!r}: "
+                                     f"drop {given} and use --stage and --finetuning-type")
+    merged.update(stage=stage, finetuning_type=kind)
+    warnings.append(f"{given} {method} is deprecated: use --stage {stage} --finetuning-type {kind}")
 
 
 def _device_available(device: str) -> bool:

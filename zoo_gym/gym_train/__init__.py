@@ -13,7 +13,7 @@ from .config import TrainConfig, TrainConfigError
 from .evaluate import Evaluator, heldout_loss
 from .errors import DataError, HardwareError
 from .formats import load_examples
-from .tasks import builtin_examples, default_validation_examples
+from .tasks import builtin_examples, builtin_task, default_validation_examples
 from .train import train
 
 
@@ -44,6 +44,7 @@ __all__ = [
     "TrainConfigError",
     "TrainResult",
     "builtin_examples",
+    "builtin_task",
     "default_validation_examples",
     "distill_bitdelta_scales",
     "heldout_loss",

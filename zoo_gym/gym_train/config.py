@@ -1,7 +1,9 @@
 """Configuration of one local training round (``train``), with checks that name the field.
 
-The defaults are one contributor's typical federated round on the tiny model: LoRA, a few hundred
-short steps, well under a minute on two CPU cores.
+A round is a *stage* (what is optimised: sft, a preference loss, or an RL objective) and a
+*fine-tuning type* (which weights move: lora, full, freeze, oft), in LLaMA-Factory's words; field names
+are TRL's and PEFT's. The defaults are one contributor's typical federated round on the tiny model:
+LoRA SFT, a few hundred short steps, well under a minute on two CPU cores.
 """
 
 from __future__ import annotations
@@ -9,7 +11,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-METHODS = ("lora", "sft", "grpo")
+SFT_STAGES = ("sft",)
+PREFERENCE_STAGES = ("dpo", "kto", "orpo", "simpo")  # learn from chosen/rejected (or KTO's labelled) answers
+RL_STAGES = ("rloo", "grpo", "gspo")  # sample completions online and learn from reward functions
+STAGES = SFT_STAGES + PREFERENCE_STAGES + RL_STAGES
+FINETUNING_TYPES = ("lora", "full", "freeze", "oft")
+# the deprecated `method` -> (stage, finetuning_type)
+METHODS = {"lora": ("sft", "lora"), "sft": ("sft", "full"), "grpo": ("grpo", "lora")}
 DEVICES = ("auto", "cpu", "cuda", "mps")
 REPORT_TO = {"none": None, "tensorboard": "tensorboard", "wandb": "wandb"}  # choice -> package it needs
 
@@ -20,8 +28,15 @@ class TrainConfigError(ValueError):
 
 @dataclass
 class TrainConfig:
-    method: str = field(default="lora", metadata={"help": "lora | sft (full fine-tune) | grpo (LoRA + GRPO)",
-                                                   "group": "Training"})
+    stage: str = field(default="sft", metadata={
+        "help": "what the round optimises: sft | dpo | kto | orpo | simpo (preferences) | rloo | grpo | gspo "
+                "(RL on reward functions)", "group": "Training"})
+    finetuning_type: str = field(default="lora", metadata={
+        "help": "which weights train: lora (PEFT adapters) | full | freeze (the last freeze_trainable_layers "
+                "layers in full) | oft (orthogonal fine-tuning)", "group": "Training"})
+    method: str | None = field(default=None, metadata={
+        "help": "deprecated: lora = --stage sft --finetuning-type lora, sft = --finetuning-type full, "
+                "grpo = --stage grpo; when given it sets both", "group": "Training"})
     max_steps: int = field(default=150, metadata={"help": "optimizer steps of the round", "group": "Training"})
     num_train_epochs: float | None = field(default=None, metadata={
         "help": "passes over your training examples instead of max_steps (the client turns them into steps)",
@@ -57,16 +72,27 @@ class TrainConfig:
         "group": "LoRA", "alias_values": {"pissa_init": {True: "pissa", False: True}}})
     merged_delta: bool = field(default=False, metadata={"help": "lora/grpo: dense merged delta instead of factors",
                                                         "group": "LoRA"})
-    # GRPO (TRL GRPOTrainer)
-    grpo_num_generations: int = field(default=8, metadata={"help": "completions per prompt", "group": "GRPO"})
-    grpo_max_completion_length: int = field(default=6, metadata={"help": "tokens generated per completion",
-                                                                 "group": "GRPO"})
-    grpo_temperature: float = field(default=1.0, metadata={"help": "sampling temperature", "group": "GRPO"})
-    grpo_beta: float = field(default=0.0, metadata={"help": "KL coefficient (0: no reference model)",
-                                                    "group": "GRPO"})
-    grpo_importance_sampling_level: str = field(default="token", metadata={"help": "token | sequence (GSPO)",
-                                                                           "group": "GRPO"})
-    grpo_eval_prompts: int = field(default=64, metadata={"help": "prompts for reward_before/after", "group": "GRPO"})
+    # the stage's objective (TRL's names; None takes the TRL trainer's own default for the stage)
+    beta: float | None = field(default=None, metadata={
+        "help": "KL / preference temperature of dpo, kto, orpo, simpo, rloo, grpo, gspo [default: the TRL "
+                "trainer's, except 0 for grpo/gspo (no reference model)]", "group": "Objective",
+        "aliases": ("grpo_beta", "pref_beta")})
+    loss_type: str | None = field(default=None, metadata={
+        "help": "the stage's TRL loss_type: dpo sigmoid | ipo | hinge | ...; grpo grpo | dr_grpo | dapo | bnpo "
+                "[default: TRL's for the stage]", "group": "Objective", "aliases": ("pref_loss",)})
+    # RL stages (TRL GRPOTrainer / RLOOTrainer)
+    num_generations: int = field(default=8, metadata={"help": "rloo/grpo/gspo: completions per prompt",
+                                                      "group": "RL", "aliases": ("grpo_num_generations",)})
+    max_completion_length: int = field(default=6, metadata={
+        "help": "rloo/grpo/gspo: tokens generated per completion", "group": "RL",
+        "aliases": ("grpo_max_completion_length",)})
+    temperature: float = field(default=1.0, metadata={"help": "rloo/grpo/gspo: sampling temperature",
+                                                      "group": "RL", "aliases": ("grpo_temperature",)})
+    importance_sampling_level: str = field(default="token", metadata={
+        "help": "grpo: token | sequence (sequence is GSPO; --stage gspo sets it)", "group": "RL",
+        "aliases": ("grpo_importance_sampling_level",)})
+    grpo_eval_prompts: int = field(default=64, metadata={"help": "rloo/grpo/gspo: prompts for reward_before/after",
+                                                         "group": "RL"})
     # DP-SGD (Opacus), sft and lora
     dp_noise_multiplier: float | None = field(default=None, metadata={"help": "Gaussian noise / max_grad_norm",
                                                                       "group": "Differential privacy"})
@@ -98,10 +124,19 @@ class TrainConfig:
         def bad(name: str, rule: str) -> None:
             raise TrainConfigError(f"`{name}` {rule}, got {getattr(self, name)!r}")
 
-        if self.method not in METHODS:
-            bad("method", f"must be one of {METHODS}")
+        if self.method is not None:
+            if self.method not in METHODS:
+                bad("method", f"must be one of {tuple(METHODS)} (deprecated: use stage and finetuning_type)")
+            self.stage, self.finetuning_type = METHODS[self.method]
+            self.method = None  # applied once: a later dataclasses.replace keeps the stage it sets
+        if self.stage not in STAGES:
+            bad("stage", f"must be one of {STAGES}")
+        if self.finetuning_type not in FINETUNING_TYPES:
+            bad("finetuning_type", f"must be one of {FINETUNING_TYPES}")
+        if self.stage == "gspo":
+            self.importance_sampling_level = "sequence"
         for name in ("max_steps", "batch_size", "gradient_accumulation_steps", "lora_r", "max_length",
-                     "grpo_max_completion_length", "grpo_eval_prompts"):
+                     "max_completion_length", "grpo_eval_prompts"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 bad(name, "must be an integer >= 1")
         if self.num_train_epochs is not None and not self.num_train_epochs > 0:
@@ -119,16 +154,16 @@ class TrainConfig:
         if not (isinstance(self.target_modules, str) or
                 (isinstance(self.target_modules, list | tuple) and self.target_modules)):
             bad("target_modules", "must be 'all-linear', a module name or a non-empty list of names")
-        if self.grpo_num_generations < 2:
-            bad("grpo_num_generations", "must be >= 2 (GRPO compares completions of one prompt)")
-        if self.method == "grpo" and self.batch_size % self.grpo_num_generations:
-            bad("batch_size", f"must be a multiple of grpo_num_generations={self.grpo_num_generations} for grpo")
-        if self.grpo_importance_sampling_level not in ("token", "sequence"):
-            bad("grpo_importance_sampling_level", "must be 'token' or 'sequence' (GSPO)")
-        if not self.grpo_temperature > 0:
-            bad("grpo_temperature", "must be > 0")
-        if self.grpo_beta < 0:
-            bad("grpo_beta", "must be >= 0")
+        if self.num_generations < 2:
+            bad("num_generations", "must be >= 2 (RL stages compare completions of one prompt)")
+        if self.stage in RL_STAGES and self.batch_size % self.num_generations:
+            bad("batch_size", f"must be a multiple of num_generations={self.num_generations} for {self.stage}")
+        if self.importance_sampling_level not in ("token", "sequence"):
+            bad("importance_sampling_level", "must be 'token' or 'sequence' (GSPO)")
+        if not self.temperature > 0:
+            bad("temperature", "must be > 0")
+        if self.beta is not None and self.beta < 0:
+            bad("beta", "must be >= 0")
         if self.dp_noise_multiplier is not None and self.dp_target_epsilon is not None:
             bad("dp_target_epsilon", "cannot be combined with dp_noise_multiplier (set one of them)")
         if self.dp_noise_multiplier is not None and not self.dp_noise_multiplier > 0:
@@ -139,12 +174,15 @@ class TrainConfig:
             bad("dp_max_grad_norm", "must be > 0")
         if not 0 < self.dp_delta < 1:
             bad("dp_delta", "must be in (0, 1)")
-        if self.dp_enabled and self.method == "grpo":
-            bad("method", "cannot use DP-SGD: DP is offered for 'sft' and 'lora' only")
+        if self.dp_enabled and self.stage != "sft":
+            bad("stage", "cannot use DP-SGD: DP is offered for the sft stage only")
+        if self.dp_enabled and self.finetuning_type not in ("lora", "full"):
+            bad("finetuning_type", "cannot use DP-SGD: DP is offered for lora and full fine-tuning only")
         if self.quantization not in (None, "4bit"):
             bad("quantization", "must be None or '4bit'")
-        if self.quantization == "4bit" and self.method == "sft":
-            bad("quantization", "'4bit' is QLoRA: use method 'lora' or 'grpo', a 4-bit base cannot be fully fine-tuned")
+        if self.quantization == "4bit" and self.finetuning_type != "lora":
+            bad("quantization", "'4bit' is QLoRA: use finetuning_type 'lora'; a 4-bit base cannot be "
+                                "fine-tuned in full")
         if self.quantization == "4bit" and self.use_dora:
             bad("use_dora", "DoRA on a 4-bit base is not supported: its magnitude vector is not a low-rank delta")
         if self.device not in DEVICES:
@@ -168,11 +206,20 @@ class TrainConfig:
         if self.attn_implementation not in (None, "eager", "sdpa", "flash_attention_2"):
             bad("attn_implementation", "must be None, 'eager', 'sdpa' or 'flash_attention_2'")
 
+    @property
+    def label(self) -> str:
+        """'sft+lora', 'dpo+full', ...: the round's stage and fine-tuning type in one word."""
+        return f"{self.stage}+{self.finetuning_type}"
+
+    def identity(self) -> dict:
+        """What a round's metadata says about how it trained (read by the server's round report)."""
+        return {"method": self.label, "stage": self.stage, "finetuning_type": self.finetuning_type}
+
     def steps_for(self, n_examples: int) -> int:
         """Optimizer steps of a round over ``n_examples`` training examples (as the HF Trainer counts them:
         batches per epoch // gradient_accumulation_steps, times the epochs); ``max_steps`` without epochs."""
         if self.num_train_epochs is None:
             return self.max_steps
-        per_step = self.batch_size // self.grpo_num_generations if self.method == "grpo" else self.batch_size
+        per_step = self.batch_size // self.num_generations if self.stage in RL_STAGES else self.batch_size
         batches = math.ceil(n_examples / max(1, per_step))
         return max(1, math.ceil(self.num_train_epochs * max(1, batches // self.gradient_accumulation_steps)))

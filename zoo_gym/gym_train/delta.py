@@ -166,11 +166,3 @@ def adapter_delta(peft_model, config, base_state: dict[str, torch.Tensor], names
     if config.merged_delta or config.use_dora:
         return merged_lora_delta(peft_model, base_state, names)
     return lora_factors(peft_model, initial=initial)
-
-
-def trained_delta(model, config, base_state: dict[str, torch.Tensor], names, *, initial=None) -> dict:
-    """What a finished SFT or LoRA-family run sends: full SFT the dense difference to the base,
-    the LoRA family `adapter_delta`."""
-    if config.method == "sft":
-        return dense_delta_from_models(base_state, model, names)
-    return adapter_delta(model, config, base_state, names, initial=initial)

@@ -24,9 +24,10 @@ import time
 
 import torch
 
-from .common import TrainResult, quiet_libraries, split_heldout, with_lora
+from .common import TrainResult, quiet_libraries, split_heldout
 from .config import TrainConfig
-from .delta import load_base_state, trained_delta
+from .delta import load_base_state
+from .finetuning import delta_of, prepare
 from .evaluate import Evaluator, collate, load_model, load_tokenizer, tokenize_examples
 
 
@@ -71,10 +72,8 @@ def train_dp(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_
     model = load_model(base_dir, attn_implementation=config.attn_implementation or "eager")
     loss_before = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
 
-    initial = None
-    if config.method == "lora":
-        model, initial = with_lora(model, config)
-    else:
+    model, initial = prepare(model, config)
+    if config.finetuning_type == "full":
         _freeze_for_dp_sft(model)
     model.train()
 
@@ -127,9 +126,9 @@ def train_dp(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_
     model = dp_model._module
     model.eval()
     loss_after = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
-    delta = trained_delta(model, config, base_state, names, initial=initial)
+    delta = delta_of(model, config, base_state, names, initial=initial)
     meta = {
-        "method": config.method,
+        **config.identity(),
         "steps": steps,
         "examples_seen": examples_seen,
         "tokens_seen": tokens_seen,

@@ -9,6 +9,7 @@ example set, so it does not depend on the batch size.
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 from collections.abc import Mapping
 
@@ -183,35 +184,43 @@ class Evaluator:
         # sort by length so batches pad little; the token-weighted mean does not depend on order
         pairs.sort(key=lambda pc: len(pc[0]) + len(pc[1]))
         self._batches = [collate(pairs[i:i + batch_size], pad_id=pad) for i in range(0, len(pairs), batch_size)]
-        self._params = dict(self.model.named_parameters(remove_duplicate=True))
 
-    def _target(self, name: str) -> torch.nn.Parameter:
-        p = self._params.get(name)
-        if p is None and name == "lm_head.weight":
-            p = self._params.get("model.embed_tokens.weight")
-        if p is None:
-            raise KeyError(f"delta names {name!r}, which is not a parameter of the model")
-        return p
-
-    def loss(self, delta: Mapping[str, torch.Tensor] | None = None, *, scale: float = 1.0) -> float:
-        """Mean completion-token loss of base + ``scale * delta`` (the weights are restored after)."""
+    @staticmethod
+    @contextlib.contextmanager
+    def applied(model, delta: Mapping[str, torch.Tensor] | None, *, scale: float = 1.0):
+        """Within the block, ``model``'s weights are base + ``scale * delta``; restored bit for bit after."""
+        params = dict(model.named_parameters(remove_duplicate=True))
         saved: dict[str, torch.Tensor] = {}
-        device = next(self.model.parameters()).device
+
+        def target(name: str) -> torch.nn.Parameter:
+            p = params.get(name)
+            if p is None and name == "lm_head.weight":
+                p = params.get("model.embed_tokens.weight")
+            if p is None:
+                raise KeyError(f"delta names {name!r}, which is not a parameter of the model")
+            return p
+
         try:
             with torch.inference_mode():
                 for name, value in (delta or {}).items():
-                    p = self._target(name)
+                    p = target(name)
                     d = dense_delta(value)
                     if tuple(d.shape) != tuple(p.shape):
                         raise ValueError(f"delta {name!r} has shape {tuple(d.shape)}, the model's is {tuple(p.shape)}")
                     if name not in saved:
                         saved[name] = p.detach().clone()
                     p.add_(d.to(device=p.device, dtype=p.dtype), alpha=scale)
-                total, count = completion_loss_sum(self.model, self._batches, device=device)
+            yield model
         finally:
             with torch.inference_mode():
                 for name, orig in saved.items():
-                    self._target(name).copy_(orig)
+                    target(name).copy_(orig)
+
+    def loss(self, delta: Mapping[str, torch.Tensor] | None = None, *, scale: float = 1.0) -> float:
+        """Mean completion-token loss of base + ``scale * delta`` (the weights are restored after)."""
+        device = next(self.model.parameters()).device
+        with self.applied(self.model, delta, scale=scale), torch.inference_mode():
+            total, count = completion_loss_sum(self.model, self._batches, device=device)
         return total / max(count, 1)
 
 

@@ -19,9 +19,10 @@ import torch
 
 from .chat import prompt_messages, render_prompt_with
 from .common import (TrainResult, common_training_args, load_training_model, quiet_libraries, quiet_trainer,
-                     split_heldout, with_lora)
+                     split_heldout)
 from .config import TrainConfig
-from .delta import adapter_delta, load_base_state
+from .delta import load_base_state
+from .finetuning import delta_of, prepare
 from .evaluate import Evaluator, load_tokenizer
 
 _INT = re.compile(r"-?\d+")
@@ -92,20 +93,21 @@ def train_grpo(base_dir, examples, config: TrainConfig, *, base_sha256: str, eva
     tokenizer = load_tokenizer(base_dir)
     tokenizer.padding_side = "left"
     model = load_training_model(base_dir, config)
-    gen_len = config.grpo_max_completion_length
+    gen_len = config.max_completion_length
     reward_before = mean_reward(model, tokenizer, held, max_new_tokens=gen_len) if held else None
     loss_before = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
 
-    model, initial = with_lora(model, config)
+    model, initial = prepare(model, config)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="zoo_gym_grpo_") as tmp:
         args = GRPOConfig(
             **common_training_args(config, tmp, progress=progress),
-            num_generations=config.grpo_num_generations,
+            num_generations=config.num_generations,
             max_completion_length=gen_len,
-            temperature=config.grpo_temperature,
-            beta=config.grpo_beta,
-            importance_sampling_level=config.grpo_importance_sampling_level,
+            temperature=config.temperature,
+            beta=0.0 if config.beta is None else config.beta,
+            importance_sampling_level=config.importance_sampling_level,
+            **({"loss_type": config.loss_type} if config.loss_type else {}),
         )
         trainer = GRPOTrainer(
             model=model,
@@ -124,13 +126,13 @@ def train_grpo(base_dir, examples, config: TrainConfig, *, base_sha256: str, eva
     loss_after = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
     train_rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
 
-    delta = adapter_delta(model, config, base_state, names, initial=initial)
+    delta = delta_of(model, config, base_state, names, initial=initial)
     steps = int(trainer.state.global_step)
     meta = {
-        "method": "grpo",
+        **config.identity(),
         "steps": steps,
         "examples_seen": steps * config.batch_size,  # completions scored
-        "prompts_seen": steps * config.batch_size // config.grpo_num_generations,
+        "prompts_seen": steps * config.batch_size // config.num_generations,
         "tokens_seen": int(trainer.state.num_input_tokens_seen),
         "train_seconds": round(seconds, 3),
         "loss_before": loss_before,
@@ -140,7 +142,7 @@ def train_grpo(base_dir, examples, config: TrainConfig, *, base_sha256: str, eva
         "train_reward_first": train_rewards[0] if train_rewards else None,  # sampled, as logged by TRL
         "train_reward_last": train_rewards[-1] if train_rewards else None,
         "heldout_examples": len(held),
-        "importance_sampling_level": config.grpo_importance_sampling_level,
+        "importance_sampling_level": config.importance_sampling_level,
         "epsilon": None,
         "dp_delta": None,
         "base_sha256": base_sha256,

@@ -86,6 +86,18 @@ TASK_ALIASES = {"default": "reverse", "grpo": "word_math"}
 VALIDATION_SHARE = 0.15  # share of each family's prompt space reserved for the validation split
 
 
+def builtin_task(stage: str) -> str:
+    """The built-in task a stage trains on: word problems with exact answers to reward for the RL stages,
+    answer pairs for the preference stages, digit reversal for SFT."""
+    from .config import PREFERENCE_STAGES, RL_STAGES
+
+    if stage in RL_STAGES:
+        return "grpo"
+    if stage in PREFERENCE_STAGES:
+        return "preference"
+    return "default"
+
+
 def _bucket(ex: Example, *, salt: str) -> float:
     """A uniform number in [0, 1) fixed by the example's prompt text (stable across runs/platforms)."""
     key = f"{salt}\x00{ex['instruction']}\x00{ex['input']}".encode()

@@ -1,9 +1,8 @@
-"""One contributor's local training round: SFT, LoRA or GRPO through TRL and PEFT, returning a delta.
+"""One contributor's local training round, returning a delta against the base.
 
-Methods: full fine-tune and LoRA with TRL's ``SFTTrainer`` (Hu et al., "LoRA", 2021; DoRA, rsLoRA,
-PiSSA through PEFT's own options); GRPO with TRL's ``GRPOTrainer`` (Shao et al., "DeepSeekMath", 2024),
-GSPO as its sequence-level importance sampling (Zheng et al., "Group Sequence Policy Optimization",
-2025); DP-SGD through Opacus (Abadi et al., 2016) in ``dp.py``.
+``train`` checks its inputs and hands the round to its stage: SFT here (TRL's ``SFTTrainer``), the
+preference stages in ``preference.py``, the RL stages in ``grpo.py``, DP-SGD in ``dp.py``. Which
+weights train, and the delta they send, is ``finetuning.py``'s.
 """
 
 from __future__ import annotations
@@ -17,9 +16,10 @@ import torch
 
 from .chat import prompt_messages
 from .common import (TrainResult, common_training_args, load_training_model, quiet_libraries, quiet_trainer,
-                     split_heldout, with_lora)
-from .config import TrainConfig
-from .delta import load_base_state, trained_delta
+                     split_heldout)
+from .config import PREFERENCE_STAGES, RL_STAGES, TrainConfig
+from .delta import load_base_state
+from .finetuning import delta_of, prepare
 from .evaluate import Evaluator, load_tokenizer
 from .hardware import check_hardware
 
@@ -89,19 +89,35 @@ def train(
     if config.num_train_epochs is not None:  # epochs -> the step count every training path understands
         n_train = len(split_heldout(examples, eval_examples)[0])
         config = dataclasses.replace(config, max_steps=config.steps_for(n_train), num_train_epochs=None)
-    if is_plain_text(examples) and (config.dp_enabled or config.method == "grpo"):
-        raise ValueError("plain `text` records train only with --method lora or sft without DP-SGD: GRPO needs "
-                         "prompts with answers to reward, and DP-SGD here trains on instruction records")
+    if config.stage != "sft" or config.dp_enabled:
+        if is_plain_text(examples):
+            raise ValueError("plain `text` records train only with --stage sft without DP-SGD: preference and RL "
+                             "stages need prompts with answers, and DP-SGD here trains on instruction records")
+        run = _stage_runner(config)
+        return run(base_dir, examples, config, base_sha256=base_sha256, eval_examples=eval_examples,
+                   progress=progress)
+    return _train_sft(base_dir, examples, config, base_sha256=base_sha256, eval_examples=eval_examples,
+                      progress=progress)
+
+
+def _stage_runner(config: TrainConfig):
+    """The function that trains ``config``'s stage (each loads only its own libraries)."""
     if config.dp_enabled:
         from .dp import train_dp
 
-        return train_dp(base_dir, examples, config, base_sha256=base_sha256,
-                        eval_examples=eval_examples, progress=progress)
-    if config.method == "grpo":
+        return train_dp
+    if config.stage in RL_STAGES:
         from .grpo import train_grpo
 
-        return train_grpo(base_dir, examples, config, base_sha256=base_sha256,
-                          eval_examples=eval_examples, progress=progress)
+        return train_grpo
+    if config.stage in PREFERENCE_STAGES:
+        from .preference import train_preference
+
+        return train_preference
+    raise ValueError(f"stage {config.stage!r} has no trainer")
+
+
+def _train_sft(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_examples, progress: bool):
 
     from transformers import set_seed
 
@@ -114,9 +130,7 @@ def train(
     model = load_training_model(base_dir, config)
     loss_before = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
 
-    initial = None
-    if config.method == "lora":
-        model, initial = with_lora(model, config)
+    model, initial = prepare(model, config)
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="zoo_gym_train_") as tmp:
@@ -126,11 +140,11 @@ def train(
     model.eval()
     loss_after = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
 
-    delta = trained_delta(model, config, base_state, names, initial=initial)
+    delta = delta_of(model, config, base_state, names, initial=initial)
 
     steps = int(trainer.state.global_step)
     meta = {
-        "method": config.method,
+        **config.identity(),
         "steps": steps,
         "examples_seen": steps * config.batch_size * config.gradient_accumulation_steps,
         "tokens_seen": int(trainer.state.num_input_tokens_seen),
@@ -144,7 +158,7 @@ def train(
         "seed": config.seed,
         "delta_format": "dense" if isinstance(next(iter(delta.values())), torch.Tensor) else "lora_factors",
     }
-    if config.method == "lora":
+    if config.finetuning_type == "lora":
         meta.update(lora_r=config.lora_r, lora_alpha=config.lora_alpha, use_dora=config.use_dora,
                     use_rslora=config.use_rslora, init_lora_weights=config.init_lora_weights,
                     quantization=config.quantization)
