@@ -34,7 +34,7 @@ def plain_trl(base, examples, cfg: TrainConfig) -> tuple[float, float, int]:
     set_seed(cfg.seed)
     tok = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if cfg.method == "lora":
+    if cfg.finetuning_type == "lora":
         model = get_peft_model(model, lora_config(cfg))
     with tempfile.TemporaryDirectory() as tmp:
         # "train seconds" spans trainer construction (dataset tokenisation) + train(), exactly what
@@ -91,7 +91,7 @@ def main() -> None:
     r = train(base, examples, cfg, base_sha256="bench", eval_examples=default_validation_examples(128))
     m = r.metadata
     out["typical_round"] = {
-        "method": cfg.method, "steps": m["steps"], "batch_size": cfg.batch_size,
+        "method": cfg.label, "steps": m["steps"], "batch_size": cfg.batch_size,
         "seconds": round(time.perf_counter() - t0, 1),
         "loss_before": round(m["loss_before"], 4), "loss_after": round(m["loss_after"], 4),
         "relative_drop": round(1 - m["loss_after"] / m["loss_before"], 4),
