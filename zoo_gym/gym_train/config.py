@@ -74,12 +74,12 @@ class TrainConfig:
                                                         "group": "LoRA"})
     # the stage's objective (TRL's names; None takes the TRL trainer's own default for the stage)
     beta: float | None = field(default=None, metadata={
-        "help": "KL / preference temperature of dpo, kto, orpo, simpo, rloo, grpo, gspo [default: the TRL "
+        "help": "KL / preference temperature of dpo, kto, orpo, simpo, rloo, grpo, gspo \\[default: the TRL "
                 "trainer's, except 0 for grpo/gspo (no reference model)]", "group": "Objective",
         "aliases": ("grpo_beta", "pref_beta")})
     loss_type: str | None = field(default=None, metadata={
         "help": "the stage's TRL loss_type: dpo sigmoid | ipo | hinge | ...; grpo grpo | dr_grpo | dapo | bnpo "
-                "[default: TRL's for the stage]", "group": "Objective", "aliases": ("pref_loss",)})
+                "\\[default: TRL's for the stage]", "group": "Objective", "aliases": ("pref_loss",)})
     # RL stages (TRL GRPOTrainer / RLOOTrainer)
     num_generations: int = field(default=8, metadata={"help": "rloo/grpo/gspo: completions per prompt",
                                                       "group": "RL", "aliases": ("grpo_num_generations",)})
