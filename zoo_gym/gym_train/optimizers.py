@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import re
+import warnings
 
 import torch
 
@@ -132,9 +133,11 @@ def _badam(model, cfg):
     n = model.config.num_hidden_layers
     prefixes = [[f"model.layers.{i}."] for i in range(n)]
     base = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    return BlockOptimizer(base_optimizer=base, named_parameters_list=list(model.named_parameters()),
-                          block_prefix_list=prefixes, switch_block_every=max(1, math.ceil(cfg.max_steps / n)),
-                          switch_mode="ascending", verbose=0)
+    with warnings.catch_warnings():  # "BAdam expect model to be loaded in fp16/bf16": float32 works, with more memory
+        warnings.filterwarnings("ignore", message="BAdam expect")
+        return BlockOptimizer(base_optimizer=base, named_parameters_list=list(model.named_parameters()),
+                              block_prefix_list=prefixes, switch_block_every=max(1, math.ceil(cfg.max_steps / n)),
+                              switch_mode="ascending", verbose=0)
 
 
 class Chained(torch.optim.Optimizer):
