@@ -111,7 +111,7 @@ class TrainConfig:
     # Optimizer (transformers TrainingArguments' names, LLaMA-Factory's as aliases)
     optim: str = field(default="adamw_torch", metadata={
         "help": "adamw_torch | any transformers optim name (sgd, adafactor, galore_adamw, apollo_adamw ...) | "
-                "adam_mini | muon | badam (extra packages: pip install 'zoo-gym[optimizers]')", "group": "Optimizer",
+                "adam_mini | muon | badam (their packages: zoo-gym's optimizers extra)", "group": "Optimizer",
         "alias_values": {"use_galore": {True: "galore_adamw", False: "adamw_torch"},
                          "use_apollo": {True: "apollo_adamw", False: "adamw_torch"},
                          "use_adam_mini": {True: "adam_mini", False: "adamw_torch"},
