@@ -62,10 +62,15 @@ def prepare(opts: JoinOptions) -> tuple[TrainConfig, list[dict] | None]:
     touches the network: a bad data file, setting or combination fails here (ValueError, or JoinError)."""
     from zoo_gym import gym_train
     from zoo_gym.client.train_settings import check_round
+    from zoo_gym.gym_train.hardware import check_cuda_options
 
     settings = {**({"method": opts.method} if opts.method else {}),
                 **({"max_steps": opts.max_steps} if opts.max_steps else {}), **opts.train_overrides}
     config = gym_train.TrainConfig(**settings)
+    try:  # CUDA-only options (Liger, Unsloth, LoftQ) fail here, before any download
+        check_cuda_options(config)
+    except gym_train.HardwareError as exc:
+        raise JoinError(str(exc)) from exc
     examples = None
     if opts.data == "builtin":
         n = opts.n_examples

@@ -14,6 +14,7 @@ import torch
 from .config import TrainConfig
 from .delta import capture_initial_factors
 from .evaluate import load_model
+from .optimizers import training_args as optimizer_training_args
 
 
 @dataclass
@@ -53,8 +54,9 @@ def split_heldout(examples: list[dict], eval_examples: list[dict] | None) -> tup
 
 def lora_config(cfg: TrainConfig):
     """PEFT's LoraConfig for ``cfg`` (a causal LM, no bias training)."""
-    from peft import LoraConfig
+    from peft import LoftQConfig, LoraConfig
 
+    loftq = LoftQConfig(loftq_bits=cfg.loftq_bits) if cfg.init_lora_weights == "loftq" else {}
     return LoraConfig(
         r=cfg.lora_r,
         lora_alpha=cfg.lora_alpha,
@@ -63,6 +65,7 @@ def lora_config(cfg: TrainConfig):
         use_dora=cfg.use_dora,
         use_rslora=cfg.use_rslora,
         init_lora_weights=cfg.init_lora_weights,
+        loftq_config=loftq,
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -94,6 +97,7 @@ def common_training_args(cfg: TrainConfig, output_dir: str, *, progress: bool) -
         dataloader_num_workers=0,
         include_num_input_tokens_seen="non_padding",
         gradient_checkpointing=cfg.gradient_checkpointing,  # TRL defaults it on; the tiny model needs no memory saving
+        **optimizer_training_args(cfg),  # optim, NEFTune, Liger (a custom optimizer: trainer_optimizers)
     )
 
 
@@ -121,6 +125,10 @@ def with_lora(model, config: TrainConfig):
 
 def load_training_model(base_dir, config: TrainConfig):
     """The base model to train: 4-bit NF4 for QLoRA (prepared for k-bit training), else float32."""
+    if config.use_unsloth:  # Unsloth patches transformers and TRL when imported (CUDA only: check_hardware)
+        import importlib
+
+        importlib.import_module("unsloth")
     if config.quantization == "4bit":
         from peft import prepare_model_for_kbit_training
 

@@ -72,6 +72,21 @@ class TrainConfig:
         "group": "LoRA", "alias_values": {"pissa_init": {True: "pissa", False: True}}})
     merged_delta: bool = field(default=False, metadata={"help": "lora/grpo: dense merged delta instead of factors",
                                                         "group": "LoRA"})
+    loraplus_lr_ratio: float | None = field(default=None, metadata={
+        "help": "LoRA+: the B factors learn this many times faster than A (PEFT create_loraplus_optimizer; "
+                "LLaMA-Factory's name; 16 is typical)", "group": "LoRA"})
+    loftq_bits: int = field(default=4, metadata={
+        "help": "init_lora_weights=loftq: bits of LoftQ's quantized base (PEFT LoftQConfig; bitsandbytes)",
+        "group": "LoRA"})
+    oft_block_size: int = field(default=32, metadata={
+        "help": "oft: size of each orthogonal block (PEFT OFTConfig oft_block_size; divides the layer width)",
+        "group": "OFT"})
+    freeze_trainable_layers: int = field(default=2, metadata={
+        "help": "freeze: train the last N decoder layers in full (a negative N: the first |N|)",
+        "group": "Freeze"})
+    freeze_trainable_modules: str = field(default="all", metadata={
+        "help": "freeze: all, or comma-separated module names inside those layers (mlp,self_attn)",
+        "group": "Freeze"})
     # the stage's objective (TRL's names; None takes the TRL trainer's own default for the stage)
     beta: float | None = field(default=None, metadata={
         "help": "KL / preference temperature of dpo, kto, orpo, simpo, rloo, grpo, gspo \\[default: the TRL "
@@ -93,6 +108,29 @@ class TrainConfig:
         "aliases": ("grpo_importance_sampling_level",)})
     grpo_eval_prompts: int = field(default=64, metadata={"help": "rloo/grpo/gspo: prompts for reward_before/after",
                                                          "group": "RL"})
+    # Optimizer (transformers TrainingArguments' names, LLaMA-Factory's as aliases)
+    optim: str = field(default="adamw_torch", metadata={
+        "help": "adamw_torch | any transformers optim name (sgd, adafactor, galore_adamw, apollo_adamw ...) | "
+                "adam_mini | muon | badam (their packages: zoo-gym's optimizers extra)", "group": "Optimizer",
+        "alias_values": {"use_galore": {True: "galore_adamw", False: "adamw_torch"},
+                         "use_apollo": {True: "apollo_adamw", False: "adamw_torch"},
+                         "use_adam_mini": {True: "adam_mini", False: "adamw_torch"},
+                         "use_muon": {True: "muon", False: "adamw_torch"},
+                         "use_badam": {True: "badam", False: "adamw_torch"}}})
+    optim_target_modules: str | list[str] = field(default="all-linear", metadata={
+        "help": "galore/apollo: the modules whose weights get the low-rank optimizer (all-linear or names)",
+        "group": "Optimizer", "aliases": ("galore_target", "apollo_target")})
+    neftune_noise_alpha: float | None = field(default=None, metadata={
+        "help": "NEFTune: uniform noise of this alpha on the input embeddings while training (sft)",
+        "group": "Optimizer"})
+    use_liger_kernel: bool = field(default=False, metadata={
+        "help": "Liger's fused Triton kernels (CUDA and the liger-kernel package)", "group": "Optimizer",
+        "aliases": ("enable_liger_kernel",)})
+    use_unsloth: bool = field(default=False, metadata={
+        "help": "load and train through Unsloth (CUDA and the unsloth package)", "group": "Optimizer"})
+    flash_attn: str = field(default="auto", metadata={
+        "help": "LLaMA-Factory's attention switch: auto | disabled (eager) | sdpa | fa2 (flash_attention_2, CUDA); "
+                "sets attn_implementation", "group": "Optimizer"})
     # DP-SGD (Opacus), sft and lora
     dp_noise_multiplier: float | None = field(default=None, metadata={"help": "Gaussian noise / max_grad_norm",
                                                                       "group": "Differential privacy"})
@@ -205,6 +243,9 @@ class TrainConfig:
                 bad("report_to", f"needs the {needs} package: pip install {needs}")
         if self.attn_implementation not in (None, "eager", "sdpa", "flash_attention_2"):
             bad("attn_implementation", "must be None, 'eager', 'sdpa' or 'flash_attention_2'")
+        from .optimizers import check_options  # Optimizer, LoRA+, LoftQ, OFT and freeze fields
+
+        check_options(self, bad)
 
     @property
     def label(self) -> str:

@@ -23,6 +23,7 @@ from .common import (TrainResult, common_training_args, load_training_model, qui
 from .config import TrainConfig
 from .delta import load_base_state
 from .finetuning import delta_of, prepare
+from .optimizers import trainer_optimizers
 from .evaluate import Evaluator, load_tokenizer
 
 _INT = re.compile(r"-?\d+")
@@ -115,6 +116,7 @@ def train_grpo(base_dir, examples, config: TrainConfig, *, base_sha256: str, eva
             args=args,
             train_dataset=grpo_dataset(train_ex),
             processing_class=tokenizer,
+            optimizers=trainer_optimizers(model, config),
         )
         quiet_trainer(trainer, progress)
         trainer.train()

@@ -24,8 +24,32 @@ def check_flash_attention() -> None:
         )
 
 
+# option -> (package it needs, what it is): refused without CUDA, passed through with it
+CUDA_ONLY = {"use_liger_kernel": ("liger_kernel", "Liger's Triton kernels"),
+             "use_unsloth": ("unsloth", "Unsloth's Triton kernels")}
+
+
+def check_cuda_options(config) -> None:
+    """Raise HardwareError, one line each, for options that need CUDA (and their package) on a machine without."""
+    for name, (package, what) in CUDA_ONLY.items():
+        if not getattr(config, name):
+            continue
+        if not torch.cuda.is_available():
+            raise HardwareError(f"{name} needs a CUDA GPU ({what}) and this machine has none; leave it off on a CPU.")
+        if importlib.util.find_spec(package) is None:
+            raise HardwareError(f"{name} needs the {package.replace('_', '-')} package: "
+                                f"pip install {package.replace('_', '-')} on a CUDA machine.")
+    if config.init_lora_weights == "loftq":
+        if not torch.cuda.is_available():
+            raise HardwareError("init_lora_weights='loftq' needs a CUDA GPU: PEFT's LoftQ quantizes on 'cuda'; "
+                                "use pissa or the default init on a CPU.")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise HardwareError("init_lora_weights='loftq' needs bitsandbytes: pip install 'zoo-gym[qlora]'.")
+
+
 def check_hardware(config, base_dir: pathlib.Path | None = None) -> None:
     """Raise HardwareError before any work when the config asks for something this machine lacks."""
+    check_cuda_options(config)
     if config.attn_implementation == "flash_attention_2":
         check_flash_attention()
     if config.quantization == "4bit":

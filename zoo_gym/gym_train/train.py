@@ -20,6 +20,7 @@ from .common import (TrainResult, common_training_args, load_training_model, qui
 from .config import PREFERENCE_STAGES, RL_STAGES, TrainConfig
 from .delta import load_base_state
 from .finetuning import delta_of, prepare
+from .optimizers import trainer_optimizers
 from .evaluate import Evaluator, load_tokenizer
 from .hardware import check_hardware
 
@@ -58,7 +59,8 @@ def _run_sft(model, tokenizer, train_ex, cfg: TrainConfig, tmp: str, progress: b
         max_length=cfg.max_length,
         packing=False,
     )
-    trainer = SFTTrainer(model=model, args=args, train_dataset=sft_dataset(train_ex), processing_class=tokenizer)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=sft_dataset(train_ex), processing_class=tokenizer,
+                         optimizers=trainer_optimizers(model, cfg))
     quiet_trainer(trainer, progress)
     trainer.train()
     return trainer
