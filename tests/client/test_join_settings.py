@@ -76,14 +76,14 @@ def test_config_file_with_llama_factory_names_and_flags_win(tmp_path, captured):
     res = _invoke(["--config", str(y), "--lora-r", "2"], tmp_path)
     assert res.exit_code == 0, res.output
     c = captured["config"]
-    assert (c.method, c.lora_r, c.learning_rate, c.batch_size, c.max_length) == ("sft", 2, 2e-4, 4, 128)
+    assert (c.label, c.lora_r, c.learning_rate, c.batch_size, c.max_length) == ("sft+full", 2, 2e-4, 4, 128)
     assert c.target_modules == "all-linear" and c.init_lora_weights == "pissa" and c.max_steps == 58
     t = tmp_path / "train.toml"
     t.write_text('[lora]\nr = 4\nuse_dora = true\n[schedule]\nmax-steps = 20\n')
     res = _invoke(["--config", str(t), "--max-steps", "30"], tmp_path)
     assert res.exit_code == 0, res.output
     c = captured["config"]
-    assert (c.method, c.lora_r, c.use_dora, c.max_steps) == ("lora", 4, True, 30)
+    assert (c.label, c.lora_r, c.use_dora, c.max_steps) == ("sft+lora", 4, True, 30)
 
 
 @pytest.mark.parametrize("text, message", [
