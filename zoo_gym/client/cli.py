@@ -152,7 +152,7 @@ def join(
 ) -> None:
     """Join a federation: each round download the base, train, compress, sign and upload your delta.
 
-    Every training setting is a flag below (TRL/PEFT names; LLaMA-Factory's lora_rank, cutoff_len, per_device_train_batch_size, lora_target also work) or a key of --config train.yaml|toml (flags win). The data and the settings are checked before contacting the server.
+    Every training setting is a flag below (TRL/PEFT names; LLaMA-Factory's lora_rank, cutoff_len, per_device_train_batch_size, lora_target also work) or a key of --config train.yaml|toml (flags win); a LLaMA-Factory or TRL config is accepted as written, its keys that the server decides (model_name_or_path, output_dir, dataset ...) set aside with a warning. The data and the settings are checked before contacting the server (--dry-run: only that, printed as JSON).
     """
     from zoo_gym.client.connection import ServerUnreachable
     from zoo_gym.client.join import JoinError, JoinOptions

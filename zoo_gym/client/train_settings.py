@@ -4,7 +4,8 @@ Declared once in ``TrainConfig`` (help, group, aliases metadata) and derived by 
 ``--learning-rate``, file key ``learning_rate``/``learning-rate``, environment ``ZOO_GYM_LEARNING_RATE``.
 Names are TRL's and PEFT's; LLaMA-Factory's are accepted where they differ (``lora_rank``, ``cutoff_len``,
 ``per_device_train_batch_size``, ``lora_target``, ``pissa_init``). Precedence: flag > environment > file >
-default; ``max_steps`` and ``num_train_epochs`` exclude each other, the higher source's one wins.
+default; ``max_steps``/``num_train_epochs`` and ``warmup_steps``/``warmup_ratio`` exclude each other, the higher
+source's one wins. File keys the server or client decides (``ecosystem_keys``) are set aside with a warning.
 """
 
 from __future__ import annotations
