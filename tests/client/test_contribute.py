@@ -55,7 +55,8 @@ def _setup(tmp_path, monkeypatch, answers, rounds=(3,), keep=True):
         return answer
 
     trainer = SimpleNamespace(train=lambda model_dir, sha: (PAYLOAD, dict(METADATA), kept if keep else None),
-                              keep_variant=lambda path, model_dir, out, checkpoint_sha256: str(out))
+                              keep_variant=lambda path, model_dir, out, checkpoint_sha256: str(out),
+                              config=SimpleNamespace(label="sft+lora"))  # contribute() names the round's kind
     stub = SimpleNamespace(SubmitDelta=submit, GetRound=lambda req, timeout: _info(infos.pop(0) if len(infos) > 1
                                                                                    else infos[0]))
     c = Contributor(stub=stub, cid="c" * 32, key=Ed25519PrivateKey.generate(), retry=lambda fn, what: fn(),
@@ -75,7 +76,7 @@ def test_a_sync_round_submits_once_and_keeps_the_variant(tmp_path, monkeypatch):
                                   "payload_sha256": codec.sha256_hex(PAYLOAD), "submissions_in_round": 2,
                                   "loss_before": 2.0, "loss_after": 1.5, "codecs": ["fp16"],
                                   "variant": str(tmp_path / "variants" / "cccccccc-round3.zgd")}
-    assert said == [f"round 3: training (lora) on base {'0' * 12}",
+    assert said == [f"round 3: training (sft+lora) on base {'0' * 12}",
                     f"round 3: submitted {len(PAYLOAD)} bytes; local held-out loss 2.0000 -> 1.5000"]
 
 
@@ -111,7 +112,7 @@ def test_async_waits_for_a_buffer_that_takes_it_and_reports_staleness(tmp_path, 
                               rounds=(3, 4), keep=False)
     r = contribute(_info(3), contributor=c, opts=opts, cadence=join_async.Versions(opts))
     assert (r.trained_on, r.round_id, r.staleness, r.variant) == (3, 4, 1, None)
-    assert said == [f"version 2 (round 3): training (lora) on base {'0' * 12}",
+    assert said == [f"version 2 (round 3): training (sft+lora) on base {'0' * 12}",
                     f"submitted {len(PAYLOAD)} bytes to round 4's buffer (trained on version 2, staleness 1); "
                     "local held-out loss 2.0000 -> 1.5000"]
 
