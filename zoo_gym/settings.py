@@ -174,9 +174,35 @@ def parse_text(leaf: Leaf, text: str, *, source: str) -> Any:
                            f"{' or empty' if leaf.optional else ''}") from None
 
 
+def _same_words(key: str, candidate: str) -> bool:
+    """True when `candidate` is `key` spelled right: the same words but for one misspelt (or merged/split) one,
+    at most 2 letters (a third of the word) off. A word more or less (`max_grad_norm`, `dp_max_grad_norm`) or another word (`save_steps`, `max_steps`) is a
+    different setting, never a typo."""
+    if key.replace("_", "") == candidate.replace("_", ""):
+        return True
+    a, b = key.split("_"), candidate.split("_")
+    if len(a) != len(b):
+        return False
+    differ = [(x, y) for x, y in zip(a, b) if x != y]
+    return len(differ) == 1 and _edits(*differ[0]) <= min(2, len(differ[0][1]) // 3)
+
+
+def _edits(a: str, b: str) -> int:
+    """Letters inserted, deleted, replaced or swapped with their neighbour to turn `a` into `b`."""
+    d = [[i + j if not i * j else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+    for i in range(1, len(a) + 1):
+        for j in range(1, len(b) + 1):
+            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
+    return d[-1][-1]
+
+
 def unknown_key(key: str, valid: list[str], also: Sequence[str] = ()) -> SettingError:
-    """The error for an unknown `key`: the closest of `valid` and `also` (other accepted spellings), and `valid`."""
-    close = difflib.get_close_matches(key, sorted({*valid, *also}), n=1, cutoff=0.75)
+    """The error for an unknown `key`: the closest of `valid` and `also` (other accepted spellings) that is
+    the same words as `key` but for a typo (`_same_words`), and `valid`."""
+    close = [c for c in difflib.get_close_matches(key, sorted({*valid, *also}), n=5, cutoff=0.75)
+             if _same_words(key, c)]
     hint = f"; did you mean `{close[0]}`?" if close else ""
     return SettingError(f"unknown setting `{key}`{hint} (valid settings: {', '.join(sorted(valid))}; dashes or "
                         "underscores alike)")

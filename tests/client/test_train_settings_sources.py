@@ -18,7 +18,8 @@ SPECIAL = {"method": "sft", "stage": "dpo", "finetuning_type": "full", "loss_typ
            "importance_sampling_level": "sequence", "device": "cpu", "quantization": "4bit",
            "attn_implementation": "sdpa", "report_to": "wandb", "num_train_epochs": 2.0,
            "dp_noise_multiplier": 0.5, "dp_target_epsilon": 8.0, "loftq_bits": 8, "optim": "sgd",
-           "freeze_trainable_modules": "mlp", "optim_target_modules": ["q_proj", "v_proj"], "flash_attn": "sdpa"}
+           "freeze_trainable_modules": "mlp", "optim_target_modules": ["q_proj", "v_proj"], "flash_attn": "sdpa",
+           "lr_scheduler_type": "cosine", "max_samples": 100, "logging_steps": 3}
 
 
 @pytest.fixture

@@ -84,9 +84,9 @@ def _say(message: str) -> None:
     typer.echo(message, err=True)
 
 
-def _training(*, method, data: str, train_flags, train_config_file, threads) -> dict:
-    """join's and personalize's shared checks, before any work: TrainConfig overrides from the flags,
-    the environment and --config (warnings printed), a --data that exists, and torch's thread count."""
+def _training(*, method, data: str, train_flags, train_config_file, threads) -> tuple[dict, list[str]]:
+    """join's and personalize's shared checks, before any work: (TrainConfig overrides, warnings) from the
+    flags, the environment and --config (warnings printed), a --data that exists, and torch's thread count."""
     from zoo_gym.client.train_settings import resolve
     from zoo_gym.gym_train.sources import FILE_SUFFIXES, looks_like_hub_id
 
@@ -104,7 +104,7 @@ def _training(*, method, data: str, train_flags, train_config_file, threads) -> 
         import torch
 
         torch.set_num_threads(threads)
-    return train_overrides
+    return train_overrides, warnings
 
 
 @app.command()
@@ -145,12 +145,14 @@ def join(
                                                                  "the client and its libraries (transformers, TRL)."),
     as_json: bool = typer.Option(False, "--json", help="Print the per-round summaries as JSON on stdout."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check the settings and the data, print the resolved "
+                                 "training settings as JSON and exit, without contacting the server."),
     train_flags: dict = None,
     train_config_file: Optional[Path] = None,
 ) -> None:
     """Join a federation: each round download the base, train, compress, sign and upload your delta.
 
-    Every training setting is a flag below (TRL/PEFT names; LLaMA-Factory's lora_rank, cutoff_len, per_device_train_batch_size, lora_target also work) or a key of --config train.yaml|toml (flags win). The data and the settings are checked before contacting the server.
+    Every training setting is a flag below (TRL/PEFT names; LLaMA-Factory's lora_rank, cutoff_len, per_device_train_batch_size, lora_target also work) or a key of --config train.yaml|toml (flags win); a LLaMA-Factory or TRL config is accepted as written, its keys that the server decides (model_name_or_path, output_dir, dataset ...) set aside with a warning. The data and the settings are checked before contacting the server (--dry-run: only that, printed as JSON).
     """
     from zoo_gym.client.connection import ServerUnreachable
     from zoo_gym.client.join import JoinError, JoinOptions
@@ -162,8 +164,8 @@ def join(
     _set_log_level(log_level)
     if codec not in CODECS:
         _fail(f"--codec must be one of {', '.join(CODECS)}")
-    train_overrides = _training(method=method, data=data, train_flags=train_flags,
-                                        train_config_file=train_config_file, threads=threads)
+    train_overrides, warnings = _training(method=method, data=data, train_flags=train_flags,
+                                          train_config_file=train_config_file, threads=threads)
     home = workdir or DEFAULT_HOME
     opts = JoinOptions(server=server, workdir=home, key_path=key or DEFAULT_HOME / "contributor.pem", rounds=rounds,
                        data=data, codec=codec, group_size=(None if group_size == 0 else group_size),
@@ -171,6 +173,9 @@ def join(
                        wait_for_publish=not no_wait, progress=not quiet and sys.stderr.isatty(),
                        root_certificates=str(root_certificates) if root_certificates else None, insecure=insecure,
                        invite=invite.strip(), connect_timeout=connect_timeout, keep_variant=keep_variant)
+    if dry_run:
+        _dry_run(opts, warnings)
+        return
     try:
         summaries = run_join(opts, say=_say)
     except (JoinError, ServerUnreachable, SignatureError) as exc:
@@ -181,6 +186,17 @@ def join(
         _fail(str(exc), 2)
     if as_json:
         typer.echo(json.dumps(summaries, indent=2))
+
+
+def _dry_run(opts, warnings: list[str]) -> None:
+    """join --dry-run: the resolved round as JSON on stdout (exit 2 in one line if it cannot train)."""
+    from zoo_gym.client.join import JoinError, dry_run
+
+    try:
+        doc = dry_run(opts)
+    except (JoinError, ValueError) as exc:  # bad data file or training settings
+        _fail(str(exc), 2)
+    typer.echo(json.dumps({**doc, "warnings": warnings}, indent=2))
 
 
 @app.command()
@@ -207,8 +223,8 @@ def personalize(
     from zoo_gym.client.personalize import PersonalizeError, PersonalizeOptions
     from zoo_gym.client.personalize import personalize as run_personalize
 
-    train_overrides = _training(method=method, data=data, train_flags=train_flags,
-                                        train_config_file=train_config_file, threads=threads)
+    train_overrides, _ = _training(method=method, data=data, train_flags=train_flags,
+                                   train_config_file=train_config_file, threads=threads)
     opts = PersonalizeOptions(data=data, base=base, out=out, train_overrides=train_overrides,
                               distill_steps=distill_steps, progress=not quiet and sys.stderr.isatty())
     try:

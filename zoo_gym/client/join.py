@@ -7,6 +7,7 @@ network is touched; a contributor that cannot go on gets JoinError, one line.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,9 +74,9 @@ def prepare(opts: JoinOptions) -> tuple[TrainConfig, list[dict] | None]:
         raise JoinError(str(exc)) from exc
     examples = None
     if opts.data == "builtin":
-        n = opts.n_examples
+        n = min(opts.n_examples, config.max_samples or opts.n_examples)
     else:
-        examples = gym_train.load_examples(opts.data, allow_text=True)
+        examples = gym_train.load_examples(opts.data, allow_text=True)[:config.max_samples]  # None: all
         n = len(examples)
         if any("text" in ex for ex in examples) and (config.stage != "sft" or config.dp_enabled):
             raise JoinError(f"{opts.data}: plain `text` records train only with --stage sft without DP-SGD "
@@ -84,6 +85,30 @@ def prepare(opts: JoinOptions) -> tuple[TrainConfig, list[dict] | None]:
             raise JoinError(f"{opts.data} ({n} examples): at least 4 examples are needed "
                             "(some are held out to measure the round)")
     return check_round(config, n_train=n - _held_count(n)), examples
+
+
+def _data_format(path: str) -> str:
+    """The record format of a data file's first record, as load_examples reads it."""
+    from zoo_gym.gym_train.sources import iter_records
+
+    record = next(iter(iter_records(path)), (None, {}))[1]
+    keys = {k for k, v in record.items() if v is not None} if isinstance(record, dict) else set()
+    for names, label in (({"conversations"}, "sharegpt"), ({"messages"}, "messages"),
+                         ({"prompt", "completion"}, "prompt/completion"), ({"instruction", "output"}, "alpaca"),
+                         ({"text"}, "text")):
+        if keys & names:
+            return label
+    return "unknown"
+
+
+def dry_run(opts: JoinOptions) -> dict:
+    """What `join` would train, without the network: the round's settings after every check (``prepare``),
+    and the data's path, format and example counts (built-in data: the shard is picked from the key later)."""
+    config, examples = prepare(opts)
+    n = len(examples) if examples is not None else min(opts.n_examples, config.max_samples or opts.n_examples)
+    data = {"path": opts.data, "format": "builtin" if examples is None else _data_format(opts.data),
+            "examples": n, "train_examples": n - _held_count(n), "held_out_examples": _held_count(n)}
+    return {"training": dataclasses.asdict(config), "data": data}
 
 
 def _examples(opts: JoinOptions, config: TrainConfig, contributor_id: str, user_examples: list[dict] | None = None
@@ -97,10 +122,11 @@ def _examples(opts: JoinOptions, config: TrainConfig, contributor_id: str, user_
     elif opts.data == "builtin":
         shard = opts.shard if opts.shard is not None else int(contributor_id[:8], 16) % opts.n_shards
         task = gym_train.builtin_task(config.stage)
-        examples = gym_train.builtin_examples(task, shard=shard, n_shards=opts.n_shards, n=opts.n_examples)
+        examples = gym_train.builtin_examples(task, shard=shard, n_shards=opts.n_shards,
+                                              n=min(opts.n_examples, config.max_samples or opts.n_examples))
         desc = f"built-in {task} shard {shard}/{opts.n_shards}"
     else:
-        examples = gym_train.load_examples(Path(opts.data), allow_text=True)
+        examples = gym_train.load_examples(Path(opts.data), allow_text=True)[:config.max_samples]
         desc = f"{opts.data} ({len(examples)} examples)"
     if len(examples) < 4:
         raise JoinError(f"{desc}: at least 4 examples are needed (some are held out to measure the round)")

@@ -90,6 +90,7 @@ def personalize(opts: PersonalizeOptions, *, say: Callable[[str], None] = print)
         examples = gym_train.builtin_examples(gym_train.builtin_task(config.stage), shard=0, n_shards=1, n=256)
     else:
         examples = gym_train.load_examples(opts.data, allow_text=True)
+    examples = examples[:config.max_samples]  # None: all
     if len(examples) < 2:
         raise PersonalizeError(f"{opts.data}: {len(examples)} example(s); at least 2 are needed")
     config = check_round(config, n_train=len(examples))

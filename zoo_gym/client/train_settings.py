@@ -4,7 +4,8 @@ Declared once in ``TrainConfig`` (help, group, aliases metadata) and derived by 
 ``--learning-rate``, file key ``learning_rate``/``learning-rate``, environment ``ZOO_GYM_LEARNING_RATE``.
 Names are TRL's and PEFT's; LLaMA-Factory's are accepted where they differ (``lora_rank``, ``cutoff_len``,
 ``per_device_train_batch_size``, ``lora_target``, ``pissa_init``). Precedence: flag > environment > file >
-default; ``max_steps`` and ``num_train_epochs`` exclude each other, the higher source's one wins.
+default; ``max_steps``/``num_train_epochs`` and ``warmup_steps``/``warmup_ratio`` exclude each other, the higher
+source's one wins. File keys the server or client decides (``ecosystem_keys``) are set aside with a warning.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Optional
 
 import typer
 
+from zoo_gym.client.ecosystem_keys import set_aside
 from zoo_gym.gym_train.config import METHODS, TrainConfig
 from zoo_gym.settings import Leaf, SettingError, collect, leaves, typer_parameters
 from zoo_gym.settings_file import SettingsFileError, read_settings_file
@@ -29,7 +31,8 @@ class TrainSettingsError(ValueError):
 
 # fields with a hand-written join option of their own (it picks the built-in task too)
 _OWN_OPTION = ("method",)
-_EXCLUSIVE = ("max_steps", "num_train_epochs")  # one measure of the round; a higher source's wins
+# settings that give one measure two ways: a higher source's one wins, both in one source are refused
+_EXCLUSIVE = (("max_steps", "num_train_epochs"), ("warmup_steps", "warmup_ratio"))
 _PARAM_PREFIX = "train__"
 
 
@@ -113,22 +116,28 @@ def resolve(train_flags: dict[str, Any], config_file: Path | None, *, method: st
 
     ``method``: the deprecated ``--method`` (it becomes stage and finetuning_type, with one warning);
     ``max_steps``: the join option of the same name, for callers of the library API."""
-    file_values = _layer(f"--config {config_file}", 0, file_values=read_train_file(config_file)) \
-        if config_file else {}
+    warnings: list[str] = []
+    file_values = {}
+    if config_file:
+        names = {a for leaf in train_leaves() for a in (leaf.key, *leaf.aliases)}
+        raw, warnings = set_aside(read_train_file(config_file), names)
+        file_values = _layer(f"--config {config_file}", 0, file_values=raw)
     env_values = _layer("environment", 1, environ=environ)
     flags = _layer("flags", 2, flags=train_flags)
     if max_steps is not None:
         flags.setdefault("max_steps", max_steps)
     layers = [flags, env_values, file_values]  # highest first
-    for i, higher in enumerate(layers):
-        for key in _EXCLUSIVE:
-            if key in higher:
-                for lower in layers[i + 1:]:
-                    lower.pop(_EXCLUSIVE[1 - _EXCLUSIVE.index(key)], None)
+    for pair in _EXCLUSIVE:
+        for i, higher in enumerate(layers):
+            for key in pair:
+                if higher.get(key) is not None:
+                    for lower in layers[i + 1:]:
+                        lower.pop(pair[1 - pair.index(key)], None)
     merged = {**file_values, **env_values, **flags}
-    if "max_steps" in merged and merged.get("num_train_epochs") is not None:
-        raise TrainSettingsError("set either max_steps or num_train_epochs (epochs), not both")
-    warnings: list[str] = []
+    for first, second in _EXCLUSIVE:
+        if merged.get(first) is not None and merged.get(second) is not None:
+            raise TrainSettingsError(f"set either {first} or {second}"
+                                     f"{' (epochs)' if second == 'num_train_epochs' else ''}, not both")
     chosen = method or merged.pop("method", None)
     merged.pop("method", None)
     if chosen is not None:
@@ -166,11 +175,14 @@ def check_round(config: TrainConfig, *, n_train: int) -> TrainConfig:
     steps = config.steps_for(n_train)
     if config.num_train_epochs is not None:
         config = dataclasses.replace(config, max_steps=steps, num_train_epochs=None)
+    config = dataclasses.replace(config, warmup_steps=config.warmup_for(steps))  # a warmup_ratio as steps
     if config.warmup_steps and config.warmup_steps >= steps:
+        given = f"warmup_ratio {config.warmup_ratio} gives {config.warmup_steps} warm-up steps, which" \
+            if config.warmup_ratio is not None else f"warmup_steps ({config.warmup_steps})"
         raise TrainSettingsError(
-            f"warmup_steps ({config.warmup_steps}) must be smaller than the round's {steps} optimizer step(s): "
+            f"{given} must be smaller than the round's {steps} optimizer step(s): "
             "the learning rate would never reach its peak, and the first step's is 0 (a 1-step round uploads "
-            "an all-zero delta the server refuses); lower --warmup-steps or raise --max-steps")
+            "an all-zero delta the server refuses); lower the warm-up or raise --max-steps")
     device = config.device
     if device != "auto" and not _device_available(device):
         raise TrainSettingsError(f"device {device!r} is not available on this machine; use --device auto or cpu")

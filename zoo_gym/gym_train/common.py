@@ -81,10 +81,11 @@ def common_training_args(cfg: TrainConfig, output_dir: str, *, progress: bool) -
         per_device_train_batch_size=cfg.batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         learning_rate=cfg.learning_rate,
-        lr_scheduler_type="linear",
-        warmup_steps=cfg.warmup_steps,
+        lr_scheduler_type=cfg.lr_scheduler_type,
+        warmup_steps=cfg.warmup_for(cfg.max_steps),  # a warmup_ratio as steps, counted as transformers does
         weight_decay=cfg.weight_decay,
-        logging_steps=max(1, cfg.max_steps // 10),
+        max_grad_norm=cfg.max_grad_norm,
+        logging_steps=cfg.logging_steps or max(1, cfg.max_steps // 10),
         save_strategy="no",
         report_to=cfg.report_to,  # tensorboard: $TENSORBOARD_LOGGING_DIR, else ./runs (set in train())
         use_cpu=cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()),

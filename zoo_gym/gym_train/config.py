@@ -20,6 +20,9 @@ FINETUNING_TYPES = ("lora", "full", "freeze", "oft")
 METHODS = {"lora": ("sft", "lora"), "sft": ("sft", "full"), "grpo": ("grpo", "lora")}
 DEVICES = ("auto", "cpu", "cuda", "mps")
 REPORT_TO = {"none": None, "tensorboard": "tensorboard", "wandb": "wandb"}  # choice -> package it needs
+# transformers' schedules that need no extra arguments and no evaluation metric
+LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                 "inverse_sqrt")
 
 
 class TrainConfigError(ValueError):
@@ -153,6 +156,29 @@ class TrainConfig:
     report_to: str = field(default="none", metadata={
         "help": "none | tensorboard | wandb: also send TRL's training curves there (tensorboard writes under "
                 "$TENSORBOARD_LOGGING_DIR, default ./runs)", "group": "Training"})
+    # the HF Trainer's own settings (TRL's and LLaMA-Factory's names); checked in _check_trainer
+    lr_scheduler_type: str = field(default="linear", metadata={
+        "help": f"learning-rate schedule after warm-up: {' | '.join(LR_SCHEDULERS)} (transformers'; DP-SGD: "
+                "linear only)", "group": "Trainer"})
+    warmup_ratio: float | None = field(default=None, metadata={
+        "help": "warm-up as a fraction of the round's steps, ceil(ratio x steps) as transformers counts it; "
+                "when set it replaces warmup_steps (give one of them)", "group": "Trainer"})
+    max_grad_norm: float = field(default=1.0, metadata={
+        "help": "clip the batch gradient's norm to this (transformers'; DP-SGD clips per example at "
+                "dp_max_grad_norm instead)", "group": "Trainer"})
+    max_samples: int | None = field(default=None, metadata={
+        "help": "use at most this many of your examples (the first ones; LLaMA-Factory's max_samples) "
+                "[default: all]", "group": "Trainer"})
+    packing: bool = field(default=False, metadata={
+        "help": "sft: pack several short examples into each max_length row (TRL's packing)", "group": "Trainer"})
+    assistant_only_loss: bool = field(default=True, metadata={
+        "help": "sft: the loss is on the answer (the assistant's completion) only; false: on the prompt's "
+                "tokens too (plain text records always train on every token). TRL's completion_only_loss; "
+                "LLaMA-Factory's train_on_prompt is its opposite", "group": "Trainer",
+        "aliases": ("completion_only_loss",), "alias_values": {"train_on_prompt": {True: False, False: True}}})
+    logging_steps: int | None = field(default=None, metadata={
+        "help": "log the loss every this many steps [default: a tenth of the round's steps]",
+        "group": "Trainer"})
 
     @property
     def dp_enabled(self) -> bool:
@@ -246,6 +272,12 @@ class TrainConfig:
         from .optimizers import check_options  # Optimizer, LoRA+, LoftQ, OFT and freeze fields
 
         check_options(self, bad)
+        _check_trainer(self, bad)
+
+    def warmup_for(self, steps: int) -> int:
+        """Warm-up steps of a round of ``steps`` optimizer steps: ceil(warmup_ratio x steps) when the ratio
+        is set (as transformers counts it), else warmup_steps."""
+        return math.ceil(steps * self.warmup_ratio) if self.warmup_ratio is not None else self.warmup_steps
 
     @property
     def label(self) -> str:
@@ -264,3 +296,23 @@ class TrainConfig:
         per_step = self.batch_size // self.num_generations if self.stage in RL_STAGES else self.batch_size
         batches = math.ceil(n_examples / max(1, per_step))
         return max(1, math.ceil(self.num_train_epochs * max(1, batches // self.gradient_accumulation_steps)))
+
+
+def _check_trainer(config: TrainConfig, bad) -> None:
+    """The Trainer group's checks (``bad(name, rule)`` raises TrainConfigError naming the field)."""
+    if config.lr_scheduler_type not in LR_SCHEDULERS:
+        bad("lr_scheduler_type", f"must be one of {LR_SCHEDULERS}")
+    if config.dp_enabled and config.lr_scheduler_type != "linear":
+        bad("lr_scheduler_type", "must be 'linear' with DP-SGD (its own optimizer loop decays linearly)")
+    if config.warmup_ratio is not None and not 0 <= config.warmup_ratio < 1:
+        bad("warmup_ratio", "must be in [0, 1)")
+    if not config.max_grad_norm > 0:
+        bad("max_grad_norm", "must be > 0")
+    for name in ("max_samples", "logging_steps"):
+        value = getattr(config, name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            bad(name, "must be an integer >= 1 (or unset)")
+    if config.packing and config.stage != "sft":
+        bad("packing", "applies to the sft stage only")
+    if config.packing and config.dp_enabled:
+        bad("packing", "is not offered with DP-SGD (one private example per row)")

@@ -54,10 +54,10 @@ def _run_sft(model, tokenizer, train_ex, cfg: TrainConfig, tmp: str, progress: b
     text = is_plain_text(train_ex)
     args = SFTConfig(
         **common_training_args(cfg, tmp, progress=progress),
-        completion_only_loss=not text,
+        completion_only_loss=not text and cfg.assistant_only_loss,  # assistant_only_loss: the answer's tokens
         dataset_text_field="text",
         max_length=cfg.max_length,
-        packing=False,
+        packing=cfg.packing,
     )
     trainer = SFTTrainer(model=model, args=args, train_dataset=sft_dataset(train_ex), processing_class=tokenizer,
                          optimizers=trainer_optimizers(model, cfg))
@@ -91,6 +91,7 @@ def train(
     if config.num_train_epochs is not None:  # epochs -> the step count every training path understands
         n_train = len(split_heldout(examples, eval_examples)[0])
         config = dataclasses.replace(config, max_steps=config.steps_for(n_train), num_train_epochs=None)
+    config = dataclasses.replace(config, warmup_steps=config.warmup_for(config.max_steps))  # DP-SGD reads steps
     if config.stage != "sft" or config.dp_enabled:
         if is_plain_text(examples):
             raise ValueError("plain `text` records train only with --stage sft without DP-SGD: preference and RL "
