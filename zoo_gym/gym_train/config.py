@@ -168,7 +168,7 @@ class TrainConfig:
                 "dp_max_grad_norm instead)", "group": "Trainer"})
     max_samples: int | None = field(default=None, metadata={
         "help": "use at most this many of your examples (the first ones; LLaMA-Factory's max_samples) "
-                "[default: all]", "group": "Trainer"})
+                "\\[default: all]", "group": "Trainer"})
     packing: bool = field(default=False, metadata={
         "help": "sft: pack several short examples into each max_length row (TRL's packing)", "group": "Trainer"})
     assistant_only_loss: bool = field(default=True, metadata={
@@ -177,7 +177,7 @@ class TrainConfig:
                 "LLaMA-Factory's train_on_prompt is its opposite", "group": "Trainer",
         "aliases": ("completion_only_loss",), "alias_values": {"train_on_prompt": {True: False, False: True}}})
     logging_steps: int | None = field(default=None, metadata={
-        "help": "log the loss every this many steps [default: a tenth of the round's steps]",
+        "help": "log the loss every this many steps \\[default: a tenth of the round's steps]",
         "group": "Trainer"})
 
     @property
