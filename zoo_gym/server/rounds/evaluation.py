@@ -1,14 +1,12 @@
 """Held-out evaluation on the server's validation set (built-in for the tiny model, a file otherwise).
 
-One pass per published base serves both the held-out loss and rewards scoring: when a round publishes
-a checkpoint, `Evaluators.measure_published` builds the next round's `ServerEvaluator`, whose `heldout_loss()` takes
-the scoring set's part of the loss from the forward pass of the scoring gradient (so the gradient
-costs scoring only its backward) and evaluates the other validation examples without gradients;
-`Evaluators.for_base` hands that evaluator to the next round (recognised by its weights' sha256). The first
-base after a start has no such pass: its gradient is computed in full when its round is scored.
-Preference pairs in the validation data (records with `chosen`/`rejected`) add a preference report (accuracy,
-mean margin) and become the scoring set, scored on their Bradley-Terry loss (rewards/preference.py); the
-held-out loss then runs on the other records (on the pairs' chosen answers when there are none).
+One pass per published base serves both the held-out loss and rewards scoring: `Evaluators.measure_published`
+builds the next round's `ServerEvaluator`, whose `heldout_loss()` takes the scoring set's part of the loss from
+the forward pass of the scoring gradient (scoring then costs only its backward); `Evaluators.for_base` hands it
+to the next round (recognised by its weights' sha256). The first base after a start has no such pass.
+Preference pairs in the validation data (`chosen`/`rejected`) add a preference report (accuracy, mean margin)
+and become the scoring set, scored on their Bradley-Terry loss (rewards/preference.py); the held-out loss then
+runs on the other records (on the pairs' chosen answers when there are none).
 """
 
 from __future__ import annotations
