@@ -81,3 +81,25 @@ def test_pairs_report_the_margin_and_pay_the_delta_that_raises_it(federation_wit
     assert scores[helpful]["score"] > 0 and scores[harmful]["score"] == 0 and scores[noop]["score"] == 0
     paid = {c: balance_of(fed.state, c)["balance"] for c in (helpful, harmful, noop)}
     assert paid[helpful] > paid[harmful] and paid[helpful] > paid[noop]
+
+
+def test_preference_gradient_predicts_the_loss_change(tmp_path):
+    """First-order scoring's slope <g, delta> on the pairs' loss matches a finite difference; a file of pairs
+    only measures its held-out loss on the chosen answers."""
+    import torch
+
+    from zoo_gym.gym_train import tiny_model_dir
+    from zoo_gym.server.rounds.evaluation import ServerEvaluator, load_validation
+
+    pairs = [r for r in load_validation(_validation_file(tmp_path / "val.jsonl")) if "chosen" in r][:6]
+    ev = ServerEvaluator(tiny_model_dir(), pairs)
+    assert len(ev.loss_examples) == 6 and ev.heldout_loss() > 0
+    g = ev.gradient()
+    names = [k for k, t in g.grad.items() if t.dim() == 2 and "embed" not in k][:2]
+    delta = {k: -g.grad[k] / g.grad[k].norm() for k in names}
+    eps = 1e-3
+    slope = sum(float((g.grad[k] * v).sum()) for k, v in delta.items())
+    diff = (ev.scoring.loss(delta, scale=eps) - ev.scoring.loss(delta, scale=-eps)) / (2 * eps)
+    assert slope < 0 and diff == pytest.approx(slope, rel=0.1)
+    assert ev.scoring.loss(None) == pytest.approx(g.base_loss, rel=1e-4)
+    assert torch.isfinite(torch.tensor(g.norm))
