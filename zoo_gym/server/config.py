@@ -119,7 +119,12 @@ class ServerConfig:
                 "FedBuff's sum / K. Ignored under DP"})
     validation_data: str | None = field(default=None, metadata={
         "help": "held-out examples every checkpoint is evaluated on: alpaca or sharegpt records, .json or .jsonl "
-                "(default: the file given to `init`, else the built-in task's validation set)",
+                "(default: the file given to `init`, else the built-in task's validation set). Preference pairs "
+                "(instruction/input or prompt, with chosen and rejected strings) add preference_accuracy (share "
+                "of pairs whose chosen answer is more likely than the rejected one) and preference_margin (mean "
+                "log-likelihood difference) to each checkpoint's report, and contributions are then scored on "
+                "the pairs' loss mean(-log sigmoid(margin)); the held-out loss runs on the other records (on "
+                "the chosen answers when all are pairs)",
         "aliases": ("validation_file",)})
     validation_examples: int = field(default=128, metadata={
         "help": "held-out examples evaluated per checkpoint (0: no evaluation and no scoring)"})

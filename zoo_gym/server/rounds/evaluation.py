@@ -1,11 +1,12 @@
 """Held-out evaluation on the server's validation set (built-in for the tiny model, a file otherwise).
 
-One pass per published base serves both the held-out loss and rewards scoring: when a round publishes
-a checkpoint, `Evaluators.measure_published` builds the next round's `ServerEvaluator`, whose `heldout_loss()` takes
-the scoring set's part of the loss from the forward pass of the scoring gradient (so the gradient
-costs scoring only its backward) and evaluates the other validation examples without gradients;
-`Evaluators.for_base` hands that evaluator to the next round (recognised by its weights' sha256). The first
-base after a start has no such pass: its gradient is computed in full when its round is scored.
+One pass per published base serves both the held-out loss and rewards scoring: `Evaluators.measure_published`
+builds the next round's `ServerEvaluator`, whose `heldout_loss()` takes the scoring set's part of the loss from
+the forward pass of the scoring gradient (scoring then costs only its backward); `Evaluators.for_base` hands it
+to the next round (recognised by its weights' sha256). The first base after a start has no such pass.
+Preference pairs in the validation data (`chosen`/`rejected`) add a preference report (accuracy, mean margin)
+and become the scoring set, scored on their Bradley-Terry loss (rewards/preference.py); the held-out loss then
+runs on the other records (on the pairs' chosen answers when there are none).
 """
 
 from __future__ import annotations
@@ -24,8 +25,35 @@ def _validation_examples(validation_file: str | None, n: int) -> tuple:
     from zoo_gym import gym_train
 
     if validation_file:
-        return tuple(gym_train.load_examples(Path(validation_file))[:n])
+        return tuple(load_validation(Path(validation_file))[:n])
     return tuple(gym_train.default_validation_examples(n=n))
+
+
+def load_validation(path: Path) -> list[dict]:
+    """The validation file's records, normalised as `gym_train.load_examples` does, plus preference pairs:
+    a record with `chosen` and `rejected` strings beside alpaca (`instruction`/`input`) or `prompt` fields
+    becomes the normalised prompt fields with `chosen` and `rejected` (no `output`)."""
+    from zoo_gym.gym_train.errors import DataError
+    from zoo_gym.gym_train.formats import normalise_record
+    from zoo_gym.gym_train.sources import iter_records
+
+    out = []
+    for where, rec in iter_records(path):
+        if isinstance(rec, dict) and rec.get("chosen") is not None and rec.get("rejected") is not None:
+            answers = {k: rec[k] for k in ("chosen", "rejected")}
+            for k, v in answers.items():
+                if not isinstance(v, str) or not v.strip():
+                    raise DataError(str(path), where, k, "must be a non-empty string (a preference pair's answer)")
+            prompt = {k: v for k, v in rec.items() if k not in ("chosen", "rejected", "output", "completion")}
+            ex = normalise_record({**prompt, "completion" if "prompt" in prompt else "output": answers["chosen"]},
+                                  file=str(path), where=where)
+            ex.pop("output", None)
+            out.append({**ex, **answers})
+        else:
+            out.append(normalise_record(rec, file=str(path), where=where))
+    if not out:
+        raise DataError(str(path), "line 1", "<file>", "holds no records")
+    return out
 
 
 class ServerEvaluator:
@@ -45,13 +73,19 @@ class ServerEvaluator:
         from zoo_gym.rewards.packing import PackedScoringSet, supports_packing
 
         self.examples = examples
+        self.pairs, self.loss_examples = loss_and_pairs(examples)
         # the scoring gradient goes to a file here as the backward produces it (rewards/spill.py): never
         # resident, from the publish that computes it to the round that reads it
         self.spill_dir = Path(spill_dir) if spill_dir is not None else Path(tempfile.gettempdir())
-        self.base = Evaluator(base_dir, examples)
-        self.scoring_set = examples[:scoring_examples]
+        self.base = Evaluator(base_dir, self.loss_examples)
+        self.scoring_set = (self.pairs or examples)[:scoring_examples]
         tok, model = self.base.tokenizer, self.base.model
-        if supports_packing(model):
+        self._preference = None
+        if self.pairs:  # scored on the pairs' preference loss (rewards/preference.py)
+            from zoo_gym.rewards.preference import PreferenceScoringSet
+
+            self.scoring = PreferenceScoringSet(model, tok, self.scoring_set)
+        elif supports_packing(model):
             pad = tok.pad_token_id if tok.pad_token_id is not None else 0
             self.scoring = PackedScoringSet(model, tokenize_examples(tok, self.scoring_set), pad_id=pad)
         else:
@@ -91,9 +125,9 @@ class ServerEvaluator:
         taken from the scoring gradient's forward when that was computed, else measured packed
         without gradients (no logits over the vocabulary at unscored positions)."""
         if delta is None:
-            if self._gradient is not None:
+            if self._gradient is not None and not self.pairs:
                 return self.heldout_loss()
-            total, count = _loss_sum(self.base.model, self.base.tokenizer, self.examples)
+            total, count = _loss_sum(self.base.model, self.base.tokenizer, self.loss_examples)
             return total / max(count, 1)
         return self.base.loss(delta, scale=scale)
 
@@ -102,8 +136,11 @@ class ServerEvaluator:
 
         The scoring set's part comes from the forward pass of `gradient()` (computed and cached
         here: the held-out loss needs that forward anyway, so scoring adds only the backward);
-        the other examples are evaluated without gradients.
+        the other examples are evaluated without gradients. With preference pairs the scoring gradient is
+        of another loss: the held-out loss is measured on `loss_examples` alone (no gradient).
         """
+        if self.pairs:
+            return self.loss(None)
         g = self.gradient()
         total, count = g.base_loss * g.tokens, g.tokens
         rest = self.examples[len(self.scoring_set):]
@@ -111,6 +148,30 @@ class ServerEvaluator:
             t, c = _loss_sum(self.base.model, self.base.tokenizer, rest)
             total, count = total + t, count + c
         return total / max(count, 1)
+
+
+    def preference_report(self) -> dict | None:
+        """Preference accuracy, mean margin and pair count of this base on all validation pairs (None without
+        pairs; measured once)."""
+        if self.pairs and self._preference is None:
+            from zoo_gym.gym_train.preference_eval import PreferenceEvaluator
+
+            self._preference = PreferenceEvaluator(None, self.pairs, model=self.base.model,
+                                                   tokenizer=self.base.tokenizer).report()
+        return self._preference
+
+
+def loss_and_pairs(examples: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(preference pairs, the examples the held-out loss runs on): the records that are not pairs, or, when
+    every record is a pair, the pairs with their chosen answer as the output."""
+    from zoo_gym.gym_train.preference_eval import is_pair
+
+    pairs = [ex for ex in examples if is_pair(ex)]
+    rest = [ex for ex in examples if not is_pair(ex)]
+    if pairs and not rest:
+        rest = [{**{k: v for k, v in ex.items() if k not in ("chosen", "rejected")}, "output": ex["chosen"]}
+                for ex in pairs]
+    return pairs, rest
 
 
 def _loss_sum(model, tokenizer, examples: list[dict]) -> tuple[float, int]:
@@ -183,8 +244,14 @@ class Evaluators:
         nxt = ServerEvaluator(Path(model_dir), evaluator.examples, scoring_examples=len(evaluator.scoring_set),
                               spill_dir=evaluator.spill_dir)
         loss = nxt.heldout_loss()
+        nxt.preference_report()  # with pairs: measured now, the next round's "before" then costs nothing
         self._prepared[checkpoint_sha256 or _weights_digest(Path(model_dir))] = nxt
         return loss
+
+    def published_preference(self, checkpoint_sha256: str) -> dict | None:
+        """The preference report `measure_published` took of that checkpoint (None without pairs)."""
+        ready = self._prepared.get(checkpoint_sha256)
+        return ready.preference_report() if ready is not None else None
 
     def forget(self, evaluator: ServerEvaluator | None) -> None:
         """Drop a released `evaluator` (the next `for_base` of its base builds a fresh one)."""

@@ -238,6 +238,7 @@ class Written:
     plan: object
     parent_loss: float | None
     heldout: float | None
+    preference: dict | None = None  # with validation pairs: {"before": base's report, "after": the checkpoint's}
 
 
 def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: list[Submission], *,
@@ -268,6 +269,9 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
     crash_point("committed")
     log.info("round %d phase=done", rnd.id)
     loss = f", held-out loss {written.heldout:.4f}" if written.heldout is not None else ""
+    if written.preference is not None:
+        loss += ", preference margin {:.4f} -> {:.4f}".format(
+            written.preference["before"]["preference_margin"], written.preference["after"]["preference_margin"])
     return f"published {written.sha[:12]} from {len(job.contributors)} submissions{loss}"
 
 
@@ -374,15 +378,19 @@ def write(state: ServerState, job: RoundJob, streams: Streams, evaluators: Evalu
     streams.writer.finish(sign_lineage(lineage, key=state.key))  # the manifest carries the server's signature
     log.info("round %d phase=pack", rnd.id)
     sha = streams.ckpt_blob.commit()
-    heldout = None
+    heldout = preference = None
     if evaluator is not None:
         log.info("round %d phase=evaluation", rnd.id)
+        before = evaluator.preference_report()  # None without validation pairs
         evaluator.release()  # one model in memory: this base's goes before the new one loads
         streams.source = None  # and the decoded rows it cached (up to 512 MB)
         release_memory()
         heldout = evaluators.measure_published(evaluator, state.checkpoint_dir(sha), checkpoint_sha256=sha)
+        if before is not None:
+            preference = {"before": before, "after": evaluators.published_preference(sha)}
+            report_json = json.dumps({**json.loads(report_json), "preference": preference}, sort_keys=True)
     return Written(sha=sha, size=state.blobs.size(sha), lineage=lineage, report_json=report_json, privacy=privacy,
-                   plan=plan, parent_loss=parent_loss, heldout=heldout)
+                   plan=plan, parent_loss=parent_loss, heldout=heldout, preference=preference)
 
 
 def _lineage(state: ServerState, job: RoundJob, report, privacy, parent_loss: float | None) -> dict:
@@ -422,6 +430,8 @@ def commit(state: ServerState, config: ServerConfig, job: RoundJob, w: Written) 
             row_manifest = {k: v for k, v in w.lineage.items() if k != "history"}
             row_manifest.update(heldout_loss=w.heldout, opened_at=_iso(rnd.opened_at), closed_at=_iso(rnd.closed_at),
                                 received_at={sub.contributor_id: _iso(sub.received_at) for sub in job.subs})
+            if w.preference is not None:  # measured on the written weights, like the loss
+                row_manifest["preference"] = w.preference
             s.add(Checkpoint(sha256=w.sha, round_id=rnd.id, parent_sha256=rnd.base_sha256, size=w.size,
                              heldout_loss=w.heldout, manifest_json=json.dumps(row_manifest, sort_keys=True)))
         r = s.get(Round, rnd.id)
