@@ -24,8 +24,8 @@ class RewardFuncError(ValueError):
     """A reward function spec that cannot be used; the message (one line) names the spec."""
 
 
-# what TRL passes every reward function besides the dataset's columns
-TRL_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+# the keyword arguments TRL passes a reward function here (`answer` is the dataset's column)
+PASSED = ("completions", "prompts", "completion_ids", "answer", "trainer_state", "log_extra", "log_metric")
 _SAMPLE = [{"instruction": "Solve.", "input": "Ann has 2 pens and gets 2 more. How many pens now?", "output": "4"},
            {"instruction": "Solve.", "input": "Bo has 5 cups and gives away 1. How many cups now?", "output": "4"}]
 
@@ -56,20 +56,20 @@ def _module_of(spec: str, target: str):
 
 
 def _check_signature(spec: str, func) -> None:
+    """TRL calls ``func(prompts=..., completions=..., ..., **columns)``: it must take **kwargs, and every
+    parameter without a default must be one TRL fills."""
     try:
-        params = inspect.signature(func).parameters.values()
+        params = list(inspect.signature(func).parameters.values())
     except (TypeError, ValueError):
         return  # a builtin or C callable without a signature: the trial call decides
     if not any(p.kind is p.VAR_KEYWORD for p in params):
-        raise RewardFuncError(f"reward_funcs {spec!r}: must take TRL's arguments (completions, **kwargs); "
+        raise RewardFuncError(f"reward_funcs {spec!r}: must accept TRL's arguments (completions, **kwargs); "
                               "it has no **kwargs")
-    names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    if "completions" not in names:
-        raise RewardFuncError(f"reward_funcs {spec!r}: must take TRL's arguments (completions, **kwargs); "
-                              f"it has no `completions` parameter")
-    if any(p.kind is p.POSITIONAL_ONLY for p in params):
-        raise RewardFuncError(f"reward_funcs {spec!r}: TRL passes arguments by name; positional-only "
-                              "parameters cannot be filled")
+    for p in params:
+        if p.kind is p.POSITIONAL_ONLY or (p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                                          and p.default is p.empty and p.name not in PASSED):
+            raise RewardFuncError(f"reward_funcs {spec!r}: parameter {p.name!r} is not one TRL fills by name "
+                                  f"(it passes {', '.join(PASSED)}); give it a default or take it from **kwargs")
 
 
 def load_reward_func(spec: str):
