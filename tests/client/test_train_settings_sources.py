@@ -17,7 +17,8 @@ LEAVES = train_leaves()
 SPECIAL = {"method": "sft", "stage": "dpo", "finetuning_type": "full", "loss_type": "ipo", "target_modules": ["q_proj", "v_proj"], "init_lora_weights": "pissa",
            "importance_sampling_level": "sequence", "device": "cpu", "quantization": "4bit",
            "attn_implementation": "sdpa", "report_to": "wandb", "num_train_epochs": 2.0,
-           "dp_noise_multiplier": 0.5, "dp_target_epsilon": 8.0}
+           "dp_noise_multiplier": 0.5, "dp_target_epsilon": 8.0,
+           "reward_funcs": "zoo_gym.gym_train.grpo:format_reward", "reward_weights": ["1", "0.5"]}
 
 
 @pytest.fixture

@@ -168,8 +168,8 @@ def test_loss_type_and_stage_refusals_name_the_allowed_values():
         TrainConfig(stage="ppo")
     with pytest.raises(TrainConfigError, match=r"`reward_weights` needs one weight per reward function \(2\)"):
         TrainConfig(stage="grpo", reward_weights="1")
-    with pytest.raises(TrainConfigError, match=r"`reward_funcs` is for the RL stages"):
-        TrainConfig(stage="sft", reward_funcs="r.py:f")
+    with pytest.raises(TrainConfigError, match=r"`reward_funcs` entry 'r.py' must be path/to/file.py:name"):
+        TrainConfig(stage="rloo", reward_funcs="r.py")
     assert TrainConfig(stage="gspo", loss_type="luspo").importance_sampling_level == "sequence"
 
 

@@ -262,10 +262,7 @@ def check_rl_settings(cfg: TrainConfig) -> None:
         raise TrainConfigError(f"`loss_type` for {cfg.stage} must be one of {', '.join(GRPO_LOSS_TYPES)} "
                                f"(TRL GRPOConfig), got {cfg.loss_type!r}")
     if cfg.reward_funcs is None and cfg.reward_weights is None:
-        return
-    if cfg.stage not in RL_STAGES:
-        name = "reward_funcs" if cfg.reward_funcs is not None else "reward_weights"
-        raise TrainConfigError(f"`{name}` is for the RL stages {', '.join(RL_STAGES)}, not {cfg.stage}")
+        return  # (like the other RL settings, both are unused by the other stages)
     if not isinstance(cfg.reward_funcs, str | list | tuple | type(None)):
         raise TrainConfigError(f"`reward_funcs` must be text or a list of texts, got {cfg.reward_funcs!r}")
     specs = reward_func_specs(cfg.reward_funcs)
