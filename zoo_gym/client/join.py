@@ -84,6 +84,12 @@ def prepare(opts: JoinOptions) -> tuple[TrainConfig, list[dict] | None]:
         if n < 4:
             raise JoinError(f"{opts.data} ({n} examples): at least 4 examples are needed "
                             "(some are held out to measure the round)")
+    from zoo_gym.gym_train.rewards_loader import RewardFuncError, check_reward_funcs
+
+    try:  # a contributor's own reward functions load and answer a sample before any server is contacted
+        check_reward_funcs(config, examples)
+    except RewardFuncError as exc:
+        raise JoinError(str(exc)) from None
     return check_round(config, n_train=n - _held_count(n)), examples
 
 

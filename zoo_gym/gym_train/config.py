@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 SFT_STAGES = ("sft",)
 PREFERENCE_STAGES = ("dpo", "kto", "orpo", "simpo")  # learn from chosen/rejected (or KTO's labelled) answers
 RL_STAGES = ("rloo", "grpo", "gspo")  # sample completions online and learn from reward functions
+# TRL 1.16 GRPOConfig.loss_type's documented values (grpo and gspo); RLOOConfig has no loss_type
+GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+BUILTIN_REWARDS = 2  # exact answer, format (grpo.py)
 STAGES = SFT_STAGES + PREFERENCE_STAGES + RL_STAGES
 FINETUNING_TYPES = ("lora", "full", "freeze", "oft")
 # the deprecated `method` -> (stage, finetuning_type)
@@ -111,6 +114,13 @@ class TrainConfig:
         "aliases": ("grpo_importance_sampling_level",)})
     grpo_eval_prompts: int = field(default=64, metadata={"help": "rloo/grpo/gspo: prompts for reward_before/after",
                                                          "group": "RL"})
+    reward_funcs: str | list[str] | None = field(default=None, metadata={
+        "help": "RL stages: reward functions as path/to/file.py:name or module:name, comma-separated [default: the "
+                "built-in exact-answer and format rewards]", "group": "RL",
+        "aliases": ("reward_function", "reward_functions")})
+    reward_weights: str | list[str] | None = field(default=None, metadata={
+        "help": "RL stages: one weight per reward function, comma-separated (TRL reward_weights) [default: 1 each]",
+        "group": "RL"})
     # Optimizer (transformers TrainingArguments' names, LLaMA-Factory's as aliases)
     optim: str = field(default="adamw_torch", metadata={
         "help": "adamw_torch | any transformers optim name (sgd, adafactor, galore_adamw, apollo_adamw ...) | "
@@ -194,7 +204,8 @@ class TrainConfig:
             self.stage, self.finetuning_type = METHODS[self.method]
             self.method = None  # applied once: a later dataclasses.replace keeps the stage it sets
         if self.stage not in STAGES:
-            bad("stage", f"must be one of {STAGES}")
+            bad("stage", f"must be one of {STAGES}" + (" (ppo is not offered: TRL 1.16 ships no PPO trainer; see "
+                                                       "docs/design/training-stages.md)" if self.stage == "ppo" else ""))
         if self.finetuning_type not in FINETUNING_TYPES:
             bad("finetuning_type", f"must be one of {FINETUNING_TYPES}")
         if self.stage == "gspo":
@@ -273,6 +284,7 @@ class TrainConfig:
 
         check_options(self, bad)
         _check_trainer(self, bad)
+        check_rl_settings(self)
 
     def warmup_for(self, steps: int) -> int:
         """Warm-up steps of a round of ``steps`` optimizer steps: ceil(warmup_ratio x steps) when the ratio
@@ -316,3 +328,48 @@ def _check_trainer(config: TrainConfig, bad) -> None:
         bad("packing", "applies to the sft stage only")
     if config.packing and config.dp_enabled:
         bad("packing", "is not offered with DP-SGD (one private example per row)")
+
+
+def reward_func_specs(value: str | list[str] | None) -> list[str]:
+    """The reward function specs of ``reward_funcs`` (comma-separated text or a list), in order."""
+    if value is None:
+        return []
+    items = value.split(",") if isinstance(value, str) else list(value)
+    return [str(v).strip() for v in items if str(v).strip()]
+
+
+def reward_weight_values(value: str | list | None) -> list[float] | None:
+    """``reward_weights`` as floats (comma-separated text or a list), or None; ValueError on a non-number."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else list(value)
+    return [float(v) for v in items if str(v).strip()]
+
+
+def check_rl_settings(cfg: TrainConfig) -> None:
+    """The RL stages' loss_type, reward_funcs and reward_weights, one line naming the field."""
+    if cfg.stage == "rloo" and cfg.loss_type is not None:
+        raise TrainConfigError(f"`loss_type` is not used by rloo (TRL's RLOOConfig has none; grpo/gspo take "
+                               f"{', '.join(GRPO_LOSS_TYPES)}), got {cfg.loss_type!r}")
+    if cfg.stage in ("grpo", "gspo") and cfg.loss_type is not None and cfg.loss_type not in GRPO_LOSS_TYPES:
+        raise TrainConfigError(f"`loss_type` for {cfg.stage} must be one of {', '.join(GRPO_LOSS_TYPES)} "
+                               f"(TRL GRPOConfig), got {cfg.loss_type!r}")
+    if cfg.reward_funcs is None and cfg.reward_weights is None:
+        return  # (like the other RL settings, both are unused by the other stages)
+    if not isinstance(cfg.reward_funcs, str | list | tuple | type(None)):
+        raise TrainConfigError(f"`reward_funcs` must be text or a list of texts, got {cfg.reward_funcs!r}")
+    specs = reward_func_specs(cfg.reward_funcs)
+    if cfg.reward_funcs is not None and not specs:
+        raise TrainConfigError("`reward_funcs` is empty: give path/to/file.py:name or module:name")
+    for spec in specs:
+        path, sep, name = spec.rpartition(":")
+        if not sep or not path or not name.isidentifier():
+            raise TrainConfigError(f"`reward_funcs` entry {spec!r} must be path/to/file.py:name or module:name")
+    try:
+        weights = reward_weight_values(cfg.reward_weights)
+    except (TypeError, ValueError):
+        raise TrainConfigError(f"`reward_weights` must be numbers, comma-separated, got {cfg.reward_weights!r}"
+                               ) from None
+    n = len(specs) or BUILTIN_REWARDS
+    if weights is not None and len(weights) != n:
+        raise TrainConfigError(f"`reward_weights` needs one weight per reward function ({n}), got {len(weights)}")

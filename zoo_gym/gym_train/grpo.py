@@ -1,11 +1,12 @@
-"""GRPO with LoRA through TRL's ``GRPOTrainer`` and the built-in verifiable rewards.
+"""The RL stages through TRL: rloo (``RLOOTrainer``), grpo and gspo (``GRPOTrainer``), on reward functions.
 
 GRPO: Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning", 2024 (group-relative
 advantages, no value model). GSPO: Zheng et al., "Group Sequence Policy Optimization", 2025, which is
 TRL's ``importance_sampling_level="sequence"``.
 
-Rewards take TRL's calling convention ``(completions, **dataset_columns) -> list[float]``;
-conversational completions arrive as lists of messages.
+RLOO: Ahmadian et al., "Back to Basics: Revisiting REINFORCE Style Optimization", 2024 (leave-one-out
+baseline). Rewards are the contributor's (``rewards_loader.py``) or the built-in exact answer + format, in
+TRL's convention ``(completions, **kwargs) -> list[float]``; completions arrive as lists of messages.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import torch
 from .chat import prompt_messages, render_prompt_with
 from .common import (TrainResult, common_training_args, load_training_model, quiet_libraries, quiet_trainer,
                      split_heldout)
-from .config import TrainConfig
+from .config import TrainConfig, reward_weight_values
 from .delta import load_base_state
 from .finetuning import delta_of, prepare
 from .optimizers import trainer_optimizers
 from .evaluate import Evaluator, load_tokenizer
+from .rewards_loader import check_reward_funcs, reward_kwargs
 
 _INT = re.compile(r"-?\d+")
 
@@ -57,9 +59,11 @@ def grpo_dataset(examples: list[dict]):
     return Dataset.from_list([{"prompt": prompt_messages(ex), "answer": ex["output"]} for ex in examples])
 
 
-def mean_reward(model, tokenizer, examples: list[dict], *, max_new_tokens: int, batch_size: int = 64) -> float:
-    """Mean summed reward of greedy completions on ``examples`` (deterministic)."""
+def mean_reward(model, tokenizer, examples: list[dict], *, max_new_tokens: int, reward_funcs=REWARD_FUNCS,
+                weights: list[float] | None = None, batch_size: int = 64) -> float:
+    """Mean weighted reward sum of greedy completions on ``examples`` (deterministic), rewards called as TRL does."""
     total = 0.0
+    weights = weights or [1.0] * len(reward_funcs)
     old_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     device = next(model.parameters()).device
@@ -72,58 +76,78 @@ def mean_reward(model, tokenizer, examples: list[dict], *, max_new_tokens: int, 
                 out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
             texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-            answers = [e["output"] for e in chunk]
-            for f in REWARD_FUNCS:
-                total += sum(f(texts, answer=answers))
+            for f, w in zip(reward_funcs, weights):
+                total += w * sum(v for v in f(**reward_kwargs(chunk, texts)) if v is not None)
     finally:
         tokenizer.padding_side = old_side
     return total / len(examples)
 
 
+def rl_args(config: TrainConfig, output_dir: str, *, progress: bool, weights: list[float] | None):
+    """TRL's RLOOConfig (stage rloo) or GRPOConfig (grpo, gspo) for ``config``."""
+    from trl import GRPOConfig, RLOOConfig
+
+    shared = dict(**common_training_args(config, output_dir, progress=progress),
+                  num_generations=config.num_generations, max_completion_length=config.max_completion_length,
+                  temperature=config.temperature, reward_weights=weights)
+    if config.stage == "rloo":  # beta None: RLOOConfig's own (0.05, the disabled adapter is the reference)
+        return RLOOConfig(**shared, **({"beta": config.beta} if config.beta is not None else {}))
+    return GRPOConfig(**shared, beta=0.0 if config.beta is None else config.beta,
+                      importance_sampling_level=config.importance_sampling_level, loss_type=rl_loss_type(config))
+
+
+def rl_loss_type(config: TrainConfig) -> str | None:
+    """The TRL loss_type a grpo/gspo round uses: the configured one, else GRPOConfig's default (dapo) for grpo
+    and "grpo" for gspo (per-sequence normalisation, the GSPO paper's setup as TRL recommends); None for rloo."""
+    if config.stage == "rloo":
+        return None
+    return config.loss_type or ("grpo" if config.stage == "gspo" else "dapo")
+
+
+def _train_rl(model, tokenizer, train_ex, config: TrainConfig, funcs, weights, progress: bool):
+    from trl import GRPOTrainer, RLOOTrainer
+
+    trainer_cls = RLOOTrainer if config.stage == "rloo" else GRPOTrainer
+    with tempfile.TemporaryDirectory(prefix=f"zoo_gym_{config.stage}_") as tmp:
+        trainer = trainer_cls(model=model, reward_funcs=list(funcs),
+                              args=rl_args(config, tmp, progress=progress, weights=weights),
+                              train_dataset=grpo_dataset(train_ex), processing_class=tokenizer,
+                              optimizers=trainer_optimizers(model, config))
+        quiet_trainer(trainer, progress)
+        trainer.train()
+    return trainer
+
+
 def train_grpo(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_examples=None,
                progress: bool = False):
+    """One RL round (rloo, grpo or gspo) on the configured or built-in rewards; the delta and its metadata."""
     from transformers import set_seed
-    from trl import GRPOConfig, GRPOTrainer
 
+    train_ex, held = split_heldout(examples, eval_examples)
+    custom = check_reward_funcs(config, train_ex)  # before any model loads: a bad reward fails in one line
+    funcs = custom or list(REWARD_FUNCS)
+    weights = reward_weight_values(config.reward_weights)
     quiet_libraries(progress)
     set_seed(config.seed)
     base_dir = pathlib.Path(base_dir)
-    train_ex, held = split_heldout(examples, eval_examples)
     held = (held or [])[: config.grpo_eval_prompts]
     names, base_state = load_base_state(base_dir)
     tokenizer = load_tokenizer(base_dir)
     tokenizer.padding_side = "left"
     model = load_training_model(base_dir, config)
     gen_len = config.max_completion_length
-    reward_before = mean_reward(model, tokenizer, held, max_new_tokens=gen_len) if held else None
+    score = lambda m: mean_reward(m, tokenizer, held, max_new_tokens=gen_len, reward_funcs=funcs,  # noqa: E731
+                                  weights=weights) if held else None
+    reward_before = score(model)
     loss_before = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
 
     model, initial = prepare(model, config)
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="zoo_gym_grpo_") as tmp:
-        args = GRPOConfig(
-            **common_training_args(config, tmp, progress=progress),
-            num_generations=config.num_generations,
-            max_completion_length=gen_len,
-            temperature=config.temperature,
-            beta=0.0 if config.beta is None else config.beta,
-            importance_sampling_level=config.importance_sampling_level,
-            **({"loss_type": config.loss_type} if config.loss_type else {}),
-        )
-        trainer = GRPOTrainer(
-            model=model,
-            reward_funcs=list(REWARD_FUNCS),
-            args=args,
-            train_dataset=grpo_dataset(train_ex),
-            processing_class=tokenizer,
-            optimizers=trainer_optimizers(model, config),
-        )
-        quiet_trainer(trainer, progress)
-        trainer.train()
+    trainer = _train_rl(model, tokenizer, train_ex, config, funcs, weights, progress)
     seconds = time.perf_counter() - t0
     model = trainer.model
     model.eval()
-    reward_after = mean_reward(model, tokenizer, held, max_new_tokens=gen_len) if held else None
+    reward_after = score(model)
     tokenizer.padding_side = "right"
     loss_after = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
     train_rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
@@ -139,12 +163,16 @@ def train_grpo(base_dir, examples, config: TrainConfig, *, base_sha256: str, eva
         "train_seconds": round(seconds, 3),
         "loss_before": loss_before,
         "loss_after": loss_after,
-        "reward_before": reward_before,  # greedy, held-out prompts, exact (1) + format (0.25)
+        "reward_before": reward_before,  # greedy, held-out prompts, the round's rewards (weighted sum)
         "reward_after": reward_after,
         "train_reward_first": train_rewards[0] if train_rewards else None,  # sampled, as logged by TRL
         "train_reward_last": train_rewards[-1] if train_rewards else None,
+        "reward_funcs": [getattr(f, "__name__", type(f).__name__) for f in funcs],
+        "reward_weights": weights,
+        "rl_trainer": "RLOOTrainer" if config.stage == "rloo" else "GRPOTrainer",
+        "loss_type": rl_loss_type(config),
+        "importance_sampling_level": None if config.stage == "rloo" else config.importance_sampling_level,
         "heldout_examples": len(held),
-        "importance_sampling_level": config.importance_sampling_level,
         "epsilon": None,
         "dp_delta": None,
         "base_sha256": base_sha256,
