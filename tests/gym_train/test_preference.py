@@ -1,5 +1,6 @@
 """Preference stages (dpo, kto, orpo, simpo) on built-in pairs, and the preference data formats."""
 
+import dataclasses
 import json
 
 import pytest
@@ -152,3 +153,19 @@ def test_a_loss_type_the_stage_lacks_is_refused_naming_the_allowed_ones(stage, l
     with pytest.raises(TrainConfigError, match="`loss_type` must") as e:
         TrainConfig(stage=stage, loss_type=loss_type)
     assert "\n" not in str(e.value)
+
+
+def test_join_refuses_a_stage_without_its_data_before_contacting_a_server(tmp_path):
+    from zoo_gym.client.contribute import JoinError
+    from zoo_gym.client.join import JoinOptions, prepare
+
+    p = tmp_path / "answers.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in _ANSWERS * 2))
+    opts = JoinOptions(server="127.0.0.1:1", workdir=tmp_path, key_path=tmp_path / "key", data=str(p),
+                       train_overrides={"stage": "dpo"})
+    with pytest.raises(JoinError, match="stage 'dpo' needs preference pairs"):
+        prepare(opts)
+    q = tmp_path / "pairs.jsonl"
+    q.write_text("".join(json.dumps({"prompt": f"q{i}", "chosen": "a", "rejected": "b"}) + "\n" for i in range(8)))
+    config, examples = prepare(dataclasses.replace(opts, data=str(q)))
+    assert config.stage == "dpo" and examples[0] == {"instruction": "q0", "input": "", "chosen": "a", "rejected": "b"}
