@@ -81,6 +81,10 @@ def prepare(opts: JoinOptions) -> tuple[TrainConfig, list[dict] | None]:
         if any("text" in ex for ex in examples) and (config.stage != "sft" or config.dp_enabled):
             raise JoinError(f"{opts.data}: plain `text` records train only with --stage sft without DP-SGD "
                             "(preference and RL stages need prompts with answers)")
+        try:
+            gym_train.check_stage_data(config.stage, examples, source=str(opts.data))
+        except ValueError as exc:  # e.g. --stage dpo on answers without pairs
+            raise JoinError(str(exc)) from None
         if n < 4:
             raise JoinError(f"{opts.data} ({n} examples): at least 4 examples are needed "
                             "(some are held out to measure the round)")

@@ -12,7 +12,7 @@ from .common import TrainResult
 from .config import TrainConfig, TrainConfigError
 from .evaluate import Evaluator, heldout_loss
 from .errors import DataError, HardwareError
-from .formats import load_examples
+from .formats import check_stage_data, load_examples
 from .tasks import builtin_examples, builtin_task, default_validation_examples
 from .train import train
 
@@ -45,6 +45,7 @@ __all__ = [
     "TrainResult",
     "builtin_examples",
     "builtin_task",
+    "check_stage_data",
     "default_validation_examples",
     "distill_bitdelta_scales",
     "heldout_loss",

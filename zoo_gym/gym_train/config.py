@@ -280,6 +280,12 @@ class TrainConfig:
                 bad("report_to", f"needs the {needs} package: pip install {needs}")
         if self.attn_implementation not in (None, "eager", "sdpa", "flash_attention_2"):
             bad("attn_implementation", "must be None, 'eager', 'sdpa' or 'flash_attention_2'")
+        if self.stage in PREFERENCE_STAGES:
+            from .preference_losses import loss_type_problem
+
+            problem = loss_type_problem(self.stage, self.loss_type)
+            if problem:
+                bad("loss_type", problem)
         from .optimizers import check_options  # Optimizer, LoRA+, LoftQ, OFT and freeze fields
 
         check_options(self, bad)

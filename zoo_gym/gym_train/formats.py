@@ -6,12 +6,16 @@ Record formats (detected per record):
 * sharegpt: ``conversations`` of ``{"from": human|gpt|system, "value": ...}`` turns;
 * OpenAI / TRL conversational: ``messages`` of ``{"role": user|assistant|system, "content": ...}``;
 * TRL prompt-completion: ``prompt`` / ``completion``, as strings or as message lists;
-* plain ``text`` (continued pretraining), only where the caller accepts it (``allow_text=True``).
+* plain ``text`` (continued pretraining), only where the caller accepts it (``allow_text=True``);
+* preference pairs: TRL ``prompt``/``chosen``/``rejected``, LLaMA-Factory
+  ranking data, and KTO's unpaired ``prompt``/``completion``/``label`` (or a ``kto_tag``).
 
 Instruction records are normalised to the alpaca form the built-in tasks use:
 ``{"instruction": str, "input": str, "output": str}`` plus optional ``"system": str`` and
 ``"history": [[user, assistant], ...]`` (earlier turns, the LLaMA-Factory alpaca convention); a
-``text`` record becomes ``{"text": str}``. Where the records come from (JSON, JSONL, Parquet, CSV, a
+``text`` record becomes ``{"text": str}``; a pair keeps its prompt fields plus ``"chosen"`` and
+``"rejected"`` strings (no ``output``); a KTO record adds ``"label": bool`` to its ``output``.
+``check_stage_data`` refuses records a stage cannot train on (pairs for sft, answers for dpo, ...). Where the records come from (JSON, JSONL, Parquet, CSV, a
 ``save_to_disk`` directory, a cached Hub id) is ``sources.py``. A malformed record is refused with a
 :class:`DataError` naming the file, the line (JSONL), record index (JSON) or row (tables) and the field.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import pathlib
 
+from .config import PREFERENCE_STAGES
 from .errors import DataError
 from .sources import iter_records
 
@@ -130,6 +135,78 @@ def _prompt_completion(rec: dict, *, file: str, where: str) -> dict:
     return out
 
 
+def _answer(rec: dict, key: str, *, file: str, where: str) -> str:
+    """One answer of a pair: a string, a message object (``{"from": "gpt", "value": ...}``) or TRL's list
+    of one assistant message."""
+    v, f = rec.get(key), key
+    if v is None:
+        raise DataError(file, where, key, "missing (a preference pair needs both `chosen` and `rejected`)")
+    if isinstance(v, list):
+        if len(v) != 1:
+            raise DataError(file, where, key, "must be one assistant message (a list of exactly one)")
+        v, f = v[0], f"{key}[0]"
+    if isinstance(v, dict):
+        sharegpt = "from" in v or "value" in v
+        role, text = v.get("from", v.get("role")), v.get("value", v.get("content"))
+        if role is not None and (not isinstance(role, str) or role.lower() not in _ASSISTANT_ROLES):
+            raise DataError(file, where, f + (".from" if sharegpt else ".role"),
+                            "must be an assistant turn ('gpt' or 'assistant')")
+        if not isinstance(text, str):
+            raise DataError(file, where, f + (".value" if sharegpt else ".content"), "missing or not a string")
+        v = text
+    elif not isinstance(v, str):
+        raise DataError(file, where, key, f"must be a string or an assistant message, got {type(v).__name__}")
+    if not v.strip():
+        raise DataError(file, where, f, "is empty (nothing to learn from)")
+    return v
+
+
+def _pair_prompt(rec: dict, *, file: str, where: str) -> dict:
+    """The prompt of a pair (``prompt``, sharegpt ``conversations``/``messages`` ending with a user turn,
+    or alpaca fields) as a normalised record without an answer."""
+    key = next((k for k in ("prompt", "conversations", "messages") if k in rec), None)
+    if key is None:
+        return {k: v for k, v in _alpaca({**rec, "output": "-"}, file=file, where=where).items() if k != "output"}
+    turns = rec[key]
+    if key == "prompt" and isinstance(turns, str):
+        if not turns.strip():
+            raise DataError(file, where, "prompt", "is empty")
+        return {"instruction": turns, "input": ""}
+    if not isinstance(turns, list) or not turns:
+        raise DataError(file, where, key, "must be a string or a non-empty list of turns" if key == "prompt"
+                        else "must be a non-empty list of turns")
+    last = turns[-1]
+    role = last.get("from", last.get("role")) if isinstance(last, dict) else None
+    if isinstance(role, str) and role.lower() in _ASSISTANT_ROLES:
+        raise DataError(file, where, f"{key}[{len(turns) - 1}]" + (".from" if "from" in last else ".role"),
+                        "the prompt must end with a user turn (the answers are `chosen` and `rejected`)")
+    done = _turns(turns + [{"role": "assistant", "content": "-"}], key=key, file=file, where=where)
+    return {k: v for k, v in done.items() if k != "output"}
+
+
+def _pair(rec: dict, *, file: str, where: str) -> dict:
+    """A preference pair: its prompt plus ``chosen`` and ``rejected`` answer strings."""
+    out = _pair_prompt(rec, file=file, where=where)
+    out["chosen"] = _answer(rec, "chosen", file=file, where=where)
+    out["rejected"] = _answer(rec, "rejected", file=file, where=where)
+    if out["chosen"] == out["rejected"]:
+        raise DataError(file, where, "rejected", "is the same as `chosen` (no preference to learn)")
+    return out
+
+
+def _labelled(rec: dict, *, file: str, where: str) -> dict:
+    """KTO's unpaired form: an instruction record plus ``label`` (TRL, with ``completion``) or LLaMA-Factory's
+    ``kto_tag``, true for a desirable answer and false for an undesirable one."""
+    key = "kto_tag" if "kto_tag" in rec else "label"
+    if key == "label" and "completion" not in rec:  # `label` means KTO's only in TRL's prompt/completion form
+        return normalise_record({k: v for k, v in rec.items() if k != "label"}, file=file, where=where)
+    label = rec[key]
+    if not isinstance(label, bool):
+        raise DataError(file, where, key, f"must be true or false (a desirable answer or not), got {label!r}")
+    rest = {k: v for k, v in rec.items() if k not in ("label", "kto_tag")}
+    return {**normalise_record(rest, file=file, where=where), "label": label}
+
+
 def _text(rec: dict, *, file: str, where: str, allow_text: bool) -> dict:
     if not allow_text:
         raise DataError(file, where, "text", "plain text (continued pretraining) cannot be used here: give "
@@ -146,6 +223,10 @@ def normalise_record(rec: object, *, file: str = "<memory>", where: str = "recor
     if not isinstance(rec, dict):
         raise DataError(file, where, "<record>", f"must be a JSON object, got {type(rec).__name__}")
     present = {k for k, v in rec.items() if v is not None}  # table sources hold every column in every row
+    if present & {"chosen", "rejected"}:
+        return _pair({k: rec[k] for k in present}, file=file, where=where)
+    if present & {"label", "kto_tag"}:
+        return _labelled({k: rec[k] for k in present}, file=file, where=where)
     if present & {"conversations", "messages"}:
         return _sharegpt({k: rec[k] for k in present}, file=file, where=where)
     if "prompt" in present or ("completion" in present and "output" not in present):
@@ -171,3 +252,34 @@ def load_examples(path: str | pathlib.Path, *, allow_text: bool = False) -> list
     if not out:
         raise DataError(name, "line 1", "<file>", "holds no records")
     return out
+
+
+def record_kind(ex: dict) -> str:
+    """'text', 'pair' (chosen/rejected), 'labelled' (KTO's output + label) or 'answer' (one output)."""
+    return "text" if "text" in ex else "pair" if "chosen" in ex else "labelled" if "label" in ex else "answer"
+
+
+def check_stage_data(stage: str, examples: list[dict], *, source: str = "the examples") -> None:
+    """Refuse, in one line naming the stage and the fields it needs, records ``stage`` cannot train on
+    (plain ``text`` records are left to the caller's own check)."""
+    kinds = {record_kind(ex) for ex in examples} - {"text"}
+    if not kinds:
+        return
+    if stage in PREFERENCE_STAGES and stage != "kto" and kinds != {"pair"}:
+        why = ("these records are unpaired (`label`/`kto_tag`): use --stage kto" if "labelled" in kinds else
+               "these records have one answer each (`output`)")
+        raise ValueError(f"{source}: stage {stage!r} needs preference pairs, records with `chosen` and `rejected` "
+                         f"answers (TRL prompt/chosen/rejected or LLaMA-Factory ranking data); {why}")
+    if stage == "kto":
+        if "answer" in kinds:
+            raise ValueError(f"{source}: stage 'kto' needs answers marked desirable or not: `chosen`/`rejected` "
+                             "pairs, or `prompt`/`completion` with a boolean `label` (or a `kto_tag`); these records "
+                             "have one unlabelled answer each (`output`)")
+        labels = {ex["label"] for ex in examples if "label" in ex} | ({True, False} if "pair" in kinds else set())
+        if len(labels) < 2:
+            raise ValueError(f"{source}: stage 'kto' needs both desirable (`label` true) and undesirable (`label` "
+                             f"false) answers; every record here has `label` {str(next(iter(labels))).lower()}")
+    elif stage not in PREFERENCE_STAGES and kinds != {"answer"}:
+        raise ValueError(f"{source}: stage {stage!r} trains on one answer per prompt (`output`); these records are "
+                         "preference data (`chosen`/`rejected` or `label`): use --stage dpo, orpo or simpo for "
+                         "pairs, kto for labelled answers")

@@ -28,7 +28,7 @@ from .errors import DataError
 FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 # columns that CSV can only hold as JSON text
-_NESTED = ("conversations", "messages", "history", "prompt", "completion")
+_NESTED = ("conversations", "messages", "history", "prompt", "completion", "chosen", "rejected")
 
 
 def looks_like_hub_id(source: str) -> bool:

@@ -9,6 +9,8 @@ contributors' built-in shards teach families the base never saw:
   that a few hundred LoRA steps visibly learn;
 * ``word_math``: one-digit word problems with an exact numeric answer, the GRPO task (the base knows
   ``a+b`` but never saw the words, so its reward starts low and can rise).
+* ``preference``: the default task's prompts as pairs, the reversed digits ``chosen`` over the
+  digits copied unreversed ``rejected`` (the preference stages' task; same shards and splits).
 
 Disjointness across shards and splits: each family's examples are keyed by their (instruction, input)
 text; an example belongs to the split and shard chosen by a hash of that key, so no prompt appears in
@@ -83,6 +85,7 @@ TASKS: dict[str, Callable[[random.Random], Example]] = {
 }
 PRETRAIN_TASKS = ("arith", "copy", "count")
 TASK_ALIASES = {"default": "reverse", "grpo": "word_math"}
+PAIR_TASKS = {"preference": "default"}  # pair task -> the task whose prompts and answers it pairs
 VALIDATION_SHARE = 0.15  # share of each family's prompt space reserved for the validation split
 
 
@@ -107,7 +110,7 @@ def _bucket(ex: Example, *, salt: str) -> float:
 def resolve_task(task: str) -> str:
     name = TASK_ALIASES.get(task, task)
     if name not in TASKS:
-        known = sorted(set(TASKS) | set(TASK_ALIASES))
+        known = sorted(set(TASKS) | set(TASK_ALIASES) | set(PAIR_TASKS))
         raise ValueError(f"`task` must be one of {known}, got {task!r}")
     return name
 
@@ -124,8 +127,12 @@ def builtin_examples(
     """``n`` distinct alpaca examples of ``task`` for one contributor shard (or the validation split).
 
     Shards of the train split are disjoint from each other and from the validation split, whatever
-    the seeds (membership is decided by a hash of the prompt, the seed only orders the draw).
+    the seeds (membership is decided by a hash of the prompt, the seed only orders the draw). A pair
+    task gives its source task's examples as ``chosen``/``rejected`` pairs (see ``as_pair``).
     """
+    if task in PAIR_TASKS:
+        return [as_pair(ex) for ex in builtin_examples(PAIR_TASKS[task], shard=shard, n_shards=n_shards, n=n,
+                                                       split=split, seed=seed)]
     name = resolve_task(task)
     if split not in ("train", "validation"):
         raise ValueError(f"`split` must be 'train' or 'validation', got {split!r}")
@@ -161,6 +168,15 @@ def builtin_examples(
         seen.add(k)
         out.append(ex)
     return out
+
+
+def as_pair(ex: Example) -> Example:
+    """The prompt of ``ex`` with its answer ``chosen`` and a wrong one ``rejected``: the input copied
+    unreversed (the base's own habit), or for a palindrome the answer with its last digit moved by one."""
+    wrong = ex["input"]
+    if wrong == ex["output"]:
+        wrong = wrong[:-1] + str((int(wrong[-1]) + 1) % 10)
+    return {"instruction": ex["instruction"], "input": ex["input"], "chosen": ex["output"], "rejected": wrong}
 
 
 def default_validation_examples(n: int = 128) -> list[Example]:

@@ -20,6 +20,7 @@ from .common import (TrainResult, common_training_args, load_training_model, qui
 from .config import PREFERENCE_STAGES, RL_STAGES, TrainConfig
 from .delta import load_base_state
 from .finetuning import delta_of, prepare
+from .formats import check_stage_data
 from .optimizers import trainer_optimizers
 from .evaluate import Evaluator, load_tokenizer
 from .hardware import check_hardware
@@ -86,6 +87,7 @@ def train(
         raise ValueError("`examples` is empty: give at least one training example")
     if not isinstance(base_sha256, str) or not base_sha256:
         raise ValueError("`base_sha256` must name the base checkpoint the delta is relative to")
+    check_stage_data(config.stage, examples)
     base_dir = pathlib.Path(base_dir)
     check_hardware(config, base_dir)
     if config.num_train_epochs is not None:  # epochs -> the step count every training path understands
