@@ -2,19 +2,10 @@
 
 DP-SGD: Abadi et al., "Deep Learning with Differential Privacy", CCS 2016 (per-example clipping,
 Gaussian noise, Poisson sampling); accounting with Opacus's RDP accountant (Mironov, "Renyi
-Differential Privacy", 2017).
-
-Why a small loop instead of TRL's trainer: Opacus must own the optimizer (``DPOptimizer`` clips per
-example and adds noise), the model (``GradSampleModule`` hooks) and the data loader (Poisson
-sampling gives the guarantee its sample rate). TRL's trainers build all three themselves through
-accelerate, so wiring ``make_private`` into them would mean overriding their internals; the loop
-below is the smallest one that lets Opacus own them (FINDINGS: ``grad_sample_mode="hooks"`` works on
-a PEFT model's LoRA parameters).
-
-What is private: each training *example* (one alpaca record) of this client's local round, for
-this round's steps. For ``sft`` only the Linear weights of the decoder blocks are trained under DP:
-Opacus has no per-sample gradient for Qwen3's custom RMSNorm, and the tied embedding / LM head
-would be counted twice; they stay frozen (their delta is exactly zero).
+Differential Privacy", 2017). A small training loop in which Opacus owns the optimizer, the model and
+the data loader. What is private: each training example of this client's local round, for this round's
+steps. For ``sft`` only the Linear weights of the decoder blocks are trained under DP; the rest stays
+frozen (its delta is exactly zero). Why this loop and not TRL's trainer: docs/design/privacy.md.
 """
 
 from __future__ import annotations
