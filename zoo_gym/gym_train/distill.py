@@ -1,14 +1,11 @@
 """BitDelta scale distillation: the calibration step of Liu et al., "BitDelta: Your Fine-Tune May Only
 Be Worth One Bit", 2024 (arXiv:2402.10193), Section 3.2.
 
-The 1-bit code of a delta is ``scale * sign(delta)`` per group. Distillation freezes the signs and the
-base, and trains only the per-group scales so that the logits of ``base + scale * sign`` match those
-of the fine-tuned model ``base + delta`` (mean squared error over the calibration tokens).
-
-The output is a DENSE delta equal to ``scale * sign`` with the distilled scales, so re-encoding it with
-``zoo_gym.codec`` bitdelta at the same ``group_size`` reproduces those scales (the mean of ``|scale * sign|``
-over a group is ``scale``): distillation needs no special codec API. Signs follow the codec's
-convention (``x >= 0`` is +). 1-D tensors (norms) pass through unchanged (the codec sends them fp16).
+Freezes the signs and the base and trains only the per-group scales, so that the logits of
+``base + scale * sign`` match those of ``base + delta`` (mean squared error over the calibration tokens).
+The output is a DENSE delta equal to ``scale * sign``: re-encoding it with ``zoo_gym.codec`` bitdelta at
+the same ``group_size`` reproduces the distilled scales. Signs follow the codec (``x >= 0`` is +); 1-D
+tensors pass through unchanged. Details: docs/design/training.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """User training data: the record formats Hugging Face users have, normalised to one form.
 
-Record formats (detected per record):
-
-* alpaca: ``instruction`` / ``input`` / ``output`` (optional ``system``, ``history``);
-* sharegpt: ``conversations`` of ``{"from": human|gpt|system, "value": ...}`` turns;
-* OpenAI / TRL conversational: ``messages`` of ``{"role": user|assistant|system, "content": ...}``;
-* TRL prompt-completion: ``prompt`` / ``completion``, as strings or as message lists;
-* plain ``text`` (continued pretraining), only where the caller accepts it (``allow_text=True``).
-
-Instruction records are normalised to the alpaca form the built-in tasks use:
-``{"instruction": str, "input": str, "output": str}`` plus optional ``"system": str`` and
-``"history": [[user, assistant], ...]`` (earlier turns, the LLaMA-Factory alpaca convention); a
-``text`` record becomes ``{"text": str}``. Where the records come from (JSON, JSONL, Parquet, CSV, a
-``save_to_disk`` directory, a cached Hub id) is ``sources.py``. A malformed record is refused with a
-:class:`DataError` naming the file, the line (JSONL), record index (JSON) or row (tables) and the field.
+Detected per record: alpaca (``instruction``/``input``/``output``), sharegpt (``conversations``), OpenAI /
+TRL conversational (``messages``), TRL prompt-completion (``prompt``/``completion``), and plain ``text``
+where the caller accepts it (``allow_text=True``). Instruction records become
+``{"instruction": str, "input": str, "output": str}`` plus optional ``"system"`` and ``"history"``
+(``[[user, assistant], ...]``); a ``text`` record becomes ``{"text": str}``. Where records come from is
+``sources.py``. A malformed record is refused with a :class:`DataError` naming the file, the line
+(JSONL), record index (JSON) or row (tables) and the field. Details: docs/design/training.md.
 """
 
 from __future__ import annotations
