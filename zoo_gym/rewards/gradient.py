@@ -1,19 +1,11 @@
 """The server's root gradient: loss and gradient of the validation loss at the base checkpoint.
 
-First-order scoring (``first_order.py``) needs ``g = dL/dtheta`` at the round's base, where ``L`` is
-the same mean completion-token cross-entropy that ``gym_train.Evaluator.loss`` computes (token-
-weighted over the whole example set, labels ``-100`` outside completions). It depends only on the
-base checkpoint and the validation set, never on the submissions, so the server can compute it
-once when it publishes a base (while contributors train) and reuse it when it scores that round:
-``BaseGradient`` is that cached value. FLTrust (Cao, Fang, Liu, Gong, NDSS 2021) calls the
-corresponding update the server's root update.
-
-Cost: one forward and one backward over the examples (about 3 forward passes; the output layer only
-at scored positions), plus the recomputed forward of the decoder layers checkpointed to stay within the
-activation budget (``activation_budget.py``). Memory: the model, the activations within the budget and
-one gradient tensor at a time; the finished gradient goes to disk (``spill.py``) on the server. On the
-tiny model with 32 examples, 1 CPU thread, about 0.1 s padded, about 0.07 s packed (``packed_batch.py``:
-the shared chat prefix computed once per row, no padding).
+``g = dL/dtheta`` at the round's base, ``L`` the mean completion-token cross-entropy that
+``gym_train.Evaluator.loss`` computes (token-weighted, labels ``-100`` outside completions). It depends
+only on the base and the validation set, so ``BaseGradient`` caches it from publish to scoring (FLTrust,
+Cao, Fang, Liu, Gong, NDSS 2021: the server's root update). One forward and one backward over the
+examples, decoder layers beyond the activation budget checkpointed (``activation_budget.py``); the
+finished gradient can go to disk (``spill.py``). Costs: docs/design/rewards-scoring.md.
 """
 
 from __future__ import annotations
