@@ -44,6 +44,40 @@ class FirstOrderConfig:
             raise ConfigError(f"`verify_top_k` must be >= 0, got {self.verify_top_k}")
 
 
+def _check_inputs(contributors: Sequence[str], *, slopes, norms, weights, diagnostics,
+                  base_loss: float, grad_norm: float, numel: int) -> None:
+    n = len(contributors)
+    for name, seq in (("slopes", slopes), ("norms", norms), ("weights", weights),
+                      ("diagnostics", diagnostics)):
+        if len(seq) != n:
+            raise ScoringInputError(f"`{name}` has {len(seq)} entries for {n} contributors")
+    if len(set(contributors)) != n:
+        raise ScoringInputError("`contributors` holds duplicates; score one submission per "
+                                "contributor per round")
+    if not (math.isfinite(base_loss) and base_loss > 0):
+        raise ScoringInputError(f"`base_loss` must be finite and > 0, got {base_loss!r}")
+    if not (math.isfinite(grad_norm) and grad_norm >= 0) or numel < 1:
+        raise ScoringInputError(f"`grad_norm` must be finite and >= 0 and `numel` >= 1, got "
+                                f"{grad_norm!r} and {numel!r}")
+
+
+def _random_direction_gate(players: list[int], *, gains: list[float], slopes: Sequence[float],
+                           norms: Sequence[float], grad_norm: float, numel: int,
+                           first_order: FirstOrderConfig) -> dict[int, str]:
+    """{player: reason} for every player whose positive gain comes with a cosine below the gate."""
+    zero: dict[int, str] = {}
+    floor = first_order.min_cosine_z / math.sqrt(numel)
+    for i in players:
+        if gains[i] <= 0 or norms[i] <= 0:
+            continue  # already 0 through g_i <= 0
+        cos = -float(slopes[i]) / (grad_norm * float(norms[i])) if grad_norm > 0 else 0.0
+        if cos < floor:
+            zero[i] = (f"delta indistinguishable from a random direction: cosine with the "
+                       f"validation descent direction {cos:.3g} < {floor:.3g} "
+                       f"(= {first_order.min_cosine_z:g} / sqrt({numel}))")
+    return zero
+
+
 def score_round_first_order(
     contributors: Sequence[str], *, base_loss: float, grad_norm: float, numel: int,
     slopes: Sequence[float], norms: Sequence[float], weights: Sequence[float],
@@ -60,32 +94,14 @@ def score_round_first_order(
     ``estimate.evaluations`` counts the exact forward passes spent on verification.
     """
     n = len(contributors)
-    for name, seq in (("slopes", slopes), ("norms", norms), ("weights", weights),
-                      ("diagnostics", diagnostics)):
-        if len(seq) != n:
-            raise ScoringInputError(f"`{name}` has {len(seq)} entries for {n} contributors")
-    if len(set(contributors)) != n:
-        raise ScoringInputError("`contributors` holds duplicates; score one submission per "
-                                "contributor per round")
-    if not (math.isfinite(base_loss) and base_loss > 0):
-        raise ScoringInputError(f"`base_loss` must be finite and > 0, got {base_loss!r}")
-    if not (math.isfinite(grad_norm) and grad_norm >= 0) or numel < 1:
-        raise ScoringInputError(f"`grad_norm` must be finite and >= 0 and `numel` >= 1, got "
-                                f"{grad_norm!r} and {numel!r}")
+    _check_inputs(contributors, slopes=slopes, norms=norms, weights=weights, diagnostics=diagnostics,
+                  base_loss=base_loss, grad_norm=grad_norm, numel=numel)
     accepted = [bool(d.accepted) for d in diagnostics]
     players = [i for i in range(n) if accepted[i]]
     gains = [-float(s) / base_loss if math.isfinite(s) else -math.inf for s in slopes]
 
-    zero: dict[int, str] = {}
-    floor = first_order.min_cosine_z / math.sqrt(numel)
-    for i in players:
-        if gains[i] <= 0 or norms[i] <= 0:
-            continue  # already 0 through g_i <= 0
-        cos = -float(slopes[i]) / (grad_norm * float(norms[i])) if grad_norm > 0 else 0.0
-        if cos < floor:
-            zero[i] = (f"delta indistinguishable from a random direction: cosine with the "
-                       f"validation descent direction {cos:.3g} < {floor:.3g} "
-                       f"(= {first_order.min_cosine_z:g} / sqrt({numel}))")
+    zero = _random_direction_gate(players, gains=gains, slopes=slopes, norms=norms,
+                                  grad_norm=grad_norm, numel=numel, first_order=first_order)
 
     gen = generator if generator is not None else torch.Generator().manual_seed(config.seed)
     start = gen.get_state()
