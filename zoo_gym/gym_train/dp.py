@@ -48,6 +48,28 @@ def _per_example_loss(model, ids, mask, labels) -> torch.Tensor:
     return tok.sum(1) / n
 
 
+def _private_steps(dp_model, dp_opt, dp_loader, sched, engine, config: TrainConfig, *,
+                   progress: bool) -> tuple[int, int, int]:
+    """``config.max_steps`` DP-SGD steps over the Poisson loader: (steps, examples seen, tokens seen)."""
+    steps = examples_seen = tokens_seen = 0
+    while steps < config.max_steps:
+        for b_ids, b_mask, b_labels in dp_loader:
+            if steps >= config.max_steps:
+                break
+            dp_opt.zero_grad(set_to_none=True)
+            if b_ids.shape[0] > 0:
+                loss = _per_example_loss(dp_model, b_ids, b_mask, b_labels).mean()
+                loss.backward()
+            dp_opt.step()  # an empty Poisson batch still adds noise and counts for the accountant
+            sched.step()
+            steps += 1
+            examples_seen += int(b_ids.shape[0])
+            tokens_seen += int(b_mask.sum())
+            if progress and steps % max(1, config.max_steps // 10) == 0:
+                print(f"dp step {steps}/{config.max_steps} eps={engine.get_epsilon(config.dp_delta):.3f}", flush=True)
+    return steps, examples_seen, tokens_seen
+
+
 def train_dp(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_examples=None,
              progress: bool = False):
     from opacus import PrivacyEngine
@@ -96,22 +118,8 @@ def train_dp(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_
         lambda s: min(1.0, (s + 1) / max(1, config.warmup_steps)) * max(0.0, 1.0 - s / config.max_steps),
     )
     t0 = time.perf_counter()
-    steps = examples_seen = tokens_seen = 0
-    while steps < config.max_steps:
-        for b_ids, b_mask, b_labels in dp_loader:
-            if steps >= config.max_steps:
-                break
-            dp_opt.zero_grad(set_to_none=True)
-            if b_ids.shape[0] > 0:
-                loss = _per_example_loss(dp_model, b_ids, b_mask, b_labels).mean()
-                loss.backward()
-            dp_opt.step()  # an empty Poisson batch still adds noise and counts for the accountant
-            sched.step()
-            steps += 1
-            examples_seen += int(b_ids.shape[0])
-            tokens_seen += int(b_mask.sum())
-            if progress and steps % max(1, config.max_steps // 10) == 0:
-                print(f"dp step {steps}/{config.max_steps} eps={engine.get_epsilon(config.dp_delta):.3f}", flush=True)
+    steps, examples_seen, tokens_seen = _private_steps(dp_model, dp_opt, dp_loader, sched, engine, config,
+                                                       progress=progress)
     seconds = time.perf_counter() - t0
     epsilon = float(engine.get_epsilon(config.dp_delta))
 
