@@ -84,6 +84,36 @@ def _serve_until_interrupted(server: subprocess.Popen, dashboard_port: int) -> N
     typer.echo("stopping")
 
 
+def _join_args(i: int, *, port: int, ca: Path, rounds: int, stage: str, finetuning_type: str, clients: int,
+               root: Path, max_steps: Optional[int]) -> list[str]:
+    """`gym join` arguments of demo contributor ``i``."""
+    args = ["join", "--server", f"127.0.0.1:{port}", "--root-certificates", str(ca),
+            "--rounds", str(rounds), "--stage", stage, "--finetuning-type", finetuning_type,
+            "--shard", str(i), "--n-shards", str(max(clients, 8)), "--workdir", str(root / f"client{i}"),
+            "--key", str(root / f"client{i}" / "key.pem"), "--threads", "1", "--quiet", "--json",
+            "--name", f"demo-{i}"]
+    if max_steps:
+        args += ["--max-steps", str(max_steps)]
+        if max_steps <= 5:  # the default warm-up (5 steps) would leave no step at a learning rate > 0
+            args += ["--warmup-steps", "0"]
+    return args
+
+
+def _print_rounds_as_published(state_dir: Path, rounds: int, *, procs, server, logs: Path) -> None:
+    """One table row per round as it is published; raises when a client or the server failed."""
+    shown = 0
+    while shown < rounds:
+        status = _status(state_dir)
+        published = [r["id"] for r in status["rounds"] if r["state"] == "published"]
+        while shown < rounds and shown + 1 in published:
+            shown += 1
+            _print_round(status, shown)
+        failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+        if failed or server.poll() is not None:
+            raise RuntimeError(f"a process failed (clients {failed}, server rc {server.poll()}); see {logs}")
+        time.sleep(1.0)
+
+
 @app.command()
 def main(
     clients: int = typer.Option(3, min=1, help="Contributor processes."),
@@ -135,30 +165,13 @@ def main(
                        f"/metrics; its certificate is from the demo's private CA {tls.ca}: tell the browser to "
                        "accept it)")
         for i in range(clients):
-            args = ["join", "--server", f"127.0.0.1:{port}", "--root-certificates", str(tls.ca),
-                    "--rounds", str(rounds), "--stage", stage, "--finetuning-type", finetuning_type,
-                    "--shard", str(i), "--n-shards", str(max(clients, 8)), "--workdir", str(root / f"client{i}"),
-                    "--key", str(root / f"client{i}" / "key.pem"), "--threads", "1", "--quiet", "--json",
-                    "--name", f"demo-{i}"]
-            if max_steps:
-                args += ["--max-steps", str(max_steps)]
-                if max_steps <= 5:  # the default warm-up (5 steps) would leave no step at a learning rate > 0
-                    args += ["--warmup-steps", "0"]
+            args = _join_args(i, port=port, ca=tls.ca, rounds=rounds, stage=stage, finetuning_type=finetuning_type, clients=clients, root=root,
+                              max_steps=max_steps)
             procs.append(subprocess.Popen(_client_cmd(*args), stdout=subprocess.PIPE,
                                           stderr=open(logs / f"client{i}.log", "w"), env=env, text=True))
         typer.echo("| round | contributors | accepted | parent loss | held-out loss | change | checkpoint   |")
         typer.echo("|------:|-------------:|---------:|------------:|--------------:|-------:|--------------|")
-        shown = 0
-        while shown < rounds:
-            status = _status(state_dir)
-            published = [r["id"] for r in status["rounds"] if r["state"] == "published"]
-            while shown < rounds and shown + 1 in published:
-                shown += 1
-                _print_round(status, shown)
-            failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if failed or server.poll() is not None:
-                raise RuntimeError(f"a process failed (clients {failed}, server rc {server.poll()}); see {logs}")
-            time.sleep(1.0)
+        _print_rounds_as_published(state_dir, rounds, procs=procs, server=server, logs=logs)
         for p in procs:
             p.wait(timeout=600)
         status = _status(state_dir)

@@ -1,14 +1,11 @@
 """Settings declared once: a dataclass field is a program's setting, with its flag, file key and environment variable.
 
-A leaf field's name is its key: config-file key ``trim_beta`` or ``trim-beta``, CLI flag ``--trim-beta``,
-environment variable ``ZOO_GYM_TRIM_BETA``; its default and ``metadata["help"]`` are the only ones. A field
-whose type is a dataclass is a section: its leaves are flattened (with ``metadata["prefix"]`` before their
-names) and shown under ``metadata["section"]`` in ``--help``. Precedence: flag > environment > file > default.
-Optional metadata: ``aliases`` (other file keys), ``value_aliases`` ({text: value}), ``alias_values`` ({alias key:
-{value: value}}, an alias whose values are spelled differently). A leaf is int, float, str or bool (or optional),
-or a union of str with bool and/or list[str] (text: true/false, comma-separated names).
-(Written here rather than on pydantic-settings because the declarations are the libraries' own dataclasses,
-which are used without pydantic, and the same fields must also produce Typer options.)
+A leaf field's name is its key: file key ``trim_beta`` or ``trim-beta``, flag ``--trim-beta``, environment
+variable ``ZOO_GYM_TRIM_BETA``; its default and ``metadata["help"]`` are the only ones. A dataclass-typed
+field is a section (leaves flattened with ``metadata["prefix"]``, shown under ``metadata["section"]``).
+Precedence: flag > environment > file > default. Optional metadata: ``aliases``, ``value_aliases``,
+``alias_values``. A leaf is int, float, str or bool (or optional), or a union of str with bool and/or
+list[str]. Why not pydantic-settings: docs/design/settings.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """Centered clipping (Karimireddy, He, Jaggi 2021, "Learning from History for Byzantine Robust
 Optimization", ICML; arXiv:2012.10333).
 
-v <- v + sum_i w_i (x_i - v) min(1, tau / ||x_i - v||), `iters` times, from `center` (the
-previous aggregate, or zero: "no change", when None). A zero distance (x_i == v) counts as
-unclipped, not a division by zero.
-
-Guarantee (uniform weights, outliers' total weight W < 1/2): while no honest point is clipped,
-one iteration maps D = ||v - h|| (h the honest points' mean) to at most W D + W tau, since the
-honest part averages to h and each outlier moves v by at most its weight x tau. Hence
-||v_T - h|| <= W^T ||center - h|| + W tau / (1 - W), however large the outliers are.
-
-Every iterate is an affine combination v = a_0 center + sum_i a_i x_i (coefficients a (n+1,),
-summing to 1); the iteration updates a, and each iteration's distances ||x_i - v|| are summed
-from float64 differences (`distances.combination_sq_distances`), never derived from the pairwise
-distance matrix (that cancels once an outlier's distance is huge and its coefficient tiny).
-`centered_clip_iterate` takes the distances as a callable: the first iteration's distances
-||x_i - center|| are given (the pipeline has them from validation: its center is the zero delta,
-so they are the norms), every later iteration costs one pass over the data when streaming.
-`score` is the distance of x_i to the final center; `trimmed_share` is 1 - the last clip factor
-(how much of x_i - v was cut away).
+v <- v + sum_i w_i (x_i - v) min(1, tau / ||x_i - v||), `iters` times, from `center` (the previous
+aggregate, or zero when None); a zero distance counts as unclipped. Every iterate is an affine
+combination of `center` and the x_i, and its distances are summed from float64 differences
+(`distances.combination_sq_distances`). `centered_clip_iterate` takes the distances as a callable
+(given for the first iteration, one streamed pass per later one). Outputs: `score`, the distance of
+x_i to the final center, and `trimmed_share`, 1 - the last clip factor. Design: docs/design/aggregation.md.
 """
 
 from __future__ import annotations

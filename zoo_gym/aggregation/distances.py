@@ -1,29 +1,12 @@
-"""Exact pairwise squared distances between deltas, dense or straight from BitDelta bits, and
-exact distances from every delta to a combination of the deltas (Weiszfeld, centered clipping).
+"""Exact pairwise squared distances between deltas, dense or straight from BitDelta bits, and exact
+distances from every delta to a combination of the deltas (Weiszfeld, centered clipping).
 
-Dense: every distance is summed from the differences (x_i - x_j)^2 in float64, column block by
-column block; never ||x||^2 + ||y||^2 - 2 x.y. That expansion (Flower's Krum, in float32, on full
-weights) cancels catastrophically: the three terms are huge and nearly equal, and one outlier at
-1e12 puts the honest points' distances below its resolution (even centred on the column mean: the
-outlier dominates the mean). The difference of two finite float32 values is correctly rounded in
-float64 (exact unless their magnitudes differ by more than 2^29) and its square cannot overflow
-(1e30^2 = 1e60), so every term is within 2^-52 of exact and the float64 sum of non-negative terms
-adds at most d x 2^-53: the relative error of every pair is below (d + 2) 2^-53 whatever the other
-rows hold (ByzFL computes distances directly too). Cost n(n - 1)/2 x d subtract-multiply-adds in
-column blocks of 8 MiB of float64, no BLAS.
-
-Compressed domain (BitDelta, Liu et al. 2024, arXiv:2402.10193): inside a group of c elements
-with scales sx, sy where k signs differ,
-    ||x - y||^2 = (c - k)(sx - sy)^2 + k(sx + sy)^2 = c(sx - sy)^2 + 4 k sx sy,
-and k is a popcount of the XOR of the packed sign bytes. Both terms are >= 0, so the float64
-sum has no cancellation. No decoding to float32 happens.
-
-Speed: groups start on byte boundaries, so the sign bytes of every tensor of one contributor
-can be laid end to end into ONE word vector (each group zero-padded to whole words; a zero pad
-XORs to 0, so this is exact). All pairs are then done per cache-sized chunk of groups with one
-XOR + popcount (the CPU's POPCNT) per word pair in one compiled loop (`packed_kernels.py`) over
-that vector (`PackedModel`, in packed_model.py), instead of Python work per tensor and per pair;
-ranges of groups are shared among threads (the kernel releases the GIL).
+Dense: every distance is summed from the differences (x_i - x_j)^2 in float64, column block by column
+block, never from ||x||^2 + ||y||^2 - 2 x.y; the relative error of every pair is below (d + 2) 2^-53.
+Compressed (BitDelta, Liu et al. 2024, arXiv:2402.10193): per group of c elements with scales sx, sy
+and k differing signs, ||x - y||^2 = c(sx - sy)^2 + 4 k sx sy, k a popcount of the XOR of the packed
+sign words of a `PackedModel`; nothing is decoded to float32. Why exact, and the cost:
+docs/design/aggregation.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """Geometric median by smoothed Weiszfeld: RFA (Pillutla, Kakade, Harchaoui 2022, "Robust
 Aggregation for Federated Learning", IEEE TSP; arXiv:1912.13445).
 
-Minimise sum_i w_i ||v - x_i|| by v <- sum_i b_i x_i / sum_i b_i, b_i = w_i / max(nu, ||v - x_i||).
-
-Start: the coordinate-wise (lower) median of the inputs, not the mean. From the mean, an outlier
-at 1e30 keeps a coefficient that shrinks only by a factor of about n_honest per iteration (some
-40 iterations before the iterate is back among honest points); from the median, whose coordinates
-lie within the honest values when outliers are fewer than half, the first step already gives an
-outlier at distance M a coefficient of about (honest distance) / M.
-
-Stop: when the iterate moves by at most `eps` x the (lower) median of the distances ||x_i - v||,
-or after `max_iter` Weiszfeld steps. Not on the objective sum_i w_i ||v - x_i||: an outlier's
-distance dominates it, so its relative change says nothing about where v sits among the honest
-points (with an outlier at 1e30 it stops after the first step, 1e22 away from them).
-
-Exactness: every iteration's distances to the current iterate are summed from float64
-differences (`distances.combination_sq_distances`), never derived from the pairwise distance
-matrix ((D a)_i - a^T D a / 2 cancels: with an outlier at 1e30, D holds 1e60 and the honest
-points' unit distances are below its resolution).
-
-Streaming: `weiszfeld` takes the distance computation as a callable, so `DeltaSoup` runs the same
-iteration with one pass over the model's tensors per step (see soup.py for the cost).
-`score` is each contributor's distance to the median; `weight_used` its final coefficient.
+Minimises sum_i w_i ||v - x_i|| by v <- sum_i b_i x_i / sum_i b_i, b_i = w_i / max(nu, ||v - x_i||),
+starting from the coordinate-wise (lower) median and stopping when the iterate moves by at most `eps` x
+the median distance, or after `max_iter` steps. Distances are summed from float64 differences
+(`distances.combination_sq_distances`); `weiszfeld` takes them as a callable so `DeltaSoup` streams one
+pass per step. Outputs: `score`, each contributor's distance to the median, and `weight_used`, its final
+coefficient. Why this start and stop: docs/design/aggregation.md.
 """
 
 from __future__ import annotations

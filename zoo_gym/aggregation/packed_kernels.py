@@ -1,28 +1,13 @@
-"""Compiled loops over a `PackedModel`: how it is built, and the two BitDelta-domain kernels of
-Krum and Multi-Krum.
+"""Compiled loops (numba) over a `PackedModel`: how it is built, and the two BitDelta-domain kernels
+of Krum and Multi-Krum.
 
-Written by hand (numba) because no library does these loops well: both are a few operations per
-sign bit, and numpy (or torch) can only run them as whole-array passes (XOR, popcount, per-group
-sums, bit unpacking, table gathers), each writing a scratch array as large as the input and
-reading it back. Here one loop per group keeps the work in registers and L1: the distances read
-the sign words once; the mean reads them once and writes each output value once.
+- `sq_distances`: sum over groups of c (s_i - s_j)^2 + 4 k_ij s_i s_j, k = popcount(x_i XOR x_j).
+- `gather`: lays every contributor's tensors end to end (`PackedModel.build`), one call for all.
+- `weighted_sum`: out = sum_r c_r(g) (2 b_r - 1), from a (256, 8) sign table.
 
-- `sq_distances`: sum over groups of c (s_i - s_j)^2 + 4 k_ij s_i s_j (see distances.py), with
-  k = popcount(x_i XOR x_j) (the CPU's POPCNT through LLVM's ctpop), pair by pair over
-  cache-sized runs of groups.
-- `gather`: lays every contributor's tensors end to end (`PackedModel.build`). It reads each
-  tensor through its address (torch's `data_ptr`), so building a model of T tensors x n
-  contributors costs one call, not T x n numpy / torch calls (1-2 us each: on the tiny model's
-  46 tensors x 10 contributors that Python work was 3 of a Krum call's 5 ms).
-- `weighted_sum`: out = sum_r c_r(g) (2 b_r - 1). Element k of a sign byte x is +1 when bit k is
-  set (packbits "little"), so a byte's 8 values are row x of a (256, 8) sign table; four
-  contributors' rows are scaled and added as <8 x float> vectors (`_axpy8x4`, explicit LLVM
-  vectors: numba's auto-vectoriser leaves this loop scalar and latency-bound, 3x slower).
-
-The kernels release the GIL (`nogil=True`) and take a range of groups, so callers share ranges
-among their own threads (no numba threading layer, hence no second OpenMP runtime beside
-torch's). Compiled code is cached on disk (`cache=True`): the first call in a fresh install
-compiles (a few seconds), later processes load it; `warm_up()` does that at server start.
+Every kernel takes a range of groups and releases the GIL, so callers share ranges among their own
+threads. Compiled code is cached on disk; `warm_up()` compiles or loads it. Why hand-written, and how:
+docs/design/aggregation.md.
 """
 
 from __future__ import annotations

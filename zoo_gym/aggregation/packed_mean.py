@@ -1,20 +1,11 @@
 """Weighted mean of packed BitDelta deltas, without decoding each one to floats.
 
 BitDelta (Liu et al., NeurIPS 2024, arXiv:2402.10193) codes contributor i's tensor as
-``s_i[r, g] * (2 b_i - 1)`` with sign bits ``b_i`` and one scale per (row, group). Multi-Krum
-(Blanchard et al., NeurIPS 2017) then averages the selected deltas:
-``out = sum_i w_i s_i (2 b_i - 1)``.
-
-The loop is one compiled kernel (`packed_kernels.weighted_sum`): per group, each selected
-contributor's sign byte picks a row of a (256, 8) table of +-1, scaled by ``w_i s_i`` (rounded
-once to float32) and added as 8-wide float32 vectors, four contributors at a time. Every output
-is within (1.5 + m / 8) float32 eps of ``sum_i |w_i s_i|`` of the exact sum (m contributors
-of weight > 0); the float32 reference that decodes and adds one contributor at a time rounds
-m times.
-
-Work runs over a `PackedModel` (all tensors of a model laid end to end, see packed_model.py);
-ranges of groups are shared among ``torch.get_num_threads()`` threads (the kernel releases the
-GIL; no OpenMP team or BLAS pool competes with those threads).
+``s_i[r, g] * (2 b_i - 1)``; Multi-Krum (Blanchard et al., NeurIPS 2017) averages the selected deltas:
+``out = sum_i w_i s_i (2 b_i - 1)``. Runs one compiled kernel (`packed_kernels.weighted_sum`) over a
+`PackedModel`, its ranges of groups shared among ``torch.get_num_threads()`` threads. Every output is
+within (1.5 + m / 8) float32 eps of ``sum_i |w_i s_i|`` of the exact sum (m contributors of weight
+> 0). Design: docs/design/aggregation.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Several BitDelta tensors of n contributors laid end to end, group by group, in one array.
 
-BitDelta (Liu et al. 2024, arXiv:2402.10193) codes a tensor as one scale per (row, group) times
-packed sign bits. Groups start on byte boundaries, so the sign bytes of every tensor of one
-contributor can be laid end to end into ONE word vector, each group zero-padded to whole words
-(a zero pad XORs to 0 and is dropped when results are split back into tensors). Distances
-(`distances.py`) and the weighted mean (`packed_mean.py`) then run over that one vector in
-cache-sized chunks, instead of paying Python and numpy call overheads per tensor and per pair.
-
-Built once per aggregation from the decoded-free `BitDeltaPacked` views by one compiled call
-(`packed_kernels.gather`, reading each tensor through its address), so the cost is a memcpy of
-the signs and scales plus one list comparison per contributor that checks every layout.
+BitDelta (Liu et al. 2024, arXiv:2402.10193) codes a tensor as one scale per (row, group) times packed
+sign bits. A `PackedModel` holds every contributor's sign bytes as ONE word vector, each group
+zero-padded to whole words (a zero pad XORs to 0 and is dropped when results are split back into
+tensors), plus the scales. Built once per aggregation from the `BitDeltaPacked` views by one compiled
+call (`packed_kernels.gather`), checking that every contributor has the same layout; `distances.py` and
+`packed_mean.py` run over it. Design: docs/design/aggregation.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Coordinate-wise trimmed mean (Yin et al. 2018, arXiv:1803.01498).
 
-Per coordinate, drop the k largest and k smallest values and average the rest. Here
-k = max(1, floor(beta * n)) whenever beta > 0: Flower computes k = floor(beta * n) and so with
-beta = 0.2 trims nothing at all when n <= 4, silently becoming a plain mean. If n is too small to
-trim k from each end and keep one value (n < 2k + 1, i.e. n <= 2 for k = 1) we refuse with
-`NotRobustConfigError` instead of pretending to be robust. beta = 0 is the plain (weighted) mean.
-With weights, the kept values are averaged with the weights of the contributors who gave them.
-The kept values are summed in float64 (products too) and divided once, then cast to the deltas'
-dtype: the same result on every CPU, BLAS and thread count.
-
-Copies count once (`groups=`, as Krum counts them: krum.duplicate_groups): the rows of one group are one
-row, its first, with the mean of its members' weights, and n is the number of groups. Colluders who send
-one crafted row from many identities are then one value per coordinate, trimmed like any other outlier;
-without it 5 copies of a sign flip in a buffer of 10 kept one copy past beta = 0.4's 4 per side, and the
-step pointed uphill (benchmarks/async.py seed 6, README "Asynchronous rounds").
+Per coordinate, drop the k largest and k smallest values and average the rest (with the weights of the
+contributors who gave them), k = max(1, floor(beta * n)) whenever beta > 0; beta = 0 is the plain
+(weighted) mean. n < 2k + 1 is refused with `NotRobustConfigError`. Copies count once (`groups=`, from
+krum.duplicate_groups): a group is one row, its first, with the mean of its members' weights, and n is
+the number of groups. Sums are float64, divided once and cast to the deltas' dtype, so the result is
+the same on every CPU, BLAS and thread count. Why k >= 1 and copies once: docs/design/aggregation.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """The chat format shared by pretraining, fine-tuning, evaluation and GRPO.
 
-Training (TRL renders conversational rows with the tokenizer's chat template), evaluation and GRPO
-all read one template: the one in the checkpoint's tokenizer files. The published checkpoint carries
-it, so every contributor and the server render the same text.
-
-* The built-in tiny model ships ``CHAT_TEMPLATE`` (ChatML, Qwen style). It puts the newline *before*
-  each ``<|im_start|>`` rather than after ``<|im_end|>``, so a completion is exactly
-  ``content<|im_end|>``: the loss and the generated answer stop at the end token.
-* A base without a chat template (most base models) gets ``PLAIN_TEMPLATE`` at ``gym-server init``
-  (or the operator's ``--chat-template FILE``), stored in the genesis checkpoint's tokenizer files::
-
-      <system text>\\n\\n### Instruction:\\n<user text>\\n\\n### Response:\\n<answer><eos>
-
-  Turns are separated by a blank line placed *before* each turn, so a completion is exactly
-  ``answer`` followed by the tokenizer's eos token. ``load_tokenizer`` applies the same fallback to
-  any tokenizer that has no template, so a directory made outside ``init`` behaves identically.
-
-A completion is the text the full conversation adds to the prompt rendered with the generation
-prompt (``render_pair``); a template for which the prompt is not a prefix of the conversation is
-refused by ``check_template``.
+Everyone renders with one template: the one in the checkpoint's tokenizer files. The built-in tiny model
+ships ``CHAT_TEMPLATE`` (ChatML, Qwen style: a completion is exactly ``content<|im_end|>``); a base
+without a chat template gets ``PLAIN_TEMPLATE`` at ``gym-server init`` (or ``--chat-template FILE``),
+and ``load_tokenizer`` applies the same fallback to any tokenizer without one (a completion is
+``answer`` followed by eos). A completion is the text the full conversation adds to the prompt rendered
+with the generation prompt (``render_pair``); a template for which the prompt is not a prefix of the
+conversation is refused by ``check_template``. Details: docs/design/training.md.
 """
 
 from __future__ import annotations

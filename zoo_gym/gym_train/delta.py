@@ -1,16 +1,12 @@
 """Turning a trained model into a delta against its base (Hu et al., "LoRA", 2021; Liu et al., "DoRA", 2024;
 Meng et al., "PiSSA", 2024).
 
-Keys are the names in the base's ``model.safetensors``. ``sft``: dense ``fine - base`` for every
-parameter. LoRA: ``LoraFactors(A (r, in), B (out, r) with the scaling folded in)`` keyed by the base
-weight's name, or the merged dense delta. PiSSA moves the principal part of W into the initial
-adapter, so its delta is ``s*B A - s*B0 A0``: factors of rank 2r ``[B, -B0] @ [A; A0]``. DoRA's
-magnitude vector makes the change not low-rank: its delta is always the merged dense one.
-
-GPT-2-style ``Conv1D`` layers store their weight as (in, out), the transpose of a Linear's. PEFT's LoRA
-on them runs with ``fan_in_fan_out`` and adds ``(B @ A).T``; the factors are sent as
-``LoraFactors(A=B.T, B=A.T)``, whose product ``A.T @ B.T == (B @ A).T`` is already in the base's layout,
-so the codec and the server never need to know the layer kind.
+Keys are the names in the base's ``model.safetensors``. ``sft``: dense ``fine - base`` per parameter.
+LoRA: ``LoraFactors(A (r, in), B (out, r) with the scaling folded in)`` keyed by the base weight's name,
+or the merged dense delta; PiSSA's delta is factors of rank 2r ``[B, -B0] @ [A; A0]``; DoRA's is always
+the merged dense one. GPT-2 ``Conv1D`` factors are sent as ``LoraFactors(A=B.T, B=A.T)``, already in
+the base's layout, so the codec and the server never need to know the layer kind.
+Details: docs/design/training.md.
 """
 
 from __future__ import annotations

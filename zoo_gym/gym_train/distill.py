@@ -1,14 +1,11 @@
 """BitDelta scale distillation: the calibration step of Liu et al., "BitDelta: Your Fine-Tune May Only
 Be Worth One Bit", 2024 (arXiv:2402.10193), Section 3.2.
 
-The 1-bit code of a delta is ``scale * sign(delta)`` per group. Distillation freezes the signs and the
-base, and trains only the per-group scales so that the logits of ``base + scale * sign`` match those
-of the fine-tuned model ``base + delta`` (mean squared error over the calibration tokens).
-
-The output is a DENSE delta equal to ``scale * sign`` with the distilled scales, so re-encoding it with
-``zoo_gym.codec`` bitdelta at the same ``group_size`` reproduces those scales (the mean of ``|scale * sign|``
-over a group is ``scale``): distillation needs no special codec API. Signs follow the codec's
-convention (``x >= 0`` is +). 1-D tensors (norms) pass through unchanged (the codec sends them fp16).
+Freezes the signs and the base and trains only the per-group scales, so that the logits of
+``base + scale * sign`` match those of ``base + delta`` (mean squared error over the calibration tokens).
+The output is a DENSE delta equal to ``scale * sign``: re-encoding it with ``zoo_gym.codec`` bitdelta at
+the same ``group_size`` reproduces the distilled scales. Signs follow the codec (``x >= 0`` is +); 1-D
+tensors pass through unchanged. Details: docs/design/training.md.
 """
 
 from __future__ import annotations
@@ -52,6 +49,32 @@ def expand_scales(scales: torch.Tensor, *, rows: int, cols: int, group_size: int
     return full.expand(rows, cols)
 
 
+def _check_settings(*, steps: int, lr: float, calib_examples: list[dict]) -> None:
+    if steps < 0:
+        raise ValueError(f"`steps` must be >= 0, got {steps}")
+    if not lr > 0:
+        raise ValueError(f"`lr` must be > 0, got {lr}")
+    if not calib_examples:
+        raise ValueError("`calib_examples` must not be empty: distillation matches logits on them")
+
+
+def _signs_and_initial_scales(dense: dict, params: dict, base_dir, group_size: int | None):
+    """Frozen signs, trainable scales (the codec's group mean |x|) and shapes of the 2-D+ tensors;
+    1-D tensors go to the pass-through dict. Refuses a name that is not a parameter of the base."""
+    signs, scales, shapes, passthrough = {}, {}, {}, {}
+    for k, d in dense.items():
+        if k not in params:
+            raise KeyError(f"delta names {k!r}, which is not a parameter of the base in {base_dir}")
+        if d.dim() < 2:
+            passthrough[k] = d
+            continue
+        x = _view2d(d)
+        signs[k] = torch.where(x >= 0, 1.0, -1.0)  # (rows, cols), frozen
+        scales[k] = torch.nn.Parameter(group_mean_abs(x, group_size=group_size))  # (scale_rows, n_groups)
+        shapes[k] = d.shape
+    return signs, scales, shapes, passthrough
+
+
 def distill_bitdelta_scales(
     base_dir,
     delta: Mapping[str, torch.Tensor],
@@ -64,12 +87,7 @@ def distill_bitdelta_scales(
     generator: torch.Generator | None = None,
 ) -> dict[str, torch.Tensor]:
     """Distilled ``scale * sign`` for every 2-D+ tensor of ``delta`` (dense float32); 1-D ones unchanged."""
-    if steps < 0:
-        raise ValueError(f"`steps` must be >= 0, got {steps}")
-    if not lr > 0:
-        raise ValueError(f"`lr` must be > 0, got {lr}")
-    if not calib_examples:
-        raise ValueError("`calib_examples` must not be empty: distillation matches logits on them")
+    _check_settings(steps=steps, lr=lr, calib_examples=calib_examples)
     base_dir = pathlib.Path(base_dir)
     tokenizer = load_tokenizer(base_dir)
     model = load_model(base_dir)
@@ -79,17 +97,7 @@ def distill_bitdelta_scales(
     params = dict(model.named_parameters())
 
     dense = {k: dense_delta(v).float() for k, v in delta.items()}
-    signs, scales, shapes, passthrough = {}, {}, {}, {}
-    for k, d in dense.items():
-        if k not in params:
-            raise KeyError(f"delta names {k!r}, which is not a parameter of the base in {base_dir}")
-        if d.dim() < 2:
-            passthrough[k] = d
-            continue
-        x = _view2d(d)
-        signs[k] = torch.where(x >= 0, 1.0, -1.0)  # (rows, cols), frozen
-        scales[k] = torch.nn.Parameter(group_mean_abs(x, group_size=group_size))  # (scale_rows, n_groups)
-        shapes[k] = d.shape
+    signs, scales, shapes, passthrough = _signs_and_initial_scales(dense, params, base_dir, group_size)
 
     pairs = tokenize_examples(tokenizer, calib_examples)
     batches = [collate(pairs[i:i + batch_size], pad_id=tokenizer.pad_token_id)

@@ -2,19 +2,10 @@
 
 DP-SGD: Abadi et al., "Deep Learning with Differential Privacy", CCS 2016 (per-example clipping,
 Gaussian noise, Poisson sampling); accounting with Opacus's RDP accountant (Mironov, "Renyi
-Differential Privacy", 2017).
-
-Why a small loop instead of TRL's trainer: Opacus must own the optimizer (``DPOptimizer`` clips per
-example and adds noise), the model (``GradSampleModule`` hooks) and the data loader (Poisson
-sampling gives the guarantee its sample rate). TRL's trainers build all three themselves through
-accelerate, so wiring ``make_private`` into them would mean overriding their internals; the loop
-below is the smallest one that lets Opacus own them (FINDINGS: ``grad_sample_mode="hooks"`` works on
-a PEFT model's LoRA parameters).
-
-What is private: each training *example* (one alpaca record) of this client's local round, for
-this round's steps. For ``sft`` only the Linear weights of the decoder blocks are trained under DP:
-Opacus has no per-sample gradient for Qwen3's custom RMSNorm, and the tied embedding / LM head
-would be counted twice; they stay frozen (their delta is exactly zero).
+Differential Privacy", 2017). A small training loop in which Opacus owns the optimizer, the model and
+the data loader. What is private: each training example of this client's local round, for this round's
+steps. For ``sft`` only the Linear weights of the decoder blocks are trained under DP; the rest stays
+frozen (its delta is exactly zero). Why this loop and not TRL's trainer: docs/design/privacy.md.
 """
 
 from __future__ import annotations
@@ -56,6 +47,28 @@ def _per_example_loss(model, ids, mask, labels) -> torch.Tensor:
     tok = torch.nn.functional.cross_entropy(lg.transpose(1, 2), lb, ignore_index=-100, reduction="none")  # (B, T-1)
     n = (lb != -100).sum(1).clamp(min=1)  # (B,)
     return tok.sum(1) / n
+
+
+def _private_steps(dp_model, dp_opt, dp_loader, sched, engine, config: TrainConfig, *,
+                   progress: bool) -> tuple[int, int, int]:
+    """``config.max_steps`` DP-SGD steps over the Poisson loader: (steps, examples seen, tokens seen)."""
+    steps = examples_seen = tokens_seen = 0
+    while steps < config.max_steps:
+        for b_ids, b_mask, b_labels in dp_loader:
+            if steps >= config.max_steps:
+                break
+            dp_opt.zero_grad(set_to_none=True)
+            if b_ids.shape[0] > 0:
+                loss = _per_example_loss(dp_model, b_ids, b_mask, b_labels).mean()
+                loss.backward()
+            dp_opt.step()  # an empty Poisson batch still adds noise and counts for the accountant
+            sched.step()
+            steps += 1
+            examples_seen += int(b_ids.shape[0])
+            tokens_seen += int(b_mask.sum())
+            if progress and steps % max(1, config.max_steps // 10) == 0:
+                print(f"dp step {steps}/{config.max_steps} eps={engine.get_epsilon(config.dp_delta):.3f}", flush=True)
+    return steps, examples_seen, tokens_seen
 
 
 def train_dp(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_examples=None,
@@ -104,22 +117,8 @@ def train_dp(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_
         lambda s: min(1.0, (s + 1) / max(1, config.warmup_steps)) * max(0.0, 1.0 - s / config.max_steps),
     )
     t0 = time.perf_counter()
-    steps = examples_seen = tokens_seen = 0
-    while steps < config.max_steps:
-        for b_ids, b_mask, b_labels in dp_loader:
-            if steps >= config.max_steps:
-                break
-            dp_opt.zero_grad(set_to_none=True)
-            if b_ids.shape[0] > 0:
-                loss = _per_example_loss(dp_model, b_ids, b_mask, b_labels).mean()
-                loss.backward()
-            dp_opt.step()  # an empty Poisson batch still adds noise and counts for the accountant
-            sched.step()
-            steps += 1
-            examples_seen += int(b_ids.shape[0])
-            tokens_seen += int(b_mask.sum())
-            if progress and steps % max(1, config.max_steps // 10) == 0:
-                print(f"dp step {steps}/{config.max_steps} eps={engine.get_epsilon(config.dp_delta):.3f}", flush=True)
+    steps, examples_seen, tokens_seen = _private_steps(dp_model, dp_opt, dp_loader, sched, engine, config,
+                                                       progress=progress)
     seconds = time.perf_counter() - t0
     epsilon = float(engine.get_epsilon(config.dp_delta))
 

@@ -1,23 +1,13 @@
 """User training data: the record formats Hugging Face users have, normalised to one form.
 
-Record formats (detected per record):
-
-* alpaca: ``instruction`` / ``input`` / ``output`` (optional ``system``, ``history``);
-* sharegpt: ``conversations`` of ``{"from": human|gpt|system, "value": ...}`` turns;
-* OpenAI / TRL conversational: ``messages`` of ``{"role": user|assistant|system, "content": ...}``;
-* TRL prompt-completion: ``prompt`` / ``completion``, as strings or as message lists;
-* plain ``text`` (continued pretraining), only where the caller accepts it (``allow_text=True``);
-* preference pairs: TRL ``prompt``/``chosen``/``rejected``, LLaMA-Factory
-  ranking data, and KTO's unpaired ``prompt``/``completion``/``label`` (or a ``kto_tag``).
-
-Instruction records are normalised to the alpaca form the built-in tasks use:
-``{"instruction": str, "input": str, "output": str}`` plus optional ``"system": str`` and
-``"history": [[user, assistant], ...]`` (earlier turns, the LLaMA-Factory alpaca convention); a
-``text`` record becomes ``{"text": str}``; a pair keeps its prompt fields plus ``"chosen"`` and
-``"rejected"`` strings (no ``output``); a KTO record adds ``"label": bool`` to its ``output``.
-``check_stage_data`` refuses records a stage cannot train on (pairs for sft, answers for dpo, ...). Where the records come from (JSON, JSONL, Parquet, CSV, a
-``save_to_disk`` directory, a cached Hub id) is ``sources.py``. A malformed record is refused with a
-:class:`DataError` naming the file, the line (JSONL), record index (JSON) or row (tables) and the field.
+Detected per record: alpaca (``instruction``/``input``/``output``), sharegpt (``conversations``), OpenAI /
+TRL conversational (``messages``), TRL prompt-completion (``prompt``/``completion``), preference pairs (TRL
+``prompt``/``chosen``/``rejected``, LLaMA-Factory ranking data), KTO's ``prompt``/``completion``/``label``,
+and plain ``text`` where the caller accepts it (``allow_text=True``). Instruction records become
+``{"instruction", "input", "output"}`` plus optional ``"system"`` and ``"history"``; a pair keeps its prompt
+fields plus ``"chosen"``/``"rejected"``; a KTO record adds ``"label": bool``; ``text`` stays ``{"text"}``.
+``check_stage_data`` refuses records a stage cannot train on. Where records come from is ``sources.py``. A
+malformed record is a :class:`DataError` naming the file, line/record/row and field (docs/design/training.md).
 """
 
 from __future__ import annotations

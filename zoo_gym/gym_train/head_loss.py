@@ -1,15 +1,10 @@
 """Summed cross-entropy of a linear output layer, chunked over positions in forward and backward.
 
-``evaluate.head_loss_sum`` applies the output layer (the lm_head: vocabulary x hidden, 622 MB in
-float32 at Qwen3's 151936 tokens) only at the positions that predict a completion token, a chunk of
-positions at a time. Differentiated chunk by chunk through autograd, every chunk's backward
-produced a whole-vocabulary weight gradient of its own, which autograd then summed: two or more
-622 MB buffers at the start of the server's scoring backward, the largest transient of the pass.
-``linear_cross_entropy_sum`` is one autograd function over all chunks: its backward recomputes each
-chunk's logits and adds that chunk's weight gradient into one buffer in place (``addmm_``). The same
-gradient up to float rounding, with one weight-sized buffer. (The fused "linear cross-entropy" of
-Liger-Kernel and Apple's Cut Cross-Entropy do this on GPUs; neither runs on a CPU, so it is written
-here, in torch ops.)
+``linear_cross_entropy_sum`` applies the output layer (the lm_head) only at the given positions, a chunk
+at a time, as one autograd function: its backward recomputes each chunk's logits and adds that chunk's
+weight gradient into one buffer in place (``addmm_``). The same gradient as chunk-by-chunk autograd up
+to float rounding, with one weight-sized buffer. Used by ``evaluate.head_loss_sum``.
+Why: docs/design/training.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Where training records come from: a file, a ``save_to_disk`` directory or a cached Hub dataset id.
 
 ``iter_records(source)`` yields ``(where, record)`` pairs, ``where`` naming the line (JSONL), record
-index (JSON array) or row (every table source), so that a bad record is refused with its place:
-
-* ``.jsonl`` / ``.json``: read here, line by line, so a JSON syntax error names its line;
-* ``.parquet`` / ``.csv``: ``datasets``' packaged builders;
-* a directory written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``: ``datasets.load_from_disk``;
-* ``namespace/name``: ``datasets.load_dataset(id, download_mode="reuse_cache_if_exists")`` with the Hub
-  switched off for the call (``HF_HUB_OFFLINE`` semantics): a dataset already in the local cache
-  (``$HF_DATASETS_CACHE``, else ``$HF_HOME/datasets``) loads, anything else is refused; nothing is
-  downloaded at run time.
-
-A ``DatasetDict`` gives its ``train`` split, or its only split.
+index (JSON array) or row (every table source), so a bad record is refused with its place. Sources:
+``.jsonl`` / ``.json`` (read here), ``.parquet`` / ``.csv`` (``datasets``' builders), a
+``save_to_disk`` directory, or ``namespace/name`` loaded from the local cache only, with the Hub switched
+off: nothing is downloaded at run time. A ``DatasetDict`` gives its ``train`` split, or its only split.
+Details: docs/design/training.md.
 """
 
 from __future__ import annotations

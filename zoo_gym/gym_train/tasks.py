@@ -1,20 +1,11 @@
 """Built-in generated task families for the tiny model, deterministic by seed.
 
 Every family is a function ``(rng) -> alpaca dict`` drawing from a ``random.Random``. The tiny base is
-pretrained on the ``PRETRAIN_TASKS`` mixture only (chat format, sums and differences,
-copying and counting digits);
-contributors' built-in shards teach families the base never saw:
-
-* ``reverse`` (the ``"default"`` task): reverse a short string of digits, a new skill with clear room
-  that a few hundred LoRA steps visibly learn;
-* ``word_math``: one-digit word problems with an exact numeric answer, the GRPO task (the base knows
-  ``a+b`` but never saw the words, so its reward starts low and can rise).
-* ``preference``: the default task's prompts as pairs, the reversed digits ``chosen`` over the
-  digits copied unreversed ``rejected`` (the preference stages' task; same shards and splits).
-
-Disjointness across shards and splits: each family's examples are keyed by their (instruction, input)
-text; an example belongs to the split and shard chosen by a hash of that key, so no prompt appears in
-two shards or in both the training data and the validation set.
+pretrained on the ``PRETRAIN_TASKS`` mixture only; contributors' built-in shards teach families it never
+saw: ``reverse`` (the ``"default"`` task) ``word_math`` (the RL task) and ``preference`` (the default task's prompts as right/wrong answer pairs). Each family's examples are
+keyed by their (instruction, input) text and assigned to a split and shard by a hash of that key, so no
+prompt appears in two shards or in both the training data and the validation set.
+Details: docs/design/training.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Minimum quality: which scored submissions are paid.
 
-The reference is the median score of the round's *validated* submissions (refused ones are not
-counted, so a flood of refused junk cannot lower the bar):
-
     threshold = min_quality * median_{i validated}(score_i)          (min_quality 0.8 by default)
     paid_i    = validated_i  and  score_i > 0  and  score_i >= threshold
 
-The seeds' "min 80 % quality" rule. When the median is 0 (half or more of the round brought
-nothing: free-riders, attackers) the threshold degenerates to "score > 0": whoever measurably
-helped is still paid, and a round where nobody helped (every score 0) pays nobody. The unpaid
-part of the pool is not minted.
+Refused submissions do not count towards the median. When the median is 0 the rule is "score > 0", so
+a round where nobody helped pays nobody. The unpaid part of the pool is not minted.
+Why: docs/design/rewards-scoring.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Activation checkpointing by a memory budget, for the base gradient's backward pass.
 
-The base gradient (``gradient.py``) takes one backward over the whole scoring set. Its forward keeps
-every decoder layer's activations for the backward: at Qwen3-0.6B's size, 32 short examples (472 packed
-positions) keep 2.2 GB, about 0.9x the float32 model, on top of the model itself. Splitting the set into
-parts bounds that, but then the parameters' gradients accumulate across parts in memory (1x the model
-again) and every part pays the full-size gradient buffers (measured 2x the time of one pass).
-
-``checkpoint_beyond(model, budget)`` instead counts the bytes the autograd graph saves as the forward
-runs (``torch.autograd.graph.saved_tensors_hooks``; the model's own weights are not counted), and every
+``checkpoint_beyond(model, budget)`` counts the bytes the autograd graph saves as the forward runs
+(``torch.autograd.graph.saved_tensors_hooks``; the model's own weights are not counted), and every
 decoder layer that starts after the count passed ``budget`` runs under ``torch.utils.checkpoint``
-(non-reentrant): its activations are recomputed in the backward instead of kept. Layers that fit keep
-theirs and cost nothing extra, so a small set (or a small model) pays no recomputation at all, and a
-large one pays one more forward of the layers beyond the budget. Decoder layers are the classes the
-model lists in ``_no_split_modules`` (every Hugging Face causal LM names its block there); a model
-without it runs unchanged.
+(non-reentrant). Layers that fit keep their activations. Decoder layers are the classes the model lists
+in ``_no_split_modules``; a model without it runs unchanged. Why: docs/design/rewards-scoring.md.
 """
 
 from __future__ import annotations

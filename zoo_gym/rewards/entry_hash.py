@@ -1,14 +1,11 @@
 """The bytes a ledger entry is hashed and signed over: what a client re-implements to verify.
 
-``canonical_entry_bytes`` is UTF-8 JSON of the object below with keys sorted, separators ``","`` and
-``":"``, ``ensure_ascii=True``; ints as JSON integers, floats in Python's shortest round-trip ``repr``
-(``0.1``, ``1e-07``, ``0.0``), strings JSON-escaped; non-finite floats are refused::
-
-    {"amount": int, "contributor": str, "kind": str, "prev_hash": str, "reason": str,
-     "reputation_after": float, "round_id": int, "score": float, "seq": int, "v": 1}
-
-``signing_message(h) = b"zoo-gym/ledger/v1\\n" + bytes.fromhex(h)`` (domain separation: the server key
-may sign other things too). ``GENESIS_HASH`` is the ``prev_hash`` of entry 1.
+``canonical_entry_bytes`` is UTF-8 JSON with keys sorted, separators ``","`` and ``":"``,
+``ensure_ascii=True``; ints as JSON integers, floats in Python's shortest round-trip ``repr`` (``1e-07``),
+strings JSON-escaped; non-finite floats are refused. The object: {"amount": int, "contributor": str, "kind": str, "prev_hash": str,
+"reason": str, "reputation_after": float, "round_id": int, "score": float, "seq": int, "v": 1}.
+``signing_message(h) = b"zoo-gym/ledger/v1\\n" + bytes.fromhex(h)`` (domain separation).
+``GENESIS_HASH`` is the ``prev_hash`` of entry 1.
 """
 
 from __future__ import annotations

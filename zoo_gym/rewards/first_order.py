@@ -1,18 +1,12 @@
 """First-order (linearised) losses: score a round from one gradient instead of n + k forward passes.
 
-With ``g`` the gradient of the validation loss at the base checkpoint (one forward + backward),
-to first order
+With ``g`` the gradient of the validation loss at the base checkpoint, to first order
 
     L_i  ~= L0 + <g, delta_i>                                   (solo loss, ``slope_i = <g, delta_i>``)
     L(S) ~= L0 + sum_{i in S} w_i slope_i / sum_{i in S} w_i    (the aggregator's weights w, restricted)
 
-so every loss `score_round` needs costs one dot product per contributor, and the GTG-Shapley game
-is free to evaluate. This is FLTrust's idea (Cao et al., NDSS 2021: trust = alignment with a
-server "root" update computed on the server's own data) stated as a loss change: a random delta is
-almost orthogonal to ``g`` in high dimension (|cos| ~ 1/sqrt(d)), so its score is tiny and falls under
-the minimum quality; a sign-flip has ``slope > 0`` (loss up) and scores 0; a zero delta scores 0.
-What it misses: curvature. A large delta that overshoots looks good to first order; keep the
-server's norm bound / DP clipping on, or use exact losses when forward passes are affordable.
+FLTrust's idea (Cao et al., NDSS 2021) stated as a loss change. It ignores curvature: keep the norm
+bound / DP clipping on. Why it scores attacks 0: docs/design/rewards-scoring.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """The server's root gradient: loss and gradient of the validation loss at the base checkpoint.
 
-First-order scoring (``first_order.py``) needs ``g = dL/dtheta`` at the round's base, where ``L`` is
-the same mean completion-token cross-entropy that ``gym_train.Evaluator.loss`` computes (token-
-weighted over the whole example set, labels ``-100`` outside completions). It depends only on the
-base checkpoint and the validation set, never on the submissions, so the server can compute it
-once when it publishes a base (while contributors train) and reuse it when it scores that round:
-``BaseGradient`` is that cached value. FLTrust (Cao, Fang, Liu, Gong, NDSS 2021) calls the
-corresponding update the server's root update.
-
-Cost: one forward and one backward over the examples (about 3 forward passes; the output layer only
-at scored positions), plus the recomputed forward of the decoder layers checkpointed to stay within the
-activation budget (``activation_budget.py``). Memory: the model, the activations within the budget and
-one gradient tensor at a time; the finished gradient goes to disk (``spill.py``) on the server. On the
-tiny model with 32 examples, 1 CPU thread, about 0.1 s padded, about 0.07 s packed (``packed_batch.py``:
-the shared chat prefix computed once per row, no padding).
+``g = dL/dtheta`` at the round's base, ``L`` the mean completion-token cross-entropy that
+``gym_train.Evaluator.loss`` computes (token-weighted, labels ``-100`` outside completions). It depends
+only on the base and the validation set, so ``BaseGradient`` caches it from publish to scoring (FLTrust,
+Cao, Fang, Liu, Gong, NDSS 2021: the server's root update). One forward and one backward over the
+examples, decoder layers beyond the activation budget checkpointed (``activation_budget.py``); the
+finished gradient can go to disk (``spill.py``). Costs: docs/design/rewards-scoring.md.
 """
 
 from __future__ import annotations
@@ -135,6 +127,31 @@ def _loss_sum(model: torch.nn.Module, batch) -> Tensor:
                          at=at, targets=targets)
 
 
+def _backward_parts(batches, rows_per_backward: int | None) -> tuple[list, int, int]:
+    """(parts with completion tokens, their tokens, their examples); refuses a set with no tokens."""
+    parts = [p for batch in batches for p in _parts(batch, rows=rows_per_backward or (1 << 62))]
+    parts = [p for p in parts if p[1] > 0]
+    tokens = sum(k for _, k, _ in parts)
+    examples = sum(b for _, _, b in parts)
+    if tokens == 0:
+        raise ScoringInputError("`batches` hold no completion tokens (every label is -100 "
+                                "or there is no batch): nothing to take a gradient of")
+    return parts, tokens, examples
+
+
+def _by_name(store: dict[int, Tensor] | SpilledTensors,
+             params: dict[str, torch.nn.Parameter]) -> Mapping[str, Tensor]:
+    """The gradients keyed by parameter name (tied names share one tensor); an unused parameter's is zeros."""
+    if isinstance(store, SpilledTensors):
+        for k, p in params.items():
+            store.alias(k, id(p), p.shape, p.dtype)
+        return store
+    for p in params.values():
+        if id(p) not in store:
+            store[id(p)] = torch.zeros_like(p, requires_grad=False)
+    return {k: store[id(p)] for k, p in params.items()}
+
+
 def base_gradient(model: torch.nn.Module,
                   batches: Iterable[tuple[Tensor, Tensor, Tensor] | PackedBatch], *,
                   rows_per_backward: int | None = None, spill_dir: str | Path | None = None,
@@ -153,8 +170,7 @@ def base_gradient(model: torch.nn.Module,
     Activations: decoder layers beyond ``activation_budget`` bytes of saved activations are
     checkpointed (``activation_budget.checkpoint_beyond``; "auto": a quarter of the parameters' bytes,
     None: keep everything). At Qwen3-0.6B's size the peak is then the model, a quarter of its size in
-    activations and the output layer's gradient, instead of the model, its gradient and all activations
-    (measured in a server round: 2.5x the float32 model with half the bytes as the budget, 3.4x before).
+    activations and the output layer's gradient, instead of the model, its gradient and all activations.
 
     ``rows_per_backward`` splits a packed batch into parts of that many rows, each with its own
     forward and backward (parts before the last accumulate in ``.grad`` as usual): the same gradient
@@ -165,13 +181,7 @@ def base_gradient(model: torch.nn.Module,
     if rows_per_backward is not None and rows_per_backward < 1:
         raise ScoringInputError(f"`rows_per_backward` must be >= 1, got {rows_per_backward}")
     params = dict(model.named_parameters(remove_duplicate=False))
-    parts = [p for batch in batches for p in _parts(batch, rows=rows_per_backward or (1 << 62))]
-    parts = [p for p in parts if p[1] > 0]
-    tokens = sum(k for _, k, _ in parts)
-    examples = sum(b for _, _, b in parts)
-    if tokens == 0:
-        raise ScoringInputError("`batches` hold no completion tokens (every label is -100 "
-                                "or there is no batch): nothing to take a gradient of")
+    parts, tokens, examples = _backward_parts(batches, rows_per_backward)
     if activation_budget == "auto":
         activation_budget = sum(p.numel() * p.element_size() for p in model.parameters()) // 4
     store: dict[int, Tensor] | SpilledTensors = SpilledTensors(spill_dir) if spill_dir is not None else {}
@@ -212,16 +222,7 @@ def base_gradient(model: torch.nn.Module,
             h.remove()
         model.zero_grad(set_to_none=True)
         model.train(was_training)
-    # One tensor per distinct parameter; one that got no gradient (unused) is zeros.
-    if isinstance(store, SpilledTensors):
-        for k, p in params.items():
-            store.alias(k, id(p), p.shape, p.dtype)
-        grad: Mapping[str, Tensor] = store
-    else:
-        for p in params.values():
-            if id(p) not in store:
-                store[id(p)] = torch.zeros_like(p, requires_grad=False)
-        grad = {k: store[id(p)] for k, p in params.items()}
+    grad = _by_name(store, params)
     numel = sum(p.numel() for p in {id(p): p for p in params.values()}.values())
     return _with_summary(BaseGradient(base_loss=total / tokens, grad=grad, examples=examples, tokens=tokens),
                          norm=float(sq.sqrt()), numel=numel)

@@ -1,18 +1,11 @@
 """The rewards ledger: append-only, hash-chained, every entry signed by the server (Ed25519).
 
 Entry ``k`` (``seq`` dense from 1) carries ``prev_hash`` = entry ``k-1``'s ``entry_hash``
-(``GENESIS_HASH``, 64 zeros, for ``seq`` 1), and
-
-    entry_hash = sha256(canonical_entry_bytes(entry)).hexdigest()
-    signature  = Ed25519_sign(server_key, signing_message(entry_hash)).hex()
-
-``canonical_entry_bytes`` and ``signing_message`` (the exact bytes a client re-implements to
-verify) are defined in ``entry_hash.py``. Each entry binds its ``seq`` and its predecessor, so an
-edited field breaks its hash, a re-signed edit needs the server key, a deletion leaves a gap in
-``seq`` and a broken ``prev_hash`` link, and swapping two entries breaks both. Deleting the
-*newest* entries leaves a valid shorter chain: pass ``expected_head`` (a (seq, hash) a client
-kept) to ``verify_chain`` to catch that. Appends take one transaction and a primary key on
-``seq``, so two writers can never fork the chain (the loser gets ``LedgerConflictError``).
+(``GENESIS_HASH`` for ``seq`` 1), ``entry_hash = sha256(canonical_entry_bytes(entry)).hexdigest()`` and
+``signature = Ed25519_sign(server_key, signing_message(entry_hash)).hex()`` (bytes in ``entry_hash.py``).
+Appends take one transaction and a primary key on ``seq``, so two writers can never fork the chain (the
+loser gets ``LedgerConflictError``). ``verify_chain`` with ``expected_head`` also catches the deletion
+of the newest entries. What each binding catches: docs/design/rewards-settlement.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,12 @@
 """Marginal effect of each contributor on the merged model: leave-one-out and GTG-Shapley.
 
-The cooperative game. Players are the round's validated submissions; the value of a coalition
-``S`` is the relative held-out loss gain of the base plus the aggregate of ``S``::
-
-    V(S) = (L0 - L(S)) / L0        V(empty) = 0          (dimensionless, 0.01 = 1 % lower loss)
-
-clamped to [-1, 1]: a cross-entropy cannot fall below 0, and a coalition whose aggregate more
-than doubles the loss -- or breaks it (non-finite loss, e.g. a huge delta averaged in) -- counts
-as -1, so one player can move another's marginal by a bounded amount and scoring never fails
-because of someone else's delta. ``L(S)`` is the server's ``subset_loss(S)`` (the aggregator
-re-run on ``S`` alone) and ``L0`` the base checkpoint's loss. Every call of ``subset_loss`` is a
-forward pass over the validation set, so both estimators count distinct evaluations (results
-are cached by coalition) and never exceed ``max_evaluations``.
-
-* Leave-one-out: ``m_i = V(N) - V(N \\ {i})``; exactly ``n + 1`` evaluations. Cheap and exact, but
-  near zero for everybody when contributions are redundant (n honest clients with similar data):
-  leaving one out changes nothing, so the sign of ``m_i`` is noise.
-* GTG-Shapley (Liu, Chen, Zhou, Yu, Yang, Hsu, "GTG-Shapley: Efficient and Accurate Participant
-  Contribution Evaluation in Federated Learning", ACM TIST 2022, arXiv:2109.02053): Monte-Carlo
-  permutation sampling of the Shapley value (Castro, Gomez, Tejada 2009) with
-  - guided sampling: permutation ``k`` starts with player ``k mod n`` so that every player is
-    measured against the empty coalition early (its solo value),
-  - within-round truncation: once ``|V(N) - V(prefix)| <= truncation_tol * |V(N)|`` the rest of the
-    permutation gets marginal 0 without evaluations,
-  - between-round truncation: if ``|V(N)| <= between_tol`` nothing was gained and every value is 0,
-  - convergence: after at least ``n`` permutations, stop when the mean relative change of the
-    running estimates falls below ``convergence_tol``.
-  Each complete permutation telescopes, so without truncation ``sum_i phi_i = V(N)`` exactly
-  (efficiency). A permutation cut off by the evaluation budget is discarded, not half-counted.
+Players are the round's validated submissions; V(S) = (L0 - L(S)) / L0, V(empty) = 0, clamped to
+[-1, 1] (a non-finite loss counts as -1). ``L(S)`` is the server's ``subset_loss(S)``, one forward pass
+per call: both estimators cache by coalition and never exceed ``max_evaluations``. Leave-one-out:
+``V(N) - V(N \\ {i})``, n + 1 evaluations. GTG-Shapley (Liu, Chen, Zhou, Yu, Yang, Hsu, ACM TIST 2022,
+arXiv:2109.02053): Monte-Carlo permutations with guided sampling, within- and between-round truncation
+and a convergence test; a permutation cut off by the budget is discarded.
+Details: docs/design/rewards-scoring.md.
 """
 
 from __future__ import annotations

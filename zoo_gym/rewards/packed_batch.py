@@ -1,32 +1,12 @@
 """Exact completion losses on a fixed example set, packed densely with its shared prefix computed once.
 
-The scoring set (``gradient.py``, ``first_order_scoring.py``) is evaluated at least three times a
-round: the base gradient (forward + backward) and the exact checks of the best-paid contributors
-(one forward each). Right-padded batches waste work twice on chat data:
-
-* every example starts with the same tokens (the chat template and the task's instruction: 8 of
-  the ~23 tokens of the tiny model's examples), recomputed for every example;
-* the rows are padded to the longest example (19 % of the tokens of the 32-example set).
-
-A causal LM's hidden state at position ``t`` depends only on tokens ``<= t``, so the activations of
-a prefix that all examples share are identical in every example. ``pack_shared_prefix`` lays the
-examples out as a few dense rows, each ``[prefix, suffix_a, suffix_b, ...]``: every suffix token
-attends to the prefix and causally to its own suffix, never to another example (a block mask with
-a shared prefix, as in prefix-sharing / tree attention: Zheng et al., "SGLang: Efficient Execution
-of Structured Language Model Programs", 2024 (RadixAttention); packing with block-diagonal masks:
-Krell et al., "Efficient Sequence Packing without Cross-contamination", 2021), and its position id is its
-position in its own example, so rotary embeddings see exactly what the padded batch shows them.
-The logits at the positions that predict completion tokens are then the padded batch's logits
-(up to float rounding: the matmuls see other row shapes), so the loss, its gradient and every
-exact check are the same quantities as ``gym_train.Evaluator`` computes, with fewer FLOPs
-(tiny model, 32 examples: 472 positions instead of 896, about 0.65x the forward time). An
-example's last token is only a target, never an input to a scored position, so it is left out.
-
-The shared prefix stops before the first position that predicts a completion token, so every
-scored position lies in a suffix. Pad positions (the tail of a short row) attend only to
-themselves: their activations stay finite and never reach a scored position. Needs an attention
-implementation that takes a 4D mask (``sdpa``: boolean, ``eager``: additive);
-``supports_packing`` says whether a model has one.
+``pack_shared_prefix`` lays the examples out as a few dense rows ``[prefix, suffix_a, suffix_b, ...]``:
+every suffix token attends to the prefix and causally to its own suffix, never to another example, with
+position ids of its own example, so the logits at scored positions are the padded batch's (up to float
+rounding). The prefix stops before the first position that predicts a completion token; pad positions
+attend only to themselves; an example's last token is left out. Needs an attention implementation that
+takes a 4D mask (``sdpa``, ``eager``); ``supports_packing`` says whether a model has one.
+Why and references: docs/design/rewards-scoring.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """Reputation in [0, 1]: an exponential moving average of a contributor's round outcomes.
 
-A new identity starts at ``initial`` (0.1): trust is earned, so a Sybil swarm of fresh keys
-weighs little in the aggregate and earns little of the pool. Each settled round moves it:
+A new identity starts at ``initial``. Each settled round moves it:
 
     paid or accepted, target t = min(1, score / median score of the round)  (t = 1 if median 0)
         r <- (1 - alpha) * r + alpha * t
-    refused, zero score (no gain, outlier, not selected):
-        r <- (1 - penalty_alpha) * r                                         (EMA towards 0)
+    refused, zero score:  r <- (1 - penalty_alpha) * r
 
-``penalty_alpha > alpha`` by default, so one bad round costs more than one good round earns.
-After k good rounds a newcomer stands at 1 - (1 - initial) * (1 - alpha) ** k
-(0.1 -> 0.28 -> 0.42 -> 0.54 ... with alpha 0.2).
-
-Aggregation weights come from reputation only, never from self-reported sample counts (Flower's
-Multi-Krum averages with those, and a liar inflates them):
-
-    w_i = clamp(r_i, floor, cap) / sum_j clamp(r_j, floor, cap)
-
-so no contributor weighs more than ``cap / floor`` times another.
+Aggregation weights come from reputation only: ``w_i = clamp(r_i, floor, cap) / sum_j clamp(r_j,
+floor, cap)``. Why: docs/design/rewards-scoring.md.
 """
 
 from __future__ import annotations

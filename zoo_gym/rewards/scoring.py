@@ -1,38 +1,12 @@
 """Contribution score of every submission of a round.
 
-Notation, per submission ``i`` of the round (``L`` = mean held-out cross-entropy of the server's
-validation set; all gains are relative, so 0.01 means "1 % lower loss"):
-
-    L0          loss of the round's base checkpoint                      (``base_loss``)
-    L_i         loss of base + contributor i's clipped delta alone       (``solo_losses[i]``)
-    g_i       = (L0 - L_i) / L0                                          solo gain
-    phi_i       marginal effect on the merged model (see ``marginal.py``): the GTG-Shapley value
-                of the game V(S) = (L0 - L(S)) / L0 over the validated submissions, or the
-                leave-one-out value V(N) - V(N \\ {i}); with no ``subset_loss`` (or no budget for
-                even one permutation) phi_i := g_i and ``method`` says so.
-    value_i   = sqrt(max(g_i, 0) * max(phi_i, 0))                        geometric mean: both the
-                solo view and the marginal view must say the delta helped.
-    p_i       = s_i * (1 - trimmed_share_i) * clip_factor_i ** clip_exponent
-                s_i = 1 if the aggregator selected i else ``unselected_factor`` (default 0): a
-                delta that did not enter the aggregate did not help the merged model; trimmed
-                share and DP clipping shrink what of the delta was actually used.
-    c_i       = min(1, median_j(k_j) / k_i) ** krum_exponent             consensus factor from
-                the aggregator's score k (Krum score: lower = closer to the others); 1 when the
-                aggregator gives no score (nan), when k_i <= median, or when the median is 0.
-    score_i   = value_i * p_i * c_i  >= 0,  and score_i = 0 for a submission refused by validation
-                (and, defensively, for a non-finite product: scores are always finite).
-
-Why nobody gets paid for nothing:
-* zero delta (free-rider): L_i = L0, so g_i = 0 and score 0 whatever phi_i says (with a plain
-  mean, leaving a zero delta out can even *lower* the loss of an overshooting aggregate; the
-  geometric mean does not pay that dilution "help");
-* random delta or sign-flip (attacker): L_i > L0, so g_i < 0 and score 0; its phi_i is negative
-  too, and a robust aggregator usually does not select it (s_i = 0).
-
-Anchors: Templar's validator scores by the loss drop on a batch, Psyche pays every finisher equally;
-neither measures the marginal effect on the merged model. FLTrust (Cao, Fang, Liu, Gong, NDSS 2021)
-is a cheaper alternative to phi_i (cosine with a server root update); it needs the deltas, which
-this module deliberately does not see.
+``L0`` is the base's held-out loss, ``L_i`` that of base + i's clipped delta alone, ``g_i = (L0 - L_i) /
+L0`` the solo gain and ``phi_i`` the marginal effect (``marginal.py``; ``phi_i := g_i`` when there is no
+``subset_loss``, and ``method`` says so). ``score_i = sqrt(max(g_i, 0) max(phi_i, 0)) * p_i * c_i``, with
+``p_i`` the part of the delta the aggregator used (selected, untrimmed, clip factor ** clip_exponent)
+and ``c_i = min(1, median_j(k_j) / k_i) ** krum_exponent`` from the aggregator's score. A submission
+refused by validation scores 0; scores are always finite and >= 0.
+Notation in full and why nobody is paid for nothing: docs/design/rewards-scoring.md.
 """
 
 from __future__ import annotations

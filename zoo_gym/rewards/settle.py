@@ -1,15 +1,10 @@
 """Settling a round: scores + reputations + pool -> payouts, reputation updates, ledger entries.
 
-    paid_i    = accept_by_quality(scores, min_quality)_i               (see acceptance.py)
-    weight_i  = score_i * reputation_i (before this round) if paid_i else 0
-    amount_i  = split_pool(pool, contributors, weight)_i                (integers, sum = pool)
-    rep'_i    = next_reputation(rep_i, target=min(1, score_i / median)) if score_i > 0 and
-                validated, else the refusal penalty                     (see reputation.py)
-
-Every submission gets one ledger entry: kind "reward" (amount >= 0) when paid, "refusal"
-(amount 0, with the reason) otherwise, carrying its score and reputation after the round.
-`settle_round` writes entries and reputations in one transaction and refuses to settle a round
-twice, so a retried call after a crash cannot pay twice.
+Paid submissions (``acceptance.py``) weigh score x reputation before the round; the pool is split by
+``split_pool`` (integers, sum = pool); reputations move by ``reputation.py``. Every submission gets one
+ledger entry: kind "reward" (amount >= 0) when paid, "refusal" (amount 0, with the reason) otherwise,
+carrying its score and reputation after the round. `settle_round` writes entries and reputations in one
+transaction and refuses to settle a round twice. Formulas: docs/design/rewards-settlement.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """Tensors kept on disk instead of in memory: the server's base gradient between publish and scoring.
 
-The base gradient (``gradient.py``) is as large as the model in float32 (2.4 GB at Qwen3-0.6B's size)
-and is read once per round, one tensor at a time, by the slope tap (``first_order.SlopeTap``). Holding
-it in memory from the publish that computes it to the round that uses it doubled the server's resident
-size. ``SpilledTensors`` writes each tensor to an unlinked temporary file as the backward pass produces
-it and reads it back with ``pread`` when it is asked for: nothing of it is resident, and the file
-disappears with the process. It is written around the page cache (O_DIRECT, ``zoo_gym/direct_writes.py``)
-and its pages leave the cache as they are read (``zoo_gym/page_cache.py``: on a VM, growing the cache by
-2.4 GB per scoring pass cost seconds).
-
-Written by hand because what is needed is this small: ``safetensors`` writes a file from a complete
-dict (the point is never to have one) and ``torch.save`` likewise; numpy's ``memmap`` would map the
-file, so every page read stays in the process's resident set.
+``SpilledTensors`` writes each tensor to an unlinked temporary file as it is produced and reads it back
+with ``pread`` when asked for: nothing of it is resident, and the file disappears with the process.
+Writes go around the page cache (O_DIRECT, ``zoo_gym/direct_writes.py``) and read pages leave the cache
+(``zoo_gym/page_cache.py``). Why, and why not safetensors or memmap: docs/design/rewards-scoring.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Splitting an integer reward pool in proportion to weights, exactly.
 
-Largest-remainder (Hamilton) method in exact rational arithmetic: every float weight is
-converted to the exact `fractions.Fraction` it stands for, so there is no float drift at all.
-
-    quota_i = pool * w_i / sum_j w_j            (exact rational)
-    share_i = floor(quota_i) + [i among the R largest remainders]
-    R       = pool - sum_i floor(quota_i)       (0 <= R < number of positive weights)
-
-Ties between equal remainders go to the smaller contributor id (string order), so the split is
-a pure function of (pool, {contributor: weight}): the order the contributors are listed in does
-not matter. A contributor with weight 0 gets 0; when every weight is 0 nobody gets anything
-(the pool is not paid out, the sum is 0).
+Largest-remainder (Hamilton) method in exact rational arithmetic (`fractions.Fraction`):
+``quota_i = pool * w_i / sum_j w_j``, ``share_i = floor(quota_i) + [i among the R largest remainders]``,
+``R = pool - sum_i floor(quota_i)``. Ties go to the smaller contributor id (string order), so the split
+is a pure function of (pool, {contributor: weight}). Weight 0 gets 0; when every weight is 0 nobody
+gets anything (the sum is 0).
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Verifying ledger entries: the whole chain (server, auditor) or one contributor's entries (client).
 
-`verify_chain` walks the entries in the order given (the ledger's seq order) and checks, for each:
-1. ``seq`` is the previous one + 1, starting at 1 (a deleted entry leaves a gap);
-2. ``prev_hash`` is the previous entry's ``entry_hash`` (``GENESIS_HASH`` for seq 1);
-3. ``entry_hash`` equals sha256 of `canonical_entry_bytes` (an edited field breaks it);
-4. ``signature`` is the server's Ed25519 signature of `signing_message(entry_hash)` (a re-hashed
-   edit needs the server's private key).
-It stops at the first bad entry and names its seq. With ``expected_head=(seq, hash)`` (a head a
-client or auditor kept from earlier) it also catches the deletion of the newest entries.
-
-`verify_entries` is for a client that received only its own entries: it checks 3 and 4 for each,
-that seqs strictly increase, and the ``prev_hash`` link where two of them are adjacent. It cannot
-check the links through other contributors' entries, so it cannot see that one of *someone
-else's* entries was deleted; it does prove every entry it got was written and signed by the
-server exactly as shown.
+`verify_chain` checks, in seq order, that ``seq`` counts up from 1, ``prev_hash`` links to the previous
+entry (``GENESIS_HASH`` for seq 1), ``entry_hash`` is sha256 of `canonical_entry_bytes`, and
+``signature`` is the server's Ed25519 signature of `signing_message(entry_hash)`; it stops at the first
+bad entry and names its seq. ``expected_head=(seq, hash)`` also catches the deletion of the newest.
+`verify_entries` checks a client's own entries: hash, signature, increasing seqs, and the link where two
+are adjacent; it cannot see a deletion among other contributors' entries.
+Details: docs/design/rewards-settlement.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """The base model's modules, patched to add each batch row's own variant delta on the fly.
 
-Every ``nn.Linear`` / GPT-2 ``Conv1D`` / ``nn.Embedding`` of the base, and every other module that owns
-1-D parameters (norms), is wrapped once when the server starts. A forward reads the batch's
-``variant_of_row`` from a shared :class:`BatchContext`; rows whose variant has no delta for a module get
-the base output alone. Weight deltas stay packed (1 bit per weight + group scales, log8 codes where the
-payload has them): Linear layers call ``kernels.bitdelta_linear`` (codes through ``scale_refs=``);
-Conv1D (weight stored (in, out), so the groups run along the output dimension) and Embedding rows are
-unpacked one tile at a time here, the tile's codes decoded to float32 for that tile only. 1-D deltas
-(norm weights, biases) are small and kept dense: a norm recomputes its output for the rows of each
-variant with the merged parameter, which is exactly what the merged model computes.
+Every ``nn.Linear`` / GPT-2 ``Conv1D`` / ``nn.Embedding`` of the base, and every module owning 1-D
+parameters (norms), is wrapped once at server start. A forward reads ``variant_of_row`` from a shared
+:class:`BatchContext`; rows whose variant has no delta for a module get the base output alone. Weight
+deltas stay packed: Linear layers call ``kernels.bitdelta_linear``, Conv1D and Embedding unpack one tile
+at a time. 1-D deltas are dense, and a norm recomputes its output per variant with the merged parameter,
+exactly what the merged model computes. Details: docs/design/serving.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """Batched BitDelta linear: ``x W^T (+ bias) + per row b: (x_b S_v^T) * scale_v`` with packed signs.
 
-Liu et al., "BitDelta" (arXiv:2402.10193) serve many fine-tunes over one base as ``x W^T + x (s_v S_v)^T``;
-Punica / S-LoRA batch requests of different adapters into one forward and run the per-adapter part
-with a kernel that gathers each request's adapter. Here the base matmul ``x W^T`` is torch's (one dense
-GEMM for the whole batch) and the per-variant part is ours, on the packed signs (uint8
-(out, ceil(in/8)), bit 1 = +scale, little bit order, groups start on byte boundaries; see
-zoo_gym/codec/bitdelta.py). No dense per-variant copy of a weight exists at any time.
-
-CPU (numba, zoo_gym/serving/kernels_cpu.py): ``sum_i x_i sign(o, i)`` per group straight from the packed
-bytes, each word of sign bits turned into +-1 in registers: 32 weights per ``vdpbf16ps`` for bf16
-activations on AVX512-BF16 CPUs, 16 per masked add for float32 ones; in parallel over (variant, block
-of outputs). The routing of a batch's rows is computed once per batch (every adapted linear of a forward
-asks the same), and the kernel writes its output in batch order into a buffer reused across calls, added
-to the base output in one float32 add. A variant with many tokens at once (a long prompt) instead
-unpacks a tile of rows at a time and uses torch's matmul.
-
-CUDA: a Triton kernel (zoo_gym/serving/kernels_triton.py, imported only then) that unpacks a tile of
-signs inside the matmul's K loop, used when the input is on a CUDA device.
-
-Scales: float32 (what the codec decodes), or the codec's own log8 codes (1 byte per group, one float
-reference per tensor; ``scale_refs=``), decoded inside the kernel: 1/15 of a bf16 copy instead of 1/12.8.
+Liu et al., "BitDelta" (arXiv:2402.10193) serve many fine-tunes over one base; Punica / S-LoRA batch
+requests of different adapters into one forward. The base matmul is torch's; the per-variant part runs
+on the packed signs (uint8 (out, ceil(in/8)), bit 1 = +scale, little bit order; zoo_gym/codec/bitdelta.py)
+with float32 scales or the codec's log8 codes (``scale_refs=``), so no dense per-variant copy of a weight
+ever exists. CPU: numba (``kernels_cpu.py``); CUDA input: Triton (``kernels_triton.py``, imported only
+then). Routing is computed once per batch. Details: docs/design/serving.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """CPU kernel of bitdelta_linear's per-variant part: ``d[t, o] = sum_g scale[o, g] sum_{i in g} x[t, i] sign(o, i)``.
 
 Read straight from the packed signs (uint8 (out, ceil(in/8)), bit k of byte j = input 8 j + k, bit 1 =
-+scale; zoo_gym/codec/bitdelta.py), never unpacked into a tile in memory: each word of sign bits becomes a
-vector of +-1 (or +-x) in registers, and the group's sum is accumulated there. Two forms, written in LLVM
-IR (numba's auto-vectoriser finds neither; zoo_gym/aggregation/packed_kernels.py does the same):
-
-- bf16 activations (a bf16 model), on CPUs with AVX512-BF16: a 32-bit word of signs is broadcast to 32
-  16-bit lanes, shifted so that lane L's bit lands in the sign bit, and turned into bf16 +-1 with one
-  and/xor; ``vdpbf16ps`` then adds the 32 products x_i * (+-1) into 16 float32 lanes (exact products,
-  float32 sums). Lane L holds input ``16 (L % 2) + L // 2`` of its 32, so x is stored in that order
-  (kernels.py's ``_kernel_x``). 32 weights per multiply-add instruction.
-- float32 activations: a 16-bit (8-bit for groups of an odd byte count) word of signs is the lane mask
-  of ``acc += select(mask, x, -x)`` over 16 (8) float32 lanes.
-
-Eight output rows share each load of x; the rows 24 further on are prefetched. Each group's vector sum
-is multiplied by the group's scale, decoded inline (float32, or ``ref * LOG8_MULT[code]`` from the
-codec's 1-byte log8 codes, exactly as the codec decodes them), and reduced once per row. No allocation
-per work item.
-
-`delta_rows` takes a range of (variant, block of outputs) work items and releases the GIL; the caller
-splits the items among its threads. Not numba's ``prange``: its OpenMP layer beside torch's own
-OpenMP runtime made a 16-variant call 15-200x slower here (two runtimes' threads spinning on 2
-cores), and its workqueue layer aborts the process when two threads launch kernels at once.
++scale; zoo_gym/codec/bitdelta.py), never unpacked in memory; written in LLVM IR through numba. bf16
+activations on AVX512-BF16 CPUs use ``vdpbf16ps`` (x stored in the lane order of kernels.py's
+``_kernel_x``); float32 ones a masked select per word. Scales are float32 or decoded inline from log8
+codes exactly as the codec decodes them. `delta_rows` takes a range of (variant, block of outputs) work
+items and releases the GIL; the caller splits the items among its threads.
+How, and why not ``prange``: docs/design/serving.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """CUDA kernel of ``bitdelta_linear``'s per-variant part (Triton), used when the input is on a GPU.
 
-One program per (variant slot, block of BLOCK_N outputs, block of BLOCK_M of that variant's tokens),
-as in Punica's / S-LoRA's gathered adapter kernels: the variant's packed signs and scales are reached
-through a table of addresses (no stacking, no copy). Inside the K loop a (BLOCK_K, BLOCK_N) tile of
-sign bits is unpacked in registers to ``+-scale`` (bit k of byte j = input 8 j + k, bit 1 = +scale; see
-zoo_gym/codec/bitdelta.py) and multiplied with the tokens' x tile by ``tl.dot`` in float32 (IEEE, not
-TF32, so it matches the CPU path); the result is added to the base output in place. This follows
-BitDelta's own Triton kernel (FasterDecoding/BitDelta, packed signs unpacked per tile before
-``tl.dot``), with one scale per group instead of one per matrix.
-
-Not run on the development machine (no GPU): tests/serving/test_kernels.py compares it with the CPU
-path whenever CUDA is present.
+One program per (variant slot, block of BLOCK_N outputs, block of BLOCK_M of that variant's tokens); the
+variant's packed signs and scales are reached through a table of addresses (no copy). Inside the K loop
+a tile of sign bits is unpacked to ``+-scale`` and multiplied with the x tile by ``tl.dot`` in float32
+(IEEE, not TF32, to match the CPU path); the result is added to the base output in place.
+tests/serving/test_kernels.py compares it with the CPU path when CUDA is present.
+Design and references: docs/design/serving.md.
 """
 
 from __future__ import annotations

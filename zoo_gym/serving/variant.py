@@ -1,22 +1,12 @@
 """A personal variant on disk (``NAME.zgd``) and in memory.
 
-File: one ``zoo_gym.codec`` payload (the delta: 2-D weights as bitdelta, groups of 128 along each row,
-log8 scales; 1-D tensors fp16) whose metadata is the variant's manifest::
-
-    {"zoo_gym_variant": 1, "base_sha256": "<hex>", "base": "<where it was trained>", ...}
-
-``base_sha256`` is the sha256 of the base's weights: the bytes of every ``*.safetensors`` file of the
-base directory, concatenated in sorted file-name order (for the usual single ``model.safetensors``
-this is ``sha256sum model.safetensors``). It does not change when a tokenizer or config file is
-edited, and it is the same for a federation checkpoint and the directory it unpacks to. A variant is
-served only over a base with that sha256 (:class:`VariantMismatch` otherwise).
-
-In memory (:class:`Variant`) the signs stay packed: uint8 (rows, ceil(cols/8)) plus the scales as the
-payload coded them: for ``log8`` (what :func:`encode_variant` writes) the uint8 codes (rows, n_groups)
-and one float32 reference per tensor, i.e. 1 bit per weight plus 1 byte per group (1/15.06 of bf16 at
-groups of 128); other scale dtypes as float32 (rows, n_groups). Codes become float32 scales only inside
-the kernels, a tile of rows at a time (:meth:`PackedWeight.scales_f32`). 1-D deltas are kept dense,
-as coded (fp16: a few KiB). :attr:`Variant.nbytes` counts the bytes of these tensors.
+File: one ``zoo_gym.codec`` payload (2-D weights bitdelta, groups of 128 along each row, log8 scales;
+1-D tensors fp16) whose metadata is the manifest ``{"zoo_gym_variant": 1, "base_sha256": ..., ...}``.
+``base_sha256`` is the sha256 of the base's ``*.safetensors`` files concatenated in sorted name order; a
+variant is served only over a base with that sha256 (:class:`VariantMismatch` otherwise). In memory
+(:class:`Variant`) signs stay packed and scales stay as coded (log8 codes plus one float32 reference per
+tensor, or float32); codes become float32 only inside the kernels, a tile at a time. 1-D deltas are
+dense. :attr:`Variant.nbytes` counts these tensors. Details: docs/design/serving.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Schema migrations of the server's database (Alembic), shipped inside the package.
 
-One revision per schema change in ``versions/``: ``0000`` is the schema of the first code users ran (commit
-f956b6f), ``0001`` the tag v0.1.0's (0000 plus ``roundinputs``), every later one a change since. ``gym-server
-init`` creates the tables of the current models and stamps the head; every other command refuses a database
-below the head in one line naming ``gym-server migrate``, which backs up a SQLite file (``server.db.<old
-revision>.bak``) and applies what is pending in one transaction (SQLite's DDL included: the migration engine
-issues its own BEGIN).
-
-Neither f956b6f nor v0.1.0 wrote an ``alembic_version`` table: an unversioned database holding the ``round``
-table is read as ``0001`` when it holds ``roundinputs`` too, else as ``0000``.
-
-Changing a table model needs a new revision: ``python -m zoo_gym.server.store.migrations new "what changed"``
-writes one by comparing the models with a database at the head (review it before committing);
-``tests/server/test_migrations.py`` fails while the models and the head differ.
+One revision per schema change in ``versions/``: ``0000`` (ROOT) and ``0001`` (BASELINE, 0000 plus
+``roundinputs``) are the schemas written without a version table. ``gym-server init`` creates the current
+tables and stamps the head; every other command refuses a database below the head in one line naming
+``gym-server migrate``, which backs up a SQLite file and applies what is pending in one transaction.
+An unversioned database holding ``round`` is read as ``0001`` with ``roundinputs``, else ``0000``.
+A model change needs a new revision: ``python -m zoo_gym.server.store.migrations new "what changed"``.
+Details: docs/design/schema-migrations.md.
 """
 
 from __future__ import annotations

@@ -21,6 +21,13 @@ depends_on: Union[str, Sequence[str], None] = None
 
 
 def upgrade() -> None:
+    """The tables in the order f956b6f's own `init` created them."""
+    _checkpoint_and_contributor()
+    _ledger_and_reputation()
+    _rounds_and_submissions()
+
+
+def _checkpoint_and_contributor() -> None:
     op.create_table('checkpoint',
     sa.Column('sha256', sa.String(length=64), nullable=False),
     sa.Column('round_id', sa.Integer(), nullable=False),
@@ -41,6 +48,9 @@ def upgrade() -> None:
     sa.Column('registered_at', sa.DateTime(timezone=True), nullable=False),
     sa.PrimaryKeyConstraint('id')
     )
+
+
+def _ledger_and_reputation() -> None:
     op.create_table('ledger_entry',
     sa.Column('round_id', sa.Integer(), nullable=False),
     sa.Column('contributor', sa.String(length=128), nullable=False),
@@ -67,6 +77,9 @@ def upgrade() -> None:
     sa.Column('contributor', sa.String(length=128), nullable=False),
     sa.PrimaryKeyConstraint('contributor')
     )
+
+
+def _rounds_and_submissions() -> None:
     op.create_table('round',
     sa.Column('id', sa.Integer(), nullable=False),
     sa.Column('state', sa.Enum('OPEN', 'AGGREGATING', 'PUBLISHED', 'HALTED', name='roundstate'), nullable=False),
