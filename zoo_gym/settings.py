@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -302,7 +303,8 @@ def typer_parameters(spec: Any, *, name_prefix: str = "", alias_flags: bool = Fa
     command's signature; with `alias_flags`, a leaf's aliases of two letters or more are flags too."""
     params = []
     for leaf in _leaves_of(spec):
-        text = f"{leaf.help} \\[default: {_default_text(leaf)}; env {leaf.env}]".strip()
+        help_text = re.sub(r"(?<!\\)\[", r"\\[", leaf.help)  # rich would take a bare [...] for markup
+        text = f"{help_text} \\[default: {_default_text(leaf)}; env {leaf.env}]".strip()
         names = [leaf.flag] + ["--" + a.replace("_", "-") for a in leaf.aliases
                                if alias_flags and len(a) > 1 and a not in leaf.alias_values]
         names = [f"{leaf.flag}/--no-{leaf.flag[2:]}"] if leaf.kind is bool else names

@@ -95,12 +95,12 @@ class TrainConfig:
         "group": "Freeze"})
     # the stage's objective (TRL's names; None takes the TRL trainer's own default for the stage)
     beta: float | None = field(default=None, metadata={
-        "help": "KL / preference temperature of dpo, kto, orpo, simpo, rloo, grpo, gspo \\[default: the TRL "
+        "help": "KL / preference temperature of dpo, kto, orpo, simpo, rloo, grpo, gspo [default: the TRL "
                 "trainer's, except 0 for grpo/gspo (no reference model)]", "group": "Objective",
         "aliases": ("grpo_beta", "pref_beta")})
     loss_type: str | None = field(default=None, metadata={
         "help": "the stage's TRL loss_type: dpo sigmoid | ipo | hinge | ...; grpo grpo | dr_grpo | dapo | bnpo "
-                "\\[default: TRL's for the stage]", "group": "Objective", "aliases": ("pref_loss",)})
+                "[default: TRL's for the stage]", "group": "Objective", "aliases": ("pref_loss",)})
     # RL stages (TRL GRPOTrainer / RLOOTrainer)
     num_generations: int = field(default=8, metadata={"help": "rloo/grpo/gspo: completions per prompt",
                                                       "group": "RL", "aliases": ("grpo_num_generations",)})
@@ -178,7 +178,7 @@ class TrainConfig:
                 "dp_max_grad_norm instead)", "group": "Trainer"})
     max_samples: int | None = field(default=None, metadata={
         "help": "use at most this many of your examples (the first ones; LLaMA-Factory's max_samples) "
-                "\\[default: all]", "group": "Trainer"})
+                "[default: all]", "group": "Trainer"})
     packing: bool = field(default=False, metadata={
         "help": "sft: pack several short examples into each max_length row (TRL's packing)", "group": "Trainer"})
     assistant_only_loss: bool = field(default=True, metadata={
@@ -187,7 +187,7 @@ class TrainConfig:
                 "LLaMA-Factory's train_on_prompt is its opposite", "group": "Trainer",
         "aliases": ("completion_only_loss",), "alias_values": {"train_on_prompt": {True: False, False: True}}})
     logging_steps: int | None = field(default=None, metadata={
-        "help": "log the loss every this many steps \\[default: a tenth of the round's steps]",
+        "help": "log the loss every this many steps [default: a tenth of the round's steps]",
         "group": "Trainer"})
 
     @property
