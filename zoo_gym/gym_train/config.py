@@ -198,98 +198,11 @@ class TrainConfig:
         def bad(name: str, rule: str) -> None:
             raise TrainConfigError(f"`{name}` {rule}, got {getattr(self, name)!r}")
 
-        if self.method is not None:
-            if self.method not in METHODS:
-                bad("method", f"must be one of {tuple(METHODS)} (deprecated: use stage and finetuning_type)")
-            self.stage, self.finetuning_type = METHODS[self.method]
-            self.method = None  # applied once: a later dataclasses.replace keeps the stage it sets
-        if self.stage not in STAGES:
-            bad("stage", f"must be one of {STAGES}" + (" (ppo is not offered: TRL 1.16 ships no PPO trainer; see "
-                                                       "docs/design/training-stages.md)" if self.stage == "ppo" else ""))
-        if self.finetuning_type not in FINETUNING_TYPES:
-            bad("finetuning_type", f"must be one of {FINETUNING_TYPES}")
-        if self.stage == "gspo":
-            self.importance_sampling_level = "sequence"
-        for name in ("max_steps", "batch_size", "gradient_accumulation_steps", "lora_r", "max_length",
-                     "max_completion_length", "grpo_eval_prompts"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                bad(name, "must be an integer >= 1")
-        if self.num_train_epochs is not None and not self.num_train_epochs > 0:
-            bad("num_train_epochs", "must be > 0")
-        if self.warmup_steps < 0:
-            bad("warmup_steps", "must be >= 0")
-        if not self.learning_rate > 0:
-            bad("learning_rate", "must be > 0")
-        if self.weight_decay < 0:
-            bad("weight_decay", "must be >= 0")
-        if not self.lora_alpha > 0:
-            bad("lora_alpha", "must be > 0")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            bad("lora_dropout", "must be in [0, 1)")
-        if not (isinstance(self.target_modules, str) or
-                (isinstance(self.target_modules, list | tuple) and self.target_modules)):
-            bad("target_modules", "must be 'all-linear', a module name or a non-empty list of names")
-        if self.num_generations < 2:
-            bad("num_generations", "must be >= 2 (RL stages compare completions of one prompt)")
-        if self.stage in RL_STAGES and self.batch_size % self.num_generations:
-            bad("batch_size", f"must be a multiple of num_generations={self.num_generations} for {self.stage}")
-        if self.importance_sampling_level not in ("token", "sequence"):
-            bad("importance_sampling_level", "must be 'token' or 'sequence' (GSPO)")
-        if not self.temperature > 0:
-            bad("temperature", "must be > 0")
-        if self.beta is not None and self.beta < 0:
-            bad("beta", "must be >= 0")
-        if self.dp_noise_multiplier is not None and self.dp_target_epsilon is not None:
-            bad("dp_target_epsilon", "cannot be combined with dp_noise_multiplier (set one of them)")
-        if self.dp_noise_multiplier is not None and not self.dp_noise_multiplier > 0:
-            bad("dp_noise_multiplier", "must be > 0")
-        if self.dp_target_epsilon is not None and not self.dp_target_epsilon > 0:
-            bad("dp_target_epsilon", "must be > 0")
-        if not self.dp_max_grad_norm > 0:
-            bad("dp_max_grad_norm", "must be > 0")
-        if not 0 < self.dp_delta < 1:
-            bad("dp_delta", "must be in (0, 1)")
-        if self.dp_enabled and self.stage != "sft":
-            bad("stage", "cannot use DP-SGD: DP is offered for the sft stage only")
-        if self.dp_enabled and self.finetuning_type not in ("lora", "full"):
-            bad("finetuning_type", "cannot use DP-SGD: DP is offered for lora and full fine-tuning only")
-        if self.quantization not in (None, "4bit"):
-            bad("quantization", "must be None or '4bit'")
-        if self.quantization == "4bit" and self.finetuning_type != "lora":
-            bad("quantization", "'4bit' is QLoRA: use finetuning_type 'lora'; a 4-bit base cannot be "
-                                "fine-tuned in full")
-        if self.quantization == "4bit" and self.use_dora:
-            bad("use_dora", "DoRA on a 4-bit base is not supported: its magnitude vector is not a low-rank delta")
-        if self.device not in DEVICES:
-            bad("device", f"must be one of {DEVICES}")
-        if self.bf16 and self.fp16:
-            bad("fp16", "cannot be combined with bf16 (choose one mixed precision)")
-        if self.dp_enabled:
-            for name in ("bf16", "fp16", "gradient_checkpointing"):
-                if getattr(self, name):
-                    bad(name, "is not offered with DP-SGD (Opacus trains in float32 without it)")
-            if self.gradient_accumulation_steps != 1:
-                bad("gradient_accumulation_steps", "must be 1 with DP-SGD (each step is one private batch)")
-        if self.report_to not in REPORT_TO:
-            bad("report_to", f"must be one of {tuple(REPORT_TO)}")
-        needs = REPORT_TO[self.report_to]
-        if needs is not None:
-            import importlib.util
-
-            if importlib.util.find_spec(needs) is None:
-                bad("report_to", f"needs the {needs} package: pip install {needs}")
-        if self.attn_implementation not in (None, "eager", "sdpa", "flash_attention_2"):
-            bad("attn_implementation", "must be None, 'eager', 'sdpa' or 'flash_attention_2'")
-        if self.stage in PREFERENCE_STAGES:
-            from .preference_losses import loss_type_problem
-
-            problem = loss_type_problem(self.stage, self.loss_type)
-            if problem:
-                bad("loss_type", problem)
         from .optimizers import check_options  # Optimizer, LoRA+, LoftQ, OFT and freeze fields
 
-        check_options(self, bad)
-        _check_trainer(self, bad)
+        for check in (_apply_stage, _check_numbers, _check_objective, _check_privacy, _check_hardware,
+                      check_options, _check_trainer):
+            check(self, bad)
         check_rl_settings(self)
 
     def warmup_for(self, steps: int) -> int:
@@ -314,6 +227,114 @@ class TrainConfig:
         per_step = self.batch_size // self.num_generations if self.stage in RL_STAGES else self.batch_size
         batches = math.ceil(n_examples / max(1, per_step))
         return max(1, math.ceil(self.num_train_epochs * max(1, batches // self.gradient_accumulation_steps)))
+
+
+def _apply_stage(cfg: TrainConfig, bad) -> None:
+    """The deprecated `method` as stage and fine-tuning type; both checked; gspo's sampling level."""
+    if cfg.method is not None:
+        if cfg.method not in METHODS:
+            bad("method", f"must be one of {tuple(METHODS)} (deprecated: use stage and finetuning_type)")
+        cfg.stage, cfg.finetuning_type = METHODS[cfg.method]
+        cfg.method = None  # applied once: a later dataclasses.replace keeps the stage it sets
+    if cfg.stage not in STAGES:
+        bad("stage", f"must be one of {STAGES}" + (" (ppo is not offered: TRL 1.16 ships no PPO trainer; see "
+                                                   "docs/design/training-stages.md)" if cfg.stage == "ppo" else ""))
+    if cfg.finetuning_type not in FINETUNING_TYPES:
+        bad("finetuning_type", f"must be one of {FINETUNING_TYPES}")
+    if cfg.stage == "gspo":
+        cfg.importance_sampling_level = "sequence"
+
+
+def _check_numbers(cfg: TrainConfig, bad) -> None:
+    """Step counts, sizes and rates of the round."""
+    for name in ("max_steps", "batch_size", "gradient_accumulation_steps", "lora_r", "max_length",
+                 "max_completion_length", "grpo_eval_prompts"):
+        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
+            bad(name, "must be an integer >= 1")
+    if cfg.num_train_epochs is not None and not cfg.num_train_epochs > 0:
+        bad("num_train_epochs", "must be > 0")
+    if cfg.warmup_steps < 0:
+        bad("warmup_steps", "must be >= 0")
+    if not cfg.learning_rate > 0:
+        bad("learning_rate", "must be > 0")
+    if cfg.weight_decay < 0:
+        bad("weight_decay", "must be >= 0")
+    if not cfg.lora_alpha > 0:
+        bad("lora_alpha", "must be > 0")
+    if not 0.0 <= cfg.lora_dropout < 1.0:
+        bad("lora_dropout", "must be in [0, 1)")
+    if not (isinstance(cfg.target_modules, str) or
+            (isinstance(cfg.target_modules, list | tuple) and cfg.target_modules)):
+        bad("target_modules", "must be 'all-linear', a module name or a non-empty list of names")
+
+
+def _check_objective(cfg: TrainConfig, bad) -> None:
+    """The RL and preference stages' objective settings."""
+    if cfg.num_generations < 2:
+        bad("num_generations", "must be >= 2 (RL stages compare completions of one prompt)")
+    if cfg.stage in RL_STAGES and cfg.batch_size % cfg.num_generations:
+        bad("batch_size", f"must be a multiple of num_generations={cfg.num_generations} for {cfg.stage}")
+    if cfg.importance_sampling_level not in ("token", "sequence"):
+        bad("importance_sampling_level", "must be 'token' or 'sequence' (GSPO)")
+    if not cfg.temperature > 0:
+        bad("temperature", "must be > 0")
+    if cfg.beta is not None and cfg.beta < 0:
+        bad("beta", "must be >= 0")
+    if cfg.stage in PREFERENCE_STAGES:
+        from .preference_losses import loss_type_problem
+
+        problem = loss_type_problem(cfg.stage, cfg.loss_type)
+        if problem:
+            bad("loss_type", problem)
+
+
+def _check_privacy(cfg: TrainConfig, bad) -> None:
+    """DP-SGD's settings, and what DP-SGD cannot be combined with."""
+    if cfg.dp_noise_multiplier is not None and cfg.dp_target_epsilon is not None:
+        bad("dp_target_epsilon", "cannot be combined with dp_noise_multiplier (set one of them)")
+    if cfg.dp_noise_multiplier is not None and not cfg.dp_noise_multiplier > 0:
+        bad("dp_noise_multiplier", "must be > 0")
+    if cfg.dp_target_epsilon is not None and not cfg.dp_target_epsilon > 0:
+        bad("dp_target_epsilon", "must be > 0")
+    if not cfg.dp_max_grad_norm > 0:
+        bad("dp_max_grad_norm", "must be > 0")
+    if not 0 < cfg.dp_delta < 1:
+        bad("dp_delta", "must be in (0, 1)")
+    if cfg.dp_enabled and cfg.stage != "sft":
+        bad("stage", "cannot use DP-SGD: DP is offered for the sft stage only")
+    if cfg.dp_enabled and cfg.finetuning_type not in ("lora", "full"):
+        bad("finetuning_type", "cannot use DP-SGD: DP is offered for lora and full fine-tuning only")
+    if cfg.dp_enabled:
+        for name in ("bf16", "fp16", "gradient_checkpointing"):
+            if getattr(cfg, name):
+                bad(name, "is not offered with DP-SGD (Opacus trains in float32 without it)")
+        if cfg.gradient_accumulation_steps != 1:
+            bad("gradient_accumulation_steps", "must be 1 with DP-SGD (each step is one private batch)")
+
+
+def _check_hardware(cfg: TrainConfig, bad) -> None:
+    """Quantization, device, precision, reporting and attention settings."""
+    if cfg.quantization not in (None, "4bit"):
+        bad("quantization", "must be None or '4bit'")
+    if cfg.quantization == "4bit" and cfg.finetuning_type != "lora":
+        bad("quantization", "'4bit' is QLoRA: use finetuning_type 'lora'; a 4-bit base cannot be "
+                            "fine-tuned in full")
+    if cfg.quantization == "4bit" and cfg.use_dora:
+        bad("use_dora", "DoRA on a 4-bit base is not supported: its magnitude vector is not a low-rank delta")
+    if cfg.device not in DEVICES:
+        bad("device", f"must be one of {DEVICES}")
+    if cfg.bf16 and cfg.fp16:
+        bad("fp16", "cannot be combined with bf16 (choose one mixed precision)")
+    if cfg.report_to not in REPORT_TO:
+        bad("report_to", f"must be one of {tuple(REPORT_TO)}")
+    needs = REPORT_TO[cfg.report_to]
+    if needs is not None:
+        import importlib.util
+
+        if importlib.util.find_spec(needs) is None:
+            bad("report_to", f"needs the {needs} package: pip install {needs}")
+    if cfg.attn_implementation not in (None, "eager", "sdpa", "flash_attention_2"):
+        bad("attn_implementation", "must be None, 'eager', 'sdpa' or 'flash_attention_2'")
 
 
 def _check_trainer(config: TrainConfig, bad) -> None:
