@@ -51,7 +51,7 @@ def test_chat_and_stream_with_usage(client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == plain.choices[0].message.content
     text = list(client.completions.create(model="tiny", prompt="The", max_tokens=4, stream=True, temperature=0,
                                           stream_options={"include_usage": True}))
-    assert text[-1].usage.completion_tokens == 4 and text[-1].choices == []
+    assert 1 <= text[-1].usage.completion_tokens <= 4 and text[-1].choices == []
 
 
 def _seeded(client, seed, prompt):
