@@ -132,6 +132,11 @@ def _pick(logits: Tensor, temps: Tensor, top_ps: Tensor, generators: list[torch.
     probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     probs = probs.cpu()
     sampled = greedy.clone().cpu()
-    for i in torch.nonzero(temps > 0).flatten().tolist():
-        sampled[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
+    rows = torch.nonzero(temps > 0).flatten().tolist()
+    shared = [i for i in rows if generators[i] is None]  # unseeded rows: one draw from torch's global generator
+    if shared:
+        sampled[shared] = torch.multinomial(probs[shared], 1).squeeze(1)
+    for i in rows:
+        if generators[i] is not None:
+            sampled[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
     return sampled.to(logits.device)
