@@ -45,6 +45,7 @@ def served(tmp_path_factory):
         write_variant(vdir / f"{name}.zgd", p)
     other = make_random_base("llama", root / "other", seed=1)
     write_variant(vdir / "stranger.zgd", random_variant_payload(other, seed=9))
+    (vdir / "broken.zgd").write_bytes(b"not a variant at all" * 50)  # skipped with a log line, not a crash
     one_variant = len(payloads["user1"])  # the packed in-memory size is close to the file's
     proc = subprocess.Popen([sys.executable, "-m", "zoo_gym.serving", "--base", str(base), "--variants", str(vdir),
                              "--port", "0", "--batch-window-ms", "300", "--max-variant-bytes",
@@ -71,6 +72,48 @@ def served(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=20)
+
+
+def test_malformed_variant_file_is_logged_and_not_listed(served):
+    assert any("broken.zgd" in line and "not serving" in line for line in served["lines"])
+    assert served["client"].get("/v1/models").status_code == 200
+
+
+def test_json_logs_and_api_key(tmp_path):
+    """--log-format json: every line on stderr is one JSON object (uvicorn's too); --api-key guards /v1."""
+    vdir = tmp_path / "variants"
+    vdir.mkdir()
+    (vdir / "broken.zgd").write_bytes(b"\x00" * 300)
+    proc = subprocess.Popen([sys.executable, "-m", "zoo_gym.serving", "--base", "tiny", "--variants", str(vdir),
+                             "--port", "0", "--log-format", "json", "--api-key", "k3y", "--max-tokens", "4"],
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines, url = [], None
+    try:
+        deadline = time.monotonic() + 120
+        while url is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+            url = m.group(1) if m else None
+        assert url, "gym-serve did not start:\n" + "".join(lines)
+        with httpx.Client(base_url=url, timeout=60) as client:
+            assert client.get("/v1/models").status_code == 401
+            r = client.post("/v1/completions", headers={"Authorization": "Bearer k3y"},
+                            json={"model": "tiny", "prompt": "The", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            assert client.get("/nope").status_code == 404
+    finally:
+        proc.terminate()
+        _, rest = proc.communicate(timeout=30)
+    lines += rest.splitlines(keepends=True)
+    records = [json.loads(line) for line in lines if line.strip()]  # every line parses
+    assert all({"time", "level", "logger", "message"} <= r.keys() and "color_message" not in r for r in records)
+    assert any("broken.zgd" in r["message"] for r in records)
+    access = [r for r in records if r["logger"] == "uvicorn.access"]
+    assert {a.get("status") for a in access} >= {200, 401, 404}, access
+    assert "\x1b[" not in "".join(lines)
 
 
 def _greedy_chat(base, payload, n: int) -> str:

@@ -15,7 +15,7 @@ from zoo_gym.settings import leaves
 
 LEAVES = leaves(ServeSettings)
 SPECIAL = {"base": "tiny", "host": "0.0.0.0", "device": "cuda", "dtype": "bfloat16", "base_name": "mine",
-           "max_variant_bytes": 1000}
+           "max_variant_bytes": 1000, "api_key": "s3cret", "log_format": "json"}
 
 
 @pytest.fixture

@@ -1,86 +1,38 @@
 """The OpenAI-compatible HTTP API of gym-serve (FastAPI).
 
-``GET /v1/models``; ``POST /v1/chat/completions`` and ``/v1/completions`` (``stream: true`` answers
-Server-Sent Events of ``chat.completion.chunk`` / ``text_completion`` objects ending in ``data: [DONE]``),
-where ``model`` is the base's id or a variant's name; ``POST /v1/variants`` and
-``DELETE /v1/variants/{name}``. Errors have OpenAI's shape ``{"error": {"message", "type", "param",
-"code"}}``: 400 for a bad request, 404 for an unknown model.
+``GET /v1/models`` and ``/v1/models/{id}``; ``POST /v1/chat/completions`` and ``/v1/completions``
+(``stream: true``: Server-Sent Events ending in ``data: [DONE]``; ``stream_options.include_usage`` adds a
+last chunk with the usage), where ``model`` is the base's id or a variant's name; ``POST /v1/variants``
+and ``DELETE /v1/variants/{name}``; ``GET /health`` (503 when the decoding worker has stopped) and
+``GET /metrics`` (Prometheus). Bodies are JSON whatever the content type, at most ``max_body_bytes``
+(413, counted before parsing), validated by zoo_gym.serving.requests. With ``api_key`` every /v1 route
+needs ``Authorization: Bearer KEY`` (401); without it, variant management is refused (403) from anyone
+but localhost. Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from zoo_gym.serving.batcher import Job
+from zoo_gym.serving.detok import Detok
+from zoo_gym.serving.edge import Edge, error_body
+from zoo_gym.serving.metrics import Metrics
 from zoo_gym.serving.registry import UnknownVariant, VariantTooLarge
+from zoo_gym.serving.requests import AddVariant, ApiError, ChatRequest, CompletionRequest, parse, text_of
 from zoo_gym.serving.service import Service
+from zoo_gym.serving.streaming import sse, stream_chat, stream_completion
 from zoo_gym.serving.variant import VariantError, VariantMismatch
 
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
-                 type_: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.param, self.type = status, message, code, param, type_
-
-
-def _error_body(message: str, *, type_: str, code: str | None = None, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stream: bool = False
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=1)
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
-
-
-class ChatRequest(_Request):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-
-
-class CompletionRequest(_Request):
-    prompt: str | list[str]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for /v1/completions
-
-
-class AddVariant(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str | None = None
-    path: str | None = None
-
-
-def _text(content) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    return "".join(part.get("text", "") for part in content if part.get("type") == "text")
+WORKER_STOPPED = "the decoding worker has stopped; see the server's log"
 
 
 def _variant_error(exc: Exception) -> ApiError:
@@ -92,41 +44,6 @@ def _variant_error(exc: Exception) -> ApiError:
     if isinstance(exc, VariantTooLarge):
         return ApiError(400, str(exc), code="variant_too_large")
     return ApiError(400, str(exc), code="invalid_variant")
-
-
-class _Detok:
-    """Incremental detokenization: the text each new token adds (held back while a character is split)."""
-
-    def __init__(self, tokenizer, stop: list[str]) -> None:
-        self.tok, self.stop = tokenizer, [s for s in stop if s]
-        self.ids: list[int] = []
-        self.sent = 0
-        self.stopped = False
-
-    def add(self, token: int) -> str:
-        if self.stopped:
-            return ""
-        self.ids.append(token)
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
-        for s in self.stop:
-            at = text.find(s)
-            if at >= 0:
-                self.stopped = True
-                out, self.sent = text[self.sent:at], at
-                return out
-        if text.endswith("\ufffd"):
-            return ""
-        hold = max((len(s) - 1 for s in self.stop), default=0)
-        end = max(self.sent, len(text) - hold)
-        out, self.sent = text[self.sent:end], end
-        return out
-
-    def flush(self) -> str:
-        if self.stopped:
-            return ""
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
-        out, self.sent = text[self.sent:], len(text)
-        return out
 
 
 def _model_entry(name: str, parent: str | None = None) -> dict:
@@ -144,25 +61,52 @@ async def _resolve(service: Service, model: str) -> str | None:
     return model
 
 
-def _make_job(service: Service, prompt_ids: list[int], req: _Request, max_tokens: int | None,
-              variant: str | None) -> Job:
-    limit = service.opts.max_tokens
-    want = max_tokens if max_tokens is not None else min(limit, service.context - len(prompt_ids))
+def _make_job(service: Service, prompt_ids: list[int], req, max_tokens: int | None, variant: str | None,
+              param: str) -> Job:
+    limit, context, n = service.opts.max_tokens, service.context, len(prompt_ids)
+    if not service.batcher.alive:
+        raise ApiError(503, WORKER_STOPPED, type_="server_error")
+    if n == 0:
+        raise ApiError(400, "the prompt is empty", param=param)
+    if n >= context:
+        raise ApiError(400, f"the prompt ({n} tokens) leaves no room in the model's context of {context} tokens",
+                       code="context_length_exceeded", param=param)
+    want = max_tokens if max_tokens is not None else min(limit, context - n)
     if want > limit:
         raise ApiError(400, f"max_tokens {want} is more than this server allows ({limit})", param="max_tokens")
-    if len(prompt_ids) + want > service.context or not prompt_ids:
-        raise ApiError(400, f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({want}) exceeds the "
-                            f"model's context of {service.context} tokens", code="context_length_exceeded")
+    if n + want > context:
+        raise ApiError(400, f"the prompt ({n} tokens) plus max_tokens ({want}) exceeds the model's context of "
+                            f"{context} tokens", code="context_length_exceeded", param="max_tokens")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
     return Job(prompt=prompt_ids, variant=variant, max_tokens=want, temperature=req.temperature,
                seed=req.seed, top_p=req.top_p, loop=asyncio.get_running_loop())
 
 
-async def _run(service: Service, job: Job, detok: _Detok) -> AsyncIterator[tuple[str, str | None]]:
-    """(text piece, None) ... then ("", finish_reason)."""
+async def _next(service: Service, job: Job):
+    while True:
+        try:
+            return await asyncio.wait_for(job.out.get(), 2.0)
+        except asyncio.TimeoutError:
+            if not service.batcher.alive:
+                raise ApiError(503, WORKER_STOPPED, type_="server_error") from None
+
+
+async def run_job(service: Service, metrics: Metrics, job: Job, detok: Detok
+                  ) -> AsyncIterator[tuple[str, str | None]]:
+    """(text piece, None) ... then ("", finish_reason); ApiError when the worker refuses the request."""
+    if not service.batcher.alive:
+        raise ApiError(503, WORKER_STOPPED, type_="server_error")
+    metrics.prompt_tokens.inc(len(job.prompt))
+    start = last = time.monotonic()
     service.batcher.submit(job)
     while True:
-        kind, value = await job.out.get()
+        kind, value = await _next(service, job)
         if kind == "token":
+            now = time.monotonic()
+            (metrics.ttft if last == start else metrics.tpot).observe(now - last)
+            last = now
+            metrics.completion_tokens.inc()
             piece = detok.add(value)
             if piece:
                 yield piece, None
@@ -176,62 +120,67 @@ async def _run(service: Service, job: Job, detok: _Detok) -> AsyncIterator[tuple
             yield "", value
             return
         else:
-            raise ApiError(500, value, type_="server_error")
+            status, message = value
+            raise ApiError(status, message, type_="server_error" if status >= 500 else "invalid_request_error",
+                           code="model_not_found" if status == 404 else None)
 
 
-def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
-    async def body():
-        async for c in chunks:
-            yield f"data: {json.dumps(c)}\n\n"
-        yield "data: [DONE]\n\n"
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-def _usage(job: Job, detok: _Detok) -> dict:
+def usage(job: Job, detok: Detok) -> dict:
     return {"prompt_tokens": len(job.prompt), "completion_tokens": len(detok.ids),
             "total_tokens": len(job.prompt) + len(detok.ids)}
 
 
-def _stops(req: _Request) -> list[str]:
+def _stops(req) -> list[str]:
     return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError):
-        return JSONResponse(_error_body(exc.message, type_=exc.type, code=exc.code, param=exc.param),
+        return JSONResponse(error_body(exc.message, type_=exc.type, code=exc.code, param=exc.param),
                             status_code=exc.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-        return JSONResponse(_error_body(message, type_="invalid_request_error", param=".".join(loc) or None),
-                            status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(_error_body(str(exc.detail), type_=type_), status_code=exc.status_code)
+        return JSONResponse(error_body(str(exc.detail), type_=type_), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception):
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", type_="server_error"),
+                            status_code=500)
 
 
-def _add_model_routes(app: FastAPI, service: Service) -> None:
+def _add_model_routes(app: FastAPI, service: Service, metrics: Metrics) -> None:
     @app.get("/v1/models")
     async def list_models():
         names = await run_in_threadpool(service.registry.names)
         return {"object": "list", "data": [_model_entry(service.base_name)]
                 + [_model_entry(n, service.base_name) for n in names]}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        if model_id == service.base_name:
+            return _model_entry(model_id)
+        if model_id not in await run_in_threadpool(service.registry.names):
+            raise _variant_error(UnknownVariant(model_id))
+        return _model_entry(model_id, service.base_name)
+
     @app.get("/health")
     async def health():
-        return {"status": "ok", "base_sha256": service.base_sha256, "loaded": service.registry.loaded(),
-                "resident_variant_bytes": service.registry.resident_bytes(),
+        alive = service.batcher.alive
+        body = {"status": "ok" if alive else "worker stopped", "base_sha256": service.base_sha256,
+                "loaded": service.registry.loaded(), "resident_variant_bytes": service.registry.resident_bytes(),
                 "batches": service.batcher.batches, "largest_batch": service.batcher.largest_batch}
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=metrics.content_type)
 
     @app.post("/v1/variants", status_code=201)
-    async def add_variant(body: AddVariant):
+    async def add_variant(request: Request):
+        body = parse(AddVariant, await request.body())
         if not body.name and not body.path:
             raise ApiError(400, "give `name` (a NAME.zgd in the variants directory) or `path` (a .zgd file)",
                            param="name")
@@ -241,7 +190,7 @@ def _add_model_routes(app: FastAPI, service: Service) -> None:
             v = await run_in_threadpool(service.registry.add, name=body.name, path=body.path)
         except (UnknownVariant, VariantError) as exc:
             raise _variant_error(exc) from None
-        return {**_model_entry(v.name, service.base_name), "bytes": v.nbytes}
+        return JSONResponse({**_model_entry(v.name, service.base_name), "bytes": v.nbytes}, status_code=201)
 
     @app.delete("/v1/variants/{name}")
     async def delete_variant(name: str):
@@ -252,68 +201,72 @@ def _add_model_routes(app: FastAPI, service: Service) -> None:
         return {"id": name, "object": "model", "deleted": True}
 
 
-def _add_completion_routes(app: FastAPI, service: Service) -> None:
+def _chat_ids(service: Service, req: ChatRequest) -> list[int]:
+    tok = service.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise ApiError(400, f"the base {service.base_name!r} has no chat template; use /v1/completions",
+                       param="messages")
+    messages = [{"role": m.role, "content": text_of(m.content)} for m in req.messages]
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - a template may refuse a message order
+        raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from None
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _completion_ids(service: Service, req: CompletionRequest) -> list[int]:
+    prompt = req.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise ApiError(400, "give one prompt per request", param="prompt")
+        prompt = prompt[0]
+    return service.tokenizer(prompt)["input_ids"] if prompt else []
+
+
+def _add_completion_routes(app: FastAPI, service: Service, metrics: Metrics) -> None:
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
+    async def chat(request: Request):
+        req = parse(ChatRequest, await request.body())
         variant = await _resolve(service, req.model)
-        tok = service.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise ApiError(400, f"the base {service.base_name!r} has no chat template; use /v1/completions",
-                           param="messages")
-        messages = [{"role": m.role, "content": _text(m.content)} for m in req.messages]
-        try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # noqa: BLE001 - a template may refuse a message order
-            raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from None
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-        job = _make_job(service, ids, req, req.max_completion_tokens or req.max_tokens, variant)
-        detok = _Detok(tok, _stops(req))
-        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": cid, "created": created, "model": req.model}
+        ids = await run_in_threadpool(_chat_ids, service, req)
+        job = _make_job(service, ids, req, req.max_completion_tokens or req.max_tokens, variant, "messages")
+        detok = Detok(service.tokenizer, _stops(req))
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}
+        pieces = run_job(service, metrics, job, detok)
         if req.stream:
-            async def chunks():
-                yield {**head, "object": "chat.completion.chunk",
-                       "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
-                async for piece, finish in _run(service, job, detok):
-                    delta = {"content": piece} if piece else {}
-                    yield {**head, "object": "chat.completion.chunk",
-                           "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-            return _sse(chunks())
+            return sse(stream_chat(head, pieces, lambda: usage(job, detok), req.stream_options))
         parts, finish = [], None
-        async for piece, finish in _run(service, job, detok):
+        async for piece, finish in pieces:
             parts.append(piece)
-        return {**head, "object": "chat.completion", "usage": _usage(job, detok),
+        return {**head, "object": "chat.completion", "usage": usage(job, detok),
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
-                             "finish_reason": finish}]}
+                             "logprobs": None, "finish_reason": finish}]}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(request: Request):
+        req = parse(CompletionRequest, await request.body())
         variant = await _resolve(service, req.model)
-        prompt = req.prompt
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise ApiError(400, "give one prompt per request", param="prompt")
-            prompt = prompt[0]
-        ids = service.tokenizer(prompt)["input_ids"]
-        job = _make_job(service, ids, req, req.max_tokens, variant)
-        detok = _Detok(service.tokenizer, _stops(req))
-        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": cid, "object": "text_completion", "created": created, "model": req.model}
+        ids = await run_in_threadpool(_completion_ids, service, req)
+        job = _make_job(service, ids, req, req.max_tokens, variant, "prompt")
+        detok = Detok(service.tokenizer, _stops(req))
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": req.model}
+        pieces = run_job(service, metrics, job, detok)
         if req.stream:
-            async def chunks():
-                async for piece, finish in _run(service, job, detok):
-                    yield {**head, "choices": [{"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}]}
-            return _sse(chunks())
+            return sse(stream_completion(head, pieces, lambda: usage(job, detok), req.stream_options))
         parts, finish = [], None
-        async for piece, finish in _run(service, job, detok):
+        async for piece, finish in pieces:
             parts.append(piece)
-        return {**head, "usage": _usage(job, detok),
+        return {**head, "usage": usage(job, detok),
                 "choices": [{"index": 0, "text": "".join(parts), "logprobs": None, "finish_reason": finish}]}
 
 
-def create_app(service: Service) -> FastAPI:
-    app = FastAPI(title="gym-serve", docs_url=None, redoc_url=None)
+def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: int = 1_000_000) -> FastAPI:
+    metrics = Metrics(loaded_variants=service.registry.loaded, max_batch=service.batcher.max_batch)
+    service.batcher.on_batch = metrics.batch.observe
+    app = FastAPI(title="gym-serve", docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app)
-    _add_model_routes(app, service)
-    _add_completion_routes(app, service)
+    _add_model_routes(app, service, metrics)
+    _add_completion_routes(app, service, metrics)
+    app.add_middleware(Edge, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
     return app

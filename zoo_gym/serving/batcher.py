@@ -3,7 +3,10 @@
 One worker thread owns the model. It waits for a first request, keeps collecting for ``window_s``
 (or until ``max_batch`` rows), decodes the whole batch in one forward per step with each row's own
 variant, and hands every step's token to the request's asyncio queue. Requests arriving meanwhile
-form the next batch.
+form the next batch. Each request samples with its own generator (its seed's), so its text does not
+depend on the batch. A request the worker cannot prepare fails alone; when a batch's decode fails, the
+requests that got no token yet are retried one by one, so one bad request fails only itself. The
+thread survives any error; ``alive`` says whether it runs.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,7 +36,8 @@ class Job:
     loop: asyncio.AbstractEventLoop
     seed: int | None = None
     top_p: float = 1.0
-    out: asyncio.Queue = field(default_factory=asyncio.Queue)  # ("token", id) ... then ("done", reason) | ("error", msg)
+    # ("token", id) ... then ("done", reason) | ("error", (http status, message))
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     def emit(self, kind: str, value) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, (kind, value))
@@ -40,7 +45,8 @@ class Job:
 
 class Batcher:
     def __init__(self, model: MultiVariantModel, registry: VariantRegistry, *, eos_ids: set[int], pad_id: int,
-                 window_s: float = 0.005, max_batch: int = 16) -> None:
+                 window_s: float = 0.005, max_batch: int = 16,
+                 on_batch: Callable[[int], None] = lambda rows: None) -> None:
         self.model, self.registry = model, registry
         self.eos_ids, self.pad_id = eos_ids, pad_id
         self.window_s, self.max_batch = window_s, max_batch
@@ -49,11 +55,17 @@ class Batcher:
         self._thread: threading.Thread | None = None
         self.batches = 0  # batches decoded so far (the HTTP test reads it)
         self.largest_batch = 0
+        self.on_batch = on_batch  # called with the rows of each decoded batch (metrics)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def submit(self, job: Job) -> None:
         self._q.put(job)
 
     def start(self) -> None:
+        self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="gym-serve-batcher", daemon=True)
         self._thread.start()
 
@@ -81,41 +93,64 @@ class Batcher:
     def _run(self) -> None:
         while not self._stop.is_set():
             batch = self._collect()
-            if batch:
-                self._decode(batch)
+            try:
+                if batch:
+                    self._decode(batch)
+            except Exception as exc:  # noqa: BLE001 - the worker outlives any one batch
+                log.exception("the batch of %d failed", len(batch))
+                for j in batch:
+                    j.emit("error", (500, f"generation failed: {type(exc).__name__}"))
 
-    def _decode(self, batch: list[Job]) -> None:
-        jobs, variants = [], []
+    def _prepare(self, batch: list[Job]) -> tuple[list[Job], list, list]:
+        """The jobs that can run, their variants and generators; the others are answered with an error."""
+        jobs, variants, gens = [], [], []
         for job in batch:
             try:
-                variants.append(None if job.variant is None else self.registry.get(job.variant))
-                jobs.append(job)
-            except Exception as exc:  # noqa: BLE001 - removed or unloadable since the request was accepted
-                job.emit("error", str(exc) or type(exc).__name__)
+                variant = None if job.variant is None else self.registry.get(job.variant)
+                gen = torch.Generator().manual_seed(job.seed) if job.seed is not None else None
+            except LookupError:  # removed since the request was accepted
+                job.emit("error", (404, f"The model '{job.variant}' does not exist"))
+                continue
+            except Exception as exc:  # noqa: BLE001 - unloadable since accepted, or a seed torch refuses
+                job.emit("error", (400, str(exc) or type(exc).__name__))
+                continue
+            jobs.append(job)
+            variants.append(variant)
+            gens.append(gen)
+        return jobs, variants, gens
+
+    def _decode(self, batch: list[Job]) -> None:
+        jobs, variants, gens = self._prepare(batch)
         if not jobs:
             return
         self.batches += 1
         self.largest_batch = max(self.largest_batch, len(jobs))
-        seed = next((j.seed for j in jobs if j.seed is not None), None)
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.on_batch(len(jobs))
         produced = [0] * len(jobs)
         try:
-            for step in self.model.generate(variants, [j.prompt for j in jobs],
-                                            max_new_tokens=[j.max_tokens for j in jobs],
-                                            temperature=[j.temperature for j in jobs],
-                                            top_p=[j.top_p for j in jobs], eos_ids=self.eos_ids,
-                                            pad_id=self.pad_id, generator=gen):
-                for i, tok in enumerate(step):
-                    if tok is None:
-                        continue
-                    produced[i] += 1
-                    if tok in self.eos_ids:
-                        jobs[i].emit("done", "stop")
-                        continue
-                    jobs[i].emit("token", tok)
-                    if produced[i] >= jobs[i].max_tokens:
-                        jobs[i].emit("done", "length")
-        except Exception as exc:  # noqa: BLE001 - one bad batch must not stop the server
+            self._steps(jobs, variants, gens, produced)
+        except Exception as exc:  # noqa: BLE001 - one bad request must not fail the others
             log.exception("decoding a batch of %d failed", len(jobs))
-            for j in jobs:
-                j.emit("error", f"generation failed: {type(exc).__name__}: {exc}")
+            retry = [i for i, n in enumerate(produced) if n == 0] if len(jobs) > 1 else []
+            for i, j in enumerate(jobs):
+                if i not in retry:
+                    j.emit("error", (500, f"generation failed: {type(exc).__name__}: {exc}"))
+            for i in retry:
+                self._decode([jobs[i]])
+
+    def _steps(self, jobs: list[Job], variants: list, gens: list, produced: list[int]) -> None:
+        for step in self.model.generate(variants, [j.prompt for j in jobs],
+                                        max_new_tokens=[j.max_tokens for j in jobs],
+                                        temperature=[j.temperature for j in jobs],
+                                        top_p=[j.top_p for j in jobs], eos_ids=self.eos_ids,
+                                        pad_id=self.pad_id, generators=gens):
+            for i, tok in enumerate(step):
+                if tok is None:
+                    continue
+                produced[i] += 1
+                if tok in self.eos_ids:
+                    jobs[i].emit("done", "stop")
+                    continue
+                jobs[i].emit("token", tok)
+                if produced[i] >= jobs[i].max_tokens:
+                    jobs[i].emit("done", "length")

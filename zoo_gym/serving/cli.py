@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,10 +19,17 @@ from zoo_gym.settings import SettingError, norm_key, resolve, with_settings
 from zoo_gym.settings_file import SettingsFileError, read_settings_file
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+log = logging.getLogger("zoo_gym.serving")
+_JSON = [False]  # --log-format json, once the settings are known
 
 
 def _fail(message: str, code: int = 2) -> None:
-    typer.echo(f"error: {message}", err=True)
+    if _JSON[0]:
+        from zoo_gym.serving.logs import json_line
+
+        typer.echo(json_line(f"error: {message}"), err=True)
+    else:
+        typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
 
 
@@ -43,14 +49,6 @@ def _settings(config: Optional[Path], flags: dict[str, Any]) -> ServeSettings:
     if settings.variants is not None and not Path(settings.variants).is_dir():
         _fail(f"--variants {settings.variants}: no such directory")
     return settings
-
-
-def _quiet_logs() -> None:
-    logging.basicConfig(level=logging.INFO, format="gym-serve: %(message)s", stream=sys.stderr, force=True)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # no "Loading weights" bar in the server's log
-    hf_logging.set_verbosity_error()
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -79,8 +77,11 @@ def serve(
     from zoo_gym.serving.service import ServeOptions, Service
     from zoo_gym.serving.variant import VariantError
 
+    from zoo_gym.serving import logs
+
     s = _settings(config, settings_flags)
-    _quiet_logs()
+    _JSON[0] = s.log_format == "json"
+    logs.setup(s.log_format)
     try:
         service = Service(ServeOptions(base=s.base, variants=s.variants, max_variant_bytes=s.max_variant_bytes,
                                        window_ms=s.batch_window_ms, max_batch=s.max_batch, max_tokens=s.max_tokens,
@@ -90,9 +91,16 @@ def serve(
     sock = _listen(s.host, s.port)
     bound = sock.getsockname()[1]
     service.start()
-    typer.echo(f"gym-serve: listening on http://{s.host}:{bound} (base {service.base_name}, "
-               f"{len(service.registry.names())} variant(s))", err=True)
-    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning"))
+    line = (f"listening on http://{s.host}:{bound} (base {service.base_name}, "
+            f"{len(service.registry.names())} variant(s))")
+    if _JSON[0]:
+        log.info(line)
+    else:
+        typer.echo(f"gym-serve: {line}", err=True)
+    application = create_app(service, api_key=s.api_key, max_body_bytes=s.max_body_bytes)
+    config = (uvicorn.Config(application, log_config=None, log_level="info", use_colors=False) if _JSON[0]
+              else uvicorn.Config(application, log_level="warning"))
+    server = uvicorn.Server(config)
     try:
         server.run(sockets=[sock])
     finally:

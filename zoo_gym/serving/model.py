@@ -71,10 +71,16 @@ class MultiVariantModel:
 
     def generate(self, variants: list[Variant | None], prompts: list[list[int]], *, max_new_tokens: list[int],
                  temperature: list[float], eos_ids: set[int], pad_id: int, top_p: list[float] | None = None,
-                 generator: torch.Generator | None = None) -> Iterator[list[int | None]]:
-        """Decode all rows together (left padding, KV cache); yield each step's token per row (None once a
-        row stopped: EOS, which is yielded, or its own max_new_tokens)."""
+                 generator: torch.Generator | None = None,
+                 generators: list[torch.Generator | None] | None = None) -> Iterator[list[int | None]]:
+        """Decode all rows together (left padding, a KV cache object); yield each step's token per row (None
+        once a row stopped: EOS, which is yielded, or its own max_new_tokens). Row i samples with
+        ``generators[i]`` (else ``generator``; None: torch's global one), so its text does not depend on the
+        other rows."""
+        from transformers import DynamicCache
+
         b = len(prompts)
+        gens = list(generators) if generators is not None else [generator] * b
         width = max(len(p) for p in prompts)
         ids = torch.full((b, width), pad_id, dtype=torch.long)
         mask = torch.zeros((b, width), dtype=torch.long)
@@ -87,13 +93,12 @@ class MultiVariantModel:
         top_ps = torch.tensor(top_p or [1.0] * b, dtype=torch.float32, device=self.device)
         done = [False] * b
         produced = [0] * b
-        past = None
+        cache = DynamicCache(config=self.model.config)
         step_ids, step_pos = ids, pos
         for _ in range(max(max_new_tokens)):
             out = self.forward(variants, input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
-                               past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            nxt = _pick(out.logits[:, -1, :].float(), temps, top_ps, generator)  # (B,)
+                               cache=cache, use_cache=True)
+            nxt = _pick(out.logits[:, -1, :].float(), temps, top_ps, gens)  # (B,)
             row = []
             for i in range(b):
                 if done[i]:
@@ -112,9 +117,10 @@ class MultiVariantModel:
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
 
 
-def _pick(logits: Tensor, temps: Tensor, top_ps: Tensor, generator: torch.Generator | None) -> Tensor:
+def _pick(logits: Tensor, temps: Tensor, top_ps: Tensor, generators: list[torch.Generator | None]) -> Tensor:
     """Greedy for rows at temperature 0; otherwise sampled from softmax(logits / t) restricted to the
-    smallest set of most likely tokens whose probability reaches top_p (nucleus sampling)."""
+    smallest set of most likely tokens whose probability reaches top_p (nucleus sampling), each row
+    with its own generator."""
     greedy = logits.argmax(-1)
     if not bool((temps > 0).any()):
         return greedy
@@ -124,5 +130,13 @@ def _pick(logits: Tensor, temps: Tensor, top_ps: Tensor, generator: torch.Genera
     outside = (sorted_p.cumsum(-1) - sorted_p) >= top_ps.unsqueeze(1)  # mass before a token already reaches p
     sorted_p = sorted_p.masked_fill(outside, 0.0)
     probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    sampled = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(logits.device)
-    return torch.where(temps > 0, sampled, greedy)
+    probs = probs.cpu()
+    sampled = greedy.clone().cpu()
+    rows = torch.nonzero(temps > 0).flatten().tolist()
+    shared = [i for i in rows if generators[i] is None]  # unseeded rows: one draw from torch's global generator
+    if shared:
+        sampled[shared] = torch.multinomial(probs[shared], 1).squeeze(1)
+    for i in rows:
+        if generators[i] is not None:
+            sampled[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
+    return sampled.to(logits.device)

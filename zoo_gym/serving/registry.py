@@ -37,8 +37,20 @@ class VariantTooLarge(VariantError):
 
 
 def _peek_manifest(path: pathlib.Path) -> dict:
-    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+    """The file's manifest; VariantError for anything that does not parse (never another exception)."""
+    with open(path, "rb") as fh:
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
         return read_manifest(mm)
+    except VariantError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a malformed file is skipped, whatever the parser raised
+        raise VariantError(f"not a variant payload: {type(exc).__name__}: {exc}") from None
+    finally:
+        try:
+            mm.close()
+        except BufferError:  # the error's traceback still holds a view; the map is freed with it
+            pass
 
 
 class VariantRegistry:
@@ -80,8 +92,8 @@ class VariantRegistry:
                 meta = _peek_manifest(path)
                 why = None if meta["base_sha256"] == self.base_sha256 else (
                     f"built for base {meta['base_sha256'][:12]}, this server's base is {self.base_sha256[:12]}")
-            except (VariantError, OSError, ValueError) as exc:
-                why = str(exc)
+            except Exception as exc:  # noqa: BLE001 - any file that does not parse is skipped with one line
+                why = str(exc) or type(exc).__name__
             if why:
                 log.warning("not serving %s: %s", path.name, why)
             self._foreign[key] = why or ""
@@ -109,11 +121,13 @@ class VariantRegistry:
             return self._load(name, path)
 
     def _load(self, name: str, path: pathlib.Path) -> Variant:
-        v = load_variant(path, base_sha256=self.base_sha256, name=name)
         try:
+            v = load_variant(path, base_sha256=self.base_sha256, name=name)
             self._check(v)
-        except ValueError as exc:
-            raise VariantError(str(exc)) from None
+        except VariantError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a file that does not parse is refused, not a crash
+            raise VariantError(f"variant {name!r} cannot be loaded: {type(exc).__name__}: {exc}") from None
         if self.max_bytes is not None and v.nbytes > self.max_bytes:
             raise VariantTooLarge(f"variant {name!r} needs {v.nbytes} bytes, more than --max-variant-bytes "
                                   f"{self.max_bytes}")

@@ -1,0 +1,89 @@
+"""OpenAI conformance through the official `openai` client (in process, over Starlette's TestClient).
+
+Retrieving a model; `stream_options.include_usage` puts the usage on a last chunk with no choices; a seeded
+request gives the same text alone and batched with others; unsupported options are refused as
+BadRequestError naming the parameter; a malformed body has a readable message and no param.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import openai
+import pytest
+from starlette.testclient import TestClient
+
+from zoo_gym.serving.app import create_app
+
+HI = [{"role": "user", "content": "What is 2+2?"}]
+
+
+@pytest.fixture(scope="module")
+def client(inproc):
+    http = TestClient(create_app(inproc, api_key="k"), client=("127.0.0.1", 5000))
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="k", http_client=http, max_retries=0)
+
+
+def test_models_list_and_retrieve(client):
+    ids = [m.id for m in client.models.list()]
+    assert ids[:3] == ["tiny", "user1", "user2"]
+    m = client.models.retrieve("user2")
+    assert m.id == "user2" and m.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nobody")
+
+
+def test_wrong_key_is_authentication_error(inproc):
+    http = TestClient(create_app(inproc, api_key="k"), client=("127.0.0.1", 5000))
+    bad = openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=http, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_chat_and_stream_with_usage(client):
+    plain = client.chat.completions.create(model="user1", messages=HI, max_tokens=8, temperature=0)
+    assert plain.usage.completion_tokens >= 1 and plain.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model="user1", messages=HI, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.model_dump() == plain.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == plain.choices[0].message.content
+    text = list(client.completions.create(model="tiny", prompt="The", max_tokens=4, stream=True, temperature=0,
+                                          stream_options={"include_usage": True}))
+    assert 1 <= text[-1].usage.completion_tokens <= 4 and text[-1].choices == []
+
+
+def _seeded(client, seed, prompt):
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=1.5, seed=seed)
+    return r.choices[0].text
+
+
+def test_seed_is_per_request(client):
+    alone = _seeded(client, 7, "The")
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(_seeded, client, s, p) for s, p in ((8, "Once"), (7, "The"), (None, "A"))]
+        assert futures[1].result() == alone
+        [f.result() for f in futures]
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"frequency_penalty": 1.0}, "frequency_penalty"),
+    ({"n": 2}, "n"),
+    ({"seed": 2**70}, "seed"),
+    ({"extra_body": {"stream": "yes"}}, "stream"),
+])
+def test_unsupported_or_bad_options_are_bad_requests(client, kw, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=HI, max_tokens=2, **kw)
+    assert info.value.body["param"] == param and info.value.body["type"] == "invalid_request_error"
+
+
+def test_malformed_body(inproc):
+    http = TestClient(create_app(inproc), client=("127.0.0.1", 5000))
+    r = http.post("/v1/completions", content=b'{"model": "tiny", "prompt": "a', headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] is None and "not valid JSON" in err["message"]
