@@ -32,6 +32,7 @@ from .activation_budget import checkpoint_beyond
 from .errors import ScoringInputError
 from .packed_batch import PackedBatch, packed_loss_sum
 from .spill import SpilledTensors
+from .streamed_model import stream_of
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,9 @@ def base_gradient(model: torch.nn.Module,
     if tokens == 0:
         raise ScoringInputError("`batches` hold no completion tokens (every label is -100 "
                                 "or there is no batch): nothing to take a gradient of")
+    stream = stream_of(model)
+    if activation_budget == "auto" and stream is not None:
+        activation_budget = None  # a streamed model checkpoints every layer itself
     if activation_budget == "auto":
         activation_budget = sum(p.numel() * p.element_size() for p in model.parameters()) // 4
     store: dict[int, Tensor] | SpilledTensors = SpilledTensors(spill_dir) if spill_dir is not None else {}
@@ -212,6 +216,8 @@ def base_gradient(model: torch.nn.Module,
             h.remove()
         model.zero_grad(set_to_none=True)
         model.train(was_training)
+        if stream is not None:
+            stream.evict_all()
     # One tensor per distinct parameter; one that got no gradient (unused) is zeros.
     if isinstance(store, SpilledTensors):
         for k, p in params.items():
@@ -220,7 +226,7 @@ def base_gradient(model: torch.nn.Module,
     else:
         for p in params.values():
             if id(p) not in store:
-                store[id(p)] = torch.zeros_like(p, requires_grad=False)
+                store[id(p)] = torch.zeros(p.shape, dtype=p.dtype, device=p.device)  # not zeros_like: streamed
         grad = {k: store[id(p)] for k, p in params.items()}
     numel = sum(p.numel() for p in {id(p): p for p in params.values()}.values())
     return _with_summary(BaseGradient(base_loss=total / tokens, grad=grad, examples=examples, tokens=tokens),
