@@ -184,6 +184,8 @@ def base_gradient(model: torch.nn.Module,
     def take(p: torch.nn.Parameter) -> None:
         nonlocal sq
         g = p.grad.detach()
+        if g.is_sparse:  # a streamed model's untied input embedding (streamed_model.py)
+            g = g.to_dense()
         sq = sq + _sq_norm(g)
         if isinstance(store, SpilledTensors):
             store.put(id(p), g)

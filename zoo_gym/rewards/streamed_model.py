@@ -192,6 +192,9 @@ def load_streamed(model_dir: str | pathlib.Path) -> torch.nn.Module:
             stream.resident_params[stored[0]].data = stream.read(handle, stored[0])
     for i in range(len(stream.layers)):
         stream.wrap(i)
+    embed = model.get_input_embeddings()
+    if isinstance(embed, torch.nn.Embedding):  # its weight's gradient as the rows it saw, not a (vocab, hidden)
+        embed.sparse = True  # buffer beside the tied output layer's (autograd adds it into that one in place)
     model.zoo_stream = stream
     model.eval()
     return model
