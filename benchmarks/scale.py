@@ -711,7 +711,8 @@ def main() -> None:
             run["parent_evaluation_over_forward"] = sec("parent-evaluation") / FORWARD["rest_s"]
             run["parent_evaluation_over_first_forward"] = sec("parent-evaluation") / FORWARD["rest_first_s"]
             # the new checkpoint's: its scoring gradient (forward + backward) and that same forward
-            run["new_evaluation_over_forward_backward_plus_forward"] = sec("evaluation") / (fb_first + FORWARD["rest_first_s"])
+            run["new_evaluation_over_forward_backward_plus_forward"] = (
+                sec("evaluation") / (fb_first + FORWARD["rest_first_s"]))
     res["targets"] = {"peak_rss_over_fp32_scoring_on": 2.5, "peak_rss_over_fp32_scoring_off": 1.0,
                       "aggregation_publish_over_read_write": 2.0, "scoring_over_forward_backward": 1.3,
                       "bf16_kept_share_min": 0.999}

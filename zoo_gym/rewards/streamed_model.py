@@ -7,7 +7,8 @@ its weights from the safetensors file when its forward starts and drops them whe
 activation checkpointing: autograd keeps only the layers' inputs, and the backward's recompute loads the
 layer again, so a gradient pass (``gradient.base_gradient``) holds one layer's weights at a time. The
 forward is the model's own, so losses and gradients are the whole-model ones. ``model.zoo_stream`` is
-the ``LayerStream``: ``applied(delta, scale=c)`` evaluates base + ``c * delta``. Why: docs/design/streamed-evaluation.md.
+the ``LayerStream``: ``applied(delta, scale=c)`` evaluates base + ``c * delta``.
+Why and how: docs/design/streamed-evaluation.md.
 """
 
 from __future__ import annotations
