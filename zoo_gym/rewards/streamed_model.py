@@ -14,13 +14,18 @@ Why and how: docs/design/streamed-evaluation.md.
 from __future__ import annotations
 
 import contextlib
+import os
 import pathlib
 from collections.abc import Iterator, Mapping
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from zoo_gym.gym_train.memory import trim_heap
+
 from .activation_budget import decoder_layers
+
+_TRIM = os.environ.get("ZOO_GYM_STREAM_TRIM", "1") != "0"
 
 WEIGHTS = "model.safetensors"
 
@@ -95,6 +100,8 @@ class LayerStream:
         for _, p in self._layer_params[i]:
             p.data = _absent(p.shape)
         self.resident.discard(i)
+        if _TRIM:
+            trim_heap()  # the layer's tensors sit below malloc's mmap threshold: hand their pages back
 
     def evict_all(self) -> None:
         for i in list(self.resident):
