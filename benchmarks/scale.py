@@ -563,8 +563,20 @@ def forward_backward_seconds(model_dir: Path, scoring_examples: int = 32) -> tup
         loss, k = packed_loss_sum(model, batch)
         (loss / k).backward()
         times.append(time.perf_counter() - t0)
+    rest = gym_train.default_validation_examples(n=128)[scoring_examples:]  # the held-out loss's no-grad part
+    rest_batch = pack_shared_prefix(tokenize_examples(tok, rest), pad_id=tok.pad_token_id or 0)
+    fwd = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            packed_loss_sum(model, rest_batch)
+        fwd.append(time.perf_counter() - t0)
+    FORWARD["rest_s"], FORWARD["rest_first_s"] = min(fwd), fwd[0]
     del model
     return min(times), times[0]
+
+
+FORWARD: dict = {}  # forward_backward_seconds's plain no-grad forward over validation examples 32..127
 
 
 def bf16_kept(state: Path, payloads: list[bytes]) -> dict:
@@ -681,7 +693,9 @@ def main() -> None:
     # the fp32 forward+backward baseline only serves the scoring ratio (and is the biggest in-process step)
     fb, fb_first = forward_backward_seconds(model_dir) if "scoring_on" in runs else (None, None)
     res["baseline"] = {"read_write_model_s": rw, "forward_backward_scoring_set_s": fb,
-                       "forward_backward_scoring_set_first_s": fb_first}
+                       "forward_backward_scoring_set_first_s": fb_first,
+                       "forward_rest_of_validation_s": FORWARD.get("rest_s"),
+                       "forward_rest_of_validation_first_s": FORWARD.get("rest_first_s")}
     for key, run in runs.items():
         ph = run["phases"]
         sec = lambda *names: sum(ph[n]["seconds"] for n in names if n in ph)  # noqa: E731
@@ -693,6 +707,12 @@ def main() -> None:
             run["scoring_over_forward_backward"] = run["scoring_s"] / fb
             run["scoring_over_first_forward_backward"] = run["scoring_s"] / fb_first  # both cold, both once
             run["evaluation_s"] = sec("parent-evaluation", "evaluation")  # genesis's loss (round 1 only), new model's
+            # the genesis's held-out loss past the scoring set: the same no-grad forward as FORWARD's
+            run["parent_evaluation_over_forward"] = sec("parent-evaluation") / FORWARD["rest_s"]
+            run["parent_evaluation_over_first_forward"] = sec("parent-evaluation") / FORWARD["rest_first_s"]
+            # the new checkpoint's: its scoring gradient (forward + backward) and that same forward
+            run["new_evaluation_over_forward_backward_plus_forward"] = (
+                sec("evaluation") / (fb_first + FORWARD["rest_first_s"]))
     res["targets"] = {"peak_rss_over_fp32_scoring_on": 2.5, "peak_rss_over_fp32_scoring_off": 1.0,
                       "aggregation_publish_over_read_write": 2.0, "scoring_over_forward_backward": 1.3,
                       "bf16_kept_share_min": 0.999}

@@ -188,7 +188,13 @@ class Evaluator:
     @staticmethod
     @contextlib.contextmanager
     def applied(model, delta: Mapping[str, torch.Tensor] | None, *, scale: float = 1.0):
-        """Within the block, ``model``'s weights are base + ``scale * delta``; restored bit for bit after."""
+        """Within the block, ``model``'s weights are base + ``scale * delta``; restored bit for bit after.
+        A model whose layers stream from disk (``zoo_gym.rewards.streamed_model``) adds it as it loads them."""
+        stream = getattr(model, "zoo_stream", None)
+        if stream is not None:
+            with stream.applied(delta, scale=scale):
+                yield model
+            return
         params = dict(model.named_parameters(remove_duplicate=True))
         saved: dict[str, torch.Tensor] = {}
 

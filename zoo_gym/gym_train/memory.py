@@ -19,6 +19,11 @@ import gc
 def release_memory() -> bool:
     """Collect garbage and trim the C heap; True when the heap was trimmed."""
     gc.collect()
+    return trim_heap()
+
+
+def trim_heap() -> bool:
+    """``malloc_trim(0)``: free pages of the C heap go back to the system; True when some did."""
     name = ctypes.util.find_library("c")
     if not name:
         return False

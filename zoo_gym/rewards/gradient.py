@@ -24,6 +24,7 @@ from .activation_budget import checkpoint_beyond
 from .errors import ScoringInputError
 from .packed_batch import PackedBatch, packed_loss_sum
 from .spill import SpilledTensors
+from .streamed_model import stream_of
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ def _by_name(store: dict[int, Tensor] | SpilledTensors,
         return store
     for p in params.values():
         if id(p) not in store:
-            store[id(p)] = torch.zeros_like(p, requires_grad=False)
+            store[id(p)] = torch.zeros(p.shape, dtype=p.dtype, device=p.device)  # not zeros_like: streamed
     return {k: store[id(p)] for k, p in params.items()}
 
 
@@ -182,6 +183,9 @@ def base_gradient(model: torch.nn.Module,
         raise ScoringInputError(f"`rows_per_backward` must be >= 1, got {rows_per_backward}")
     params = dict(model.named_parameters(remove_duplicate=False))
     parts, tokens, examples = _backward_parts(batches, rows_per_backward)
+    stream = stream_of(model)
+    if activation_budget == "auto" and stream is not None:
+        activation_budget = None  # a streamed model checkpoints every layer itself
     if activation_budget == "auto":
         activation_budget = sum(p.numel() * p.element_size() for p in model.parameters()) // 4
     store: dict[int, Tensor] | SpilledTensors = SpilledTensors(spill_dir) if spill_dir is not None else {}
@@ -190,6 +194,8 @@ def base_gradient(model: torch.nn.Module,
     def take(p: torch.nn.Parameter) -> None:
         nonlocal sq
         g = p.grad.detach()
+        if g.is_sparse:  # a streamed model's untied input embedding (streamed_model.py)
+            g = g.to_dense()
         sq = sq + _sq_norm(g)
         if isinstance(store, SpilledTensors):
             store.put(id(p), g)
@@ -222,6 +228,8 @@ def base_gradient(model: torch.nn.Module,
             h.remove()
         model.zero_grad(set_to_none=True)
         model.train(was_training)
+        if stream is not None:
+            stream.evict_all()
     grad = _by_name(store, params)
     numel = sum(p.numel() for p in {id(p): p for p in params.values()}.values())
     return _with_summary(BaseGradient(base_loss=total / tokens, grad=grad, examples=examples, tokens=tokens),

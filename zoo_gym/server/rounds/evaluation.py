@@ -71,13 +71,15 @@ class ServerEvaluator:
         from zoo_gym.gym_train import Evaluator
         from zoo_gym.gym_train.evaluate import tokenize_examples
         from zoo_gym.rewards.packing import PackedScoringSet, supports_packing
+        from zoo_gym.rewards.streamed_model import load_streamed
 
         self.examples = examples
         self.pairs, self.loss_examples = loss_and_pairs(examples)
         # the scoring gradient goes to a file here as the backward produces it (rewards/spill.py): never
         # resident, from the publish that computes it to the round that reads it
         self.spill_dir = Path(spill_dir) if spill_dir is not None else Path(tempfile.gettempdir())
-        self.base = Evaluator(base_dir, self.loss_examples)
+        # one decoder layer's weights at a time, read from the checkpoint (rewards/streamed_model.py)
+        self.base = Evaluator(base_dir, self.loss_examples, model=load_streamed(base_dir))
         self.scoring_set = (self.pairs or examples)[:scoring_examples]
         tok, model = self.base.tokenizer, self.base.model
         self._preference = None

@@ -1,0 +1,113 @@
+"""Streamed evaluation and scoring (zoo_gym/rewards/streamed_model.py) give the whole-model numbers with one
+decoder layer resident at a time: held-out loss, loss of base + delta, the scoring gradient and the order of
+first-order scores, on the tiny model and random small bases of several families."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zoo_gym.gym_train import Evaluator, default_validation_examples, tiny_model_dir
+from zoo_gym.gym_train.evaluate import load_model, tokenize_examples
+from zoo_gym.gym_train.families import make_random_base
+from zoo_gym.rewards.packing import PackedScoringSet, supports_packing
+from zoo_gym.rewards.streamed_model import load_streamed, stream_of
+
+EXAMPLES = default_validation_examples(n=12)
+
+
+@pytest.fixture(scope="module", params=["tiny", "qwen3", "llama", "gpt2", "gemma", "phi3"])
+def model_dir(request, tmp_path_factory):
+    if request.param == "tiny":
+        return tiny_model_dir()
+    return make_random_base(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def _pair(model_dir):
+    """(whole-model Evaluator, streamed Evaluator) on the same examples."""
+    whole = Evaluator(model_dir, EXAMPLES)
+    streamed = Evaluator(model_dir, EXAMPLES, model=load_streamed(model_dir), tokenizer=whole.tokenizer)
+    return whole, streamed
+
+
+def _deltas(model, n: int, seed: int = 0) -> list[dict]:
+    """Random deltas on a few decoder-layer matrices and a resident parameter (the final norm or embedding)."""
+    g = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    names = [k for k, p in params.items() if p.dim() == 2 and ".0." in k][:3]
+    names += [k for k, p in params.items() if p.dim() == 1 and "layers" not in k and ".h." not in k][:1]
+    return [{k: 1e-2 * torch.randn(params[k].shape, generator=g) for k in names} for _ in range(n)]
+
+
+def test_heldout_loss_equals_whole_model(model_dir):
+    whole, streamed = _pair(model_dir)
+    assert streamed.model.config._attn_implementation == whole.model.config._attn_implementation
+    assert streamed.loss() == pytest.approx(whole.loss(), rel=1e-6)
+    stream = stream_of(streamed.model)
+    assert stream.max_resident == 1 and stream.loads >= len(stream.layers)
+    assert not stream.resident  # dropped after the pass
+
+
+def test_loss_with_delta_equals_whole_model(model_dir):
+    whole, streamed = _pair(model_dir)
+    for delta in _deltas(whole.model, 2):
+        assert streamed.loss(delta, scale=0.5) == pytest.approx(whole.loss(delta, scale=0.5), rel=1e-6)
+    assert streamed.loss() == pytest.approx(whole.loss(), rel=1e-6)  # the delta is gone after
+    assert stream_of(streamed.model).max_resident == 1
+
+
+def test_gradient_and_score_order_equal_whole_model(model_dir):
+    whole = load_model(model_dir)
+    if not supports_packing(whole):
+        pytest.skip("packing needs sdpa or eager attention")
+    streamed = load_streamed(model_dir)
+    tok = Evaluator(model_dir, EXAMPLES[:1], model=whole).tokenizer
+    pairs = tokenize_examples(tok, EXAMPLES)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    ref = PackedScoringSet(whole, pairs, pad_id=pad)
+    got = PackedScoringSet(streamed, pairs, pad_id=pad)
+    g_ref, g_got = ref.gradient(), got.gradient()
+    assert g_got.base_loss == pytest.approx(g_ref.base_loss, rel=1e-6)
+    assert g_got.norm == pytest.approx(g_ref.norm, rel=1e-5)
+    assert set(g_got.grad) == set(g_ref.grad)
+    for name in g_ref.grad:
+        torch.testing.assert_close(g_got.grad[name], g_ref.grad[name], rtol=1e-4, atol=1e-7)
+    stream = stream_of(streamed)
+    assert stream.max_resident == 1 and not stream.resident
+    deltas = _deltas(whole, 5, seed=1)
+    slopes = [[float(sum((g.grad[k] * d[k]).sum() for k in d)) for d in deltas] for g in (g_ref, g_got)]
+    assert sorted(range(5), key=slopes[0].__getitem__) == sorted(range(5), key=slopes[1].__getitem__)
+    for d in deltas[:2]:  # the packed exact check (its own module-by-module delta swap) agrees too
+        assert got.loss(d, scale=2.0) == pytest.approx(ref.loss(d, scale=2.0), rel=1e-6)
+
+
+def test_spilled_gradient_and_one_layer_during_backward(tmp_path):
+    """The server's gradient (spilled to disk) equals the in-memory one, and the backward's recompute never
+    holds two layers (the count is taken inside every load)."""
+    model = load_streamed(tiny_model_dir())
+    stream = stream_of(model)
+    seen = []
+    load = stream.load
+
+    def counting(i):
+        load(i)
+        seen.append(len(stream.resident))
+
+    stream.load = counting
+    tok = Evaluator(tiny_model_dir(), EXAMPLES[:1], model=model).tokenizer
+    ps = PackedScoringSet(model, tokenize_examples(tok, EXAMPLES), pad_id=tok.pad_token_id)
+    spilled, kept = ps.gradient(spill_dir=tmp_path), ps.gradient()
+    assert len(seen) == 4 * len(stream.layers) and max(seen) == 1  # forward + recompute, twice
+    for name in kept.grad:
+        assert torch.equal(spilled.grad[name], kept.grad[name])
+
+
+def test_server_evaluator_streams():
+    from zoo_gym.server.rounds.evaluation import ServerEvaluator
+
+    ev = ServerEvaluator(tiny_model_dir(), default_validation_examples(n=40), scoring_examples=32)
+    assert stream_of(ev.base.model) is not None and isinstance(ev.scoring, PackedScoringSet)
+    whole = Evaluator(tiny_model_dir(), ev.examples)
+    assert ev.heldout_loss() == pytest.approx(whole.loss(), rel=1e-5)
+    delta = _deltas(whole.model, 1)[0]
+    assert ev.loss(delta, scale=0.3) == pytest.approx(whole.loss(delta, scale=0.3), rel=1e-6)

@@ -1,0 +1,213 @@
+"""A causal LM whose decoder layers are read from its checkpoint one at a time, in float32.
+
+``load_streamed(model_dir)`` returns the Hugging Face model of ``model_dir`` in which only the parameters
+outside the decoder layers (embeddings, final norm, output layer) are resident; each decoder layer reads
+its weights from the safetensors file when its forward starts and drops them when the next layer loads
+(or when its forward ends outside a backward). With grad enabled every layer runs under non-reentrant
+activation checkpointing: autograd keeps only the layers' inputs, and the backward's recompute loads the
+layer again, so a gradient pass (``gradient.base_gradient``) holds one layer's weights at a time. The
+forward is the model's own, so losses and gradients are the whole-model ones. ``model.zoo_stream`` is
+the ``LayerStream``: ``applied(delta, scale=c)`` evaluates base + ``c * delta``.
+Why and how: docs/design/streamed-evaluation.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+from collections.abc import Iterator, Mapping
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from zoo_gym.gym_train.memory import trim_heap
+
+from .activation_budget import decoder_layers
+
+_TRIM = os.environ.get("ZOO_GYM_STREAM_TRIM", "1") != "0"
+
+WEIGHTS = "model.safetensors"
+
+
+def _absent(shape: torch.Size) -> torch.Tensor:
+    """What an unloaded parameter holds: the right shape, one float of storage, NaN (a stray use shows)."""
+    return torch.full((), float("nan"), dtype=torch.float32).expand(shape)
+
+
+class LayerStream:
+    """Loads and drops the decoder layers' weights of one model; counts what is resident."""
+
+    def __init__(self, model: torch.nn.Module, weights_file: pathlib.Path, keys: set[str]) -> None:
+        self.weights_file = pathlib.Path(weights_file)
+        self._keys = keys
+        self._prefix = getattr(model, "base_model_prefix", "") or ""
+        names = {id(m): n for n, m in model.named_modules()}
+        self.layers = decoder_layers(model)
+        self._layer_params = [[(f"{names[id(layer)]}.{n}", p) for n, p in layer.named_parameters()]
+                              for layer in self.layers]
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        in_layer = {id(p) for ps in self._layer_params for _, p in ps}
+        self.resident_params = {n: p for n, p in self.params.items() if id(p) not in in_layer}
+        self.resident: set[int] = set()
+        self.max_resident = 0   # most decoder layers resident at once, over this stream's life
+        self.loads = 0          # layer loads (a checkpointed layer loads twice per gradient pass)
+        self._delta: Mapping | None = None
+        self._scale = 1.0
+        self._recomputing = False
+
+    def key(self, name: str) -> str:
+        """The checkpoint's key of parameter ``name`` (with or without the base model's prefix)."""
+        if name in self._keys:
+            return name
+        short = name.removeprefix(self._prefix + ".") if self._prefix else name
+        for k in (short, f"{self._prefix}.{name}"):
+            if k in self._keys:
+                return k
+        raise KeyError(f"the checkpoint {self.weights_file} has no tensor for parameter {name!r}")
+
+    def has(self, name: str) -> bool:
+        try:
+            self.key(name)
+        except KeyError:
+            return False
+        return True
+
+    def read(self, handle, name: str) -> torch.Tensor:
+        with torch.inference_mode(False):  # ordinary tensors: a gradient pass may save them
+            t = handle.get_tensor(self.key(name)).to(torch.float32)
+            if self._delta is not None and name in self._delta:
+                t = torch.add(t, _dense(self._delta[name]).to(torch.float32), alpha=self._scale)
+        return t
+
+    def load(self, i: int) -> None:
+        """Make layer ``i`` resident (every other layer is dropped first)."""
+        from safetensors import safe_open
+
+        for j in list(self.resident):
+            if j != i:
+                self.evict(j)
+        if i in self.resident:
+            return
+        with safe_open(str(self.weights_file), "pt") as handle:  # closed at once: no mapped pages stay
+            for name, p in self._layer_params[i]:
+                p.data = self.read(handle, name)
+        self.resident.add(i)
+        self.loads += 1
+        self.max_resident = max(self.max_resident, len(self.resident))
+
+    def evict(self, i: int) -> None:
+        for _, p in self._layer_params[i]:
+            p.data = _absent(p.shape)
+        self.resident.discard(i)
+        if _TRIM:
+            trim_heap()  # the layer's tensors sit below malloc's mmap threshold: hand their pages back
+
+    def evict_all(self) -> None:
+        for i in list(self.resident):
+            self.evict(i)
+
+    @contextlib.contextmanager
+    def recomputing(self) -> Iterator[None]:
+        """The backward's recompute of a checkpointed layer: its weights stay for that layer's backward."""
+        before, self._recomputing = self._recomputing, True
+        try:
+            yield
+        finally:
+            self._recomputing = before
+
+    def wrap(self, i: int) -> None:
+        """Layer ``i``'s forward loads it, runs it (checkpointed when grad is on) and drops it after."""
+        layer = self.layers[i]
+        forward = layer.forward
+
+        def run(*args, **kwargs):
+            self.load(i)
+            out = forward(*args, **kwargs)
+            if not self._recomputing:
+                self.evict(i)
+            return out
+
+        def streamed(*args, **kwargs):
+            if torch.is_grad_enabled():
+                return checkpoint(run, *args, use_reentrant=False,
+                                  context_fn=lambda: (contextlib.nullcontext(), self.recomputing()), **kwargs)
+            return run(*args, **kwargs)
+
+        layer.forward = streamed  # an instance attribute: nn.Module calls it first
+
+    @contextlib.contextmanager
+    def applied(self, delta: Mapping | None, *, scale: float = 1.0) -> Iterator[None]:
+        """Within the block the model computes with base + ``scale * delta``: decoder layers add it as
+        they load, resident parameters get it now and their base values back after."""
+        delta = delta or {}
+        for name in delta.keys():
+            p = self.params.get(name)
+            if p is None:
+                raise KeyError(f"delta names {name!r}, which is not a parameter of the model")
+            d = _dense(delta[name])
+            if tuple(d.shape) != tuple(p.shape):
+                raise ValueError(f"delta {name!r} has shape {tuple(d.shape)}, the model's is {tuple(p.shape)}")
+        saved: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        self.evict_all()
+        self._delta, self._scale = delta, scale
+        try:
+            with torch.no_grad():
+                for name, p in self.resident_params.items():
+                    if name in delta and id(p) not in saved:
+                        saved[id(p)] = (p, p.data)
+                        p.data = torch.add(p.data, _dense(delta[name]).to(p.dtype), alpha=scale)
+            yield
+        finally:
+            self.evict_all()
+            self._delta, self._scale = None, 1.0
+            for p, orig in saved.values():
+                p.data = orig
+
+
+def _dense(value) -> torch.Tensor:
+    from zoo_gym.gym_train.evaluate import dense_delta
+
+    return dense_delta(value)
+
+
+def load_streamed(model_dir: str | pathlib.Path) -> torch.nn.Module:
+    """The float32 model of ``model_dir`` (a single ``model.safetensors``) with streamed decoder layers."""
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = pathlib.Path(model_dir)
+    weights_file = model_dir / WEIGHTS
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with init_empty_weights():  # parameters on the meta device; buffers (rotary tables) computed as usual
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.tie_weights()
+    fresh: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():  # meta parameters -> CPU placeholders (one Parameter per tied weight)
+        for n, p in list(module._parameters.items()):  # noqa: SLF001 - replacing them in place
+            if p is not None:
+                fresh.setdefault(id(p), torch.nn.Parameter(_absent(p.shape), requires_grad=p.requires_grad))
+                module._parameters[n] = fresh[id(p)]  # noqa: SLF001
+    with safe_open(str(weights_file), "pt") as handle:
+        keys = set(handle.keys())
+        stream = LayerStream(model, weights_file, keys)
+        aliases: dict[int, list[str]] = {}
+        for name, p in stream.resident_params.items():
+            aliases.setdefault(id(p), []).append(name)
+        for names in aliases.values():  # a tied weight is stored under one of its names
+            stored = [n for n in names if stream.has(n)] or names
+            stream.resident_params[stored[0]].data = stream.read(handle, stored[0])
+    for i in range(len(stream.layers)):
+        stream.wrap(i)
+    embed = model.get_input_embeddings()
+    if isinstance(embed, torch.nn.Embedding):  # its weight's gradient as the rows it saw, not a (vocab, hidden)
+        embed.sparse = True  # buffer beside the tied output layer's (autograd adds it into that one in place)
+    model.zoo_stream = stream
+    model.eval()
+    return model
+
+
+def stream_of(model: torch.nn.Module) -> LayerStream | None:
+    """The model's ``LayerStream`` when it was loaded by ``load_streamed``, else None."""
+    return getattr(model, "zoo_stream", None)
