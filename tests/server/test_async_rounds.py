@@ -269,7 +269,7 @@ def test_flush_interrupted_after_its_blob_is_redone_identically(federation_with,
 
 
 def test_each_flush_is_one_dp_release_composed_by_the_accountant(federation_with):
-    from zoo_gym.aggregation.privacy import rdp_epsilon
+    from zoo_gym.aggregation.privacy import epsilon as rdp_epsilon  # the reported figure (PRV, <= RDP)
 
     fed = federation_with(**{**ASYNC, "max_staleness": 2}, validation_examples=0, dp_noise_multiplier=1.0,
                           dp_clip=0.05)

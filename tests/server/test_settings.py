@@ -25,6 +25,7 @@ SPECIAL = {
     "ssl_ca_certfile": ("ca.pem", {}),
     "admission": ("invite", {}),
     "mode": ("async", {}),
+    "sample_rate": (0.5, {}),
     "validation_data": ("held-out.jsonl", {}),
     "log_level": ("DEBUG", {}),
     "log_format": ("json", {}),

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .clipping import adaptive_clip_update, clip_factors, update_noise_multiplier
 from .errors import InvalidDeltaError, PrivacyBudgetExceeded
-from .privacy import PrivacyAccountant, PrivacyReport, gaussian_noise, rdp_epsilon, secure_generator
+from .privacy import PrivacyAccountant, PrivacyReport, epsilon, gaussian_noise, secure_generator
 from .rules.base import Rule
 
 
@@ -65,8 +65,9 @@ class DifferentialPrivacy:
         return clip_factors(norms, max_norm=self.clip)
 
     def open(self, *, submitted: int, population: int | None,
-             accountant: PrivacyAccountant | None) -> Release:
-        """This round's release; raises PrivacyBudgetExceeded before anything is published."""
+             accountant: PrivacyAccountant | None, sample_rate: float | None = None) -> Release:
+        """This round's release; raises PrivacyBudgetExceeded before anything is published. `sample_rate`:
+        the probability with which the caller sampled each person (overrides m / population)."""
         m_exp = self.expected_contributors or submitted
         count_std = self.count_stddev or m_exp / 20.0
         z_update = self.noise_multiplier
@@ -77,16 +78,19 @@ class DifferentialPrivacy:
                                                count_stddev=count_std)
         z, delta = self.noise_multiplier, self.delta
         q = min(1.0, m_exp / population) if population else 1.0
+        q = float(sample_rate) if sample_rate is not None else q
         acct = accountant if accountant is not None else PrivacyAccountant()
         eps_before = acct.epsilon(delta=delta)
         eps_after = acct.epsilon_if_step(noise_multiplier=z, sample_rate=q, delta=delta)
         if self.target_epsilon is not None and eps_after > self.target_epsilon:
             raise PrivacyBudgetExceeded(epsilon_spent=eps_before, epsilon_if_published=eps_after,
                                         target=self.target_epsilon, delta=delta)
+        trial = PrivacyAccountant(acct.history)
+        trial.step(noise_multiplier=z, sample_rate=q)
         privacy = PrivacyReport(
-            epsilon_round=rdp_epsilon([(z, q, 1)], delta=delta), epsilon_total=eps_after, delta=delta,
+            epsilon_round=epsilon([(z, q, 1)], delta=delta), epsilon_total=eps_after, delta=delta,
             q=q, noise_multiplier=z, clip=float(self.clip), expected_contributors=m_exp,
-            covers_aggregator=self.rule.dp_exact)
+            covers_aggregator=self.rule.dp_exact, epsilon_total_rdp=trial.epsilon_rdp(delta=delta))
         return Release(self, expected=m_exp, count_stddev=count_std, z_update=z_update, privacy=privacy)
 
 

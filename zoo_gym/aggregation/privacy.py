@@ -1,10 +1,12 @@
-"""Central differential privacy for DeltaSoup: DP-FedAvg noise and a user-level RDP accountant.
+"""Central differential privacy for DeltaSoup: DP-FedAvg noise and a user-level accountant.
 
-DP-FedAvg (McMahan et al. 2018, arXiv:1710.06963), accounted by Renyi DP (Mironov 2017) for the sampled
-Gaussian mechanism (Mironov, Talwar, Zhang 2019, arXiv:1908.10530) as Opacus implements it. Each whole
+DP-FedAvg (McMahan et al. 2018, arXiv:1710.06963), accounted for the sampled Gaussian mechanism with
+Opacus's PRV accountant (Gopi, Lee, Wutschitz 2021, arXiv:2106.02848; an upper bound including its
+error) and, as a cross-check, Renyi DP (Mironov, Talwar, Zhang 2019); the reported figure is the smaller
+of the two sound bounds (PRV in practice). Each whole
 delta is clipped to L2 norm <= C, weights are ignored, the sum of the clipped deltas gets N(0, (z C)^2)
 per coordinate and is divided by the FIXED ``dp_expected_contributors`` m. One round (or async flush) is
-one step with sampling rate q = 1 unless a caller passes ``population``. The guarantee: user-level
+one step with sampling rate q = 1 unless a caller passes ``sample_rate`` (or ``population``). The guarantee: user-level
 (epsilon, delta)-DP of the published aggregates, exact for ``aggregator="mean"``; for robust rules the
 same noise is added but ``SoupReport.privacy.covers_aggregator`` is False. Per-contributor diagnostics
 are not private. What it covers and assumes: docs/design/privacy.md.
@@ -14,10 +16,13 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+import numpy as np
+from opacus.accountants import PRVAccountant
 from opacus.accountants.analysis import rdp as rdp_analysis
 from torch import Tensor
 
@@ -49,8 +54,32 @@ def rdp_epsilon(history: Iterable[tuple[float, float, int]], *, delta: float) ->
     return float(eps)
 
 
+def prv_epsilon(history: Iterable[tuple[float, float, int]], *, delta: float) -> float:
+    """Epsilon for `delta` after `history` by Opacus's PRV accountant (its upper bound: the estimate plus
+    its error); math.inf when the PRV analysis cannot run on this history (then RDP is the figure)."""
+    rows = [(float(z), float(q), int(s)) for z, q, s in history]
+    if not rows:
+        return 0.0
+    acct = PRVAccountant()
+    acct.history = rows
+    try:
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore", RuntimeWarning)  # log(0) at q = 1, masked by Opacus's np.where
+            eps = float(acct.get_epsilon(delta=delta))
+    except (ValueError, RuntimeError, ArithmeticError):
+        return math.inf
+    return eps if math.isfinite(eps) and eps >= 0 else math.inf
+
+
+def epsilon(history: Iterable[tuple[float, float, int]], *, delta: float) -> float:
+    """The reported epsilon: the smaller of the PRV and RDP bounds (both sound; PRV is the tighter)."""
+    rows = list(history)
+    rdp = rdp_epsilon(rows, delta=delta)
+    return min(prv_epsilon(rows, delta=delta), rdp) if rows else 0.0
+
+
 class PrivacyAccountant:
-    """History of (noise_multiplier, sample_rate, steps) rows plus pure RDP maths.
+    """History of (noise_multiplier, sample_rate, steps) rows plus pure accounting maths (PRV, RDP).
 
     The server persists `history` with each round and in the checkpoint manifest, and rebuilds
     the accountant from it: `PrivacyAccountant(history=rows)`.
@@ -70,7 +99,11 @@ class PrivacyAccountant:
             self.history.append((float(noise_multiplier), float(sample_rate), 1))
 
     def epsilon(self, *, delta: float) -> float:
-        """Epsilon spent so far for `delta`."""
+        """Epsilon spent so far for `delta` (the reported figure: PRV, or RDP should it be smaller)."""
+        return epsilon(self.history, delta=delta)
+
+    def epsilon_rdp(self, *, delta: float) -> float:
+        """The RDP figure for the same history: the cross-check (never below the reported one)."""
         return rdp_epsilon(self.history, delta=delta)
 
     def epsilon_if_step(self, *, noise_multiplier: float, sample_rate: float,
@@ -83,7 +116,7 @@ class PrivacyAccountant:
 
 @dataclass(frozen=True)
 class PrivacyReport:
-    """What one round spent: per-round and cumulative epsilon at `delta`."""
+    """What one round spent: per-round and cumulative epsilon at `delta` (PRV), and the RDP cross-check."""
 
     epsilon_round: float
     epsilon_total: float
@@ -93,6 +126,7 @@ class PrivacyReport:
     clip: float
     expected_contributors: int
     covers_aggregator: bool  # True only for the mean: see the module docstring
+    epsilon_total_rdp: float | None = None  # RDP's figure for the same history (>= epsilon_total)
 
 
 def secure_generator() -> torch.Generator:

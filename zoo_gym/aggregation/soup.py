@@ -90,12 +90,14 @@ class DeltaSoup:
     def run(self, source: DeltaSource, sink: Callable[[str, Tensor], None], *,
             weights: Tensor | None = None, generator: torch.Generator | None = None,
             accountant: PrivacyAccountant | None = None,
-            population: int | None = None) -> SoupReport:
-        """Aggregate the round; `sink(name, aggregate)` receives each tensor flat (numel,) float32."""
+            population: int | None = None, sample_rate: float | None = None) -> SoupReport:
+        """Aggregate the round; `sink(name, aggregate)` receives each tensor flat (numel,) float32.
+        `sample_rate`: the probability with which the caller sampled each person (accounted as q)."""
         n, names = len(source.contributors), list(source.names())
         checked = self._validate(source, names, n)
         rows = self._clip(source, names, checked)
-        release = self.dp.open(submitted=n, population=population, accountant=accountant)
+        release = self.dp.open(submitted=n, population=population, accountant=accountant,
+                               sample_rate=sample_rate)
         view = self._view(rows, release, checked, weights=weights)
         plan = self.rule.plan(view)
         self._publish(plan, rows, release, checked.numels, sink, generator=generator)

@@ -26,6 +26,12 @@ from zoo_gym.client.upload import build_header, get_round_request, request_strea
 from zoo_gym.proto import gym_pb2
 
 
+def not_selected(info) -> bool:
+    """The server samples contributors (0 < sample_rate < 1) and this signed answer says we are not selected:
+    the contributor waits for the next round instead of training."""
+    return 0.0 < float(info.sample_rate) < 1.0 and not info.selected
+
+
 class JoinError(RuntimeError):
     """The contributor cannot go on; the message says why and what to do."""
 

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 import grpc
 
 from zoo_gym.client.connection import ServerUnreachable, open_stub, with_retries
-from zoo_gym.client.contribute import Contributor, JoinError, RoundTrainer, SubmitResult, contribute, refused
+from zoo_gym.client.contribute import (Contributor, JoinError, RoundTrainer, SubmitResult, contribute, not_selected,
+                                      refused)
 from zoo_gym.client.upload import register_request
 from zoo_gym.proto import gym_pb2, signing
 
@@ -257,11 +258,13 @@ def _wait_for_open_round(c: Contributor, opts: JoinOptions) -> gym_pb2.RoundInfo
         info = c.round_info()  # signed: you_submitted is ours
         if info.state == gym_pb2.ROUND_STATE_HALTED:
             raise JoinError(f"the server halted: {info.message or 'no more rounds'}")
-        if info.state == gym_pb2.ROUND_STATE_OPEN and not info.you_submitted:
+        if info.state == gym_pb2.ROUND_STATE_OPEN and not info.you_submitted and not not_selected(info):
             return info
         if announced != info.round_id:
-            c.say(f"round {info.round_id} is not open for us yet "
-                  f"({'already submitted' if info.you_submitted else 'aggregating'}); waiting")
+            why = ("not selected (sample rate %g): waiting for the next round" % info.sample_rate
+                   if info.state == gym_pb2.ROUND_STATE_OPEN and not_selected(info) else
+                   "already submitted" if info.you_submitted else "aggregating")
+            c.say(f"round {info.round_id} is not open for us yet ({why}); waiting")
             announced = info.round_id
         if time.monotonic() > deadline:
             raise ServerUnreachable(f"no open round within {opts.max_wait:.0f} s")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from zoo_gym.client.contribute import Contributor, SubmitResult, contribute, refused
+from zoo_gym.client.contribute import Contributor, SubmitResult, contribute, not_selected, refused
 from zoo_gym.proto import gym_pb2
 
 __all__ = ["AsyncStop", "Contributor", "Versions", "is_async", "train_continuously"]
@@ -57,14 +57,15 @@ def _next_version(c: Contributor, opts, trained_round: int | None) -> gym_pb2.Ro
     trains the same examples from the same weights: its delta lands in the next buffer as a stale copy of the
     last one and applies that step twice (benchmarks/async.py: the main reason async was slow, issue 16)."""
     info = _latest(c)
-    if info.round_id != trained_round:
+    if info.round_id != trained_round and not not_selected(info):
         return info
-    c.say(f"already trained on version {info.round_id - 1}; waiting for the next version")
+    c.say(f"not selected for round {info.round_id}'s buffer (sample rate {info.sample_rate:g}); waiting for the next"
+          if not_selected(info) else f"already trained on version {info.round_id - 1}; waiting for the next version")
     deadline = time.monotonic() + opts.max_wait
     while time.monotonic() < deadline:
         time.sleep(0.5)
         info = _latest(c)
-        if info.round_id != trained_round:
+        if info.round_id != trained_round and not not_selected(info):
             return info
     raise AsyncStop(f"no version after {trained_round - 1} was published within {opts.max_wait:.0f} s")
 

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17zoo_gym/proto/gym.proto\x12\nzoo_gym.v1\"m\n\x0fRegisterRequest\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\x12\x14\n\x0c\x64isplay_name\x18\x02 \x01(\t\x12\r\n\x05nonce\x18\x03 \x01(\x0c\x12\x11\n\tsignature\x18\x04 \x01(\x0c\x12\x0e\n\x06invite\x18\x05 \x01(\t\"V\n\x10RegisterResponse\x12\x16\n\x0e\x63ontributor_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\x12\x19\n\x11server_public_key\x18\x03 \x01(\x0c\"c\n\x0fGetRoundRequest\x12\x16\n\x0e\x63ontributor_id\x18\x01 \x01(\t\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\x16\n\x0esigned_at_unix\x18\x03 \x01(\x04\x12\x11\n\tsignature\x18\x04 \x01(\x0c\"r\n\x06Limits\x12\x19\n\x11max_payload_bytes\x18\x01 \x01(\x04\x12\x17\n\x0fmax_chunk_bytes\x18\x02 \x01(\r\x12\x1c\n\x14\x64ownload_chunk_bytes\x18\x03 \x01(\r\x12\x16\n\x0emax_delta_norm\x18\x04 \x01(\x01\"\x8a\x04\n\tRoundInfo\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.zoo_gym.v1.RoundState\x12\x1a\n\x12\x62\x61se_checkpoint_id\x18\x03 \x01(\x04\x12\x13\n\x0b\x62\x61se_sha256\x18\x04 \x01(\t\x12\x11\n\tbase_size\x18\x05 \x01(\x04\x12\x15\n\rdeadline_unix\x18\x06 \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65pted_codecs\x18\x07 \x03(\t\x12\"\n\x06limits\x18\x08 \x01(\x0b\x32\x12.zoo_gym.v1.Limits\x12\x13\n\x0bsubmissions\x18\t \x01(\r\x12\x18\n\x10min_contributors\x18\n \x01(\r\x12\x15\n\ryou_submitted\x18\x0b \x01(\x08\x12\x0f\n\x07message\x18\x0c \x01(\t\x12\x12\n\naggregator\x18\r \x01(\t\x12\x18\n\x10\x64p_epsilon_spent\x18\x0e \x01(\x01\x12\x10\n\x08\x64p_delta\x18\x0f \x01(\x01\x12\x19\n\x11server_public_key\x18\x10 \x01(\x0c\x12\x11\n\tsignature\x18\x11 \x01(\x0c\x12\x0c\n\x04mode\x18\x12 \x01(\t\x12\x13\n\x0b\x62uffer_size\x18\x13 \x01(\r\x12\x15\n\rmax_staleness\x18\x14 \x01(\r\x12\x1a\n\x12staleness_exponent\x18\x15 \x01(\x01\x12\x11\n\tserver_lr\x18\x16 \x01(\x01\"<\n\x0f\x44ownloadRequest\x12\x19\n\x11\x63heckpoint_sha256\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"S\n\x0f\x43heckpointChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\ntotal_size\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t\"W\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"\xde\x01\n\x0cSubmitHeader\x12\x16\n\x0e\x63ontributor_id\x18\x01 \x01(\t\x12\x10\n\x08round_id\x18\x02 \x01(\x04\x12\x13\n\x0b\x62\x61se_sha256\x18\x03 \x01(\t\x12\x16\n\x0epayload_sha256\x18\x04 \x01(\t\x12\x14\n\x0cpayload_size\x18\x05 \x01(\x04\x12(\n\x08manifest\x18\x06 \x03(\x0b\x32\x16.zoo_gym.v1.TensorSpec\x12\r\n\x05nonce\x18\x07 \x01(\x0c\x12\x11\n\tsignature\x18\x08 \x01(\x0c\x12\x15\n\rmetadata_json\x18\t \x01(\t\"T\n\rSubmitRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.zoo_gym.v1.SubmitHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"f\n\x0eSubmitResponse\x12\x15\n\rsubmission_id\x18\x01 \x01(\x04\x12\x10\n\x08round_id\x18\x02 \x01(\x04\x12\x16\n\x0epayload_sha256\x18\x03 \x01(\t\x12\x13\n\x0bsubmissions\x18\x04 \x01(\r\"(\n\x0e\x42\x61lanceRequest\x12\x16\n\x0e\x63ontributor_id\x18\x01 \x01(\t\"i\n\x07\x42\x61lance\x12\x16\n\x0e\x63ontributor_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61lance\x18\x02 \x01(\x03\x12\x12\n\nreputation\x18\x03 \x01(\x01\x12\x0f\n\x07\x65ntries\x18\x04 \x01(\x04\x12\x10\n\x08last_seq\x18\x05 \x01(\x04\"I\n\rLedgerRequest\x12\x16\n\x0e\x63ontributor_id\x18\x01 \x01(\t\x12\x11\n\tsince_seq\x18\x02 \x01(\x04\x12\r\n\x05limit\x18\x03 \x01(\r\"\xd5\x01\n\x0bLedgerEntry\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x10\n\x08round_id\x18\x02 \x01(\x04\x12\x16\n\x0e\x63ontributor_id\x18\x03 \x01(\t\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x0e\n\x06\x61mount\x18\x05 \x01(\x03\x12\r\n\x05score\x18\x06 \x01(\x01\x12\x18\n\x10reputation_after\x18\x07 \x01(\x01\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\x11\n\tprev_hash\x18\t \x01(\t\x12\x12\n\nentry_hash\x18\n \x01(\t\x12\x11\n\tsignature\x18\x0b \x01(\t\"\x13\n\x11LedgerHeadRequest\"[\n\nLedgerHead\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x04\x12\x11\n\tlast_hash\x18\x02 \x01(\t\x12\x16\n\x0esigned_at_unix\x18\x03 \x01(\x04\x12\x11\n\tsignature\x18\x04 \x01(\x0c*\x8f\x01\n\nRoundState\x12\x1b\n\x17ROUND_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10ROUND_STATE_OPEN\x10\x01\x12\x1b\n\x17ROUND_STATE_AGGREGATING\x10\x02\x12\x19\n\x15ROUND_STATE_PUBLISHED\x10\x03\x12\x16\n\x12ROUND_STATE_HALTED\x10\x04\x32\xf3\x03\n\x03Gym\x12\x45\n\x08Register\x12\x1b.zoo_gym.v1.RegisterRequest\x1a\x1c.zoo_gym.v1.RegisterResponse\x12>\n\x08GetRound\x12\x1b.zoo_gym.v1.GetRoundRequest\x1a\x15.zoo_gym.v1.RoundInfo\x12P\n\x12\x44ownloadCheckpoint\x12\x1b.zoo_gym.v1.DownloadRequest\x1a\x1b.zoo_gym.v1.CheckpointChunk0\x01\x12\x46\n\x0bSubmitDelta\x12\x19.zoo_gym.v1.SubmitRequest\x1a\x1a.zoo_gym.v1.SubmitResponse(\x01\x12=\n\nGetBalance\x12\x1a.zoo_gym.v1.BalanceRequest\x1a\x13.zoo_gym.v1.Balance\x12\x44\n\x0cStreamLedger\x12\x19.zoo_gym.v1.LedgerRequest\x1a\x17.zoo_gym.v1.LedgerEntry0\x01\x12\x46\n\rGetLedgerHead\x12\x1d.zoo_gym.v1.LedgerHeadRequest\x1a\x16.zoo_gym.v1.LedgerHeadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17zoo_gym/proto/gym.proto\x12\nzoo_gym.v1\"m\n\x0fRegisterRequest\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\x12\x14\n\x0c\x64isplay_name\x18\x02 \x01(\t\x12\r\n\x05nonce\x18\x03 \x01(\x0c\x12\x11\n\tsignature\x18\x04 \x01(\x0c\x12\x0e\n\x06invite\x18\x05 \x01(\t\"V\n\x10RegisterResponse\x12\x16\n\x0e\x63ontributor_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\x12\x19\n\x11server_public_key\x18\x03 \x01(\x0c\"c\n\x0fGetRoundRequest\x12\x16\n\x0e\x63ontributor_id\x18\x01 \x01(\t\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\x16\n\x0esigned_at_unix\x18\x03 \x01(\x04\x12\x11\n\tsignature\x18\x04 \x01(\x0c\"r\n\x06Limits\x12\x19\n\x11max_payload_bytes\x18\x01 \x01(\x04\x12\x17\n\x0fmax_chunk_bytes\x18\x02 \x01(\r\x12\x1c\n\x14\x64ownload_chunk_bytes\x18\x03 \x01(\r\x12\x16\n\x0emax_delta_norm\x18\x04 \x01(\x01\"\x81\x05\n\tRoundInfo\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.zoo_gym.v1.RoundState\x12\x1a\n\x12\x62\x61se_checkpoint_id\x18\x03 \x01(\x04\x12\x13\n\x0b\x62\x61se_sha256\x18\x04 \x01(\t\x12\x11\n\tbase_size\x18\x05 \x01(\x04\x12\x15\n\rdeadline_unix\x18\x06 \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65pted_codecs\x18\x07 \x03(\t\x12\"\n\x06limits\x18\x08 \x01(\x0b\x32\x12.zoo_gym.v1.Limits\x12\x13\n\x0bsubmissions\x18\t \x01(\r\x12\x18\n\x10min_contributors\x18\n \x01(\r\x12\x15\n\ryou_submitted\x18\x0b \x01(\x08\x12\x0f\n\x07message\x18\x0c \x01(\t\x12\x12\n\naggregator\x18\r \x01(\t\x12\x18\n\x10\x64p_epsilon_spent\x18\x0e \x01(\x01\x12\x10\n\x08\x64p_delta\x18\x0f \x01(\x01\x12\x19\n\x11server_public_key\x18\x10 \x01(\x0c\x12\x11\n\tsignature\x18\x11 \x01(\x0c\x12\x0c\n\x04mode\x18\x12 \x01(\t\x12\x13\n\x0b\x62uffer_size\x18\x13 \x01(\r\x12\x15\n\rmax_staleness\x18\x14 \x01(\r\x12\x1a\n\x12staleness_exponent\x18\x15 \x01(\x01\x12\x11\n\tserver_lr\x18\x16 \x01(\x01\x12\x13\n\x0bsample_rate\x18\x17 \x01(\x01\x12\x16\n\x0eselected_count\x18\x18 \x01(\r\x12\x10\n\x08selected\x18\x19 \x01(\x08\x12\x18\n\x10\x64p_epsilon_round\x18\x1a \x01(\x01\x12\x1c\n\x14\x64p_epsilon_spent_rdp\x18\x1b \x01(\x01\"<\n\x0f\x44ownloadRequest\x12\x19\n\x11\x63heckpoint_sha256\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"S\n\x0f\x43heckpointChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\ntotal_size\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t\"W\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"\xde\x01\n\x0cSubmitHeader\x12\x16\n\x0e\x63ontributor_id\x18\x01 \x01(\t\x12\x10\n\x08round_id\x18\x02 \x01(\x04\x12\x13\n\x0b\x62\x61se_sha256\x18\x03 \x01(\t\x12\x16\n\x0epayload_sha256\x18\x04 \x01(\t\x12\x14\n\x0cpayload_size\x18\x05 \x01(\x04\x12(\n\x08manifest\x18\x06 \x03(\x0b\x32\x16.zoo_gym.v1.TensorSpec\x12\r\n\x05nonce\x18\x07 \x01(\x0c\x12\x11\n\tsignature\x18\x08 \x01(\x0c\x12\x15\n\rmetadata_json\x18\t \x01(\t\"T\n\rSubmitRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.zoo_gym.v1.SubmitHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"f\n\x0eSubmitResponse\x12\x15\n\rsubmission_id\x18\x01 \x01(\x04\x12\x10\n\x08round_id\x18\x02 \x01(\x04\x12\x16\n\x0epayload_sha256\x18\x03 \x01(\t\x12\x13\n\x0bsubmissions\x18\x04 \x01(\r\"(\n\x0e\x42\x61lanceRequest\x12\x16\n\x0e\x63ontributor_id\x18\x01 \x01(\t\"i\n\x07\x42\x61lance\x12\x16\n\x0e\x63ontributor_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61lance\x18\x02 \x01(\x03\x12\x12\n\nreputation\x18\x03 \x01(\x01\x12\x0f\n\x07\x65ntries\x18\x04 \x01(\x04\x12\x10\n\x08last_seq\x18\x05 \x01(\x04\"I\n\rLedgerRequest\x12\x16\n\x0e\x63ontributor_id\x18\x01 \x01(\t\x12\x11\n\tsince_seq\x18\x02 \x01(\x04\x12\r\n\x05limit\x18\x03 \x01(\r\"\xd5\x01\n\x0bLedgerEntry\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x10\n\x08round_id\x18\x02 \x01(\x04\x12\x16\n\x0e\x63ontributor_id\x18\x03 \x01(\t\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x0e\n\x06\x61mount\x18\x05 \x01(\x03\x12\r\n\x05score\x18\x06 \x01(\x01\x12\x18\n\x10reputation_after\x18\x07 \x01(\x01\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\x11\n\tprev_hash\x18\t \x01(\t\x12\x12\n\nentry_hash\x18\n \x01(\t\x12\x11\n\tsignature\x18\x0b \x01(\t\"\x13\n\x11LedgerHeadRequest\"[\n\nLedgerHead\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x04\x12\x11\n\tlast_hash\x18\x02 \x01(\t\x12\x16\n\x0esigned_at_unix\x18\x03 \x01(\x04\x12\x11\n\tsignature\x18\x04 \x01(\x0c*\x8f\x01\n\nRoundState\x12\x1b\n\x17ROUND_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10ROUND_STATE_OPEN\x10\x01\x12\x1b\n\x17ROUND_STATE_AGGREGATING\x10\x02\x12\x19\n\x15ROUND_STATE_PUBLISHED\x10\x03\x12\x16\n\x12ROUND_STATE_HALTED\x10\x04\x32\xf3\x03\n\x03Gym\x12\x45\n\x08Register\x12\x1b.zoo_gym.v1.RegisterRequest\x1a\x1c.zoo_gym.v1.RegisterResponse\x12>\n\x08GetRound\x12\x1b.zoo_gym.v1.GetRoundRequest\x1a\x15.zoo_gym.v1.RoundInfo\x12P\n\x12\x44ownloadCheckpoint\x12\x1b.zoo_gym.v1.DownloadRequest\x1a\x1b.zoo_gym.v1.CheckpointChunk0\x01\x12\x46\n\x0bSubmitDelta\x12\x19.zoo_gym.v1.SubmitRequest\x1a\x1a.zoo_gym.v1.SubmitResponse(\x01\x12=\n\nGetBalance\x12\x1a.zoo_gym.v1.BalanceRequest\x1a\x13.zoo_gym.v1.Balance\x12\x44\n\x0cStreamLedger\x12\x19.zoo_gym.v1.LedgerRequest\x1a\x17.zoo_gym.v1.LedgerEntry0\x01\x12\x46\n\rGetLedgerHead\x12\x1d.zoo_gym.v1.LedgerHeadRequest\x1a\x16.zoo_gym.v1.LedgerHeadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'zoo_gym.proto.gym_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROUNDSTATE']._serialized_start=2186
-  _globals['_ROUNDSTATE']._serialized_end=2329
+  _globals['_ROUNDSTATE']._serialized_start=2305
+  _globals['_ROUNDSTATE']._serialized_end=2448
   _globals['_REGISTERREQUEST']._serialized_start=39
   _globals['_REGISTERREQUEST']._serialized_end=148
   _globals['_REGISTERRESPONSE']._serialized_start=150
@@ -42,31 +42,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LIMITS']._serialized_start=339
   _globals['_LIMITS']._serialized_end=453
   _globals['_ROUNDINFO']._serialized_start=456
-  _globals['_ROUNDINFO']._serialized_end=978
-  _globals['_DOWNLOADREQUEST']._serialized_start=980
-  _globals['_DOWNLOADREQUEST']._serialized_end=1040
-  _globals['_CHECKPOINTCHUNK']._serialized_start=1042
-  _globals['_CHECKPOINTCHUNK']._serialized_end=1125
-  _globals['_TENSORSPEC']._serialized_start=1127
-  _globals['_TENSORSPEC']._serialized_end=1214
-  _globals['_SUBMITHEADER']._serialized_start=1217
-  _globals['_SUBMITHEADER']._serialized_end=1439
-  _globals['_SUBMITREQUEST']._serialized_start=1441
-  _globals['_SUBMITREQUEST']._serialized_end=1525
-  _globals['_SUBMITRESPONSE']._serialized_start=1527
-  _globals['_SUBMITRESPONSE']._serialized_end=1629
-  _globals['_BALANCEREQUEST']._serialized_start=1631
-  _globals['_BALANCEREQUEST']._serialized_end=1671
-  _globals['_BALANCE']._serialized_start=1673
-  _globals['_BALANCE']._serialized_end=1778
-  _globals['_LEDGERREQUEST']._serialized_start=1780
-  _globals['_LEDGERREQUEST']._serialized_end=1853
-  _globals['_LEDGERENTRY']._serialized_start=1856
-  _globals['_LEDGERENTRY']._serialized_end=2069
-  _globals['_LEDGERHEADREQUEST']._serialized_start=2071
-  _globals['_LEDGERHEADREQUEST']._serialized_end=2090
-  _globals['_LEDGERHEAD']._serialized_start=2092
-  _globals['_LEDGERHEAD']._serialized_end=2183
-  _globals['_GYM']._serialized_start=2332
-  _globals['_GYM']._serialized_end=2831
+  _globals['_ROUNDINFO']._serialized_end=1097
+  _globals['_DOWNLOADREQUEST']._serialized_start=1099
+  _globals['_DOWNLOADREQUEST']._serialized_end=1159
+  _globals['_CHECKPOINTCHUNK']._serialized_start=1161
+  _globals['_CHECKPOINTCHUNK']._serialized_end=1244
+  _globals['_TENSORSPEC']._serialized_start=1246
+  _globals['_TENSORSPEC']._serialized_end=1333
+  _globals['_SUBMITHEADER']._serialized_start=1336
+  _globals['_SUBMITHEADER']._serialized_end=1558
+  _globals['_SUBMITREQUEST']._serialized_start=1560
+  _globals['_SUBMITREQUEST']._serialized_end=1644
+  _globals['_SUBMITRESPONSE']._serialized_start=1646
+  _globals['_SUBMITRESPONSE']._serialized_end=1748
+  _globals['_BALANCEREQUEST']._serialized_start=1750
+  _globals['_BALANCEREQUEST']._serialized_end=1790
+  _globals['_BALANCE']._serialized_start=1792
+  _globals['_BALANCE']._serialized_end=1897
+  _globals['_LEDGERREQUEST']._serialized_start=1899
+  _globals['_LEDGERREQUEST']._serialized_end=1972
+  _globals['_LEDGERENTRY']._serialized_start=1975
+  _globals['_LEDGERENTRY']._serialized_end=2188
+  _globals['_LEDGERHEADREQUEST']._serialized_start=2190
+  _globals['_LEDGERHEADREQUEST']._serialized_end=2209
+  _globals['_LEDGERHEAD']._serialized_start=2211
+  _globals['_LEDGERHEAD']._serialized_end=2302
+  _globals['_GYM']._serialized_start=2451
+  _globals['_GYM']._serialized_end=2950
 # @@protoc_insertion_point(module_scope)

@@ -69,7 +69,7 @@ class Limits(_message.Message):
     def __init__(self, max_payload_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., download_chunk_bytes: _Optional[int] = ..., max_delta_norm: _Optional[float] = ...) -> None: ...
 
 class RoundInfo(_message.Message):
-    __slots__ = ("round_id", "state", "base_checkpoint_id", "base_sha256", "base_size", "deadline_unix", "accepted_codecs", "limits", "submissions", "min_contributors", "you_submitted", "message", "aggregator", "dp_epsilon_spent", "dp_delta", "server_public_key", "signature", "mode", "buffer_size", "max_staleness", "staleness_exponent", "server_lr")
+    __slots__ = ("round_id", "state", "base_checkpoint_id", "base_sha256", "base_size", "deadline_unix", "accepted_codecs", "limits", "submissions", "min_contributors", "you_submitted", "message", "aggregator", "dp_epsilon_spent", "dp_delta", "server_public_key", "signature", "mode", "buffer_size", "max_staleness", "staleness_exponent", "server_lr", "sample_rate", "selected_count", "selected", "dp_epsilon_round", "dp_epsilon_spent_rdp")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     BASE_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,11 @@ class RoundInfo(_message.Message):
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     STALENESS_EXPONENT_FIELD_NUMBER: _ClassVar[int]
     SERVER_LR_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    SELECTED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SELECTED_FIELD_NUMBER: _ClassVar[int]
+    DP_EPSILON_ROUND_FIELD_NUMBER: _ClassVar[int]
+    DP_EPSILON_SPENT_RDP_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     state: RoundState
     base_checkpoint_id: int
@@ -114,7 +119,12 @@ class RoundInfo(_message.Message):
     max_staleness: int
     staleness_exponent: float
     server_lr: float
-    def __init__(self, round_id: _Optional[int] = ..., state: _Optional[_Union[RoundState, str]] = ..., base_checkpoint_id: _Optional[int] = ..., base_sha256: _Optional[str] = ..., base_size: _Optional[int] = ..., deadline_unix: _Optional[float] = ..., accepted_codecs: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., submissions: _Optional[int] = ..., min_contributors: _Optional[int] = ..., you_submitted: _Optional[bool] = ..., message: _Optional[str] = ..., aggregator: _Optional[str] = ..., dp_epsilon_spent: _Optional[float] = ..., dp_delta: _Optional[float] = ..., server_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., mode: _Optional[str] = ..., buffer_size: _Optional[int] = ..., max_staleness: _Optional[int] = ..., staleness_exponent: _Optional[float] = ..., server_lr: _Optional[float] = ...) -> None: ...
+    sample_rate: float
+    selected_count: int
+    selected: bool
+    dp_epsilon_round: float
+    dp_epsilon_spent_rdp: float
+    def __init__(self, round_id: _Optional[int] = ..., state: _Optional[_Union[RoundState, str]] = ..., base_checkpoint_id: _Optional[int] = ..., base_sha256: _Optional[str] = ..., base_size: _Optional[int] = ..., deadline_unix: _Optional[float] = ..., accepted_codecs: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., submissions: _Optional[int] = ..., min_contributors: _Optional[int] = ..., you_submitted: _Optional[bool] = ..., message: _Optional[str] = ..., aggregator: _Optional[str] = ..., dp_epsilon_spent: _Optional[float] = ..., dp_delta: _Optional[float] = ..., server_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., mode: _Optional[str] = ..., buffer_size: _Optional[int] = ..., max_staleness: _Optional[int] = ..., staleness_exponent: _Optional[float] = ..., server_lr: _Optional[float] = ..., sample_rate: _Optional[float] = ..., selected_count: _Optional[int] = ..., selected: _Optional[bool] = ..., dp_epsilon_round: _Optional[float] = ..., dp_epsilon_spent_rdp: _Optional[float] = ...) -> None: ...
 
 class DownloadRequest(_message.Message):
     __slots__ = ("checkpoint_sha256", "offset")

@@ -43,6 +43,8 @@ def round_summary(manifest: dict, *, sha256: str | None = None, heldout_loss: fl
         "epsilon_round": privacy.get("epsilon_round"),
         "epsilon_total": privacy.get("epsilon_total"),
         "dp_delta": privacy.get("delta"),
+        "dp_sample_rate": privacy.get("q"),  # the rate people were sampled at (1: everyone)
+        "epsilon_total_rdp": privacy.get("epsilon_total_rdp"),  # the RDP cross-check of epsilon_total (PRV)
         "heldout_loss": loss,
         "created_at": created_at or manifest.get("published_at") or manifest.get("created_at"),
     }

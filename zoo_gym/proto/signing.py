@@ -80,7 +80,8 @@ def _canonical_json(obj) -> bytes:
 def round_info_bytes(info) -> bytes:
     """The exact bytes the server signs for a RoundInfo (any object with its fields; docs/design/signing.md).
 
-    you_submitted (it differs per asker) and signature are left out; everything else is covered."""
+    you_submitted (it differs per asker) and signature are left out; everything else is covered. Fields added
+    later (async, sampling, per-round epsilon) are covered only when set, so older answers keep their bytes."""
     lim = info.limits
     obj = {
         "round_id": int(info.round_id), "state": int(info.state), "base_checkpoint_id": int(info.base_checkpoint_id),
@@ -99,6 +100,13 @@ def round_info_bytes(info) -> bytes:
         obj.update({"mode": mode, "buffer_size": int(info.buffer_size), "max_staleness": int(info.max_staleness),
                     "staleness_exponent": float(info.staleness_exponent).hex(),
                     "server_lr": float(info.server_lr).hex()})
+    q = float(getattr(info, "sample_rate", 0.0) or 0.0)
+    if q not in (0.0, 1.0):  # sampling: who is selected (per asker, so signed per answer) and how many
+        obj.update({"sample_rate": q.hex(), "selected_count": int(info.selected_count),
+                    "selected": bool(info.selected)})
+    for name in ("dp_epsilon_round", "dp_epsilon_spent_rdp"):  # left out when 0, as before they existed
+        if float(getattr(info, name, 0.0) or 0.0):
+            obj[name] = float(getattr(info, name)).hex()
     return ROUND_INFO_DOMAIN + _canonical_json(obj)
 
 

@@ -283,6 +283,7 @@ def status(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--js
         "dp_epsilon_spent": spent,
         "rounds": [{"id": r.id, "state": r.state.value, "published_sha256": r.published_sha256,
                     "aggregator": r.aggregator, "dp_epsilon_total": r.dp_epsilon_total,
+                    "dp_epsilon_round": r.dp_epsilon_round, "dp_sample_rate": r.dp_sample_rate,
                     "report": json.loads(r.report_json)} for r in rounds],
         "checkpoints": [{"round": c.round_id, "sha256": c.sha256, "parent_sha256": c.parent_sha256,
                          "bytes": c.size, "heldout_loss": c.heldout_loss,

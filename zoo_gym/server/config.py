@@ -101,6 +101,10 @@ class ServerConfig:
     register_burst_per_peer: int = field(default=20, metadata={"help": "new contributors one address may register at once"})
     register_rate_global: float = field(default=120.0, metadata={"help": "new contributors per minute, all addresses"})
     register_burst_global: int = field(default=200, metadata={"help": "new contributors at once, all addresses"})
+    sample_rate: float = field(default=1.0, metadata={
+        "help": "each round, select each contributor registered before it opened with this probability, from "
+                "the server's secret key (Poisson sampling; the accountant charges q); only the selected may "
+                "submit. 1 = everyone (no sampling)"})
     # Asynchronous buffered rounds (zoo_gym/server/rounds/async_rounds.py): FedBuff (Nguyen et al., 2022) with
     # FedAsync's polynomial staleness weight (Xie et al., 2019), under the configured robust rule.
     mode: str = field(default="sync", metadata={
@@ -168,6 +172,9 @@ class ServerConfig:
             raise ConfigError("`header_timeout` must be > 0 seconds")
         if not self.download_idle_timeout > 0:
             raise ConfigError("`download_idle_timeout` must be > 0 seconds")
+        if not 0 < self.sample_rate <= 1:
+            raise ConfigError(f"`sample_rate` must be in (0, 1] (1 = every contributor, no sampling), "
+                              f"got {self.sample_rate}")
         if self.admission not in ("open", "invite"):
             raise ConfigError(f"`admission` must be open or invite, got {self.admission!r}")
         for name in ("register_rate_per_peer", "register_rate_global"):

@@ -21,6 +21,7 @@ from sqlmodel import select
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.metrics import ServerMetrics
 from zoo_gym.server.store.models import Round, RoundState, Submission
+from zoo_gym.server.rounds import sampling
 from zoo_gym.server.rounds.evaluation import Evaluators
 from zoo_gym.server.rounds.policy import policy_for
 from zoo_gym.server.rounds.publish import publish_round, record_round_inputs
@@ -84,6 +85,37 @@ class RoundManager:
                                                           "submissions": n})
         return False
 
+    def _widen_if_short(self, rnd: Round) -> None:
+        """Sampling: while fewer are selected than the round needs to close (min_contributors; async: the buffer),
+        say so, and add one more independent draw every round_timeout since the last (sampling.widen)."""
+        need = self.policy.holds(rnd) or self.config.min_contributors
+        q, key = self.config.sample_rate, sampling.selection_key(self.state.key)
+        with self.state.write_lock, self.state.session() as s:
+            r = s.get(Round, rnd.id)
+            if r is None or r.state != RoundState.OPEN:
+                return
+            chosen = len(sampling.selected_ids(s, key, r, q))
+            if chosen >= need:
+                return
+            draws = len(sampling.cutoffs(r))
+            due = sampling.cutoffs(r)[-1].timestamp() + self.config.round_timeout
+            now = time.time()
+            if now >= due:
+                draws = sampling.widen(s, r, now)
+                chosen = len(sampling.selected_ids(s, key, r, q))
+                due = now + self.config.round_timeout
+            message = (f"{chosen} contributor{'s' if chosen != 1 else ''} selected (sample rate {q:g}, {draws} "
+                       f"draw{'s' if draws != 1 else ''}, each person now {sampling.effective_rate(q, draws):.3g}); "
+                       f"the round needs {need}: another draw at "
+                       f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(due))} if still short")
+            if r.message == message:
+                return
+            r.message = message
+            s.add(r)
+            s.commit()
+        log.info("round %d: %s", rnd.id, message, extra={"event": "round", "round": rnd.id, "state": "sampling",
+                                                         "selected": chosen, "draws": draws})
+
     def _close(self, round_id: int) -> int:
         """Close the round with the submissions stored now, under the write lock; returns how many it holds.
 
@@ -138,6 +170,8 @@ class RoundManager:
         if rnd.state == RoundState.OPEN:
             n = count_submissions(self.state, rnd.id)
             ready = self.policy.ready(rnd, n)
+            if not ready and self.config.sample_rate < 1.0:
+                self._widen_if_short(rnd)
             if not ready and self.policy.timed_out(rnd):
                 ready = self._close_or_extend(rnd, n)
             if not ready:

@@ -23,7 +23,7 @@ from sqlmodel import func, select
 
 from zoo_gym import codec
 from zoo_gym.aggregation import DeltaSoup, NotRobustConfigError, PrivacyAccountant, PrivacyBudgetExceeded, SoupConfig
-from zoo_gym.server.rounds import async_rounds
+from zoo_gym.server.rounds import async_rounds, sampling
 from zoo_gym.server.store import master_weights
 from zoo_gym.server.store.checkpoint_writer import CheckpointWriter, SafetensorsReader, master_path, threads_beside_writers
 from zoo_gym.server.config import ServerConfig
@@ -285,9 +285,9 @@ def load(state: ServerState, config: ServerConfig, policy, rnd: Round, subs: lis
     inputs = _round_inputs(state, config, policy, rnd, contributors)
     flush = async_rounds.flush_for(inputs.staleness_json)  # as recorded: a sync round adjusts nothing
     with state.session() as s:
-        # Every round is accounted with q = 1: contributors choose to submit and the server samples nobody,
-        # so amplification by subsampling does not apply (aggregation/privacy.py).
-        history = [(r.dp_noise_multiplier, 1.0, 1) for r in s.exec(
+        # Each round is accounted with the rate its people were sampled at: q = 1 unless the server sampled
+        # them (sampling.py, recorded in dp_sample_rate); contributors choosing to submit earns no amplification.
+        history = [(r.dp_noise_multiplier, r.dp_sample_rate or 1.0, 1) for r in s.exec(
             select(Round).where(Round.dp_noise_multiplier.is_not(None), Round.state == RoundState.PUBLISHED,
                                 Round.id < rnd.id).order_by(Round.id))]
         parent = s.get(Checkpoint, rnd.base_sha256)
@@ -319,6 +319,13 @@ def open_streams(state: ServerState, config: ServerConfig, job: RoundJob, evalua
     return Streams(source=source, evaluator=evaluator, writer=writer, ckpt_blob=ckpt_blob, master_blob=master_blob)
 
 
+def _sample_rate(config: ServerConfig, rnd: Round) -> float | None:
+    """The probability each person had of being selected for this round (its draws), None without sampling."""
+    if config.sample_rate >= 1.0:
+        return None
+    return sampling.effective_rate(config.sample_rate, len(sampling.cutoffs(rnd)))
+
+
 def aggregate(state: ServerState, config: ServerConfig, job: RoundJob, streams: Streams):
     """DeltaSoup over the stored deltas into the checkpoint writer; a string outcome when the round reopens
     (too few acceptable deltas for the rule) or halts (the privacy budget is spent)."""
@@ -332,7 +339,7 @@ def aggregate(state: ServerState, config: ServerConfig, job: RoundJob, streams: 
         with threads_beside_writers():  # the writer's two threads stream while the soup computes
             return DeltaSoup(job.soup, dp_clip=job.inputs.dp_clip).run(
                 rows, job.flush.sink(streams.writer.sink), weights=row_weights, generator=gen,
-                accountant=job.accountant)  # q = 1, as above
+                accountant=job.accountant, sample_rate=_sample_rate(config, rnd))  # None: q = 1, as above
     except NotRobustConfigError as exc:
         _reopen(state, rnd.id, len(job.subs) + 1, f"waiting for more submissions: {exc}")
         return f"REOPENED ({exc})"

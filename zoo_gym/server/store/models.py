@@ -78,6 +78,9 @@ class Round(SQLModel, table=True):
     # Set when aggregation could not run with the submissions in hand (e.g. too few for the robust rule
     # after refusals): the round reopens and waits for at least this many before trying again.
     needs: int = 0
+    # Server-side sampling (zoo_gym/server/rounds/sampling.py): the unix times later draws were added, as a JSON
+    # list (None: the one draw at opened_at). Set only while the round is open, so a redo reads the same draws.
+    draws_json: str | None = None
 
 
 class RoundInputs(SQLModel, table=True):

@@ -106,9 +106,9 @@ def loss_series(state) -> list[dict]:
 def privacy_series(state) -> list[dict]:
     """Epsilon spent after each round that published under DP."""
     with state.session() as s:
-        rows = s.exec(select(Round.id, Round.dp_epsilon_round, Round.dp_epsilon_total)
+        rows = s.exec(select(Round.id, Round.dp_epsilon_round, Round.dp_epsilon_total, Round.dp_sample_rate)
                       .where(Round.dp_epsilon_total.is_not(None)).order_by(Round.id)).all()
-    return [{"round": r, "epsilon_round": e, "epsilon_total": t} for r, e, t in rows]
+    return [{"round": r, "epsilon_round": e, "epsilon_total": t, "sample_rate": q} for r, e, t, q in rows]
 
 
 def checkpoints(state, *, limit: int = 50) -> list[dict]:

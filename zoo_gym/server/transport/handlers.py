@@ -24,6 +24,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import func, select
 
 from zoo_gym import codec
+from zoo_gym.aggregation.privacy import rdp_epsilon
 from zoo_gym.proto import signing
 from zoo_gym.server.transport.admission import Admission
 from zoo_gym.server.store.blobs import BlobError, map_file
@@ -42,10 +43,12 @@ from zoo_gym.server.store.models import (
     Checkpoint,
     Contributor,
     Round,
+    RoundState,
     SpentInvite,
     Submission,
     UsedNonce,
 )
+from zoo_gym.server.rounds import sampling
 from zoo_gym.server.store.state import ServerState
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -125,6 +128,28 @@ class RoundView:
     submissions: int
     you_submitted: bool
     dp_epsilon_spent: float
+    dp_epsilon_round: float = 0.0
+    dp_epsilon_spent_rdp: float = 0.0
+    selected_count: int = 0
+    selected: bool = False  # the signed asker, when sampling
+
+
+def _privacy_figures(s, delta: float) -> tuple[float, float, float]:
+    """(cumulative epsilon, the last round's, RDP's cumulative cross-check) of the published rounds."""
+    rows = s.exec(select(Round).where(Round.dp_noise_multiplier.is_not(None), Round.state == RoundState.PUBLISHED)
+                  .order_by(Round.id)).all()
+    if not rows:
+        return 0.0, 0.0, 0.0
+    last = rows[-1]
+    rdp = rdp_epsilon([(r.dp_noise_multiplier, r.dp_sample_rate or 1.0, 1) for r in rows], delta=delta)
+    return float(last.dp_epsilon_total or 0.0), float(last.dp_epsilon_round or 0.0), rdp
+
+
+def _selection(s, state: ServerState, rnd: Round, contributor_id: str, q: float) -> tuple[int, bool]:
+    if q >= 1.0:
+        return 0, False
+    chosen = sampling.selected_ids(s, sampling.selection_key(state.key), rnd, q)
+    return len(chosen), bool(contributor_id) and contributor_id in chosen
 
 
 GET_ROUND_SKEW_S = 300  # a signed GetRound is accepted this many seconds either side of the server's clock
@@ -160,7 +185,7 @@ def _signed_asker(s, *, contributor_id: str, nonce: bytes, signed_at_unix: int, 
 
 
 def round_view(*, state: ServerState, contributor_id: str = "", nonce: bytes = b"", signed_at_unix: int = 0,
-               signature: bytes = b"") -> RoundView:
+               signature: bytes = b"", sample_rate: float = 1.0, dp_delta: float = 1e-5) -> RoundView:
     """The current round; you_submitted only for a contributor who signed the request (see _signed_asker)."""
     with state.session() as s:
         contributor_id = _signed_asker(s, contributor_id=contributor_id, nonce=nonce,
@@ -172,10 +197,11 @@ def round_view(*, state: ServerState, contributor_id: str = "", nonce: bytes = b
         mine = bool(contributor_id) and s.exec(
             select(Submission.id).where(Submission.round_id == rnd.id, Submission.contributor_id == contributor_id)
         ).first() is not None
-        spent = s.exec(select(Round.dp_epsilon_total).where(Round.dp_epsilon_total.is_not(None))
-                       .order_by(Round.id.desc())).first()
+        spent, eps_round, eps_rdp = _privacy_figures(s, dp_delta)
         ckpt = s.get(Checkpoint, rnd.base_sha256)
-    return RoundView(rnd, ckpt.size if ckpt else 0, int(count), mine, float(spent or 0.0))
+        selected_count, selected = _selection(s, state, rnd, contributor_id, sample_rate)
+    return RoundView(rnd, ckpt.size if ckpt else 0, int(count), mine, spent, eps_round, eps_rdp,
+                     selected_count, selected)
 
 
 # ----------------------------------------------------------------------------------------------- download
@@ -256,6 +282,8 @@ def _check_header(h: SubmitHeader, state: ServerState, config: ServerConfig, pol
             raise AlreadyExists("this nonce was already used: a replayed submission is refused")
         rnd = state.current_round(s)
         policy.check_base(s, rnd, round_id=h.round_id, base_sha256=h.base_sha256, contributor_id=h.contributor_id)
+        sampling.check_may_submit(s, sampling.selection_key(state.key), rnd, h.contributor_id, q=config.sample_rate,
+                                  holds=policy.holds(rnd))
     return rnd, bytes.fromhex(contributor.public_key)
 
 
@@ -366,6 +394,8 @@ def submit_delta(header: SubmitHeader, chunks: Iterable[bytes], *, state: Server
             rnd = state.current_round(s)  # async: a flush may have opened the next buffer meanwhile
             policy.check_base(s, rnd, round_id=header.round_id, base_sha256=header.base_sha256,
                               contributor_id=header.contributor_id)
+            sampling.check_may_submit(s, sampling.selection_key(state.key), rnd, header.contributor_id, q=config.sample_rate,
+                                      holds=policy.holds(rnd))
             sub.round_id = rnd.id
             if s.get(UsedNonce, (header.contributor_id, header.nonce.hex())) is not None:
                 raise AlreadyExists("this nonce was already used: a replayed submission is refused")

@@ -98,19 +98,23 @@ class GymServicer(gym_pb2_grpc.GymServicer):
     def GetRound(self, request, context):
         handlers.check_contributor_id(request.contributor_id, required=False)
         v = handlers.round_view(state=self.state, contributor_id=request.contributor_id, nonce=request.nonce,
-                                signed_at_unix=request.signed_at_unix, signature=request.signature)
+                                signed_at_unix=request.signed_at_unix, signature=request.signature,
+                                sample_rate=self.config.sample_rate, dp_delta=self.config.soup.dp_delta)
         cfg = self.config
+        sampled = {} if cfg.sample_rate >= 1.0 else {"sample_rate": cfg.sample_rate,
+                                                       "selected_count": v.selected_count, "selected": v.selected}
         info = gym_pb2.RoundInfo(
             round_id=v.round.id, state=_STATES[v.round.state], base_checkpoint_id=v.round.id - 1,
             base_sha256=v.round.base_sha256, base_size=v.base_size, deadline_unix=v.round.deadline_unix,
             accepted_codecs=list(codec.CODECS), submissions=v.submissions, min_contributors=cfg.min_contributors,
             you_submitted=v.you_submitted, message=v.round.message, aggregator=cfg.soup.aggregator,
-            dp_epsilon_spent=v.dp_epsilon_spent, dp_delta=cfg.soup.dp_delta,
+            dp_epsilon_spent=v.dp_epsilon_spent, dp_delta=cfg.soup.dp_delta, dp_epsilon_round=v.dp_epsilon_round,
+            dp_epsilon_spent_rdp=v.dp_epsilon_spent_rdp, **sampled,
             server_public_key=self.state.public_key, mode=self.rounds.policy.name, **self.rounds.policy.round_info(),
             limits=gym_pb2.Limits(max_payload_bytes=cfg.max_payload_bytes, max_chunk_bytes=cfg.max_chunk_bytes,
                                   download_chunk_bytes=cfg.download_chunk_bytes,
                                   max_delta_norm=cfg.soup.max_delta_norm or 0.0))
-        return sign_round_info(info, key=self.state.key)  # everything but you_submitted is signed
+        return sign_round_info(info, key=self.state.key)  # everything but you_submitted is signed (selected too)
 
     @_guard_stream
     def DownloadCheckpoint(self, request, context):
