@@ -244,9 +244,12 @@ def pull(
     workdir: Optional[Path] = typer.Option(None, help="Download cache (resumable) \\[default: ~/.zoo-gym]."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    fmt: str = typer.Option("hf", "--format", help="hf: a Hugging Face directory; gguf: one .gguf file for "
+                                                    "llama.cpp / Ollama (needs the gguf package)."),
+    quantization: str = typer.Option("f16", help="GGUF tensor type: f16, bf16 or q8_0."),
 ) -> None:
     """Download the latest published checkpoint (resumable, sha256-verified) as a plain Hugging Face
-    directory with a model card; it loads with from_pretrained."""
+    directory (loads with from_pretrained) or a GGUF file, with a model card."""
     from zoo_gym.client.connection import ServerUnreachable
     from zoo_gym.client.download import DownloadError
     from zoo_gym.client.pull import PullError
@@ -257,7 +260,7 @@ def pull(
     try:
         summary = run_pull(server, out, workdir=workdir or DEFAULT_HOME, progress=not quiet and sys.stderr.isatty(),
                            root_certificates=str(root_certificates) if root_certificates else None,
-                           insecure=insecure, say=_say)
+                           insecure=insecure, say=_say, fmt=fmt, quantization=quantization)
     except PullError as exc:
         _fail(str(exc), 2)
     except (ServerUnreachable, DownloadError) as exc:
