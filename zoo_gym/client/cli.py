@@ -212,6 +212,8 @@ def personalize(
                                          "sft = --finetuning-type full, grpo = --stage grpo.",
                                          rich_help_panel="Training"),
     distill_steps: int = typer.Option(50, min=0, help="Scale distillation steps (BitDelta's calibration); 0 = off."),
+    peft_out: Optional[Path] = typer.Option(None, help="Also write the trained LoRA factors as a PEFT adapter "
+                                                       "directory (PeftModel.from_pretrained; LoRA training only)."),
     threads: Optional[int] = typer.Option(None, help="CPU threads for training \\[default: torch's]."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
@@ -226,7 +228,8 @@ def personalize(
     train_overrides, _ = _training(method=method, data=data, train_flags=train_flags,
                                    train_config_file=train_config_file, threads=threads)
     opts = PersonalizeOptions(data=data, base=base, out=out, train_overrides=train_overrides,
-                              distill_steps=distill_steps, progress=not quiet and sys.stderr.isatty())
+                              distill_steps=distill_steps, progress=not quiet and sys.stderr.isatty(),
+                              peft_out=peft_out)
     try:
         summary = run_personalize(opts, say=_say)
     except (PersonalizeError, ValueError) as exc:  # bad data, settings, base or name

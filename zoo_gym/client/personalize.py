@@ -5,7 +5,8 @@ delta against the base is then coded as 1-bit signs with one scale per group of 
 and the scales are distilled (Liu et al., "BitDelta", 2024, Section 3.2: signs frozen, scales trained
 so the variant's logits match the fine-tuned model's on your examples). The file is a codec payload
 whose metadata names the base's weights sha256 (``zoo_gym.serving.variant``), so ``gym-serve`` refuses
-it over any other base.
+it over any other base. With ``peft_out`` the trained LoRA factors are also written as a PEFT adapter
+(zoo_gym.serving.peft_adapter): the exact trained delta, which the 1-bit file only approximates.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class PersonalizeOptions:
     train_overrides: dict = field(default_factory=dict)  # TrainConfig keywords
     distill_steps: int = DEFAULT_DISTILL_STEPS  # 0: keep the mean-|delta| scales
     progress: bool = False
+    peft_out: pathlib.Path | None = None  # also write the LoRA factors as a PEFT adapter directory
 
 
 def variant_name(out: pathlib.Path) -> str:
@@ -73,12 +75,27 @@ def keep_round_variant(delta: dict, model_dir: pathlib.Path, *, out: pathlib.Pat
     return summary
 
 
+def _write_peft(delta: dict, opts: PersonalizeOptions, base_dir: pathlib.Path, sha: str, *,
+                say: Callable[[str], None]) -> None:
+    from zoo_gym.proto.model_card import public_base_name
+    from zoo_gym.serving.peft_adapter import write_peft_adapter
+
+    try:
+        write_peft_adapter(delta, opts.peft_out, base_dir=base_dir, base_sha256=sha,
+                           base_name=public_base_name(str(opts.base), base_dir))
+    except ValueError as exc:
+        raise PersonalizeError(f"--peft-out: {exc}; train with --finetuning-type lora") from None
+    say(f"wrote the LoRA factors as a PEFT adapter in {opts.peft_out}")
+
+
 def personalize(opts: PersonalizeOptions, *, say: Callable[[str], None] = print) -> dict:
     """Train, distil and write ``opts.out``; return a summary dict."""
     from zoo_gym import gym_train
     from zoo_gym.client.train_settings import check_round
 
     name = variant_name(opts.out)
+    if opts.peft_out is not None and opts.peft_out.exists() and any(opts.peft_out.iterdir()):
+        raise PersonalizeError(f"--peft-out {opts.peft_out} exists and is not empty")
     if opts.distill_steps < 0:
         raise PersonalizeError("--distill-steps must be >= 0")
     try:
@@ -99,6 +116,8 @@ def personalize(opts: PersonalizeOptions, *, say: Callable[[str], None] = print)
         f"{base_dir} (weights {sha[:12]})")
     result = gym_train.train(base_dir, examples, config, base_sha256=sha, progress=opts.progress)
     meta = result.metadata
+    if opts.peft_out is not None:
+        _write_peft(result.delta, opts, base_dir, sha, say=say)
     say(f"trained in {meta.get('train_seconds')} s; distilling the 1-bit scales ({opts.distill_steps} steps)")
     summary = save_variant(base_dir, result.delta, opts.out, calib_examples=examples,
                            distill_steps=opts.distill_steps,
