@@ -53,6 +53,13 @@ def test_hf_export_card_is_hub_valid_and_names_no_path(state_dir):
     assert {"zoo-gym", "federated-learning", "bitdelta"} <= set(data["tags"])
     assert "`model`" in (out / "README.md").read_text()
     _no_operator_path(out, state_dir)
+    # one name for a base: the card maps the checkpoint sha256 to the weights sha256 gym-serve prints
+    from zoo_gym.proto.model_card import base_label
+    from zoo_gym.serving.variant import weights_sha256
+
+    ckpt, weights = data["zoo_gym"]["checkpoint_sha256"], weights_sha256(out)
+    assert base_label(out, weights) == f"checkpoint {ckpt[:12]} (weights {weights[:12]})"
+    assert f"exported round 0 checkpoint {ckpt[:12]} (weights {weights[:12]})" in res.output
 
 
 @pytest.mark.parametrize("quantization", ["f16", "bf16", "q8_0"])

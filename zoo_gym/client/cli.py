@@ -273,7 +273,9 @@ def pull(
     if as_json:
         typer.echo(json.dumps(summary, indent=2))
     else:
-        _say(f"pulled round {summary['round']} ({summary['sha256'][:12]}) into {out}")
+        from zoo_gym.proto.model_card import base_label
+
+        _say(f"pulled round {summary['round']} ({base_label(out)}) into {out}")
 
 
 @app.command()

@@ -92,6 +92,7 @@ def personalize(opts: PersonalizeOptions, *, say: Callable[[str], None] = print)
     """Train, distil and write ``opts.out``; return a summary dict."""
     from zoo_gym import gym_train
     from zoo_gym.client.train_settings import check_round
+    from zoo_gym.proto.model_card import base_label
 
     name = variant_name(opts.out)
     if opts.peft_out is not None and opts.peft_out.exists() and any(opts.peft_out.iterdir()):
@@ -113,7 +114,7 @@ def personalize(opts: PersonalizeOptions, *, say: Callable[[str], None] = print)
     config = check_round(config, n_train=len(examples))
     sha = weights_sha256(base_dir)
     say(f"training {name} ({config.label}, {config.max_steps} steps) on {len(examples)} examples over base "
-        f"{base_dir} (weights {sha[:12]})")
+        f"{base_dir} ({base_label(base_dir, sha)})")
     result = gym_train.train(base_dir, examples, config, base_sha256=sha, progress=opts.progress)
     meta = result.metadata
     if opts.peft_out is not None:
@@ -124,5 +125,5 @@ def personalize(opts: PersonalizeOptions, *, say: Callable[[str], None] = print)
                            info={"base": str(opts.base), "training": {k: meta.get(k) for k in (
                                "method", "steps", "loss_before", "loss_after", "seed")}})
     summary.update(loss_before=meta.get("loss_before"), loss_after=meta.get("loss_after"), steps=meta.get("steps"))
-    say(f"wrote {opts.out} ({summary['bytes']} bytes) for base weights {sha[:12]}")
+    say(f"wrote {opts.out} ({summary['bytes']} bytes) for base {base_label(base_dir, sha)}")
     return summary

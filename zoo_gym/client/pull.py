@@ -19,7 +19,7 @@ from zoo_gym.client import known_servers
 from zoo_gym.client.download import DownloadError, fetch_checkpoint
 from zoo_gym.client.server_signatures import verify_round_info
 from zoo_gym.proto import archive, gym_pb2
-from zoo_gym.proto.model_card import card_inputs_from_dir, make_readable, write_model_card_from_dir
+from zoo_gym.proto.model_card import card_inputs_from_dir, make_readable, weights_sha256, write_model_card_from_dir
 
 
 class PullError(RuntimeError):
@@ -67,7 +67,8 @@ def _write_out(model_dir: Path, out: Path, *, sha256: str, fmt: str, quantizatio
 
         rows, base = card_inputs_from_dir(model_dir, sha256=sha256)
         try:
-            write_gguf_dir(model_dir, out, rows, base_model=base, quantization=quantization)
+            write_gguf_dir(model_dir, out, rows, base_model=base, quantization=quantization,
+                           weights=weights_sha256(model_dir))
         except GGUFExportError as exc:
             raise PullError(str(exc)) from None
         card = out / "README.md"

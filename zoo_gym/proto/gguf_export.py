@@ -160,7 +160,7 @@ def write_gguf(model_dir, path, *, quantization: str = "f16", name: str = "zoo-g
 
 
 def write_gguf_dir(hf, out, rows: list[dict], *, base_model: str, quantization: str = "f16",
-                   license: str = "unknown") -> Path:
+                   license: str = "unknown", weights: str | None = None) -> Path:
     """`out`/BASE-zoo-gym-rROUND-QUANT.gguf from the Hugging Face directory `hf`, and the README.md card
     (`rows`: the lineage rows, genesis first; `base_model`: a public name); return the file."""
     from zoo_gym.proto.model_card import write_model_card
@@ -169,5 +169,5 @@ def write_gguf_dir(hf, out, rows: list[dict], *, base_model: str, quantization: 
     name = f"{base_model.replace('/', '--')}-zoo-gym-r{rows[-1].get('round') if rows else 0}"
     out.mkdir(parents=True, exist_ok=True)
     path = write_gguf(hf, out / f"{name}-{quantization}.gguf", quantization=quantization, name=name)
-    write_model_card(out, rows, base_model=base_model, license=license, gguf=path.name)
+    write_model_card(out, rows, base_model=base_model, license=license, gguf=path.name, weights=weights)
     return path

@@ -8,6 +8,8 @@ Checkpoint row's ``manifest_json`` or a checkpoint's ``zoo_gym_checkpoint.json``
 license, which the operator names), ``pipeline_tag``, ``library_name``, tags, a model-index with the
 held-out loss) and a body with the lineage and each round's privacy spent and held-out loss. A base is
 named by :func:`public_base_name`, never by the operator's filesystem path. A missing key shows as "-".
+The metadata's ``zoo_gym`` maps the checkpoint sha256 (server, ledger) to the weights sha256 (gym-serve,
+personalize); :func:`base_label` prints "checkpoint X (weights Y)" from it.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def public_base_name(base_model: str, model_dir=None) -> str:
     return hub_id(base_model, model_dir) or Path(str(base_model)).name or "unknown"
 
 
-def _card_data(rows: list[dict], *, title: str, base: str | None, license: str, tags: list[str], library: str):
+def _card_data(rows: list[dict], *, title: str, base: str | None, license: str, tags: list[str], library: str,
+               weights: str | None = None):
     from huggingface_hub import EvalResult, ModelCardData
 
     loss = rows[-1].get("heldout_loss")
@@ -73,7 +76,9 @@ def _card_data(rows: list[dict], *, title: str, base: str | None, license: str, 
                         metric_type="loss", metric_name="held-out loss", metric_value=float(loss))
              ] if isinstance(loss, (int, float)) else None
     return ModelCardData(base_model=base, license=license, library_name=library,
-                         pipeline_tag="text-generation", tags=tags, model_name=title, eval_results=evals)
+                         pipeline_tag="text-generation", tags=tags, model_name=title, eval_results=evals,
+                         zoo_gym={"round": rows[-1].get("round"), "checkpoint_sha256": rows[-1].get("sha256"),
+                                  "weights_sha256": weights})
 
 
 def _num(x, fmt: str = "{:.4f}") -> str:
@@ -85,7 +90,7 @@ def _sha(x) -> str:
 
 
 def model_card(rows: list[dict], *, base_model: str, title: str | None = None, license: str = "unknown",
-               model_dir=None, gguf: str | None = None) -> str:
+               model_dir=None, gguf: str | None = None, weights: str | None = None) -> str:
     """README.md text for the checkpoint of the last of `rows` (rows ordered genesis first); `model_dir`
     (the checkpoint's files) lets a local base be named by its config's Hub id; `gguf`: the card of a
     GGUF export (that file's name)."""
@@ -102,7 +107,7 @@ def model_card(rows: list[dict], *, base_model: str, title: str | None = None, l
     hub, base_model = hub_id(base_model, model_dir), public_base_name(base_model, model_dir)
     title = title or f"{base_model}, Zoo Gym round {last.get('round')}"
     data = _card_data(rows, title=title, base=hub, license=license, tags=list(dict.fromkeys(tags)),
-                      library="gguf" if gguf else "transformers")
+                      library="gguf" if gguf else "transformers", weights=weights)
     loads = (f"`{gguf}` runs with llama.cpp (`llama-cli -m {gguf}`) and Ollama (`FROM ./{gguf}`)" if gguf else
              "It loads with `AutoModelForCausalLM.from_pretrained`")
     head = ["---", data.to_yaml(), "---"]
@@ -119,7 +124,8 @@ def model_card(rows: list[dict], *, base_model: str, title: str | None = None, l
         "",
         f"* base model: `{base_model}`",
         f"* this checkpoint: round {last.get('round')}, sha256 {_sha(last.get('sha256'))}, parent "
-        f"{_sha(last.get('parent_sha256'))}",
+        f"{_sha(last.get('parent_sha256'))}" + (f" (weights {_sha(weights)}, the name gym-serve and "
+                                                 "personalize print)" if weights else ""),
         f"* rounds: {len(trained)}; contributors: {n_contrib}"
         + (f"; methods: {', '.join(methods)}" if methods else ""),
         f"* aggregator: {', '.join(sorted({str(r['aggregator']) for r in trained if r.get('aggregator')})) or '-'}",
@@ -143,11 +149,14 @@ def model_card(rows: list[dict], *, base_model: str, title: str | None = None, l
 
 
 def write_model_card(model_dir, rows: list[dict], *, base_model: str, title: str | None = None,
-                     license: str = "unknown", gguf: str | None = None) -> Path:
-    """Write `model_card(rows, ...)` to `model_dir/README.md`; return its path."""
+                     license: str = "unknown", gguf: str | None = None, weights: str | None = None) -> Path:
+    """Write `model_card(rows, ...)` to `model_dir/README.md`; return its path. `weights`: the weights
+    sha256 (default: computed from `model_dir`'s safetensors, when it has them)."""
     path = Path(model_dir) / CARD
+    if weights is None and any(Path(model_dir).glob("*.safetensors")):
+        weights = weights_sha256(model_dir)
     path.write_text(model_card(rows, base_model=base_model, title=title, license=license, model_dir=model_dir,
-                               gguf=gguf))
+                               gguf=gguf, weights=weights))
     return path
 
 
@@ -172,3 +181,29 @@ def make_readable(root) -> None:
     root.chmod(0o755)
     for p in root.rglob("*"):
         p.chmod(0o755 if p.is_dir() else 0o644)
+
+
+def weights_sha256(model_dir) -> str:
+    """sha256 of the ``*.safetensors`` bytes in sorted name order: gym-serve's and personalize's base name."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            while chunk := fh.read(8 << 20):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def base_label(model_dir, weights: str | None = None) -> str:
+    """"checkpoint X (weights Y)" when the directory's card maps them (an export or pull), else "weights Y"
+    (`weights` None: the card's)."""
+    try:
+        from huggingface_hub import metadata_load
+
+        meta = (metadata_load(Path(model_dir) / CARD) or {}).get("zoo_gym") or {}
+    except Exception:  # noqa: BLE001 - no card, or not ours
+        meta = {}
+    weights = weights or meta.get("weights_sha256") or "?"
+    ckpt = meta.get("checkpoint_sha256") if meta.get("weights_sha256") == weights else None
+    return f"checkpoint {ckpt[:12]} (weights {weights[:12]})" if isinstance(ckpt, str) else f"weights {weights[:12]}"

@@ -329,7 +329,9 @@ def export(
         from zoo_gym.server.store.export import export_checkpoint
 
         ckpt = export_checkpoint(state, out, round_id=round_id, fmt=fmt, quantization=quantization, license=license)
-    typer.echo(f"exported round {ckpt.round_id} checkpoint {ckpt.sha256[:12]} to {out}")
+    from zoo_gym.proto.model_card import base_label
+
+    typer.echo(f"exported round {ckpt.round_id} {base_label(out)} to {out}")
 
 
 @ledger_app.command("verify")

@@ -17,7 +17,8 @@ from pathlib import Path
 from sqlmodel import select
 
 from zoo_gym.proto import archive
-from zoo_gym.proto.model_card import make_readable, public_base_name, round_summary, write_model_card
+from zoo_gym.proto.model_card import (make_readable, public_base_name, round_summary, weights_sha256,
+                                      write_model_card)
 from zoo_gym.server.store.models import Checkpoint
 from zoo_gym.server.store.state import ServerState, StateError
 
@@ -77,7 +78,7 @@ def export_checkpoint(state: ServerState, out: Path, *, round_id: int | None = N
             hf = archive.unpack(blob, Path(tmp) / "hf")
             try:
                 write_gguf_dir(hf, out, rows, base_model=public_base_name(state.base_model, hf),
-                               quantization=quantization, license=license)
+                               quantization=quantization, license=license, weights=weights_sha256(hf))
             except GGUFExportError as exc:
                 raise StateError(str(exc)) from None
     make_readable(out)
