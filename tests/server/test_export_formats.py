@@ -104,3 +104,14 @@ def test_card_names_a_hub_base_and_carries_the_held_out_loss():
     [ev] = data.eval_results
     assert ev.metric_type == "loss" and ev.metric_value == 2.25
     assert public_base_name("/srv/x/model") == "model" and public_base_name("tiny") == "tiny"
+
+
+def test_a_checkpoint_cache_directory_is_named_by_its_checkpoint(tmp_path):
+    from zoo_gym.proto.archive import LINEAGE
+    from zoo_gym.proto.model_card import base_label
+
+    d = tmp_path / ("ab" * 32)
+    d.mkdir()
+    (d / LINEAGE).write_text("{}")
+    assert base_label(d, "f" * 64) == f"checkpoint {'ab' * 6} (weights {'f' * 12})"
+    assert base_label(tmp_path, "f" * 64) == f"weights {'f' * 12}"

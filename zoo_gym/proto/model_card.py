@@ -196,8 +196,8 @@ def weights_sha256(model_dir) -> str:
 
 
 def base_label(model_dir, weights: str | None = None) -> str:
-    """"checkpoint X (weights Y)" when the directory's card maps them (an export or pull), else "weights Y"
-    (`weights` None: the card's)."""
+    """"checkpoint X (weights Y)" when the directory's card maps them (an export or pull) or it is a
+    checkpoint cache directory named by its sha256, else "weights Y" (`weights` None: the card's)."""
     try:
         from huggingface_hub import metadata_load
 
@@ -206,4 +206,7 @@ def base_label(model_dir, weights: str | None = None) -> str:
         meta = {}
     weights = weights or meta.get("weights_sha256") or "?"
     ckpt = meta.get("checkpoint_sha256") if meta.get("weights_sha256") == weights else None
+    name = Path(model_dir).name  # the caches of join/pull and the server: checkpoints/<sha256>/ with its lineage
+    if ckpt is None and re.fullmatch(r"[0-9a-f]{64}", name) and (Path(model_dir) / LINEAGE).is_file():
+        ckpt = name
     return f"checkpoint {ckpt[:12]} (weights {weights[:12]})" if isinstance(ckpt, str) else f"weights {weights[:12]}"
