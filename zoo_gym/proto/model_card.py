@@ -1,15 +1,11 @@
 """The README.md model card of an exported or pulled checkpoint, computed from lineage manifests.
 
-Pure functions over JSON (no database, no torch), so `gym-server export` and `gym-client pull` write the
-same card: ``round_summary(manifest, sha256=..., heldout_loss=...)`` turns one lineage manifest (a
-Checkpoint row's ``manifest_json`` or a checkpoint's ``zoo_gym_checkpoint.json``) into one row;
-``model_card(rows, base_model=...)`` renders Hub-valid metadata through huggingface_hub's ``ModelCardData``
-(``base_model`` only when it is a Hub id, ``license`` (default "unknown": a fine-tune inherits its base's
-license, which the operator names), ``pipeline_tag``, ``library_name``, tags, a model-index with the
-held-out loss) and a body with the lineage and each round's privacy spent and held-out loss. A base is
-named by :func:`public_base_name`, never by the operator's filesystem path. A missing key shows as "-".
-The metadata's ``zoo_gym`` maps the checkpoint sha256 (server, ledger) to the weights sha256 (gym-serve,
-personalize); :func:`base_label` prints "checkpoint X (weights Y)" from it.
+Pure functions over JSON, so `gym-server export` and `gym-client pull` write the same card:
+``round_summary(manifest, ...)`` turns one lineage manifest into a row; ``model_card(rows, base_model=...)``
+renders huggingface_hub ``ModelCardData`` (``base_model`` only for a Hub id, ``license`` default "unknown":
+a fine-tune inherits its base's, which the operator names; ``pipeline_tag``, tags, a model-index with the
+held-out loss) and the lineage table. A base is named by :func:`public_base_name`, never by the operator's
+path. The metadata's ``zoo_gym`` maps the checkpoint sha256 to the weights sha256 (:func:`base_label`).
 """
 
 from __future__ import annotations
