@@ -45,3 +45,10 @@ def test_pull_writes_a_loadable_model_with_a_card(federation, tmp_path):
 
     again = runner.invoke(app, ["pull", str(out), "--server", address, "--insecure", "--workdir", str(tmp_path / "w")])
     assert again.exit_code == 2 and "not an empty directory" in again.output  # nothing overwritten
+
+    gg = runner.invoke(app, ["pull", str(tmp_path / "gguf"), "--server", address, "--insecure", "--workdir",
+                             str(tmp_path / "w"), "--format", "gguf", "--quantization", "q8_0"])
+    assert gg.exit_code == 0, gg.output
+    assert f"checkpoint {sha[:12]} (weights " in gg.output
+    [path] = (tmp_path / "gguf").glob("*.gguf")
+    assert path.name.endswith("-zoo-gym-r1-q8_0.gguf") and "library_name: gguf" in (tmp_path / "gguf" / "README.md").read_text()

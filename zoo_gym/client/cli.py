@@ -212,6 +212,8 @@ def personalize(
                                          "sft = --finetuning-type full, grpo = --stage grpo.",
                                          rich_help_panel="Training"),
     distill_steps: int = typer.Option(50, min=0, help="Scale distillation steps (BitDelta's calibration); 0 = off."),
+    peft_out: Optional[Path] = typer.Option(None, help="Also write the trained LoRA factors as a PEFT adapter "
+                                                       "directory (PeftModel.from_pretrained; LoRA training only)."),
     threads: Optional[int] = typer.Option(None, help="CPU threads for training \\[default: torch's]."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
@@ -226,7 +228,8 @@ def personalize(
     train_overrides, _ = _training(method=method, data=data, train_flags=train_flags,
                                    train_config_file=train_config_file, threads=threads)
     opts = PersonalizeOptions(data=data, base=base, out=out, train_overrides=train_overrides,
-                              distill_steps=distill_steps, progress=not quiet and sys.stderr.isatty())
+                              distill_steps=distill_steps, progress=not quiet and sys.stderr.isatty(),
+                              peft_out=peft_out)
     try:
         summary = run_personalize(opts, say=_say)
     except (PersonalizeError, ValueError) as exc:  # bad data, settings, base or name
@@ -244,9 +247,12 @@ def pull(
     workdir: Optional[Path] = typer.Option(None, help="Download cache (resumable) \\[default: ~/.zoo-gym]."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    fmt: str = typer.Option("hf", "--format", help="hf: a Hugging Face directory; gguf: one .gguf file for "
+                                                    "llama.cpp / Ollama (needs the gguf package)."),
+    quantization: str = typer.Option("f16", help="GGUF tensor type: f16, bf16 or q8_0."),
 ) -> None:
     """Download the latest published checkpoint (resumable, sha256-verified) as a plain Hugging Face
-    directory with a model card; it loads with from_pretrained."""
+    directory (loads with from_pretrained) or a GGUF file, with a model card."""
     from zoo_gym.client.connection import ServerUnreachable
     from zoo_gym.client.download import DownloadError
     from zoo_gym.client.pull import PullError
@@ -257,7 +263,7 @@ def pull(
     try:
         summary = run_pull(server, out, workdir=workdir or DEFAULT_HOME, progress=not quiet and sys.stderr.isatty(),
                            root_certificates=str(root_certificates) if root_certificates else None,
-                           insecure=insecure, say=_say)
+                           insecure=insecure, say=_say, fmt=fmt, quantization=quantization)
     except PullError as exc:
         _fail(str(exc), 2)
     except (ServerUnreachable, DownloadError) as exc:
@@ -267,7 +273,9 @@ def pull(
     if as_json:
         typer.echo(json.dumps(summary, indent=2))
     else:
-        _say(f"pulled round {summary['round']} ({summary['sha256'][:12]}) into {out}")
+        from zoo_gym.proto.model_card import base_label
+
+        _say(f"pulled round {summary['round']} ({base_label(out)}) into {out}")
 
 
 @app.command()

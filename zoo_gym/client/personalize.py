@@ -5,7 +5,8 @@ delta against the base is then coded as 1-bit signs with one scale per group of 
 and the scales are distilled (Liu et al., "BitDelta", 2024, Section 3.2: signs frozen, scales trained
 so the variant's logits match the fine-tuned model's on your examples). The file is a codec payload
 whose metadata names the base's weights sha256 (``zoo_gym.serving.variant``), so ``gym-serve`` refuses
-it over any other base.
+it over any other base. With ``peft_out`` the trained LoRA factors are also written as a PEFT adapter
+(zoo_gym.serving.peft_adapter): the exact trained delta, which the 1-bit file only approximates.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class PersonalizeOptions:
     train_overrides: dict = field(default_factory=dict)  # TrainConfig keywords
     distill_steps: int = DEFAULT_DISTILL_STEPS  # 0: keep the mean-|delta| scales
     progress: bool = False
+    peft_out: pathlib.Path | None = None  # also write the LoRA factors as a PEFT adapter directory
 
 
 def variant_name(out: pathlib.Path) -> str:
@@ -73,12 +75,28 @@ def keep_round_variant(delta: dict, model_dir: pathlib.Path, *, out: pathlib.Pat
     return summary
 
 
+def _write_peft(delta: dict, opts: PersonalizeOptions, base_dir: pathlib.Path, sha: str, *,
+                say: Callable[[str], None]) -> None:
+    from zoo_gym.proto.model_card import public_base_name
+    from zoo_gym.serving.peft_adapter import write_peft_adapter
+
+    try:
+        write_peft_adapter(delta, opts.peft_out, base_dir=base_dir, base_sha256=sha,
+                           base_name=public_base_name(str(opts.base), base_dir))
+    except ValueError as exc:
+        raise PersonalizeError(f"--peft-out: {exc}; train with --finetuning-type lora") from None
+    say(f"wrote the LoRA factors as a PEFT adapter in {opts.peft_out}")
+
+
 def personalize(opts: PersonalizeOptions, *, say: Callable[[str], None] = print) -> dict:
     """Train, distil and write ``opts.out``; return a summary dict."""
     from zoo_gym import gym_train
     from zoo_gym.client.train_settings import check_round
+    from zoo_gym.proto.model_card import base_label
 
     name = variant_name(opts.out)
+    if opts.peft_out is not None and opts.peft_out.exists() and any(opts.peft_out.iterdir()):
+        raise PersonalizeError(f"--peft-out {opts.peft_out} exists and is not empty")
     if opts.distill_steps < 0:
         raise PersonalizeError("--distill-steps must be >= 0")
     try:
@@ -96,14 +114,16 @@ def personalize(opts: PersonalizeOptions, *, say: Callable[[str], None] = print)
     config = check_round(config, n_train=len(examples))
     sha = weights_sha256(base_dir)
     say(f"training {name} ({config.label}, {config.max_steps} steps) on {len(examples)} examples over base "
-        f"{base_dir} (weights {sha[:12]})")
+        f"{base_dir} ({base_label(base_dir, sha)})")
     result = gym_train.train(base_dir, examples, config, base_sha256=sha, progress=opts.progress)
     meta = result.metadata
+    if opts.peft_out is not None:
+        _write_peft(result.delta, opts, base_dir, sha, say=say)
     say(f"trained in {meta.get('train_seconds')} s; distilling the 1-bit scales ({opts.distill_steps} steps)")
     summary = save_variant(base_dir, result.delta, opts.out, calib_examples=examples,
                            distill_steps=opts.distill_steps,
                            info={"base": str(opts.base), "training": {k: meta.get(k) for k in (
                                "method", "steps", "loss_before", "loss_after", "seed")}})
     summary.update(loss_before=meta.get("loss_before"), loss_after=meta.get("loss_after"), steps=meta.get("steps"))
-    say(f"wrote {opts.out} ({summary['bytes']} bytes) for base weights {sha[:12]}")
+    say(f"wrote {opts.out} ({summary['bytes']} bytes) for base {base_label(base_dir, sha)}")
     return summary

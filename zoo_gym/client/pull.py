@@ -4,7 +4,8 @@ The download is the join loop's own (resumable, sha256-verified before it is unp
 work directory), and checked the same way: the RoundInfo that names the checkpoint must carry the signature
 of the server key pinned for that address (`known_servers` in the work directory; trusted on first use),
 and the unpacked lineage manifest the same key's signature. The result is copied to OUT with a model card (README.md) built from the checkpoint's
-lineage manifest, so `AutoModelForCausalLM.from_pretrained(OUT)` loads it.
+lineage manifest, so `AutoModelForCausalLM.from_pretrained(OUT)` loads it; with ``fmt="gguf"`` OUT holds
+one .gguf file for llama.cpp (zoo_gym.proto.gguf_export) and the card instead. OUT is readable by others.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from zoo_gym.client import known_servers
 from zoo_gym.client.download import DownloadError, fetch_checkpoint
 from zoo_gym.client.server_signatures import verify_round_info
 from zoo_gym.proto import archive, gym_pb2
-from zoo_gym.proto.model_card import write_model_card_from_dir
+from zoo_gym.proto.model_card import card_inputs_from_dir, make_readable, weights_sha256, write_model_card_from_dir
 
 
 class PullError(RuntimeError):
@@ -26,9 +27,13 @@ class PullError(RuntimeError):
 
 
 def pull(server: str, out: Path, *, workdir: Path, progress: bool = False, root_certificates: str | None = None,
-         insecure: bool = False, say: Callable[[str], None] = print) -> dict:
-    """Download the latest published checkpoint into `out` (must be absent or empty). Returns a summary."""
+         insecure: bool = False, say: Callable[[str], None] = print, fmt: str = "hf",
+         quantization: str = "f16") -> dict:
+    """Download the latest published checkpoint into `out` (must be absent or empty) as a Hugging Face
+    directory (`fmt` "hf") or a GGUF file (`fmt` "gguf"). Returns a summary."""
     out = Path(out)
+    if fmt not in ("hf", "gguf"):
+        raise PullError(f"--format must be hf or gguf, got {fmt!r}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise PullError(f"{out} exists and is not an empty directory; choose a new OUT")
     channel, stub = open_stub(server, root_certificates=root_certificates, insecure=insecure)
@@ -49,10 +54,28 @@ def pull(server: str, out: Path, *, workdir: Path, progress: bool = False, root_
                                      server_key=server_key)
     finally:
         channel.close()
-    out.mkdir(parents=True, exist_ok=True)
-    for p in sorted(model_dir.iterdir()):
-        if p.is_file():
-            shutil.copyfile(p, out / p.name)
-    card = write_model_card_from_dir(out, sha256=info.base_sha256)
+    card = _write_out(model_dir, out, sha256=info.base_sha256, fmt=fmt, quantization=quantization)
     return {"round": info.base_checkpoint_id, "sha256": info.base_sha256, "out": str(out), "card": str(card),
             "files": sorted(p.name for p in out.iterdir()), "lineage": archive.LINEAGE}
+
+
+def _write_out(model_dir: Path, out: Path, *, sha256: str, fmt: str, quantization: str) -> Path:
+    """Copy (hf) or convert (gguf) the cached checkpoint into `out` with its card; return the card."""
+    out.mkdir(parents=True, exist_ok=True)
+    if fmt == "gguf":
+        from zoo_gym.proto.gguf_export import GGUFExportError, write_gguf_dir
+
+        rows, base = card_inputs_from_dir(model_dir, sha256=sha256)
+        try:
+            write_gguf_dir(model_dir, out, rows, base_model=base, quantization=quantization,
+                           weights=weights_sha256(model_dir))
+        except GGUFExportError as exc:
+            raise PullError(str(exc)) from None
+        card = out / "README.md"
+    else:
+        for p in sorted(model_dir.iterdir()):
+            if p.is_file():
+                shutil.copyfile(p, out / p.name)
+        card = write_model_card_from_dir(out, sha256=sha256)
+    make_readable(out)
+    return card

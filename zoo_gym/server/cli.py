@@ -317,15 +317,22 @@ def export(
     state_dir: Path = StateDir,
     round_id: Optional[int] = typer.Option(None, "--round", help="Round whose published checkpoint to export "
                                                                  "(0 = the base) \\[default: the latest]."),
+    fmt: str = typer.Option("hf", "--format", help="hf: a Hugging Face directory; gguf: one .gguf file for "
+                                                    "llama.cpp / Ollama (needs the gguf package)."),
+    quantization: str = typer.Option("f16", help="GGUF tensor type: f16, bf16 or q8_0."),
+    license: str = typer.Option("unknown", "--license", help="The card's license (a Hub license id such as "
+                                                             "apache-2.0; a fine-tune inherits its base's)."),
 ) -> None:
-    """Write a published checkpoint as a plain Hugging Face directory (loads with from_pretrained) with a
-    README.md model card: base model, lineage, contributors, privacy spent, held-out loss per round."""
+    """Write a published checkpoint as a plain Hugging Face directory (loads with from_pretrained) or a GGUF
+    file, with a README.md model card: base model, lineage, contributors, privacy spent, held-out loss."""
     with _one_line_errors():
         state = open_state(state_dir)
         from zoo_gym.server.store.export import export_checkpoint
 
-        ckpt = export_checkpoint(state, out, round_id=round_id)
-    typer.echo(f"exported round {ckpt.round_id} checkpoint {ckpt.sha256[:12]} to {out}")
+        ckpt = export_checkpoint(state, out, round_id=round_id, fmt=fmt, quantization=quantization, license=license)
+    from zoo_gym.proto.model_card import base_label
+
+    typer.echo(f"exported round {ckpt.round_id} {base_label(out)} to {out}")
 
 
 @ledger_app.command("verify")

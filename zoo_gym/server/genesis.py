@@ -21,6 +21,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import SQLModel
 
 from zoo_gym.proto import archive, signing
+from zoo_gym.proto.model_card import public_base_name
 from zoo_gym.server.store import migrations
 from zoo_gym.server.store.blobs import BlobStore
 from zoo_gym.server.store.models import Checkpoint, Round, RoundState
@@ -211,7 +212,8 @@ def _create(root: Path, engine: Engine, src: Path, *, base_model: str, db_url: s
             SQLModel.metadata.create_all(conn)
             migrations.stamp_head(conn)
         state = ServerState(root, engine, BlobStore(root / "blobs"), key, base_model, threading.RLock())
-        archive.write_lineage(genesis, {"round": 0, "parent_sha256": None, "base_model": base_model})
+        public = public_base_name(base_model, src)  # published artifacts never carry the operator's path
+        archive.write_lineage(genesis, {"round": 0, "parent_sha256": None, "base_model": public})
         with state.blobs.writer() as w:
             archive.pack(genesis, w)
             sha = w.commit()
@@ -224,7 +226,7 @@ def _create(root: Path, engine: Engine, src: Path, *, base_model: str, db_url: s
         state.validation_file = root / validation_name
     with state.session() as s:
         s.add(Checkpoint(sha256=sha, round_id=0, parent_sha256=None, size=size,
-                         manifest_json=json.dumps({"round": 0, "base_model": base_model})))
+                         manifest_json=json.dumps({"round": 0, "base_model": public})))
         s.add(Round(id=1, state=RoundState.OPEN, base_sha256=sha))
         s.commit()
     # the default database is stored as null: derived from the directory on open, so the directory can move

@@ -4,7 +4,8 @@ The directory is watched by listing it: a file dropped in is served from the nex
 removed one is gone (its memory too). ``add`` serves a file from elsewhere (or re-enables a removed
 name); ``remove`` stops serving a name until it is added again. A variant is loaded on first use and
 the least recently used ones are unloaded while the resident bytes (packed signs + scales + 1-D deltas)
-exceed ``max_bytes``. A file built for another base is refused when it is loaded, with one line.
+exceed ``max_bytes``. A file built for another base is refused when it is loaded, with one line. A
+directory ``NAME/`` holding a PEFT LoRA adapter is a variant too (zoo_gym.serving.peft_adapter).
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
+from zoo_gym.serving import peft_adapter
 from zoo_gym.serving.variant import (
     SUFFIX,
     Variant,
     VariantError,
+    NAME_RE,
     check_name,
     load_variant,
     read_manifest,
@@ -77,6 +80,9 @@ class VariantRegistry:
                     out[check_name(name)] = p
                 except VariantError:
                     continue
+            for p in sorted(self.directory.iterdir()):
+                if peft_adapter.is_peft_dir(p) and NAME_RE.match(p.name) and p.name not in out:
+                    out[p.name] = p
         out.update(self._extra)
         return {n: p for n, p in out.items() if n not in self._removed}
 
@@ -89,9 +95,9 @@ class VariantRegistry:
         key = (str(path), st.st_mtime_ns, st.st_size)
         if key not in self._foreign:
             try:
-                meta = _peek_manifest(path)
-                why = None if meta["base_sha256"] == self.base_sha256 else (
-                    f"built for base {meta['base_sha256'][:12]}, this server's base is {self.base_sha256[:12]}")
+                sha = (peft_adapter.peft_base_sha256(path) if path.is_dir() else _peek_manifest(path)["base_sha256"])
+                why = None if sha in (None, self.base_sha256) else (
+                    f"built for base {sha[:12]}, this server's base is {self.base_sha256[:12]}")
             except Exception as exc:  # noqa: BLE001 - any file that does not parse is skipped with one line
                 why = str(exc) or type(exc).__name__
             if why:
@@ -122,7 +128,8 @@ class VariantRegistry:
 
     def _load(self, name: str, path: pathlib.Path) -> Variant:
         try:
-            v = load_variant(path, base_sha256=self.base_sha256, name=name)
+            v = (peft_adapter.peft_variant(path, base_sha256=self.base_sha256, name=name) if path.is_dir()
+                 else load_variant(path, base_sha256=self.base_sha256, name=name))
             self._check(v)
         except VariantError:
             raise
@@ -144,9 +151,11 @@ class VariantRegistry:
         with self._lock:
             if path is not None:
                 p = pathlib.Path(path)
-                if p.suffix != SUFFIX:
-                    raise VariantError(f"{p}: a variant file is NAME{SUFFIX}")
-                if not p.is_file():
+                if peft_adapter.is_peft_dir(p):
+                    name = check_name(name or p.name)
+                elif p.suffix != SUFFIX:
+                    raise VariantError(f"{p}: a variant is a file NAME{SUFFIX} or a PEFT adapter directory")
+                elif not p.is_file():
                     raise UnknownVariant(f"no such file: {p}")
                 name = check_name(name or p.name.removesuffix(SUFFIX))
             else:

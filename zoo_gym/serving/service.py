@@ -9,6 +9,7 @@ import torch
 
 from zoo_gym.serving.batcher import Batcher
 from zoo_gym.serving.model import MultiVariantModel
+from zoo_gym.proto.model_card import base_label
 from zoo_gym.serving.registry import VariantRegistry
 from zoo_gym.serving.variant import resolve_base_dir, weights_sha256
 
@@ -49,8 +50,8 @@ class Service:
         self.batcher = Batcher(self.model, self.registry, eos_ids=self.eos_ids,
                                pad_id=pad if pad is not None else (min(self.eos_ids) if self.eos_ids else 0),
                                window_s=opts.window_ms / 1000, max_batch=opts.max_batch)
-        log.info("serving base %s (weights sha256 %s) with %d variant(s) in %s", self.base_name,
-                 self.base_sha256[:12], len(self.registry.names()), opts.variants)
+        log.info("serving base %s (%s) with %d variant(s) in %s", self.base_name,
+                 base_label(self.base_dir, self.base_sha256), len(self.registry.names()), opts.variants)
 
     def start(self) -> None:
         self.batcher.start()

@@ -34,6 +34,7 @@ from zoo_gym.gym_train.memory import release_memory
 from zoo_gym.server.store.models import Checkpoint, Contributor, Round, RoundInputs, RoundState, Submission
 from zoo_gym.server.rounds.settlement import (aggregation_weights, current_reputations, plan_rewards, record_settlement,
                                       scoring_tap)
+from zoo_gym.proto.model_card import public_base_name
 from zoo_gym.server.rounds.signed_state import sign_lineage
 from zoo_gym.server.store.state import ServerState
 
@@ -406,7 +407,7 @@ def _lineage(state: ServerState, job: RoundJob, report, privacy, parent_loss: fl
     ancestors = job.ancestors
     return {
         "round": rnd.id,
-        "base_model": state.base_model,
+        "base_model": public_base_name(state.base_model),
         "parent_sha256": rnd.base_sha256,
         "contributors": contributors,
         "accepted": [c for c, ok in zip(contributors, accepted) if ok],

@@ -3,18 +3,22 @@
 The checkpoint tar is unpacked from the blob store (zoo_gym.proto.archive, which refuses anything but
 flat plain files) and a README.md model card is written from the lineage of the chain genesis -> this
 checkpoint (Checkpoint rows: manifest, held-out loss, time). The directory loads with
-``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
+``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``; with ``fmt="gguf"`` it holds
+one ``MODEL-QUANT.gguf`` for llama.cpp (zoo_gym.proto.gguf_export) and the card. Published directories
+are readable by others (dirs 0755, files 0644) and name the base without the operator's paths.
 """
 
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 from sqlmodel import select
 
 from zoo_gym.proto import archive
-from zoo_gym.proto.model_card import round_summary, write_model_card
+from zoo_gym.proto.model_card import (make_readable, public_base_name, round_summary, weights_sha256,
+                                      write_model_card)
 from zoo_gym.server.store.models import Checkpoint
 from zoo_gym.server.store.state import ServerState, StateError
 
@@ -49,9 +53,11 @@ def card_rows(chain: list[Checkpoint]) -> list[dict]:
                           created_at=c.created_at.isoformat() if c.created_at else None) for c in chain]
 
 
-def export_checkpoint(state: ServerState, out: Path, *, round_id: int | None = None) -> Checkpoint:
-    """Unpack the checkpoint of `round_id` (default: the latest) into `out` (absent or empty) with a
-    README.md model card; return its row."""
+def export_checkpoint(state: ServerState, out: Path, *, round_id: int | None = None, fmt: str = "hf",
+                      quantization: str = "f16", license: str = "unknown") -> Checkpoint:
+    """Unpack the checkpoint of `round_id` (default: the latest) into `out` (absent or empty) as a Hugging
+    Face directory (`fmt` "hf") or a GGUF file (`fmt` "gguf", `quantization`) with a README.md model card;
+    return its row."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise StateError(f"{out} exists and is not an empty directory; export into a new one")
@@ -59,6 +65,22 @@ def export_checkpoint(state: ServerState, out: Path, *, round_id: int | None = N
     blob = state.blobs.path(ckpt.sha256)
     if not Path(blob).is_file():
         raise StateError(f"the blob of checkpoint {ckpt.sha256[:12]} is missing from {state.blobs.root}")
-    archive.unpack(blob, out)
-    write_model_card(out, card_rows(lineage(state, ckpt)), base_model=state.base_model)
+    if fmt not in ("hf", "gguf"):
+        raise StateError(f"--format must be hf or gguf, got {fmt!r}")
+    rows = card_rows(lineage(state, ckpt))
+    if fmt == "hf":
+        archive.unpack(blob, out)
+        write_model_card(out, rows, base_model=state.base_model, license=license)
+    else:
+        from zoo_gym.proto.gguf_export import GGUFExportError, write_gguf_dir
+
+        with tempfile.TemporaryDirectory(dir=out.parent if out.parent.is_dir() else None) as tmp:
+            hf = archive.unpack(blob, Path(tmp) / "hf")
+            try:
+                write_gguf_dir(hf, out, rows, base_model=public_base_name(state.base_model, hf),
+                               quantization=quantization, license=license, weights=weights_sha256(hf))
+            except GGUFExportError as exc:
+                raise StateError(str(exc)) from None
+    make_readable(out)
     return ckpt
+
