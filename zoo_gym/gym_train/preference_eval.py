@@ -34,7 +34,7 @@ def completion_logprobs(model, batches, *, device) -> torch.Tensor:
     out = []
     for ids, mask, labels in batches:
         ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
-        logits = model(input_ids=ids, attention_mask=mask).logits.float()     # (B, T, V)
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()  # (B, T, V)
         at, targets = scored_positions(labels)                                # (K,), (K,)
         flat = logits.reshape(-1, logits.shape[-1])[at]                        # (K, V)
         lp = torch.log_softmax(flat, dim=-1).gather(1, targets[:, None])[:, 0]  # (K,)
