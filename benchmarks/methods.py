@@ -45,7 +45,7 @@ CASES: dict[str, dict] = {
     "sft+full+apollo": {"stage": "sft", "finetuning_type": "full", "optim": "apollo_adamw"},
     "sft+full+adam_mini": {"stage": "sft", "finetuning_type": "full", "optim": "adam_mini"},
     "sft+full+muon": {"stage": "sft", "finetuning_type": "full", "optim": "muon"},
-    "sft+full+badam": {"stage": "sft", "finetuning_type": "full", "use_badam": True},
+    "sft+full+badam": {"stage": "sft", "finetuning_type": "full", "optim": "badam"},
     "dpo+lora": {"stage": "dpo", "finetuning_type": "lora"},
     "dpo+lora+ipo": {"stage": "dpo", "finetuning_type": "lora", "loss_type": "ipo"},
     "dpo+full": {"stage": "dpo", "finetuning_type": "full"},
