@@ -8,6 +8,7 @@ of the published checkpoint, which should go down round after round.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -51,15 +52,41 @@ def _wait_port(port_file: Path, server: subprocess.Popen, log: Path, timeout: fl
     raise typer.Exit(2)
 
 
-def _print_round(status: dict, round_id: int) -> None:
+# (header, width, right-aligned): the table's one definition, so rows line up with the header
+COLUMNS = (("round", 5, True), ("contributors", 12, True), ("accepted", 8, True), ("parent loss", 11, True),
+           ("held-out loss", 13, True), ("change", 8, True), ("checkpoint", 12, False))
+
+
+def _line(cells) -> str:
+    return "| " + " | ".join(f"{c:>{w}}" if right else f"{c:<{w}}"
+                             for c, (_, w, right) in zip(cells, COLUMNS)) + " |"
+
+
+def table_header() -> tuple[str, str]:
+    """The header line and the Markdown alignment rule under it."""
+    rule = "|" + "|".join("-" * (w + 1) + ":" if right else "-" * (w + 2) for _, w, right in COLUMNS) + "|"
+    return _line(name for name, _, _ in COLUMNS), rule
+
+
+def _number(x: float | None, width: int, fmt: str = "{:.4f}") -> str:
+    if x is None or math.isnan(x):
+        return "-"
+    text = fmt.format(x)
+    short = ("{:+.2g}" if "+" in fmt else "{:.3g}").format(x).replace("e+0", "e").replace("e-0", "e-")
+    return text if len(text) <= width else short
+
+
+def round_row(status: dict, round_id: int) -> str:
+    """The table row of a published round, from `gym-server status --json`."""
     ckpts = {c["round"]: c for c in status["checkpoints"]}
     rnd = next(r for r in status["rounds"] if r["id"] == round_id)
     contributors = rnd["report"].get("soup", {}).get("contributors", [])
     accepted = sum(1 for c in contributors if c.get("accepted"))
     loss, parent = ckpts[round_id]["heldout_loss"], ckpts[round_id - 1]["heldout_loss"]
-    change = (loss - parent) / parent * 100 if parent else float("nan")
-    typer.echo(f"| {round_id:>5} | {len(contributors):>12} | {accepted:>8} | {parent:>11.4f} | {loss:>11.4f} | "
-               f"{change:>+7.1f}% | {ckpts[round_id]['sha256'][:12]} |")
+    change = (loss - parent) / parent * 100 if parent and loss is not None else None
+    change_text = "-" if change is None else _number(change, 7, "{:+.1f}") + "%"
+    return _line((round_id, len(contributors), accepted, _number(parent, 11), _number(loss, 13), change_text,
+                  ckpts[round_id]["sha256"][:12]))
 
 
 def _free_port() -> int:
@@ -107,7 +134,7 @@ def _print_rounds_as_published(state_dir: Path, rounds: int, *, procs, server, l
         published = [r["id"] for r in status["rounds"] if r["state"] == "published"]
         while shown < rounds and shown + 1 in published:
             shown += 1
-            _print_round(status, shown)
+            typer.echo(round_row(status, shown))
         failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
         if failed or server.poll() is not None:
             raise RuntimeError(f"a process failed (clients {failed}, server rc {server.poll()}); see {logs}")
@@ -169,8 +196,7 @@ def main(
                               max_steps=max_steps)
             procs.append(subprocess.Popen(_client_cmd(*args), stdout=subprocess.PIPE,
                                           stderr=open(logs / f"client{i}.log", "w"), env=env, text=True))
-        typer.echo("| round | contributors | accepted | parent loss | held-out loss | change | checkpoint   |")
-        typer.echo("|------:|-------------:|---------:|------------:|--------------:|-------:|--------------|")
+        typer.echo("\n".join(table_header()))
         _print_rounds_as_published(state_dir, rounds, procs=procs, server=server, logs=logs)
         for p in procs:
             p.wait(timeout=600)

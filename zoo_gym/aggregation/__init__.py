@@ -6,27 +6,34 @@ a streamed `DeltaSource`; rules are objects named once (`create_rule`, `SoupConf
 a step around any of them (`DifferentialPrivacy`). The Flower adapter lives in `zoo_gym.aggregation.flower` (imports flwr).
 """
 
-from .bulyan import bulyan, bulyan_select
-from .centered_clip import centered_clip
-from .clipping import clip_factors
-from .config import AGGREGATORS, SoupConfig
-from .dp import DifferentialPrivacy
-from .distances import (model_sq_distances, packed_model_sq_distances, packed_pairwise_sq_distances,
-                        packed_sq_norms, pairwise_sq_distances)
-from .errors import (AggregationError, InvalidDeltaError, NotRobustConfigError,
-                     PrivacyBudgetExceeded, SoupConfigError)
-from .geometric_median import geometric_median
-from .krum import krum, krum_scores, krum_select, multi_krum, multi_krum_select
-from .mean import mean
-from .packed_mean import model_mean, packed_mean
-from .packed_model import PackedModel
-from .median import median
-from .privacy import PrivacyAccountant, PrivacyReport
-from .result import AggregateResult, Diagnostics
-from .rules import (RULES, Bulyan, CenteredClip, GeometricMedian, Krum, Mean, Median, MultiKrum, Rule,
-                    TrimmedMean, create_rule)
-from .soup import ContributorReport, DeltaSoup, DeltaSource, SoupReport
-from .trimmed_mean import trimmed_mean
+from __future__ import annotations
+
+import importlib
+
+# name -> the submodule that defines it, imported on first use (PEP 562): importing the package, or a
+# torch-free submodule of it (configs, errors), does not import torch
+_LAZY = {name: module for module, names in {
+    "bulyan": "bulyan bulyan_select",
+    "centered_clip": "centered_clip",
+    "clipping": "clip_factors",
+    "config": "AGGREGATORS SoupConfig",
+    "dp": "DifferentialPrivacy",
+    "distances": "model_sq_distances packed_model_sq_distances packed_pairwise_sq_distances packed_sq_norms "
+                 "pairwise_sq_distances",
+    "errors": "AggregationError InvalidDeltaError NotRobustConfigError PrivacyBudgetExceeded SoupConfigError",
+    "geometric_median": "geometric_median",
+    "krum": "krum krum_scores krum_select multi_krum multi_krum_select",
+    "mean": "mean",
+    "packed_mean": "model_mean packed_mean",
+    "packed_model": "PackedModel",
+    "median": "median",
+    "privacy": "PrivacyAccountant PrivacyReport",
+    "result": "AggregateResult Diagnostics",
+    "rules": "RULES Bulyan CenteredClip GeometricMedian Krum Mean Median MultiKrum Rule TrimmedMean "
+             "create_rule",
+    "soup": "ContributorReport DeltaSoup DeltaSource SoupReport",
+    "trimmed_mean": "trimmed_mean",
+}.items() for name in names.split()}
 
 __all__ = [
     "AGGREGATORS", "RULES", "AggregateResult", "AggregationError", "Bulyan", "CenteredClip",
@@ -40,3 +47,15 @@ __all__ = [
     "packed_model_sq_distances", "packed_pairwise_sq_distances", "packed_sq_norms",
     "pairwise_sq_distances", "trimmed_mean",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -12,12 +12,15 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import SoupConfigError
-from .rules import RULES, Rule, create_rule
+if TYPE_CHECKING:
+    from .rules import Rule
 
-AGGREGATORS = tuple(RULES)  # the rules' names, in the order the help text lists them
+# the rules' names, in the order the help text lists them (== tuple(rules.RULES); spelled out so that
+# reading a config does not import torch: tests/aggregation/test_rules.py checks they agree)
+AGGREGATORS = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan", "geometric-median", "centered-clip")
 
 
 @dataclass
@@ -102,6 +105,8 @@ class SoupConfig:
     @property
     def rule(self) -> Rule:
         """The rule `aggregator` names, with its settings from these fields (built on each access)."""
+        from .rules import create_rule
+
         return create_rule(self)
 
     @classmethod

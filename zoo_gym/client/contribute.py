@@ -1,6 +1,7 @@
 """One contribution, the path both join loops take: download the base a verified RoundInfo names (its lineage
 checked against the pinned server key), train and encode in a child process (this process never holds the
-model), sign the header, upload with retries, and keep the delta as a variant when asked.
+model), sign the header, upload with retries, and keep the delta aside for a variant when asked (distilled after
+the last round by `RoundTrainer.distil_variants`: minutes of distillation never delay a round).
 
 `contribute(info, contributor=..., opts=..., cadence=...)` returns a SubmitResult, or None when the server
 would not take the delta (the round closed, or the delta grew too stale); it raises JoinError (one line) when
@@ -13,7 +14,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -219,6 +220,7 @@ class RoundTrainer:
     train_ex: list[dict]
     held_ex: list[dict]
     say: Callable[[str], None]
+    pending: list[tuple[Path, Path, Path, str]] = field(default_factory=list)  # kept deltas, not yet distilled
 
     def train(self, model_dir: Path, base_sha256: str) -> tuple[bytes, dict, Path | None]:
         """(payload, metadata to sign, the delta's file for `keep_variant` or None)."""
@@ -235,11 +237,30 @@ class RoundTrainer:
             payload_path.unlink(missing_ok=True)
 
     def keep_variant(self, delta_path: Path, model_dir: Path, *, out: Path, checkpoint_sha256: str) -> str:
-        """`--keep-variant`: the round's delta (from `train`) as a personal variant at `out`; its path."""
-        try:
-            summary = run_in_child(_keep_variant, delta_path, model_dir, out=out, checkpoint_sha256=checkpoint_sha256,
-                                   calib_examples=self.train_ex)
-        finally:
+        """`--keep-variant`: set the round's delta (from `train`) aside; `distil_variants` writes the variant at
+        `out` after the last round, so the next round trains at once. The path the variant will have."""
+        self.pending.append((delta_path, model_dir, out, checkpoint_sha256))
+        self.say(f"variant {out.name} deferred: its scales are distilled after the last round, so no round "
+                 "waits for it")
+        return str(out)
+
+    def distil_variants(self) -> None:
+        """Distil every deferred variant, one child process each, with a line before and after each."""
+        n = len(self.pending)
+        for i in range(1, n + 1):
+            delta_path, model_dir, out, sha = self.pending.pop(0)
+            self.say(f"distilling variant {i}/{n}: {out.name} (the rounds are done)")
+            try:
+                summary = run_in_child(_keep_variant, delta_path, model_dir, out=out, checkpoint_sha256=sha,
+                                       calib_examples=self.train_ex)
+            finally:
+                delta_path.unlink(missing_ok=True)
+            self.say(f"kept variant {out} ({summary['bytes']} bytes)")
+
+    def discard_variants(self) -> None:
+        """The join failed: drop the deltas kept for variants (their rounds were submitted; no variant is made)."""
+        if self.pending:
+            self.say(f"not making {len(self.pending)} deferred variant(s): the join stopped early")
+        for delta_path, *_ in self.pending:
             delta_path.unlink(missing_ok=True)
-        self.say(f"kept this round's delta as variant {out} ({summary['bytes']} bytes)")
-        return summary["path"]
+        self.pending.clear()

@@ -154,12 +154,18 @@ def join(opts: JoinOptions, *, say: Callable[[str], None] = print) -> list[dict]
     try:
         if join_async.is_async(c.round_info(signed=False)):  # buffered rounds, no round boundaries (join_async.py)
             try:
-                return join_async.train_continuously(c, opts)
+                summaries = join_async.train_continuously(c, opts)
             except join_async.AsyncStop as exc:
                 raise JoinError(str(exc)) from None
-        return _rounds(c, opts)
+        else:
+            summaries = _rounds(c, opts)
+    except BaseException:
+        c.trainer.discard_variants()
+        raise
     finally:
         channel.close()
+    c.trainer.distil_variants()  # --keep-variant: after the last round, never between rounds
+    return summaries
 
 
 def _connect(opts: JoinOptions, config, user_examples: list[dict] | None,

@@ -2,7 +2,9 @@
 
 FastAPI with Jinja2 templates and inline SVG charts drawn in Python (charts.py): every asset is ours,
 nothing loads from a CDN, and the pages work without JavaScript. The page refreshes itself (a meta
-refresh) while a round is open or aggregating.
+refresh) while a round is open or aggregating. Every query parameter is bounded (422, never a database
+error); every response carries a strict CSP (no inline script or style), nosniff, no-referrer, no framing,
+and HSTS over TLS. No Swagger UI (it loads from a CDN): the schema is at /api/openapi.json.
 """
 
 from __future__ import annotations
@@ -21,15 +23,64 @@ from zoo_gym.dashboard.charts import line_chart
 
 HERE = Path(__file__).parent
 _CID = re.compile(r"^[0-9a-f]{32}$")
+MAX_ROUND_ID = 2**31 - 1  # PostgreSQL INTEGER: a larger bound is "integer out of range" there
+CSP = ("default-src 'none'; style-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+       "frame-ancestors 'none'")
+HEADERS = [(b"content-security-policy", CSP.encode()), (b"x-content-type-options", b"nosniff"),
+           (b"referrer-policy", b"no-referrer"), (b"x-frame-options", b"DENY")]
+HSTS = (b"strict-transport-security", b"max-age=31536000")
 
 
-def create_app(state, *, registry=None, dp_target_epsilon: float | None = None, refresh_seconds: int = 5) -> FastAPI:
-    """The dashboard over `state` (a ServerState; only read); /metrics serves `registry` when given."""
-    app = FastAPI(title="Zoo Gym federation", docs_url="/api/docs", redoc_url=None, openapi_url="/api/openapi.json")
+class SecurityHeaders:
+    """ASGI middleware: HEADERS on every HTTP response (errors included), HSTS when served over TLS."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        extra = HEADERS + [HSTS] if scope.get("scheme") == "https" else HEADERS
+
+        async def send_with_headers(message):
+            if message["type"] == "http.response.start":
+                names = {k.lower() for k, _ in message.get("headers", [])}
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  *(h for h in extra if h[0] not in names)]}
+            await send(message)
+
+        return await self.app(scope, receive, send_with_headers)
+
+
+def _templates() -> Jinja2Templates:
     templates = Jinja2Templates(directory=HERE / "templates")
     templates.env.filters["short"] = lambda s, n=12: (s or "")[:n]
     templates.env.filters["when"] = lambda t: time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t)) if t else "-"
     templates.env.filters["num"] = lambda x, fmt="{:.4f}": "-" if x is None else fmt.format(x)
+    return templates
+
+
+def _index_context(state, check, dp_target_epsilon: float | None, refresh_seconds: int) -> dict:
+    summary = {**queries.summary(state), "dp_target_epsilon": dp_target_epsilon}
+    loss = [(p["round"], p["heldout_loss"]) for p in queries.loss_series(state) if p["heldout_loss"] is not None]
+    eps = [(p["round"], p["epsilon_total"]) for p in queries.privacy_series(state)]
+    return {
+        "summary": summary, "rounds": queries.rounds(state, limit=50),
+        "loss_chart": line_chart(loss, chart_id="loss-chart", title="Held-out loss per round",
+                                 y_label="held-out loss"),
+        "privacy_chart": line_chart(eps, chart_id="privacy-chart", title="Privacy budget spent",
+                                    y_label="epsilon spent", limit=dp_target_epsilon,
+                                    limit_label=f"target {dp_target_epsilon}" if dp_target_epsilon else ""),
+        "leaderboard": queries.leaderboard(state, limit=50), "ledger": queries.ledger(state, limit=20),
+        "verification": check.report(), "checkpoints": queries.checkpoints(state, limit=20),
+        "refresh": refresh_seconds if summary["current_state"] in ("open", "aggregating") else None}
+
+
+def create_app(state, *, registry=None, dp_target_epsilon: float | None = None, refresh_seconds: int = 5) -> FastAPI:
+    """The dashboard over `state` (a ServerState; only read); /metrics serves `registry` when given."""
+    app = FastAPI(title="Zoo Gym federation", docs_url=None, redoc_url=None, openapi_url="/api/openapi.json")
+    app.add_middleware(SecurityHeaders)
+    templates = _templates()
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
     if registry is not None:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -53,7 +104,8 @@ def create_app(state, *, registry=None, dp_target_epsilon: float | None = None, 
         return {**queries.summary(state), "dp_target_epsilon": dp_target_epsilon}
 
     @app.get("/api/rounds")
-    def api_rounds(limit: int = Query(50, ge=1, le=1000), before: int | None = None) -> list[dict]:
+    def api_rounds(limit: int = Query(50, ge=1, le=1000),
+                   before: int | None = Query(None, ge=1, le=MAX_ROUND_ID)) -> list[dict]:
         """Rounds, newest first: state, deadline, submissions, accepted/refused with reasons, times."""
         return queries.rounds(state, limit=limit, before=before)
 
@@ -89,19 +141,8 @@ def create_app(state, *, registry=None, dp_target_epsilon: float | None = None, 
 
     @app.get("/", response_class=HTMLResponse)
     def index(request: Request):
-        summary = {**queries.summary(state), "dp_target_epsilon": dp_target_epsilon}
-        loss = [(p["round"], p["heldout_loss"]) for p in queries.loss_series(state) if p["heldout_loss"] is not None]
-        eps = [(p["round"], p["epsilon_total"]) for p in queries.privacy_series(state)]
-        return templates.TemplateResponse(request, "index.html", {
-            "summary": summary, "rounds": queries.rounds(state, limit=50),
-            "loss_chart": line_chart(loss, chart_id="loss-chart", title="Held-out loss per round",
-                                     y_label="held-out loss"),
-            "privacy_chart": line_chart(eps, chart_id="privacy-chart", title="Privacy budget spent",
-                                        y_label="epsilon spent", limit=dp_target_epsilon,
-                                        limit_label=f"target {dp_target_epsilon}" if dp_target_epsilon else ""),
-            "leaderboard": queries.leaderboard(state, limit=50), "ledger": queries.ledger(state, limit=20),
-            "verification": check.report(), "checkpoints": queries.checkpoints(state, limit=20),
-            "refresh": refresh_seconds if summary["current_state"] in ("open", "aggregating") else None})
+        return templates.TemplateResponse(request, "index.html",
+                                          _index_context(state, check, dp_target_epsilon, refresh_seconds))
 
     @app.get("/contributors/{contributor_id}", response_class=HTMLResponse)
     def contributor_page(request: Request, contributor_id: str):

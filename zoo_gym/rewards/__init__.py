@@ -5,26 +5,33 @@ losses as floats and callables from the server. Formulas: see each module's docs
 ``zoo_gym/rewards/README.md``.
 """
 
-from .acceptance import accept_by_quality, quality_threshold
-from .errors import (ConfigError, LedgerConflictError, LedgerError, RewardsError,
-                     RoundAlreadySettledError, ScoringInputError, SplitError)
-from .first_order import SlopeTap, directional_slopes, linear_losses, linear_shapley, streamed_slopes
-from .first_order_scoring import FirstOrderConfig, score_round_first_order
-from .gradient import BaseGradient, base_gradient
-from .entry_hash import GENESIS_HASH, canonical_entry_bytes, compute_entry_hash, signing_message
-from .ledger import (LEDGER_KINDS, Ledger, LedgerEntry, LedgerEntryBase, LedgerEntryPublic, NewEntry,
-                     create_ledger_tables)
-from .marginal import MarginalEstimate
-from .packed_batch import PackedBatch, pack_shared_prefix, packed_loss_sum, supports_packing
-from .packing import PackedScoringSet
-from .reputation import (Reputation, ReputationBase, ReputationBook, ReputationConfig,
-                         ReputationPublic, aggregation_weights, next_reputation)
-from .scoring import (ContributionDiagnostics, ContributionScore, RoundScoring, ScoringConfig,
-                      combine_scores, score_round, score_round_detailed)
-from .settle import (Payout, Settlement, SettlementConfig, SettlementPlan, plan_settlement,
-                     settle_round)
-from .split import split_pool
-from .verify import VerifyReport, load_public_key, verify_chain, verify_entries
+from __future__ import annotations
+
+import importlib
+
+# name -> the submodule that defines it, imported on first use (PEP 562): importing the package, or a
+# torch-free submodule of it (configs, errors), does not import torch
+_LAZY = {name: module for module, names in {
+    "acceptance": "accept_by_quality quality_threshold",
+    "errors": "ConfigError LedgerConflictError LedgerError RewardsError RoundAlreadySettledError "
+              "ScoringInputError SplitError",
+    "first_order": "SlopeTap directional_slopes linear_losses linear_shapley streamed_slopes",
+    "first_order_scoring": "FirstOrderConfig score_round_first_order",
+    "gradient": "BaseGradient base_gradient",
+    "entry_hash": "GENESIS_HASH canonical_entry_bytes compute_entry_hash signing_message",
+    "ledger": "LEDGER_KINDS Ledger LedgerEntry LedgerEntryBase LedgerEntryPublic NewEntry "
+              "create_ledger_tables",
+    "marginal": "MarginalEstimate",
+    "packed_batch": "PackedBatch pack_shared_prefix packed_loss_sum supports_packing",
+    "packing": "PackedScoringSet",
+    "reputation": "Reputation ReputationBase ReputationBook ReputationConfig ReputationPublic "
+                  "aggregation_weights next_reputation",
+    "scoring": "ContributionDiagnostics ContributionScore RoundScoring ScoringConfig combine_scores "
+               "score_round score_round_detailed",
+    "settle": "Payout Settlement SettlementConfig SettlementPlan plan_settlement settle_round",
+    "split": "split_pool",
+    "verify": "VerifyReport load_public_key verify_chain verify_entries",
+}.items() for name in names.split()}
 
 __all__ = [
     "BaseGradient", "FirstOrderConfig", "SlopeTap", "base_gradient", "combine_scores",
@@ -41,3 +48,15 @@ __all__ = [
     "quality_threshold", "score_round", "score_round_detailed", "settle_round",
     "signing_message", "split_pool", "verify_chain", "verify_entries",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

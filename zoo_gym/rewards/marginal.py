@@ -14,10 +14,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
 
 from .errors import ScoringInputError
+
+if TYPE_CHECKING:  # torch is imported where it is used: the configs load without it
+    import torch
 
 SubsetLoss = Callable[[frozenset[int]], float]
 
@@ -85,6 +88,8 @@ def gtg_shapley(players: Sequence[int], value: CachedValue, *, max_permutations:
                 truncation_tol: float, between_tol: float, convergence_tol: float,
                 generator: torch.Generator) -> MarginalEstimate | None:
     """GTG-Shapley estimate of ``phi_i``; None when not even one permutation fits the budget."""
+    import torch
+
     n = len(players)
     if n == 0:
         return MarginalEstimate(values={}, method="gtg_shapley", evaluations=0)

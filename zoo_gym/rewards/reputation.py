@@ -15,11 +15,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
 from sqlmodel import Field, Session, SQLModel, select
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported where it is used: the configs load without it
+    import torch
 
 
 @dataclass(frozen=True)
@@ -59,11 +62,14 @@ def next_reputation(previous: float | None, *, target: float | None,
 
 def aggregation_weights(contributors: Sequence[str], reputations: Mapping[str, float], *,
                         floor: float, cap: float, initial: float = 0.1,
-                        dtype: torch.dtype = torch.float64) -> torch.Tensor:
+                        dtype: torch.dtype | None = None) -> torch.Tensor:
     """Normalised aggregation weights ``(n,)`` from reputation, clamped to [floor, cap] first.
 
-    Contributors missing from ``reputations`` count as new identities (``initial``).
+    Contributors missing from ``reputations`` count as new identities (``initial``); dtype None: float64.
     """
+    import torch  # here: reading a ReputationConfig (gym-server status) does not import torch
+
+    dtype = torch.float64 if dtype is None else dtype
     if not 0.0 < floor <= cap:
         raise ConfigError(f"`floor` must be in (0, cap={cap}], got {floor}")
     if not contributors:

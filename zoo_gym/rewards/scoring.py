@@ -15,12 +15,13 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from .errors import ConfigError, ScoringInputError
 from .marginal import CachedValue, MarginalEstimate, SubsetLoss, gtg_shapley, leave_one_out
+
+if TYPE_CHECKING:  # torch is imported where it is used: the configs load without it
+    import torch
 
 
 class DiagnosticsLike(Protocol):
@@ -198,6 +199,8 @@ def score_round_detailed(contributors: Sequence[str], base_loss: float,
         if config.marginal == "leave_one_out":
             estimate = leave_one_out(players, value)
         else:
+            import torch
+
             gen = generator if generator is not None else torch.Generator().manual_seed(config.seed)
             estimate = gtg_shapley(players, value, max_permutations=config.max_permutations,
                                    truncation_tol=config.truncation_tol,

@@ -49,7 +49,9 @@ VALIDATION_HELP = ("Held-out examples the server evaluates every checkpoint on: 
 
 
 def _fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
+    from zoo_gym.server.logging_setup import announce
+
+    announce(f"error: {message}", level=logging.ERROR, event="error")  # a JSON line under --log-format json
     raise typer.Exit(2)
 
 
@@ -116,7 +118,7 @@ def serve(
     with _one_line_errors():
         file_values = read_config_file(config) if config else {}
         cfg = build_config(file_values, environ=os.environ, **settings_flags)
-        from zoo_gym.server.logging_setup import configure_logging
+        from zoo_gym.server.logging_setup import announce, configure_logging
 
         configure_logging(level=cfg.log_level, fmt=cfg.log_format)
     with _one_line_errors():
@@ -157,15 +159,15 @@ def serve(
     if port_file:
         with _one_line_errors():
             port_file.write_text(f"{bound}\n")
-    typer.echo(f"gym-server listening on {cfg.host}:{bound} (state {state_dir})", err=True)
+    announce(f"gym-server listening on {cfg.host}:{bound} (state {state_dir})", port=bound)
     if dashboard is not None:
         dashboard.start()
-        typer.echo(f"dashboard at {dashboard.url} (metrics at {dashboard.url}metrics)", err=True)
+        announce(f"dashboard at {dashboard.url} (metrics at {dashboard.url}metrics)", url=dashboard.url)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
-    typer.echo("gym-server stopping", err=True)
+    announce("gym-server stopping")
     if dashboard is not None:
         dashboard.stop()
     server.stop(grace=5).wait()

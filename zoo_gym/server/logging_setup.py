@@ -3,7 +3,9 @@
 Library chatter stays out: transformers' and huggingface_hub's progress bars ("Loading weights") are
 switched off, their warnings go through this handler like everything else. The server's own logger
 always produces its INFO records (the metrics time the publish phases from them); the handler's level
-decides what is printed.
+decides what is printed. With json, every line on stderr is one JSON object: the server's announcements
+(`announce`: listening, dashboard, stopping, a one-line error), Python warnings and uncaught exceptions
+included; uvicorn's ANSI `color_message` is dropped.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import json
 import logging
 import os
 import sys
+import threading
 from datetime import datetime, timezone
 
-_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "color_message"}  # uvicorn's ANSI
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_format = "text"  # as configure_logging chose: how `announce` writes
 
 
 class JsonFormatter(logging.Formatter):
@@ -46,8 +50,29 @@ def configure_logging(*, level: str = "INFO", fmt: str = "text") -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
+    global _format
+    _format = fmt
+    logging.captureWarnings(True)  # warnings.warn through the handler, not a bare line on stderr
+    if fmt == "json":
+        sys.excepthook = _log_uncaught
+        threading.excepthook = lambda a: _log_uncaught(a.exc_type, a.exc_value, a.exc_traceback)
     logging.getLogger("zoo_gym.server").setLevel(min(logging.INFO, logging.getLevelName(level)))
     quiet_libraries()
+
+
+def announce(message: str, *, level: int = logging.INFO, **fields) -> None:
+    """A line the operator always sees, whatever --log-level: plain text, or a JSON object with --log-format
+    json (logger zoo_gym.server, `event` "lifecycle" unless given)."""
+    if _format == "json":
+        record = logging.LogRecord("zoo_gym.server", level, __file__, 0, message, None, None)
+        record.__dict__.update({"event": "lifecycle", **fields})
+        message = JsonFormatter().format(record)
+    print(message, file=sys.stderr, flush=True)
+
+
+def _log_uncaught(exc_type, exc, tb) -> None:
+    if exc_type is not None and not issubclass(exc_type, SystemExit):
+        logging.getLogger("zoo_gym.server").critical("uncaught %s", exc_type.__name__, exc_info=(exc_type, exc, tb))
 
 
 def quiet_libraries() -> None:

@@ -1,9 +1,9 @@
 """Prometheus metrics and the operator's RPC log lines, without touching a handler.
 
 One `ServerMetrics` per server, each with its own `CollectorRegistry` (tests run many servers in one
-process), fed by `RpcInterceptor` (RPCs by method and status code, message bytes, submissions accepted
-and refused by status, and one INFO line per registration and per submission, a refusal with the reason
-the peer was given), `PhaseTimer` (a logging handler on the round manager's thread timing each publish
+process) holding the process_* and python_info series, fed by `RpcInterceptor` (RPCs and their latency by
+method and status code, message bytes, submissions accepted and refused by status, and one INFO line per
+registration and per submission, a refusal with the reason the peer was given), `PhaseTimer` (a logging handler on the round manager's thread timing each publish
 phase `publish.py` logs as `round N phase=X`) and `StateCollector` (a few cheap queries at scrape time:
 rounds published, the current round and its submissions, epsilon spent, the last held-out loss,
 registered contributors).
@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -26,6 +26,8 @@ log = logging.getLogger("zoo_gym.server")
 
 # seconds; a tiny model aggregates in well under a second, a 7B one in minutes
 _SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+# seconds of one RPC: a health check takes a millisecond, an upload of a 7B delta minutes
+_RPC_SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
 _PHASE = re.compile(r"^round (\d+) phase=(\S+)$")
 
 
@@ -35,7 +37,12 @@ class ServerMetrics:
     def __init__(self, state) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, fds
+        PlatformCollector(registry=r)  # python_info
         self.rpcs = Counter("zoo_gym_rpcs", "gRPC calls by method and status code", ["method", "code"], registry=r)
+        self.rpc_seconds = Histogram("zoo_gym_rpc_seconds", "Seconds from a gRPC call's start to its end "
+                                     "(its last response sent), by method and status code", ["method", "code"],
+                                     buckets=_RPC_SECONDS, registry=r)
         self.received = Counter("zoo_gym_received_bytes", "Bytes of request messages received", registry=r)
         self.sent = Counter("zoo_gym_sent_bytes", "Bytes of response messages sent", registry=r)
         self.accepted = Counter("zoo_gym_submissions_accepted", "Submissions stored", registry=r)
@@ -109,6 +116,7 @@ class _Call:
         self.method = method
         self.received = 0
         self.first = None  # the first request message (a SubmitDelta header)
+        self.started = time.perf_counter()
 
     def requests(self, iterator):
         for msg in iterator:
@@ -184,6 +192,7 @@ class RpcInterceptor(grpc.ServerInterceptor):
         m = self.metrics
         code = context.code() or (grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK)
         m.rpcs.labels(method=call.method, code=code.name).inc()
+        m.rpc_seconds.labels(method=call.method, code=code.name).observe(time.perf_counter() - call.started)
         m.received.inc(call.received)
         if response is not None:
             m.sent.inc(response.ByteSize())

@@ -15,14 +15,17 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-import torch
 from sqlmodel import select
 
 from zoo_gym.aggregation import SoupConfig
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.errors import FailedPrecondition
 from zoo_gym.server.store.models import Round, RoundInputs, RoundState, Submission
+
+if TYPE_CHECKING:  # torch is imported where used: `gym-server status` reads the mode without it
+    import torch
 
 
 
@@ -149,6 +152,8 @@ class StalenessScaled:
 
     def __init__(self, source, weights: list[float]) -> None:
         self._source = source
+        import torch
+
         self.contributors = source.contributors
         self._w = torch.tensor(weights, dtype=torch.float32)  # (n,)
 
@@ -245,6 +250,8 @@ class StalenessFlush:
         w = self.staleness.weights(contributors)
         if self.staleness.applied == "rows":
             return (source if all(x == 1.0 for x in w) else StalenessScaled(source, w)), weights
+        import torch
+
         wt = torch.tensor(w, dtype=torch.float64)
         return source, wt if weights is None else torch.as_tensor(weights, dtype=torch.float64) * wt
 

@@ -62,7 +62,10 @@ def target_metadata():
     import zoo_gym.server.store.models  # noqa: F401
 
     try:
-        import zoo_gym.rewards  # noqa: F401  (ledger and reputation tables)
+        from zoo_gym.rewards.ledger import LedgerEntry  # the ledger and reputation tables
+        from zoo_gym.rewards.reputation import Reputation
+
+        del LedgerEntry, Reputation
     except ImportError:
         pass
     return SQLModel.metadata
