@@ -74,16 +74,35 @@ def local_payload(arrays: ArrayRecord, *, partition: int, partitions: int, serve
     """The BitDelta payload one contributor sends: `gym_train.train` on its shard from `arrays`.
 
     Contributors with partition < byzantine-fraction x partitions send -boost x their delta (a boosted
-    sign flip). With `cache-dir`, the payload of identical inputs (base sha256, partition, round,
-    settings) is reused: training is deterministic, so the reply is the same bytes."""
+    sign flip; BitDelta of -b x is the flipped signs with b x the scales, so it is formed from the honest
+    payload). With `cache-dir`, the honest payload of identical inputs (base sha256, partition, round,
+    training settings) is reused: training is deterministic, so it is the same bytes."""
+    base_dir, sha = _model_dir(arrays)
+    train_keys = ("task", "steps", "batch-size", "learning-rate", "seed")
+    key = hashlib.sha256(repr((sha, partition, partitions, server_round,
+                               [settings[k] for k in train_keys])).encode()).hexdigest()
+    cached = pathlib.Path(settings["cache-dir"]) / f"{key}.bitdelta" if settings["cache-dir"] else None
+    if cached is not None and cached.exists():
+        payload = cached.read_bytes()
+    else:
+        payload = _honest_payload(base_dir, sha, partition=partition, partitions=partitions,
+                                  server_round=server_round, settings=settings)
+        if cached is not None:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(payload)
+            tmp.replace(cached)
+    if partition < float(settings["byzantine-fraction"]) * partitions:
+        boost = float(settings["byzantine-boost"])
+        payload = encode({k: -boost * v for k, v in decode(payload).items()}, codec="bitdelta")
+    return payload
+
+
+def _honest_payload(base_dir: pathlib.Path, sha: str, *, partition: int, partitions: int, server_round: int,
+                    settings: dict) -> bytes:
     from ..gym_train import TrainConfig, builtin_examples, train
     from ..gym_train.evaluate import dense_delta
 
-    base_dir, sha = _model_dir(arrays)
-    key = hashlib.sha256(repr((sha, partition, partitions, server_round, sorted(settings.items()))).encode())
-    cached = pathlib.Path(settings["cache-dir"]) / f"{key.hexdigest()}.bitdelta" if settings["cache-dir"] else None
-    if cached is not None and cached.exists():
-        return cached.read_bytes()
     steps, batch = int(settings["steps"]), int(settings["batch-size"])
     examples = builtin_examples(str(settings["task"]), shard=partition, n_shards=partitions,
                                 n=steps * batch, seed=server_round)
@@ -91,16 +110,7 @@ def local_payload(arrays: ArrayRecord, *, partition: int, partitions: int, serve
                      warmup_steps=0, merged_delta=True, seed=int(settings["seed"]))
     with contextlib.redirect_stdout(io.StringIO()):  # the trainer prints its log dicts
         result = train(base_dir, examples, tc, base_sha256=sha, eval_examples=[])
-    delta = {k: dense_delta(v).float() for k, v in result.delta.items()}
-    if partition < float(settings["byzantine-fraction"]) * partitions:
-        delta = {k: -float(settings["byzantine-boost"]) * v for k, v in delta.items()}
-    payload = encode(delta, codec="bitdelta")
-    if cached is not None:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(payload)
-        tmp.replace(cached)
-    return payload
+    return encode({k: dense_delta(v).float() for k, v in result.delta.items()}, codec="bitdelta")
 
 
 def _train(msg: Message, context: Context) -> Message:
