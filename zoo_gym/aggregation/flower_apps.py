@@ -39,7 +39,7 @@ from .flower import DeltaSoupStrategy
 
 # train-config keys the client reads (the server may override any of them per run)
 TRAIN_DEFAULTS = {"task": "default", "steps": 1, "batch-size": 4, "learning-rate": 1e-2, "seed": 0,
-                  "byzantine-fraction": 0.0, "byzantine-boost": 4.0, "cache-dir": ""}
+                  "byzantine-fraction": 0.0, "byzantine-boost": 4.0, "cache-dir": "", "data-shards": 100}
 
 
 def tiny_arrays() -> ArrayRecord:
@@ -73,12 +73,13 @@ def local_payload(arrays: ArrayRecord, *, partition: int, partitions: int, serve
                   settings: dict) -> bytes:
     """The BitDelta payload one contributor sends: `gym_train.train` on its shard from `arrays`.
 
-    Contributors with partition < byzantine-fraction x partitions send -boost x their delta (a boosted
+    Partition p owns data shard p mod `data-shards` (contributors sharing a shard draw their own
+    examples from it: the draw is seeded by round and partition). Contributors with partition < byzantine-fraction x partitions send -boost x their delta (a boosted
     sign flip; BitDelta of -b x is the flipped signs with b x the scales, so it is formed from the honest
     payload). With `cache-dir`, the honest payload of identical inputs (base sha256, partition, round,
     training settings) is reused: training is deterministic, so it is the same bytes."""
     base_dir, sha = _model_dir(arrays)
-    train_keys = ("task", "steps", "batch-size", "learning-rate", "seed")
+    train_keys = ("task", "steps", "batch-size", "learning-rate", "seed", "data-shards")
     key = hashlib.sha256(repr((sha, partition, partitions, server_round,
                                [settings[k] for k in train_keys])).encode()).hexdigest()
     cached = pathlib.Path(settings["cache-dir"]) / f"{key}.bitdelta" if settings["cache-dir"] else None
@@ -104,8 +105,9 @@ def _honest_payload(base_dir: pathlib.Path, sha: str, *, partition: int, partiti
     from ..gym_train.evaluate import dense_delta
 
     steps, batch = int(settings["steps"]), int(settings["batch-size"])
-    examples = builtin_examples(str(settings["task"]), shard=partition, n_shards=partitions,
-                                n=steps * batch, seed=server_round)
+    shards = min(partitions, int(settings["data-shards"]))  # the tasks hold enough prompts for ~100 shards
+    examples = builtin_examples(str(settings["task"]), shard=partition % shards, n_shards=shards, n=steps * batch,
+                                seed=server_round if shards == partitions else server_round * partitions + partition)
     tc = TrainConfig(method="lora", max_steps=steps, batch_size=batch, learning_rate=float(settings["learning-rate"]),
                      warmup_steps=0, merged_delta=True, seed=int(settings["seed"]))
     with contextlib.redirect_stdout(io.StringIO()):  # the trainer prints its log dicts
