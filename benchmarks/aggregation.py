@@ -27,6 +27,9 @@ page faults of fresh buffers included). On the tiny model a call takes 1-3 ms (o
 first few calls run with cold caches, so 10 calls are made there (`--repeats`) on both sides. Both sides get the same thread budget (`--threads`, all
 cores by default): torch's, OpenMP's and numpy's BLAS (Flower's norms and dot products use it).
 Distance error: each side's (n, n) matrix against a float64 reference of the decoded deltas.
+Dense case `dense2M_n10` (what the Flower apps hand DeltaSoup): 10 float32 rows of 2M (shared weights
+plus small deltas), the public `krum(rows, f=3)` / `multi_krum(rows, f=3, m=5)` against Flower's
+`aggregate_krum(results, 3, 0 / 5)` on the same rows; target >= 10x at distance error <= 1e-6.
 
     python benchmarks/aggregation.py [--quick] [--threads N] [--cases tiny_n10,...]
                                      [--out benchmarks/results/aggregation.json]

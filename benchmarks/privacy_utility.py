@@ -111,6 +111,13 @@ def targets(rows: list[dict], *, n: int, z: float) -> dict:
     return out
 
 
+def chosen_z(rows: list[dict], *, n: int, max_epsilon: float = 8.0) -> float:
+    """The smallest z of population n whose epsilon (PRV) is <= max_epsilon (else the largest z)."""
+    private = sorted({r["z"]: r["epsilon"]["prv"] for r in rows if r["n"] == n and r["z"] > 0}.items())
+    within = [z for z, eps in private if eps <= max_epsilon]
+    return within[0] if within else private[-1][0]
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -148,7 +155,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--clip", type=float, default=0.3, help="whole-delta L2 clip C (honest 2-step deltas: ~0.35)")
     ap.add_argument("--byzantine", type=float, default=0.2)
-    ap.add_argument("--target-z", type=float, default=1.0, help="z of the `targets` entry (largest N)")
+    ap.add_argument("--target-z", type=float, help="z of the `targets` entry (largest N); default: the "
+                    "smallest z whose epsilon is <= 8 (chosen from epsilon alone, not from the losses)")
     ap.add_argument("--val", type=int, default=64, help="held-out examples")
     ap.add_argument("--cpus", type=int, default=os.cpu_count() or 1, help="ray CPUs (one contributor each)")
     ap.add_argument("--ray-address", help="connect to a running ray cluster (e.g. auto) instead of a local one")
@@ -161,7 +169,8 @@ def main() -> None:
     rows = [row for n in ns for row in run_population(n, args, configurations(zs, args.byzantine))]
     report = {"protocol": __doc__.split("\n\n", 2)[2].strip(), "args": vars(args), "rows": rows,
               "wall_s": time.perf_counter() - t0, "cpu_count": os.cpu_count(),
-              "targets": targets(rows, n=max(ns), z=args.target_z)}
+              "targets": targets(rows, n=max(ns), z=args.target_z if args.target_z is not None
+                                 else chosen_z(rows, n=max(ns)))}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
