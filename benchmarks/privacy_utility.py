@@ -6,7 +6,7 @@ simulation engine (ray). Held-out loss of the tiny model against epsilon (delta 
     python benchmarks/privacy_utility.py --ray-address auto   # on a ray cluster (README: ray start --head / --address)
 
 Protocol (also in the JSON under "protocol"): N virtual contributors (`flower_apps.client_app`), contributor
-i owns shard i of the built-in task; each round every node is sampled with probability q (Poisson, the
+i owns shard i mod 100 of the built-in task (beyond 100, its own draws from that shard); each round every node is sampled with probability q (Poisson, the
 same draws for every configuration of one N: seed 0); a sampled contributor trains `--steps` LoRA steps of
 batch `--batch-size` (gym_train.train, merged dense delta) from the current global model and replies its
 BitDelta payload. The server (`SampledSoupStrategy`) runs DeltaSoup with the default rule (trimmed mean,
