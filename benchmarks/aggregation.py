@@ -27,6 +27,9 @@ page faults of fresh buffers included). On the tiny model a call takes 1-3 ms (o
 first few calls run with cold caches, so 10 calls are made there (`--repeats`) on both sides. Both sides get the same thread budget (`--threads`, all
 cores by default): torch's, OpenMP's and numpy's BLAS (Flower's norms and dot products use it).
 Distance error: each side's (n, n) matrix against a float64 reference of the decoded deltas.
+Dense case `dense2M_n10` (what the Flower apps hand DeltaSoup): 10 float32 rows of 2M (shared weights
+plus small deltas), the public `krum(rows, f=3)` / `multi_krum(rows, f=3, m=5)` against Flower's
+`aggregate_krum(results, 3, 0 / 5)` on the same rows; target >= 10x at distance error <= 1e-6.
 
     python benchmarks/aggregation.py [--quick] [--threads N] [--cases tiny_n10,...]
                                      [--out benchmarks/results/aggregation.json]
@@ -249,6 +252,8 @@ def worker(spec: dict) -> dict:
         out.update(seconds=min(runs), first_s=runs[0], runs_s=runs)
         out["distances"] = np.asarray(seen["d"]).tolist()
         out["chosen"] = sorted(contents.index(c) for c in sel)
+    elif kind.startswith("dense-"):
+        out.update(dense_worker(spec))
     elif kind == "reference":  # float64, decoded by the codec, centred Gram per row chunk
         d = torch.zeros((n, n), dtype=torch.float64)
         for t, s in enumerate(shapes):
@@ -264,6 +269,71 @@ def worker(spec: dict) -> dict:
         out["distances"] = d.tolist()
     out["peak_rss_mb"] = _rss_mb()
     return out
+
+
+DENSE_F, DENSE_M = 3, 5  # the dense case: multi_krum(rows, f=3, m=5) vs aggregate_krum(results, 3, 5)
+
+
+def dense_rows(n: int, d: int, seed: int) -> np.ndarray:
+    """(n, d) float32: shared weights plus small per-contributor deltas (full models, as Flower sends)."""
+    rng = np.random.default_rng(seed)
+    base = rng.standard_normal(d, dtype=np.float32)
+    return np.stack([base + 1e-2 * rng.standard_normal(d, dtype=np.float32) for _ in range(n)])
+
+
+def dense_worker(spec: dict) -> dict:
+    """One side of the dense case on the same rows: ours (public `multi_krum` / `krum`), Flower's
+    legacy `aggregate_krum`, or the float64 reference (differences summed per row pair)."""
+    import torch
+
+    n, d, kind, m, repeats = spec["n"], spec["d"], spec["kind"], spec.get("m", 1), spec.get("repeats", 1)
+    x = dense_rows(n, d, spec["seed"])
+    out: dict = {}
+    if kind == "dense-reference":
+        xd = torch.from_numpy(x).double()
+        out["distances"] = torch.stack([((xd[i] - xd) ** 2).sum(dim=1) for i in range(n)]).tolist()
+        return out
+    if kind == "dense-ours":
+        from zoo_gym.aggregation import krum, multi_krum, pairwise_sq_distances
+        from zoo_gym.aggregation.dense_kernels import warm_up
+
+        warm_up()  # load the compiled kernels (as gym-server does at start)
+        rows = torch.from_numpy(x)
+        call = (lambda: krum(rows, f=DENSE_F)) if m == 1 else (lambda: multi_krum(rows, f=DENSE_F, m=m))
+        out["distances"] = pairwise_sq_distances(rows).tolist()
+    else:
+        import flwr.server.strategy.aggregate as agg
+
+        results = [([x[i]], 1) for i in range(n)]
+        out["distances"] = np.asarray(agg._compute_distances([[x[i]] for i in range(n)])).tolist()
+        call = lambda: agg.aggregate_krum(results, DENSE_F, 0 if m == 1 else m)  # noqa: E731
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        runs.append(time.perf_counter() - t0)
+    out.update(seconds=min(runs), first_s=runs[0], runs_s=runs)
+    return out
+
+
+def dense_scenario(name: str, n: int, d: int, *, threads: int, repeats: int, seed: int = 0) -> dict:
+    """Dense float32 rows (what Flower apps hand DeltaSoup): ours vs Flower's `aggregate_krum`."""
+    base = {"n": n, "d": d, "seed": seed, "threads": threads, "repeats": repeats, "shapes": []}
+    ref = run_worker({**base, "kind": "dense-reference"})
+    res: dict = {"params": d, "n": n, "f": DENSE_F, "dense": True}
+    for rule, m in (("krum", 1), ("multi-krum", DENSE_M)):
+        ours = run_worker({**base, "kind": "dense-ours", "m": m})
+        fl = run_worker({**base, "kind": "dense-flower", "m": m})
+        if "error" in ours or "error" in fl:
+            res[rule] = {"error": (ours.get("error") or fl.get("error"))[-400:]}
+            continue
+        res[rule] = {"m": m, "ours_s": ours["seconds"], "ours_runs_s": ours["runs_s"],
+                     "flower_legacy_s": fl["seconds"], "flower_legacy_runs_s": fl["runs_s"],
+                     "speedup_vs_flower_legacy": fl["seconds"] / ours["seconds"],
+                     "first_call_speedup_vs_flower_legacy": fl["first_s"] / ours["first_s"],
+                     "ours_dist_rel_err": rel_err(ours["distances"], ref["distances"]),
+                     "flower_legacy_dist_rel_err": rel_err(fl["distances"], ref["distances"])}
+    return {name: res}
 
 
 def run_worker(spec: dict) -> dict:
@@ -346,6 +416,13 @@ def summary(report: dict) -> dict:
             continue
         for rule in ("krum", "multi-krum"):
             row = res.get(rule, {})
+            if res.get("dense"):  # dense target: >= 10x Flower's aggregate_krum at exact distances
+                if "speedup_vs_flower_legacy" in row:
+                    out[f"{case}/{rule}/flower_legacy"] = {
+                        "speedup": round(row["speedup_vs_flower_legacy"], 2),
+                        "first_call_speedup": round(row["first_call_speedup_vs_flower_legacy"], 2),
+                        "met": bool(row["speedup_vs_flower_legacy"] >= 10 and row["ours_dist_rel_err"] <= 1e-6)}
+                continue
             for key in ("flower_legacy", "flower_msg"):
                 if f"speedup_vs_{key}" not in row:
                     continue
@@ -389,7 +466,8 @@ def main() -> None:
     report: dict = {"f": F, "trim_beta": F_TRIM, "group_size": GROUP, "quick": args.quick,
                     "threads": args.threads, "cpu_count": os.cpu_count(), "ram_gb": round(_ram_gb(), 1),
                     "repeats": args.repeats, "big_repeats": args.big_repeats,
-                    "targets": {"speedup": ">= 30", "peak_ratio": "<= 0.125", "dist_rel_err": "<= 1e-6"}}
+                    "targets": {"speedup": ">= 30", "peak_ratio": "<= 0.125", "dist_rel_err": "<= 1e-6",
+                                "dense_speedup": ">= 10 (dense2M_n10: multi_krum(rows, f=3, m=5) vs aggregate_krum)"}}
     if args.quick:
         cases = [("tiny_n10", tiny, 10, True), ("synthetic4M_n10", [(2000, 2000)], 10, True)]
     else:
@@ -400,13 +478,17 @@ def main() -> None:
             flower30 = _ram_gb() >= 48
             cases += [("synthetic100M_n10", big, 10, True),
                       ("synthetic100M_n30" if flower30 else "synthetic100M_n30_ours_only", big, 30, flower30)]
+    dense = [("dense2M_n10", 10, 2_000_000)]
     if args.cases:
         keep = set(args.cases.split(","))
         cases = [c for c in cases if c[0] in keep]
+        dense = [c for c in dense if c[0] in keep]
     t0 = time.perf_counter()
     for name, shapes, n, flower in cases:
         repeats = args.big_repeats if sum(int(np.prod(s)) for s in shapes) > 10_000_000 else args.repeats
         report.update(scenario(name, shapes, n, flower=flower, threads=args.threads, repeats=repeats))
+    for name, n, d in dense:
+        report.update(dense_scenario(name, n, d, threads=args.threads, repeats=args.repeats))
     report["wall_s"] = time.perf_counter() - t0
     report["summary"] = summary(report)
     text = json.dumps(report, indent=1)

@@ -220,3 +220,33 @@ def test_build_names_the_contributor_and_tensor_whose_layout_differs():
     bad = dataclasses.replace(a, signs=a.signs.to(torch.int16))
     with pytest.raises(InvalidDeltaError, match=r"`models\[1\]\[0\].signs` must be uint8"):
         PackedModel.build([[a], [bad]])
+
+
+def test_dense_kernel_matches_differences_and_threads_do_not_matter():
+    # the compiled path (float32 and float64 rows, 1 or 2 threads, rows beyond a multiple of 4) equals
+    # the float64 difference reference to float64 rounding, and a NaN row is still named
+    g = torch.Generator().manual_seed(7)
+    for dtype in (torch.float32, torch.float64):
+        x = (torch.randn(7, 10_001, generator=g) * torch.logspace(-6, 6, 7)[:, None]).to(dtype)
+        ref = _reference(x)
+        off = ~torch.eye(7, dtype=torch.bool)
+        for threads in (1, 2):
+            got = pairwise_sq_distances(x, threads=threads)
+            assert float(((got - ref).abs() / ref)[off].max()) < 1e-12
+            assert torch.equal(got, got.T) and got.diagonal().tolist() == [0.0] * 7
+    x = torch.randn(4, 3000, generator=g)
+    x[2, 17] = float("nan")
+    with pytest.raises(InvalidDeltaError, match=r"rows \[2\]"):
+        pairwise_sq_distances(x)
+
+
+def test_combine_kernel_is_bit_identical_to_the_float64_row_loop():
+    # the compiled weighted row sum gives combine64's (torch, row by row in float64) very numbers
+    from zoo_gym.aggregation._checks import combine, combine64
+
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(6, 5003, generator=g) * torch.logspace(-3, 3, 6)[:, None]
+    for w in (torch.ones(6), torch.rand(6, generator=g), torch.tensor([0.0, 1.0, 0.0, 2.0, 3.0, 1e-9])):
+        assert torch.equal(combine(w, x), combine64(w, x).to(x.dtype))
+        assert torch.equal(combine(w, x[:, 3:4000]), combine64(w, x[:, 3:4000]).to(x.dtype))  # strided rows
+        assert torch.equal(combine(w, x.double(), total=7.0), combine64(w, x.double(), total=7.0))

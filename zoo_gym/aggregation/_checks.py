@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from . import dense_kernels
 from .errors import InvalidDeltaError
+from .packed_kernels import in_group_ranges
 
 
-def check_deltas(deltas: Tensor, *, name: str = "deltas") -> Tensor:
-    """Return `deltas` as a floating (n, d) tensor; refuse other shapes, empty or non-finite input."""
+def check_deltas(deltas: Tensor, *, name: str = "deltas", finite: bool = True) -> Tensor:
+    """Return `deltas` as a floating (n, d) tensor; refuse other shapes, empty or (`finite`, a pass over
+    the data) non-finite input. `finite=False` only where the caller detects NaN / inf itself."""
     if not isinstance(deltas, Tensor):
         raise InvalidDeltaError(f"`{name}` must be a torch.Tensor shaped (n, d), got {type(deltas)}")
     if deltas.dim() != 2:
@@ -19,7 +23,7 @@ def check_deltas(deltas: Tensor, *, name: str = "deltas") -> Tensor:
         raise InvalidDeltaError(f"`{name}` has no contributors (shape {tuple(deltas.shape)})")
     if not deltas.is_floating_point():
         raise InvalidDeltaError(f"`{name}` must be floating point, got {deltas.dtype}")
-    if not bool(torch.isfinite(deltas).all()):
+    if finite and not bool(torch.isfinite(deltas).all()):
         bad = (~torch.isfinite(deltas)).any(dim=1).nonzero().flatten().tolist()
         raise InvalidDeltaError(f"`{name}` rows {bad} contain NaN or inf; refuse those "
                                 "contributions before aggregating")
@@ -48,6 +52,7 @@ def check_weights(weights: Tensor | None, *, n: int) -> Tensor:
 
 # columns combined at a time by `combine`: its float64 buffers (8 MiB each) are reused
 _COMBINE_CHUNK = 1 << 20
+_MIN_TERMS_PER_THREAD = 1 << 20  # row-columns summed: below this a thread costs more than it saves
 
 
 def weighted_terms(weights: Tensor, *, total: float | None) -> tuple[list[tuple[int, float]], float]:
@@ -109,6 +114,17 @@ def combine(weights: Tensor, deltas: Tensor, *, total: float | None = None) -> T
     terms, denom = weighted_terms(weights, total=total)
     d = deltas.shape[1]
     out = torch.empty(d, dtype=deltas.dtype)
+    if len(terms) == 1 and terms[0][1] == 1.0 and denom == 1.0:  # one row as is (Krum): x in float64 / 1
+        return deltas[terms[0][0]].detach().clone()
+    if deltas.dtype in (torch.float32, torch.float64) and deltas.device.type == "cpu" and terms:
+        x = deltas.detach()
+        x = x if x.stride(1) == 1 else x.contiguous()
+        xs, o = x.numpy(), out.numpy()
+        rows = np.array([i for i, _ in terms], dtype=np.int64)
+        ws = np.array([wi for _, wi in terms], dtype=np.float64)
+        threads = min(torch.get_num_threads(), len(terms) * d // _MIN_TERMS_PER_THREAD)
+        in_group_ranges(lambda c0, c1: dense_kernels.weighted_rows(xs, rows, ws, denom, c0, c1, o), d, threads)
+        return out
     acc = torch.empty(min(d, _COMBINE_CHUNK), dtype=torch.float64)
     scratch = torch.empty_like(acc) if any(wi != 1.0 for _, wi in terms) else None
     for lo in range(0, d, _COMBINE_CHUNK):

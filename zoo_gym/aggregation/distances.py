@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import dense_kernels
 from ._checks import check_deltas
 from .errors import InvalidDeltaError
 from .packed_kernels import in_group_ranges, sq_distances
@@ -33,11 +34,37 @@ def _block(n: int) -> int:
     return max(1024, _BLOCK_ELEMENTS // max(n, 1))
 
 
-def pairwise_sq_distances(deltas: Tensor) -> Tensor:
+def pairwise_sq_distances(deltas: Tensor, *, threads: int | None = None) -> Tensor:
     """(n, n) float64 squared L2 distances between the rows of `deltas` (n, d); diagonal exactly 0,
     exactly symmetric. Summed from float64 differences (module docstring): exact for any finite
-    input up to float64 rounding of a sum of non-negative terms."""
-    deltas = check_deltas(deltas)
+    input up to float64 rounding of a sum of non-negative terms. float32 / float64 rows run through
+    a compiled kernel on `threads` column ranges (default `torch.get_num_threads()`); a non-finite
+    input makes a distance non-finite, so the input is checked from the result (no extra pass)."""
+    deltas = check_deltas(deltas, finite=False)
+    n, d = deltas.shape
+    if n == 1 or deltas.dtype not in (torch.float32, torch.float64) or deltas.device.type != "cpu":
+        return _torch_sq_distances(check_deltas(deltas))
+    x = deltas.detach().contiguous().numpy()
+    if threads is None:
+        threads = min(torch.get_num_threads(), n * (n - 1) // 2 * d // _MIN_WORD_PAIRS_PER_THREAD)
+    parts = in_group_ranges(lambda c0, c1: _dense_part(x, c0, c1), d, threads)
+    out = parts[0]
+    for part in parts[1:]:
+        out += part
+    if not np.isfinite(out).all():
+        check_deltas(deltas)  # names the rows holding NaN or inf
+    out += out.T
+    return torch.from_numpy(out)
+
+
+def _dense_part(x: np.ndarray, c0: int, c1: int) -> np.ndarray:
+    out = np.zeros((x.shape[0], x.shape[0]))
+    dense_kernels.sq_distances(x, c0, c1, out)
+    return out
+
+
+def _torch_sq_distances(deltas: Tensor) -> Tensor:
+    """`pairwise_sq_distances` for other dtypes: float64 differences column block by column block."""
     n, d = deltas.shape
     out = torch.zeros((n, n), dtype=torch.float64)
     step = _block(n)

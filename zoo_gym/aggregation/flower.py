@@ -3,8 +3,8 @@
 Flower clients send back full model arrays; the strategy turns each reply into a delta against
 the arrays it sent out, runs `DeltaSoup` (validate -> clip -> robust aggregate -> DP noise) and
 publishes `global + aggregate`. Weights are never taken from the clients' `num-examples`
-(kept only for metric averaging). This is the only module of zoo_gym that imports flwr (the
-`flower` extra). Use it in a ServerApp: `DeltaSoupStrategy(SoupConfig(...)).start(grid=..., ...)`.
+(kept only for metric averaging). It and `flower_apps` are the only modules of zoo_gym that
+import flwr (the `flower` extra). Use it in a ServerApp: `DeltaSoupStrategy(SoupConfig(...)).start(grid=..., ...)`.
 """
 
 from __future__ import annotations
@@ -59,20 +59,21 @@ class DeltaSoupStrategy(FedAvg):
         self._seen_nodes = len(list(grid.get_node_ids()))
         return super().configure_train(server_round, arrays, config, grid)
 
+    def reply_delta(self, msg: Message, base: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """One reply's delta (name -> flat float32 tensor): its full arrays minus `base` (override
+        for replies that carry the delta itself, e.g. `flower_apps`' BitDelta payloads)."""
+        record = next(iter(msg.content.array_records.values()))
+        return {k: torch.from_numpy(np.asarray(v.numpy(), dtype=np.float32)
+                                    - base[k].astype(np.float32)).reshape(-1) for k, v in record.items()}
+
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         valid, _ = self._check_and_log_replies(replies, is_train=True)
         if not valid or self._current is None:
             return None, None
         base = self._current
-        ids, deltas = [], []
-        for msg in valid:
-            record = next(iter(msg.content.array_records.values()))
-            ids.append(str(msg.metadata.src_node_id))
-            deltas.append({k: torch.from_numpy(np.asarray(v.numpy(), dtype=np.float32)
-                                               - base[k].astype(np.float32)).reshape(-1)
-                           for k, v in record.items()})
-        source = DictDeltaSource(ids, deltas)
+        ids = [str(msg.metadata.src_node_id) for msg in valid]
+        source = DictDeltaSource(ids, [self.reply_delta(msg, base) for msg in valid])
         out: dict[str, torch.Tensor] = {}
         try:
             report = self.soup.run(source, lambda name, t: out.__setitem__(name, t),
@@ -85,9 +86,9 @@ class DeltaSoupStrategy(FedAvg):
             self.refused_rounds[server_round] = str(exc)
             return None, MetricRecord({"soup-refused-round": 1})
         self.reports.append(report)
-        new = ArrayRecord({k: Array((base[k].astype(np.float32)
-                                     + out[k].numpy().reshape(base[k].shape)).astype(base[k].dtype))
-                           for k in base})
+        new = ArrayRecord({k: Array((base[k].astype(np.float32) + out[k].numpy().reshape(base[k].shape)
+                                     ).astype(base[k].dtype)) if k in out else Array(base[k])
+                           for k in base})  # tensors no delta names (e.g. LoRA's untouched ones) stay
         metrics = MetricRecord({"soup-accepted": report.n_accepted,
                                 "soup-refused": len(report.contributors) - report.n_accepted,
                                 "soup-noise-std": float(report.noise_std)})

@@ -137,7 +137,7 @@ def multi_krum(deltas: Tensor, *, f: int, m: int | None = None, weights: Tensor 
                distances: Tensor | None = None) -> AggregateResult:
     """Average of the m best-scoring deltas (n, d) -> (d,). `distances` (n, n) overrides the
     distances computed from `deltas` (pass whole-model distances when streaming)."""
-    deltas = check_deltas(deltas)
+    deltas = check_deltas(deltas, finite=distances is not None)  # else: the distances check the values
     n = deltas.shape[0]
     dist = pairwise_sq_distances(deltas) if distances is None else distances
     if m is not None and not 1 <= m <= n:
