@@ -8,11 +8,11 @@ a step around any of them (`DifferentialPrivacy`). The Flower adapter lives in `
 
 from __future__ import annotations
 
-import importlib
+from zoo_gym.lazy_exports import lazy_exports
 
-# name -> the submodule that defines it, imported on first use (PEP 562): importing the package, or a
+# submodule -> the names it defines, imported on first use (PEP 562, zoo_gym/lazy_exports.py): importing the package, or a
 # torch-free submodule of it (configs, errors), does not import torch
-_LAZY = {name: module for module, names in {
+_LAZY = {
     "bulyan": "bulyan bulyan_select",
     "centered_clip": "centered_clip",
     "clipping": "clip_factors",
@@ -33,7 +33,7 @@ _LAZY = {name: module for module, names in {
              "create_rule",
     "soup": "ContributorReport DeltaSoup DeltaSource SoupReport",
     "trimmed_mean": "trimmed_mean",
-}.items() for name in names.split()}
+}
 
 __all__ = [
     "AGGREGATORS", "RULES", "AggregateResult", "AggregationError", "Bulyan", "CenteredClip",
@@ -48,14 +48,4 @@ __all__ = [
     "pairwise_sq_distances", "trimmed_mean",
 ]
 
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)

@@ -24,6 +24,20 @@ class TrainResult:
     metadata: dict = field(default_factory=dict)
 
 
+def round_metadata(config: TrainConfig, delta: dict, *, base_sha256: str, **measured) -> dict:
+    """What every round reports: how it trained (stage, type, LoRA shape), the base, the seed, the delta's
+    form, no DP unless ``measured`` says otherwise, then the stage's own ``measured`` figures."""
+    meta = {**config.identity(), "epsilon": None, "dp_delta": None, "base_sha256": base_sha256,
+            "seed": config.seed,
+            "delta_format": "dense" if isinstance(next(iter(delta.values())), torch.Tensor) else "lora_factors"}
+    if config.finetuning_type == "lora":
+        meta.update(lora_r=config.lora_r, lora_alpha=config.lora_alpha, use_dora=config.use_dora,
+                    use_rslora=config.use_rslora, init_lora_weights=config.init_lora_weights,
+                    quantization=config.quantization)
+    meta.update(measured)
+    return meta
+
+
 def quiet_libraries(progress: bool) -> None:
     """Hide library deprecation notices; without progress, also transformers' and datasets' logs and bars."""
     import warnings

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .common import TrainResult, quiet_libraries, split_heldout
+from .common import TrainResult, quiet_libraries, round_metadata, split_heldout
 from .config import TrainConfig
 from .delta import load_base_state
 from .finetuning import delta_of, prepare
@@ -126,8 +126,7 @@ def train_dp(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_
     model.eval()
     loss_after = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
     delta = delta_of(model, config, base_state, names, initial=initial)
-    meta = {
-        **config.identity(),
+    meta = round_metadata(config, delta, base_sha256=base_sha256, **{
         "steps": steps,
         "examples_seen": examples_seen,
         "tokens_seen": tokens_seen,
@@ -142,8 +141,5 @@ def train_dp(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_
         "dp_sample_rate": sample_rate,
         "dp_accountant": "rdp",
         "dp_unit": "example",
-        "base_sha256": base_sha256,
-        "seed": config.seed,
-        "delta_format": "dense" if isinstance(next(iter(delta.values())), torch.Tensor) else "lora_factors",
-    }
+    })
     return TrainResult(delta=delta, base_sha256=base_sha256, metadata=meta)

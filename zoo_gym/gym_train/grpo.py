@@ -20,12 +20,12 @@ import torch
 
 from .chat import prompt_messages, render_prompt_with
 from .common import (TrainResult, common_training_args, load_training_model, quiet_libraries, quiet_trainer,
-                     split_heldout)
+                     round_metadata, split_heldout)
 from .config import TrainConfig, reward_weight_values
 from .delta import load_base_state
+from .evaluate import Evaluator, load_tokenizer
 from .finetuning import delta_of, prepare
 from .optimizers import trainer_optimizers
-from .evaluate import Evaluator, load_tokenizer
 from .rewards_loader import check_reward_funcs, reward_kwargs
 
 _INT = re.compile(r"-?\d+")
@@ -154,8 +154,7 @@ def train_grpo(base_dir, examples, config: TrainConfig, *, base_sha256: str, eva
 
     delta = delta_of(model, config, base_state, names, initial=initial)
     steps = int(trainer.state.global_step)
-    meta = {
-        **config.identity(),
+    meta = round_metadata(config, delta, base_sha256=base_sha256, **{
         "steps": steps,
         "examples_seen": steps * config.batch_size,  # completions scored
         "prompts_seen": steps * config.batch_size // config.num_generations,
@@ -173,10 +172,5 @@ def train_grpo(base_dir, examples, config: TrainConfig, *, base_sha256: str, eva
         "loss_type": rl_loss_type(config),
         "importance_sampling_level": None if config.stage == "rloo" else config.importance_sampling_level,
         "heldout_examples": len(held),
-        "epsilon": None,
-        "dp_delta": None,
-        "base_sha256": base_sha256,
-        "seed": config.seed,
-        "delta_format": "dense" if isinstance(next(iter(delta.values())), torch.Tensor) else "lora_factors",
-    }
+    })
     return TrainResult(delta=delta, base_sha256=base_sha256, metadata=meta)

@@ -12,18 +12,16 @@ import pathlib
 import tempfile
 import time
 
-import torch
-
 from .chat import prompt_messages
 from .common import (TrainResult, common_training_args, load_training_model, quiet_libraries, quiet_trainer,
-                     split_heldout)
+                     round_metadata, split_heldout)
 from .config import PREFERENCE_STAGES, RL_STAGES, TrainConfig
 from .delta import load_base_state
+from .evaluate import Evaluator, load_tokenizer
 from .finetuning import delta_of, prepare
 from .formats import check_stage_data
-from .optimizers import trainer_optimizers
-from .evaluate import Evaluator, load_tokenizer
 from .hardware import check_hardware
+from .optimizers import trainer_optimizers
 
 
 def is_plain_text(examples: list[dict]) -> bool:
@@ -148,8 +146,7 @@ def _train_sft(base_dir, examples, config: TrainConfig, *, base_sha256: str, eva
     delta = delta_of(model, config, base_state, names, initial=initial)
 
     steps = int(trainer.state.global_step)
-    meta = {
-        **config.identity(),
+    meta = round_metadata(config, delta, base_sha256=base_sha256, **{
         "steps": steps,
         "examples_seen": steps * config.batch_size * config.gradient_accumulation_steps,
         "tokens_seen": int(trainer.state.num_input_tokens_seen),
@@ -157,14 +154,5 @@ def _train_sft(base_dir, examples, config: TrainConfig, *, base_sha256: str, eva
         "loss_before": loss_before,
         "loss_after": loss_after,
         "heldout_examples": len(held) if held else 0,
-        "epsilon": None,
-        "dp_delta": None,
-        "base_sha256": base_sha256,
-        "seed": config.seed,
-        "delta_format": "dense" if isinstance(next(iter(delta.values())), torch.Tensor) else "lora_factors",
-    }
-    if config.finetuning_type == "lora":
-        meta.update(lora_r=config.lora_r, lora_alpha=config.lora_alpha, use_dora=config.use_dora,
-                    use_rslora=config.use_rslora, init_lora_weights=config.init_lora_weights,
-                    quantization=config.quantization)
+    })
     return TrainResult(delta=delta, base_sha256=base_sha256, metadata=meta)

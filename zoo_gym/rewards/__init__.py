@@ -7,11 +7,11 @@ losses as floats and callables from the server. Formulas: see each module's docs
 
 from __future__ import annotations
 
-import importlib
+from zoo_gym.lazy_exports import lazy_exports
 
-# name -> the submodule that defines it, imported on first use (PEP 562): importing the package, or a
+# submodule -> the names it defines, imported on first use (PEP 562, zoo_gym/lazy_exports.py): importing the package, or a
 # torch-free submodule of it (configs, errors), does not import torch
-_LAZY = {name: module for module, names in {
+_LAZY = {
     "acceptance": "accept_by_quality quality_threshold",
     "errors": "ConfigError LedgerConflictError LedgerError RewardsError RoundAlreadySettledError "
               "ScoringInputError SplitError",
@@ -31,7 +31,7 @@ _LAZY = {name: module for module, names in {
     "settle": "Payout Settlement SettlementConfig SettlementPlan plan_settlement settle_round",
     "split": "split_pool",
     "verify": "VerifyReport load_public_key verify_chain verify_entries",
-}.items() for name in names.split()}
+}
 
 __all__ = [
     "BaseGradient", "FirstOrderConfig", "SlopeTap", "base_gradient", "combine_scores",
@@ -49,14 +49,4 @@ __all__ = [
     "signing_message", "split_pool", "verify_chain", "verify_entries",
 ]
 
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)
