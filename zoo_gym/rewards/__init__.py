@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from zoo_gym.lazy_exports import lazy_exports
 
-# submodule -> the names it defines, imported on first use (PEP 562, zoo_gym/lazy_exports.py): importing the package, or a
-# torch-free submodule of it (configs, errors), does not import torch
+# submodule -> the names it defines, imported on first use (zoo_gym/lazy_exports.py): importing the
+# package, or a torch-free submodule of it (configs, errors), does not import torch
 _LAZY = {
     "acceptance": "accept_by_quality quality_threshold",
     "errors": "ConfigError LedgerConflictError LedgerError RewardsError RoundAlreadySettledError "
