@@ -90,6 +90,16 @@ def test_a_child_that_dies_is_reported_in_one_line():
 
 
 def test_ctrl_c_stops_the_child():
+    # Python's own Ctrl-C handler, whatever this process inherited (a job started with `&` from a
+    # non-interactive shell ignores SIGINT, and Python then leaves it ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_stops_the_child()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _ctrl_c_stops_the_child():
     me = psutil.Process()
     stopped = []
 
