@@ -65,6 +65,13 @@ LEARNING_RATE = {"lora": 5e-3, "full": 5e-4, "freeze": 5e-4, "oft": 5e-3}
 
 
 def _rss_mb() -> float:
+    """This process's peak RSS (VmHWM: reset by exec, unlike ru_maxrss, which keeps the parent's at fork)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
