@@ -114,7 +114,9 @@ def test_full_round_then_export(tmp_path, family, template, pad):
     ids = torch.tensor([tok("### Instruction:\n1+1", add_special_tokens=False)["input_ids"]])
     assert torch.isfinite(model(input_ids=ids).logits).all()
     card = (out / "README.md").read_text()
-    assert card.startswith("---\nbase_model: \"base\"\nlibrary_name: transformers\ntags:\n")
+    # Hub metadata: a local base is no Hub id, so no base_model; nothing of the operator's paths
+    assert card.startswith("---\n") and "library_name: transformers" in card and "base_model" not in card.split("---")[1]
+    assert "pipeline_tag: text-generation" in card and str(tmp_path) not in card
     assert f"{ckpt.heldout_loss:.4f}" in card and f"{genesis.heldout_loss:.4f}" in card
     assert "rounds: 1; contributors: 2" in card
     assert json.loads((out / archive.LINEAGE).read_text())["round"] == 1
