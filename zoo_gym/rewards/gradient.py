@@ -153,6 +153,14 @@ def _by_name(store: dict[int, Tensor] | SpilledTensors,
     return {k: store[id(p)] for k, p in params.items()}
 
 
+def _budget(model: torch.nn.Module, budget: int | None | str, *, streamed: bool) -> int | None:
+    """Bytes of saved activations before layers are checkpointed: "auto" is a quarter of the parameters'
+    bytes, or none for a streamed model (it checkpoints every layer itself)."""
+    if budget != "auto":
+        return budget
+    return None if streamed else sum(p.numel() * p.element_size() for p in model.parameters()) // 4
+
+
 def base_gradient(model: torch.nn.Module,
                   batches: Iterable[tuple[Tensor, Tensor, Tensor] | PackedBatch], *,
                   rows_per_backward: int | None = None, spill_dir: str | Path | None = None,
@@ -184,10 +192,7 @@ def base_gradient(model: torch.nn.Module,
     params = dict(model.named_parameters(remove_duplicate=False))
     parts, tokens, examples = _backward_parts(batches, rows_per_backward)
     stream = stream_of(model)
-    if activation_budget == "auto" and stream is not None:
-        activation_budget = None  # a streamed model checkpoints every layer itself
-    if activation_budget == "auto":
-        activation_budget = sum(p.numel() * p.element_size() for p in model.parameters()) // 4
+    activation_budget = _budget(model, activation_budget, streamed=stream is not None)
     store: dict[int, Tensor] | SpilledTensors = SpilledTensors(spill_dir) if spill_dir is not None else {}
     sq = torch.zeros((), dtype=torch.float64)  # ||g||^2, summed as the gradients are taken
 
