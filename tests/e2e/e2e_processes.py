@@ -18,14 +18,15 @@ def server_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "zoo_gym.server", *args]
 
 
-def client(root: Path, name: str, port: int, *, rounds: int, steps: int | str, shard: int) -> subprocess.Popen:
-    """A contributor over TLS: it trusts the federation's private CA (root/tls/ca.pem)."""
+def client(root: Path, name: str, port: int, *, rounds: int, steps: int | str, shard: int,
+           extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    """A contributor over TLS: it trusts the federation's private CA (root/tls/ca.pem); `extra`: more flags."""
     work = root / name
     work.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "zoo_gym.client", "join", "--server", f"127.0.0.1:{port}",
            "--root-certificates", str(root / "tls" / "ca.pem"), "--rounds", str(rounds),
            "--shard", str(shard), "--n-shards", "8", "--workdir", str(work), "--key", str(work / "key.pem"),
-           "--max-steps", str(steps), "--threads", "1", "--quiet", "--json", "--name", name]
+           "--max-steps", str(steps), "--threads", "1", "--quiet", "--json", "--name", name, *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(work / "client.log", "w"), env=ENV, text=True)
 
 
