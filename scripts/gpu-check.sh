@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The GPU check of issue 32, run on a GPU machine from the repository root (README, "GPU check"):
+# installs the carried wheels (.whl/, from scripts/gpu-wheels.sh) into $SITE, runs the GPU suite
+# (pytest -m gpu tests/gpu) and the serving benchmark (benchmarks/serving_gpu.py), and writes
+# $OUT/gpu-<kind>.json (device, tests {passed, failed, skipped}, figures; scripts/gpu_report.py), a copy in
+# $RESULTS (benchmarks/results/), the junit XML, the benchmark's JSON and the log. Fits in 8 minutes: the suite is
+# stopped at SUITE_S seconds, the benchmark at BENCH_S. Without a GPU every test skips and the record
+# says device "cpu" (the benchmark is skipped). Usage: scripts/gpu-check.sh [KIND]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+OUT="${OUT:-bench-out/gpu-check}"
+WHEELS="${WHEELS:-.whl}"
+SITE="${SITE:-/tmp/site}"
+SUITE_S="${SUITE_S:-300}"
+BENCH_S="${BENCH_S:-120}"
+RESULTS="${RESULTS:-benchmarks/results}"
+mkdir -p "$OUT" "$RESULTS"
+log="$OUT/gpu-check.log"
+exec > >(tee "$log") 2>&1
+
+gpu_name="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+case "${1:-$gpu_name}" in
+  nvidia-*|cpu) kind="$1" ;;
+  *H200*) kind=nvidia-h200 ;;
+  *H100*) kind=nvidia-h100-x1 ;;
+  "") kind=cpu ;;
+  *) kind="gpu-$(echo "$gpu_name" | tr -c 'A-Za-z0-9\n' '-')" ;;
+esac
+echo "gpu-check: kind $kind, card '${gpu_name:-none}', $(date -u +%FT%TZ)"
+
+install_wheels() {  # install_wheels DIR TARGET: every wheel of DIR, no index, no dependency resolution
+  local dir="$1" target="$2"
+  compgen -G "$dir/*.whl" >/dev/null || { echo "no wheels in $dir: using what is installed"; return 0; }
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$dir"/*.whl
+}
+[[ "${GPU_CHECK_INSTALL_ONLY:-}" == 1 ]] && { install_wheels "$WHEELS" "$SITE"; exit $?; }
+
+t0=$SECONDS
+install_wheels "$WHEELS" "$SITE" || { echo "gpu-check: installing the wheels failed"; exit 2; }
+# the repository first: opacus' wheel carries a top-level `benchmarks` package
+export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+install_s=$((SECONDS - t0))
+"$PY" -c "import zoo_gym.server.cli, zoo_gym.client.cli, zoo_gym.gym_train, trl, opacus, bitsandbytes, triton" ||
+  echo "gpu-check: an import failed (above); the suite will say which tests it stops"
+
+t1=$SECONDS
+timeout -s INT -k 20 "$SUITE_S" "$PY" -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider -o timeout=240 \
+  --junitxml "$OUT/gpu-junit.xml"
+suite_rc=$?
+suite_s=$((SECONDS - t1))
+
+t2=$SECONDS
+bench=()
+if [[ "$kind" != cpu ]]; then
+  timeout -s INT -k 10 "$BENCH_S" "$PY" benchmarks/serving_gpu.py --size 0.6b --out "$OUT/serving-gpu.json"
+  bench=(--bench "$OUT/serving-gpu.json")
+fi
+bench_s=$((SECONDS - t2))
+
+"$PY" scripts/gpu_report.py --kind "$kind" --junit "$OUT/gpu-junit.xml" "${bench[@]}" \
+  --extra "suite_exit=$suite_rc" --extra "install_seconds=$install_s" --extra "suite_seconds=$suite_s" \
+  --extra "bench_seconds=$bench_s" --out "$OUT/gpu-$kind.json"
+cp "$OUT/gpu-$kind.json" "$RESULTS/"
+echo "gpu-check: wrote $OUT/gpu-$kind.json in $((SECONDS - t0)) s"
