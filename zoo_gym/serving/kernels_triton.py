@@ -10,6 +10,9 @@ Design and references: docs/design/serving.md.
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -55,6 +58,26 @@ def _delta_add_kernel(x_ptr, y_ptr, tok_ptr, tok_start_ptr, sign_addr_ptr, scale
         tl.store(yp, (y + acc).to(y_ptr.dtype.element_ty), mask=my)
 
 
+@functools.lru_cache(maxsize=64)
+def _routing(variant_of_row: bytes, per_row: int, device: torch.device) -> tuple[list[int], Tensor, Tensor, int]:
+    """(used variant slots, flat token rows grouped by slot, tok_start (n_used + 1,), most tokens of one slot)
+    for a batch's int64 slots (as bytes, -1 = base), the tensors on `device`: computed once per batch, as
+    every adapted linear of a forward asks with the same rows."""
+    vr = np.frombuffer(variant_of_row, dtype=np.int64)
+    used = sorted(set(vr[vr >= 0].tolist()))
+    toks = [(np.flatnonzero(vr == v)[:, None] * per_row + np.arange(per_row)).reshape(-1) for v in used]
+    counts = np.concatenate([[0], np.cumsum([t.size for t in toks])]).astype(np.int64)
+    tok = torch.from_numpy(np.concatenate(toks).astype(np.int64)).to(device)
+    return used, tok, torch.from_numpy(counts).to(device), int(max(t.size for t in toks))
+
+
+@functools.lru_cache(maxsize=1024)
+def _on_device(values: tuple[int, ...], device: torch.device) -> Tensor:
+    """int64 tensor of `values` on `device` (addresses, row counts): one host-to-device copy per distinct
+    table instead of one per call; a table of addresses is the same whichever tensor later lives there."""
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
 def triton_delta_add(y: Tensor, x: Tensor, signs: list[Tensor], scales: list[Tensor], group_size: int,
                      variant_of_row: Tensor) -> Tensor:
     """y (B, ..., out) += each row's variant delta of x (B, ..., in), in place on the GPU; returns y.
@@ -65,24 +88,16 @@ def triton_delta_add(y: Tensor, x: Tensor, signs: list[Tensor], scales: list[Ten
     x2 = x.reshape(-1, in_f).contiguous()
     y2 = y.view(-1, out_f)
     per_row = x2.shape[0] // x.shape[0]
-    used = sorted(set(variant_of_row[variant_of_row >= 0].tolist()))
-    toks, counts = [], [0]
-    for v in used:
-        rows = (variant_of_row == v).nonzero().squeeze(1)
-        t = (rows[:, None] * per_row + torch.arange(per_row)).reshape(-1)
-        toks.append(t)
-        counts.append(counts[-1] + t.numel())
     dev = x.device
+    used, tok, tok_start, max_tok = _routing(variant_of_row.to(torch.int64).contiguous().numpy().tobytes(),
+                                             per_row, dev)
     sg = [signs[v].contiguous() for v in used]  # held until the kernel is queued: read by address
     sc = [scales[v].to(torch.float32).contiguous() for v in used]
     n_groups = sc[0].shape[1]
     gs = group_size if n_groups > 1 else in_f + 8  # one group per row: every column in group 0
-    tok = torch.cat(toks).to(dev)
-    tok_start = torch.tensor(counts, dtype=torch.int64, device=dev)
-    sign_addr = torch.tensor([s.data_ptr() for s in sg], dtype=torch.int64, device=dev)
-    scale_addr = torch.tensor([c.data_ptr() for c in sc], dtype=torch.int64, device=dev)
-    scale_rows = torch.tensor([c.shape[0] for c in sc], dtype=torch.int64, device=dev)
-    max_tok = max(b - a for a, b in zip(counts, counts[1:]))
+    sign_addr = _on_device(tuple(s.data_ptr() for s in sg), dev)
+    scale_addr = _on_device(tuple(c.data_ptr() for c in sc), dev)
+    scale_rows = _on_device(tuple(c.shape[0] for c in sc), dev)
     grid = (len(used), triton.cdiv(out_f, BLOCK_N), triton.cdiv(max_tok, BLOCK_M))
     _delta_add_kernel[grid](x2, y2, tok, tok_start, sign_addr, scale_addr, scale_rows, out_f, in_f,
                             sg[0].shape[1], n_groups, gs, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
