@@ -46,14 +46,16 @@ install_s=$((SECONDS - t0))
   echo "gpu-check: an import failed (above); the suite will say which tests it stops"
 
 t1=$SECONDS
-timeout -s INT -k 20 "$SUITE_S" "$PY" -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider -o timeout=150 \
+# GPU_CHECK_TESTS narrows a rerun (pytest arguments, e.g. tests/gpu/test_serving_cuda.py); BENCH_S=0 skips the benchmark
+read -ra tests <<<"${GPU_CHECK_TESTS:-tests/gpu}"
+timeout -s INT -k 20 "$SUITE_S" "$PY" -m pytest -m gpu "${tests[@]}" -q -rs -p no:cacheprovider -o timeout=150 \
   --junitxml "$OUT/gpu-junit.xml"
 suite_rc=$?
 suite_s=$((SECONDS - t1))
 
 t2=$SECONDS
 bench=()
-if [[ "$kind" != cpu ]]; then
+if [[ "$kind" != cpu && "$BENCH_S" != 0 ]]; then
   timeout -s INT -k 10 "$BENCH_S" "$PY" benchmarks/serving_gpu.py --size 0.6b --out "$OUT/serving-gpu.json"
   bench=(--bench "$OUT/serving-gpu.json")
 fi

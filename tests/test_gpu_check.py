@@ -159,3 +159,17 @@ def test_cpu_inputs_take_the_cpu_kernel_without_importing_triton():
     out = subprocess.run([sys.executable, "-c", _DISPATCH], capture_output=True, text=True, check=True, env=env,
                          cwd=ROOT).stdout.split("\n")[-2]
     assert out == "(2, 1, 16) False False"
+
+
+_COLLECT = textwrap.dedent("""
+    import sys, pytest
+    rc = pytest.main(["--collect-only", "-q", "tests/gpu", "-p", "no:cacheprovider"])
+    print("LOADED", [m for m in ("triton", "bitsandbytes", "opacus", "trl", "peft", "transformers", "zoo_gym.server")
+                     if m in sys.modules], rc)
+""")
+
+
+def test_collecting_the_gpu_suite_imports_no_training_or_cuda_package():
+    out = subprocess.run([sys.executable, "-c", _COLLECT], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}).stdout
+    assert out.split("LOADED")[1].split() == ["[]", "0"], out[-2000:]
