@@ -31,7 +31,7 @@ def test_gpu_contributor_is_published_and_paid(tmp_path):
     try:
         port = wait_for(lambda: port_file.exists() and port_file.read_text().strip() and int(port_file.read_text()),
                         timeout=120, what="the server to listen", procs=[server])
-        gpu = client(root, "gpu", port, rounds=1, steps=20, shard=0, extra=("--device", "cuda", "--bf16"))
+        gpu = client(root, "gpu", port, rounds=1, steps=40, shard=0, extra=("--device", "cuda", "--bf16"))
         out, _ = gpu.communicate(timeout=600)
         assert gpu.returncode == 0, (root / "gpu" / "client.log").read_text()[-3000:]
         summary = json.loads(out)[0]

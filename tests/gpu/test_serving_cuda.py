@@ -56,7 +56,7 @@ def test_triton_kernel_equals_the_cpu_path_on_mixed_variants(out_f, in_f, tokens
     scale = cpu.float().abs().max().item()
     record_property(f"triton_vs_cpu_max_abs_diff_{out_f}x{in_f}x{tokens}", diff)
     assert diff <= 2 ** -7 * scale, (diff, scale)  # bf16 keeps 8 bits: one rounding of each output
-    torch.testing.assert_close(gpu.cpu()[rows < 0], cpu[rows < 0], rtol=2 ** -7, atol=1e-3)
+    torch.testing.assert_close(gpu.cpu()[rows < 0], cpu[rows < 0], rtol=2 ** -6, atol=1e-3)  # the base alone
 
 
 def test_kernel_time_against_the_base_matmul(record_property):
