@@ -14,6 +14,7 @@ import torch
 from .config import TrainConfig
 from .delta import capture_initial_factors
 from .evaluate import load_model
+from .hardware import torch_device
 from .optimizers import training_args as optimizer_training_args
 
 
@@ -102,7 +103,7 @@ def common_training_args(cfg: TrainConfig, output_dir: str, *, progress: bool) -
         logging_steps=cfg.logging_steps or max(1, cfg.max_steps // 10),
         save_strategy="no",
         report_to=cfg.report_to,  # tensorboard: $TENSORBOARD_LOGGING_DIR, else ./runs (set in train())
-        use_cpu=cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()),
+        use_cpu=torch_device(cfg).type == "cpu",
         bf16=cfg.bf16,
         fp16=cfg.fp16,
         seed=cfg.seed,

@@ -19,6 +19,7 @@ from .common import TrainResult, quiet_libraries, round_metadata, split_heldout
 from .config import TrainConfig
 from .delta import load_base_state
 from .finetuning import delta_of, prepare
+from .hardware import torch_device
 from .evaluate import Evaluator, collate, load_model, load_tokenizer, tokenize_examples
 
 
@@ -50,7 +51,7 @@ def _per_example_loss(model, ids, mask, labels) -> torch.Tensor:
 
 
 def _private_steps(dp_model, dp_opt, dp_loader, sched, engine, config: TrainConfig, *,
-                   progress: bool) -> tuple[int, int, int]:
+                   progress: bool, device: torch.device) -> tuple[int, int, int]:
     """``config.max_steps`` DP-SGD steps over the Poisson loader: (steps, examples seen, tokens seen)."""
     steps = examples_seen = tokens_seen = 0
     while steps < config.max_steps:
@@ -59,6 +60,7 @@ def _private_steps(dp_model, dp_opt, dp_loader, sched, engine, config: TrainConf
                 break
             dp_opt.zero_grad(set_to_none=True)
             if b_ids.shape[0] > 0:
+                b_ids, b_mask, b_labels = b_ids.to(device), b_mask.to(device), b_labels.to(device)
                 loss = _per_example_loss(dp_model, b_ids, b_mask, b_labels).mean()
                 loss.backward()
             dp_opt.step()  # an empty Poisson batch still adds noise and counts for the accountant
@@ -82,7 +84,8 @@ def train_dp(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_
     train_ex, held = split_heldout(examples, eval_examples)
     names, base_state = load_base_state(base_dir)
     tokenizer = load_tokenizer(base_dir)
-    model = load_model(base_dir, attn_implementation=config.attn_implementation or "eager")
+    device = torch_device(config)
+    model = load_model(base_dir, attn_implementation=config.attn_implementation or "eager").to(device)
     loss_before = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
 
     model, initial = prepare(model, config)
@@ -106,7 +109,7 @@ def train_dp(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
     engine = PrivacyEngine(accountant="rdp")
-    noise_gen = torch.Generator().manual_seed(config.seed + 1)
+    noise_gen = torch.Generator(device=device).manual_seed(config.seed + 1)  # opacus draws noise on the grads' device
     dp_model, dp_opt, dp_loader = engine.make_private(
         module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=noise,
         max_grad_norm=config.dp_max_grad_norm, poisson_sampling=True, grad_sample_mode="hooks",
@@ -118,7 +121,7 @@ def train_dp(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_
     )
     t0 = time.perf_counter()
     steps, examples_seen, tokens_seen = _private_steps(dp_model, dp_opt, dp_loader, sched, engine, config,
-                                                       progress=progress)
+                                                       progress=progress, device=device)
     seconds = time.perf_counter() - t0
     epsilon = float(engine.get_epsilon(config.dp_delta))
 

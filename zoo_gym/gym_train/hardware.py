@@ -11,6 +11,13 @@ from .errors import HardwareError
 from .qlora import check_qlora
 
 
+def torch_device(config) -> torch.device:
+    """The device a run trains on: the one named, or for 'auto' a CUDA GPU when present, else the CPU."""
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
 def check_flash_attention() -> None:
     if not torch.cuda.is_available():
         raise HardwareError(
