@@ -153,6 +153,26 @@ def test_signs_that_do_not_fit_the_weight_are_refused():
         bitdelta_linear(torch.randn(1, 1, 72), torch.randn(16, 72), None, signs, scales, gs, torch.tensor([0]))
 
 
+@pytest.mark.parametrize("change", ["signs_cols", "scale_rows", "groups", "codes_without_ref"])
+def test_a_packed_weight_that_does_not_fit_its_shape_is_refused_when_built(change):
+    """Layers call the kernels with prechecked=True: a variant's PackedWeight is where a misfit must stop."""
+    from zoo_gym.serving.variant import PackedWeight
+
+    _, signs, scales, gs = _variants(16, 256, 1, group_size=128)  # (16, 32) signs, (16, 2) scales
+    s, c, ref = signs[0], scales[0], None
+    if change == "signs_cols":
+        s = s[:, :16]
+    elif change == "scale_rows":
+        c = c[:3]
+    elif change == "groups":
+        c = torch.cat([c, c], dim=1)
+    else:
+        c = c.to(torch.uint8)
+    PackedWeight(shape=(16, 256), signs=signs[0], scales=scales[0], group_size=gs)  # the unchanged one fits
+    with pytest.raises(ValueError, match="do not fit"):
+        PackedWeight(shape=(16, 256), signs=s, scales=c, group_size=gs, scale_ref=ref)
+
+
 _PEAK_SCRIPT = textwrap.dedent("""
     import torch
     from zoo_gym.serving.kernels import bitdelta_linear, warm_up

@@ -70,14 +70,16 @@ class PackedLinear(_Patched):
         groups = self.ctx.groups(lambda v: wname in v.packed or (bname is not None and bname in v.dense))
         if not groups:
             return self.base(x)
-        # one kernel call per (group size, log8 codes or float32 scales): codes are never decoded here
-        by_size: dict[tuple[int, bool], list[tuple[Variant, Tensor]]] = {}
+        # one kernel call per (group size, groups per row, log8 codes or float32 scales): codes are never
+        # decoded here, and each PackedWeight checked itself when built (check_servable: its shape is this layer's)
+        by_size: dict[tuple[int, int, bool], list[tuple[Variant, Tensor]]] = {}
         for v, rows in groups:
             pw = v.packed.get(wname)
             if pw is not None:
-                by_size.setdefault((pw.group_size, pw.scale_ref is not None), []).append((v, rows))
+                key = (pw.group_size, pw.scales.shape[1], pw.scale_ref is not None)
+                by_size.setdefault(key, []).append((v, rows))
         y = None
-        for (gs, log8), members in by_size.items():
+        for (gs, _, log8), members in by_size.items():
             key = tuple(id(v) for v, _ in members)
             vr = self.ctx.memo.get(key)
             if vr is None:  # slot of each row among `members` (-1: none), built once per forward
@@ -90,10 +92,11 @@ class PackedLinear(_Patched):
             scales = [pw.scales for pw in pws]  # uint8 log8 codes (decoded inside the kernel) or float32
             refs = [pw.scale_ref for pw in pws] if log8 else None
             if y is None:
-                y = bitdelta_linear(x, self.base.weight, self.base.bias, signs, scales, gs, vr, scale_refs=refs)
+                y = bitdelta_linear(x, self.base.weight, self.base.bias, signs, scales, gs, vr, scale_refs=refs,
+                                    prechecked=True)
             else:  # a second group size or scale kind in one batch (rare): the delta part only
                 zero = self.base.weight.new_zeros(()).expand_as(self.base.weight)
-                y = y + bitdelta_linear(x, zero, None, signs, scales, gs, vr, scale_refs=refs)
+                y = y + bitdelta_linear(x, zero, None, signs, scales, gs, vr, scale_refs=refs, prechecked=True)
         if y is None:
             y = self.base(x)
         _add_bias(y, groups, bname)

@@ -183,14 +183,16 @@ def _route(variant_of_row: bytes, t_per_row: int) -> tuple:
 
 
 def bitdelta_linear(x: Tensor, weight: Tensor, bias: Tensor | None, signs: list[Tensor], scales: list[Tensor],
-                    group_size: int, variant_of_row: Tensor, *, scale_refs: list[float] | None = None) -> Tensor:
+                    group_size: int, variant_of_row: Tensor, *, scale_refs: list[float] | None = None,
+                    prechecked: bool = False) -> Tensor:
     """x (B, T, in), weight (out, in) -> (B, T, out); row b adds variant ``variant_of_row[b]``'s delta.
 
     ``signs[v]`` uint8 (out, ceil(in/8)) and ``scales[v]`` float32 (out or 1, n_groups) with groups of
     ``group_size`` inputs (a multiple of 8, or one group per row); ``variant_of_row`` int64 (B,), -1 for
     a row served by the base alone. With ``scale_refs``, ``scales[v]`` are uint8 log8 codes and
     ``scale_refs[v]`` their tensor's reference (see :func:`log8_scale_codes`). The delta is computed in
-    float32 and added to the base output in float32, then rounded once to x's dtype.
+    float32 and added to the base output in float32, then rounded once to x's dtype. ``prechecked``: the
+    caller vouches that every variant fits the weight with one group layout (PackedWeight checks itself).
     """
     y = torch.nn.functional.linear(x, weight, bias)  # (B, T, out)
     vr = variant_of_row.to("cpu", torch.long)
@@ -200,13 +202,13 @@ def bitdelta_linear(x: Tensor, weight: Tensor, bias: Tensor | None, signs: list[
     t_per_row = x[0].numel() // in_f  # tokens per batch row
     used, fast, tokens_np, tokens, tok_start, tiles = _route(vr.contiguous().numpy().tobytes(), t_per_row)
     refs = [scale_refs[v] if scale_refs else None for v in range(len(scales))]
-    _check_packed([signs[v] for v in used], [scales[v] for v in used], [refs[v] for v in used], out_f=out_f,
-                  in_f=in_f, group_size=group_size)
+    if not prechecked:
+        _check_packed([signs[v] for v in used], [scales[v] for v in used], [refs[v] for v in used], out_f=out_f,
+                      in_f=in_f, group_size=group_size)
     if x.is_cuda:
         from zoo_gym.serving.kernels_triton import triton_delta_add
 
-        sc = [_scales_f32(scales[v], refs[v]) if v in used else None for v in range(len(scales))]
-        return triton_delta_add(y, x, signs, sc, group_size, vr)
+        return triton_delta_add(y, x, signs, scales, group_size, vr, scale_refs=scale_refs)
     for v, rows in tiles:
         dv = _tile_delta(x.index_select(0, rows).to(torch.float32), signs[v], _scales_f32(scales[v], refs[v]),
                          out_f=out_f, in_f=in_f, group_size=group_size)

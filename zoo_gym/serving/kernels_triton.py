@@ -18,13 +18,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from zoo_gym.codec.logscale import LOG8_MULT
+
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
 
 
 @triton.jit
 def _delta_add_kernel(x_ptr, y_ptr, tok_ptr, tok_start_ptr, sign_addr_ptr, scale_addr_ptr, scale_rows_ptr,
-                      n_out, n_in, nbytes, n_groups, group_size,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      ref_ptr, lut_ptr, n_out, n_in, nbytes, n_groups, group_size,
+                      LOG8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     v = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -38,7 +40,11 @@ def _delta_add_kernel(x_ptr, y_ptr, tok_ptr, tok_start_ptr, sign_addr_ptr, scale
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < n_out
         signs = tl.load(sign_addr_ptr + v).to(tl.pointer_type(tl.uint8))
-        scales = tl.load(scale_addr_ptr + v).to(tl.pointer_type(tl.float32))
+        if LOG8:  # uint8 log8 codes: scale = float32(ref * LUT[code]), as the CPU path decodes them
+            codes = tl.load(scale_addr_ptr + v).to(tl.pointer_type(tl.uint8))
+            ref = tl.load(ref_ptr + v)
+        else:
+            scales = tl.load(scale_addr_ptr + v).to(tl.pointer_type(tl.float32))
         srow = tl.where(tl.load(scale_rows_ptr + v) > 1, offs_n, 0).to(tl.int64)  # (N,) one row: per tensor
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, n_in, BLOCK_K):
@@ -50,7 +56,11 @@ def _delta_add_kernel(x_ptr, y_ptr, tok_ptr, tok_start_ptr, sign_addr_ptr, scale
             byte = tl.load(signs + offs_n[None, :].to(tl.int64) * nbytes + (offs_k // 8)[:, None], mask=mk,
                            other=0).to(tl.int32)  # (K, N)
             bit = (byte >> (offs_k % 8)[:, None]) & 1
-            sc = tl.load(scales + srow[None, :] * n_groups + (offs_k // group_size)[:, None], mask=mk, other=0.0)
+            at = srow[None, :] * n_groups + (offs_k // group_size)[:, None]  # (K, N) scale index
+            if LOG8:
+                sc = ref * tl.load(lut_ptr + tl.load(codes + at, mask=mk, other=0).to(tl.int32))
+            else:
+                sc = tl.load(scales + at, mask=mk, other=0.0)
             acc += tl.dot(xt, tl.where(bit != 0, sc, -sc), input_precision="ieee")
         yp = y_ptr + toks[:, None] * n_out + offs_n[None, :]
         my = mask_m[:, None] & mask_n[None, :]
@@ -72,17 +82,24 @@ def _routing(variant_of_row: bytes, per_row: int, device: torch.device) -> tuple
 
 
 @functools.lru_cache(maxsize=1024)
-def _on_device(values: tuple[int, ...], device: torch.device) -> Tensor:
-    """int64 tensor of `values` on `device` (addresses, row counts): one host-to-device copy per distinct
-    table instead of one per call; a table of addresses is the same whichever tensor later lives there."""
-    return torch.tensor(values, dtype=torch.int64, device=device)
+def _on_device(values: tuple, device: torch.device, dtype: torch.dtype = torch.int64) -> Tensor:
+    """Tensor of `values` on `device` (addresses, row counts, log8 references): one host-to-device copy per
+    distinct table instead of one per call; a table of addresses is the same whichever tensor later lives there."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=8)
+def _log8_table(device: torch.device) -> Tensor:
+    """The codec's 256 log8 multipliers (float32) on `device`."""
+    return torch.from_numpy(LOG8_MULT).to(device=device, dtype=torch.float32)
 
 
 def triton_delta_add(y: Tensor, x: Tensor, signs: list[Tensor], scales: list[Tensor], group_size: int,
-                     variant_of_row: Tensor) -> Tensor:
+                     variant_of_row: Tensor, *, scale_refs: list[float] | None = None) -> Tensor:
     """y (B, ..., out) += each row's variant delta of x (B, ..., in), in place on the GPU; returns y.
 
-    ``variant_of_row`` int64 (B,) on the CPU (the grouping of rows by variant is done there).
+    ``variant_of_row`` int64 (B,) on the CPU (the grouping of rows by variant is done there). With
+    ``scale_refs``, ``scales[v]`` are uint8 log8 codes decoded inside the kernel (kernels.log8_scale_codes).
     """
     out_f, in_f = y.shape[-1], x.shape[-1]
     x2 = x.reshape(-1, in_f).contiguous()
@@ -92,13 +109,16 @@ def triton_delta_add(y: Tensor, x: Tensor, signs: list[Tensor], scales: list[Ten
     used, tok, tok_start, max_tok = _routing(variant_of_row.to(torch.int64).contiguous().numpy().tobytes(),
                                              per_row, dev)
     sg = [signs[v].contiguous() for v in used]  # held until the kernel is queued: read by address
-    sc = [scales[v].to(torch.float32).contiguous() for v in used]
+    log8 = scale_refs is not None
+    sc = [(scales[v] if log8 else scales[v].to(torch.float32)).contiguous() for v in used]
     n_groups = sc[0].shape[1]
     gs = group_size if n_groups > 1 else in_f + 8  # one group per row: every column in group 0
     sign_addr = _on_device(tuple(s.data_ptr() for s in sg), dev)
     scale_addr = _on_device(tuple(c.data_ptr() for c in sc), dev)
     scale_rows = _on_device(tuple(c.shape[0] for c in sc), dev)
+    refs = _on_device(tuple(float(scale_refs[v]) for v in used) if log8 else (0.0,), dev, torch.float32)
     grid = (len(used), triton.cdiv(out_f, BLOCK_N), triton.cdiv(max_tok, BLOCK_M))
-    _delta_add_kernel[grid](x2, y2, tok, tok_start, sign_addr, scale_addr, scale_rows, out_f, in_f,
-                            sg[0].shape[1], n_groups, gs, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    _delta_add_kernel[grid](x2, y2, tok, tok_start, sign_addr, scale_addr, scale_rows, refs, _log8_table(dev),
+                            out_f, in_f, sg[0].shape[1], n_groups, gs, LOG8=log8, BLOCK_M=BLOCK_M,
+                            BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     return y

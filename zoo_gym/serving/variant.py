@@ -119,6 +119,20 @@ class PackedWeight:
     group_size: int
     scale_ref: float | None = None  # the tensor's log8 reference (a float32 value), None for float32 scales
 
+    def __post_init__(self) -> None:
+        """ValueError unless signs and scales fit ``shape`` with one group layout: the kernels read them by
+        address, so a layer checks each weight once here instead of at every call."""
+        rows, cols = self.shape
+        sc, n_groups = self.scales, self.scales.shape[-1] if self.scales.dim() == 2 else -1
+        ok = (self.signs.dtype == torch.uint8 and tuple(self.signs.shape) == (rows, -(-cols // 8))
+              and sc.dim() == 2 and sc.shape[0] in (1, rows) and n_groups >= 1 and sc.device == self.signs.device
+              and (sc.dtype == torch.uint8 if self.scale_ref is not None else sc.is_floating_point()))
+        if ok and n_groups > 1:
+            ok = self.group_size > 0 and self.group_size % 8 == 0 and -(-cols // self.group_size) == n_groups
+        if not ok:
+            raise ValueError(f"packed signs {tuple(self.signs.shape)} {self.signs.dtype} / scales {tuple(sc.shape)} "
+                             f"{sc.dtype} do not fit a {self.shape} weight with groups of {self.group_size}")
+
     @property
     def nbytes(self) -> int:
         """Bytes resident: the packed signs, the scales as held, and 4 for a float32 log8 reference."""
@@ -192,6 +206,6 @@ def variant_from_payload(payload, *, name: str, base_sha256: str) -> Variant:
             else:
                 raise VariantError(f"variant {name!r}: tensor {e.name!r} {tuple(e.shape)} is coded {e.codec}; "
                                    "gym-serve serves 2-D weights coded bitdelta and 1-D tensors only")
-    except codec.CodecError as exc:
+    except (codec.CodecError, ValueError) as exc:  # ValueError: signs/scales that do not fit (PackedWeight)
         raise VariantError(f"variant {name!r}: malformed payload: {exc}") from None
     return v
