@@ -120,8 +120,9 @@ def test_malformed_json_has_a_readable_message_and_no_param(http):
     ("/v1/completions", {"best_of": 2}, "best_of"),
     ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"suffix": "x"}, "suffix"),
-    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
-    ("/v1/completions", {"logprobs": 2}, "logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/completions", {"logprobs": 6}, "logprobs"),
+    ("/v1/completions", {"logprobs": True}, "logprobs"),
 ])
 def test_unsupported_options_are_refused_naming_them(http, route, extra, param):
     body = {"model": "tiny", "max_tokens": 2, **({"messages": HI} if "chat" in route else {"prompt": "The"}), **extra}

@@ -1,8 +1,9 @@
 """OpenAI conformance through the official `openai` client (in process, over Starlette's TestClient).
 
 Retrieving a model; `stream_options.include_usage` puts the usage on a last chunk with no choices; a seeded
-request gives the same text alone and batched with others; unsupported options are refused as
-BadRequestError naming the parameter; a malformed body has a readable message and no param.
+request gives the same text alone and batched with others; `logprobs` (chat: with `top_logprobs`) are
+log_softmax of the merged model's logits for the chosen tokens, streamed or not; unsupported options are
+refused as BadRequestError naming the parameter; a malformed body has a readable message and no param.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import concurrent.futures
 
 import openai
 import pytest
+import torch
+from serving_helpers import merged_model
 from starlette.testclient import TestClient
 
 from zoo_gym.serving.app import create_app
@@ -67,7 +70,67 @@ def test_seed_is_per_request(client):
         [f.result() for f in futures]
 
 
+def _greedy_logprobs(model, prompt: list[int], steps: int, k: int) -> list[tuple[int, float, list, list]]:
+    """(id, log-prob, top-k ids, top-k log-probs) of each greedy step, by a full forward of the merged model."""
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(steps):
+            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+            tok = int(lp.argmax())
+            top = lp.topk(k)
+            out.append((tok, float(lp[tok]), top.indices.tolist(), top.values.tolist()))
+            ids.append(tok)
+    return out
+
+
+def test_chat_logprobs_are_the_merged_models(client, inproc):
+    tok = inproc.tokenizer
+    r = client.chat.completions.create(model="user1", messages=HI, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens >= 1
+    prompt = tok(tok.apply_chat_template(HI, add_generation_prompt=True, tokenize=False),
+                 add_special_tokens=False)["input_ids"]
+    merged = merged_model(inproc.base_dir, (inproc.registry.directory / "user1.zgd").read_bytes())
+    ref = _greedy_logprobs(merged, prompt, len(content), 3)
+    for got, (want_id, want_lp, top_ids, top_lps) in zip(content, ref):
+        assert got.token == tok.decode([want_id]) and bytes(got.bytes) == got.token.encode()
+        assert got.logprob == pytest.approx(want_lp, abs=1e-3)
+        assert [t.token for t in got.top_logprobs] == [tok.decode([i]) for i in top_ids]
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx(top_lps, abs=1e-3)
+    chunks = list(client.chat.completions.create(model="user1", messages=HI, max_tokens=6, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    streamed = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+    plain = client.chat.completions.create(model="user1", messages=HI, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs_in_the_legacy_shape(client, inproc):
+    tok = inproc.tokenizer
+    r = client.completions.create(model="tiny", prompt="The", max_tokens=5, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    merged = merged_model(inproc.base_dir, None)
+    ref = _greedy_logprobs(merged, tok("The")["input_ids"], len(lp.tokens), 2)
+    assert lp.tokens == [tok.decode([i]) for i, *_ in ref] and len(lp.tokens) == r.usage.completion_tokens
+    assert lp.token_logprobs == pytest.approx([w for _, w, *_ in ref], abs=1e-3)
+    for top, token, (_, _, top_ids, top_lps) in zip(lp.top_logprobs, lp.tokens, ref):
+        assert token in top and len(top) <= 3  # the sampled token is always listed (OpenAI's logprobs + 1)
+        for i, v in zip(top_ids, top_lps):
+            assert top[tok.decode([i])] == pytest.approx(v, abs=1e-3)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:n]) for n in range(len(lp.tokens))]
+    chunks = list(client.completions.create(model="tiny", prompt="The", max_tokens=5, temperature=0, logprobs=2,
+                                            stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+
+
 @pytest.mark.parametrize("kw, param", [
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": 1}, "logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"frequency_penalty": 1.0}, "frequency_penalty"),
