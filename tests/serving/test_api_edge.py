@@ -324,3 +324,21 @@ def test_fuzz_every_route_answers_without_5xx(inproc):
         assert r.status_code < 500, (i, method, path, r.text)
     assert http.get("/health").status_code == 200
     _ok_chat(http)
+
+
+def test_an_uncaught_exception_is_an_openai_500_without_a_traceback(inproc):
+    """gym-serve has no known path to an uncaught exception (the fuzz above finds none), so a route that
+    raises is added to the real app: Starlette answers it outside the Edge, through the app's handler."""
+    app = create_app(inproc)
+
+    def boom():
+        raise RuntimeError("secret detail /srv/operator/path")
+    app.add_api_route("/v1/boom", boom)
+    http = TestClient(app, client=LOCAL, raise_server_exceptions=False)
+    r = http.get("/v1/boom")
+    err = _error(r, 500)
+    assert err["type"] == "server_error" and err["param"] is None
+    assert "Traceback" not in r.text and "secret" not in r.text and "/srv" not in r.text
+    assert r.headers["content-type"] == "application/json"
+    assert 'gym_serve_requests_total{route="/v1/boom",status="500"} 1.0' in http.get("/metrics").text
+    _ok_chat(http)

@@ -1,13 +1,13 @@
 """The OpenAI-compatible HTTP API of gym-serve (FastAPI).
 
-``GET /v1/models`` and ``/v1/models/{id}``; ``POST /v1/chat/completions`` and ``/v1/completions``
-(``stream: true``: Server-Sent Events ending in ``data: [DONE]``; ``stream_options.include_usage`` adds a
-last chunk with the usage; ``logprobs`` as OpenAI shapes them, zoo_gym.serving.logprobs), where ``model`` is the base's id or a variant's name; ``POST /v1/variants``
+``GET /v1/models`` and ``/v1/models/{id}``; ``POST /v1/chat/completions`` and ``/v1/completions`` (``stream:
+true``: Server-Sent Events ending in ``data: [DONE]``; ``stream_options.include_usage``: a last chunk with the
+usage; ``logprobs`` in OpenAI's shapes), ``model`` the base's id or a variant's name; ``POST /v1/variants``
 and ``DELETE /v1/variants/{name}``; ``GET /health`` (503 when the decoding worker has stopped) and
 ``GET /metrics`` (Prometheus). Bodies are JSON whatever the content type, at most ``max_body_bytes``
 (413, counted before parsing), validated by zoo_gym.serving.requests. With ``api_key`` every /v1 route
 needs ``Authorization: Bearer KEY`` (401); without it, variant management is refused (403) from anyone
-but localhost. Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+but localhost. Errors, an uncaught exception's 500 too, have OpenAI's shape (no traceback).
 """
 
 from __future__ import annotations
