@@ -44,3 +44,16 @@ def merged_model(base_dir: pathlib.Path, payload: bytes | None):
             for name, d in codec.decode(payload).items():
                 params[name].add_(d.to(torch.float32))
     return model
+
+
+def greedy_logprobs(model, prompt: list[int], steps: int, k: int) -> list[tuple[int, float, list, list]]:
+    """(id, log-prob, top-k ids, top-k log-probs) of each greedy step, by a full forward of `model`."""
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(steps):
+            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+            tok = int(lp.argmax())
+            top = lp.topk(k)
+            out.append((tok, float(lp[tok]), top.indices.tolist(), top.values.tolist()))
+            ids.append(tok)
+    return out

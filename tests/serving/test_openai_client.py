@@ -13,7 +13,7 @@ import concurrent.futures
 import openai
 import pytest
 import torch
-from serving_helpers import merged_model
+from serving_helpers import greedy_logprobs, merged_model
 from starlette.testclient import TestClient
 
 from zoo_gym.serving.app import create_app
@@ -70,19 +70,6 @@ def test_seed_is_per_request(client):
         [f.result() for f in futures]
 
 
-def _greedy_logprobs(model, prompt: list[int], steps: int, k: int) -> list[tuple[int, float, list, list]]:
-    """(id, log-prob, top-k ids, top-k log-probs) of each greedy step, by a full forward of the merged model."""
-    ids, out = list(prompt), []
-    with torch.no_grad():
-        for _ in range(steps):
-            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
-            tok = int(lp.argmax())
-            top = lp.topk(k)
-            out.append((tok, float(lp[tok]), top.indices.tolist(), top.values.tolist()))
-            ids.append(tok)
-    return out
-
-
 def test_chat_logprobs_are_the_merged_models(client, inproc):
     tok = inproc.tokenizer
     r = client.chat.completions.create(model="user1", messages=HI, max_tokens=6, temperature=0, logprobs=True,
@@ -92,7 +79,7 @@ def test_chat_logprobs_are_the_merged_models(client, inproc):
     prompt = tok(tok.apply_chat_template(HI, add_generation_prompt=True, tokenize=False),
                  add_special_tokens=False)["input_ids"]
     merged = merged_model(inproc.base_dir, (inproc.registry.directory / "user1.zgd").read_bytes())
-    ref = _greedy_logprobs(merged, prompt, len(content), 3)
+    ref = greedy_logprobs(merged, prompt, len(content), 3)
     for got, (want_id, want_lp, top_ids, top_lps) in zip(content, ref):
         assert got.token == tok.decode([want_id]) and bytes(got.bytes) == got.token.encode()
         assert got.logprob == pytest.approx(want_lp, abs=1e-3)
@@ -112,7 +99,7 @@ def test_completion_logprobs_in_the_legacy_shape(client, inproc):
     r = client.completions.create(model="tiny", prompt="The", max_tokens=5, temperature=0, logprobs=2)
     lp = r.choices[0].logprobs
     merged = merged_model(inproc.base_dir, None)
-    ref = _greedy_logprobs(merged, tok("The")["input_ids"], len(lp.tokens), 2)
+    ref = greedy_logprobs(merged, tok("The")["input_ids"], len(lp.tokens), 2)
     assert lp.tokens == [tok.decode([i]) for i, *_ in ref] and len(lp.tokens) == r.usage.completion_tokens
     assert lp.token_logprobs == pytest.approx([w for _, w, *_ in ref], abs=1e-3)
     for top, token, (_, _, top_ids, top_lps) in zip(lp.top_logprobs, lp.tokens, ref):
