@@ -46,14 +46,22 @@ def merged_model(base_dir: pathlib.Path, payload: bytes | None):
     return model
 
 
-def greedy_logprobs(model, prompt: list[int], steps: int, k: int) -> list[tuple[int, float, list, list]]:
-    """(id, log-prob, top-k ids, top-k log-probs) of each greedy step, by a full forward of `model`."""
-    ids, out = list(prompt), []
+
+def forced_logprobs(model, tokenizer, prompt: list[int], tokens: list[str], k: int) -> list[tuple[int, float, list, list]]:
+    """Per answer token given as text: (its id, its log-prob, top-k ids, top-k log-probs) under log_softmax of
+    `model`'s logits, one forward over prompt + answer. Each text must be the decoding of exactly one id."""
+    by_text: dict[str, list[int]] = {}
+    for i in range(len(tokenizer)):
+        by_text.setdefault(tokenizer.decode([i]), []).append(i)
+    ids = []
+    for t in tokens:
+        assert len(by_text.get(t, [])) == 1, (t, by_text.get(t))
+        ids.append(by_text[t][0])
     with torch.no_grad():
-        for _ in range(steps):
-            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
-            tok = int(lp.argmax())
-            top = lp.topk(k)
-            out.append((tok, float(lp[tok]), top.indices.tolist(), top.values.tolist()))
-            ids.append(tok)
+        lp = torch.log_softmax(model(torch.tensor([prompt + ids])).logits[0].float(), -1)
+    out = []
+    for n, i in enumerate(ids):
+        row = lp[len(prompt) - 1 + n]
+        top = row.topk(k)
+        out.append((i, float(row[i]), top.indices.tolist(), top.values.tolist()))
     return out
