@@ -79,3 +79,30 @@ def test_no_cdn_docs_but_the_schema_is_served(web):
     assert web.get("/api/docs").status_code == 404
     assert web.get("/api/openapi.json").json()["paths"]["/api/rounds"]
     assert "cdn" not in web.get("/").text.lower()
+
+
+def test_an_internal_error_is_a_500_with_the_headers_and_no_traceback(tmp_path):
+    """A real failure (the database has no tables: sqlite3.OperationalError inside a query) through a real
+    uvicorn server: Starlette answers it outside any add_middleware middleware, so the headers are checked."""
+    import httpx
+
+    from zoo_gym.dashboard.serve import DashboardServer
+
+    register_tables()
+    engine = make_engine(f"sqlite:///{tmp_path / 'empty.db'}")  # never create_all: every query fails
+    state = ServerState(root=tmp_path, engine=engine, blobs=None, key=Ed25519PrivateKey.generate(),
+                        base_model="tiny", write_lock=threading.RLock())
+    server = DashboardServer(create_app(state), host="127.0.0.1", port=0)
+    server.start()
+    try:
+        for path in ("/api/summary", "/"):
+            r = httpx.get(server.url.rstrip("/") + path, timeout=30)
+            assert r.status_code == 500, (path, r.status_code, r.text)
+            assert r.json() == {"detail": "internal error"}
+            assert "Traceback" not in r.text and "sqlite" not in r.text.lower()
+            assert "default-src 'none'" in r.headers["content-security-policy"]
+            assert r.headers["x-content-type-options"] == "nosniff" and r.headers["x-frame-options"] == "DENY"
+            assert r.headers["referrer-policy"] == "no-referrer"
+    finally:
+        server.stop()
+        engine.dispose()

@@ -44,3 +44,24 @@ def merged_model(base_dir: pathlib.Path, payload: bytes | None):
             for name, d in codec.decode(payload).items():
                 params[name].add_(d.to(torch.float32))
     return model
+
+
+
+def forced_logprobs(model, tokenizer, prompt: list[int], tokens: list[str], k: int) -> list[tuple[int, float, list, list]]:
+    """Per answer token given as text: (its id, its log-prob, top-k ids, top-k log-probs) under log_softmax of
+    `model`'s logits, one forward over prompt + answer. Each text must be the decoding of exactly one id."""
+    by_text: dict[str, list[int]] = {}
+    for i in range(len(tokenizer)):
+        by_text.setdefault(tokenizer.decode([i]), []).append(i)
+    ids = []
+    for t in tokens:
+        assert len(by_text.get(t, [])) == 1, (t, by_text.get(t))
+        ids.append(by_text[t][0])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([prompt + ids])).logits[0].float(), -1)
+    out = []
+    for n, i in enumerate(ids):
+        row = lp[len(prompt) - 1 + n]
+        top = row.topk(k)
+        out.append((i, float(row[i]), top.indices.tolist(), top.values.tolist()))
+    return out

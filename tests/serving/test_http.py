@@ -25,7 +25,7 @@ import httpx
 import pytest
 import torch
 
-from serving_helpers import merged_model, random_variant_payload
+from serving_helpers import forced_logprobs, merged_model, random_variant_payload
 from zoo_gym.gym_train import tiny_model_dir
 from zoo_gym.gym_train.families import make_random_base
 from zoo_gym.serving.variant import write_variant
@@ -188,6 +188,35 @@ def test_streaming_sends_chunks_ending_in_done(served):
     plain = served["client"].post("/v1/completions", json={"model": "base", "prompt": "The", "max_tokens": 5,
                                                           "temperature": 0}).json()
     assert "".join(text) == plain["choices"][0]["text"]
+
+
+def test_logprobs_of_a_variant_in_a_mixed_batch_through_the_openai_client(served):
+    """The real process, the official client: a variant's logprobs (a seeded sampled answer), asked beside a
+    base request that asks none, are log_softmax of the merged model's logits (the top 2 too)."""
+    import openai
+    from transformers import AutoTokenizer
+
+    client = openai.OpenAI(base_url=f"{served['client'].base_url}/v1", api_key="unused", max_retries=0)
+    ask = dict(model="user3", messages=QUESTION, max_tokens=10, temperature=2.0, seed=26, logprobs=True,
+               top_logprobs=2)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        other = pool.submit(_chat, served["client"], "base")
+        r = pool.submit(client.chat.completions.create, **ask).result()
+        assert other.result().json()["choices"][0]["logprobs"] is None
+    content = r.choices[0].logprobs.content
+    assert len(content) >= 3
+    tok = AutoTokenizer.from_pretrained(str(served["base"]))
+    prompt = tok(tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False),
+                 add_special_tokens=False)["input_ids"]
+    merged = merged_model(served["base"], served["payloads"]["user3"])
+    ref = forced_logprobs(merged, tok, prompt, [e.token for e in content], 2)
+    assert [e.logprob for e in content] == pytest.approx([lp for _, lp, *_ in ref], abs=1e-3)
+    for e, (*_, top_ids, top_lps) in zip(content, ref):
+        assert [t.token for t in e.top_logprobs] == [tok.decode([i]) for i in top_ids]
+        assert [t.logprob for t in e.top_logprobs] == pytest.approx(top_lps, abs=1e-3)
+    streamed = [e for c in client.chat.completions.create(**ask, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
 
 
 def test_different_variants_share_one_batch(served):

@@ -1,8 +1,9 @@
 """OpenAI conformance through the official `openai` client (in process, over Starlette's TestClient).
 
 Retrieving a model; `stream_options.include_usage` puts the usage on a last chunk with no choices; a seeded
-request gives the same text alone and batched with others; unsupported options are refused as
-BadRequestError naming the parameter; a malformed body has a readable message and no param.
+request gives the same text alone and batched with others; `logprobs` (chat: with `top_logprobs`) of a
+sampled answer are log_softmax of the merged model's logits for its tokens, streamed or not; unsupported options are
+refused as BadRequestError naming the parameter; a malformed body has a readable message and no param.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import concurrent.futures
 
 import openai
 import pytest
+import torch
+from serving_helpers import forced_logprobs, merged_model
 from starlette.testclient import TestClient
 
 from zoo_gym.serving.app import create_app
@@ -67,7 +70,62 @@ def test_seed_is_per_request(client):
         [f.result() for f in futures]
 
 
+def _check(entries, ref, k: int) -> None:
+    for got, (_, want, top_ids, top_lps) in zip(entries, ref, strict=True):
+        assert got.logprob == pytest.approx(want, abs=1e-3)
+        assert len(got.top_logprobs) == k and bytes(got.bytes) == got.token.encode()
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx(top_lps, abs=1e-3)
+
+
+def test_chat_logprobs_are_the_merged_models(client, inproc):
+    """A sampled answer (temperature 2, a seed whose answer is 3 tokens: the greedy one is one digit): each token's
+    logprob and top 3 are log_softmax of the merged model's logits, before temperature."""
+    tok = inproc.tokenizer
+    ask = dict(model="user1", messages=HI, max_tokens=12, temperature=2.0, seed=26, logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(**ask)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens >= 3
+    special = {str(t) for t in tok.added_tokens_decoder.values() if t.special}  # the answer's text skips them
+    assert "".join(e.token for e in content if e.token not in special) == r.choices[0].message.content
+    prompt = tok(tok.apply_chat_template(HI, add_generation_prompt=True, tokenize=False),
+                 add_special_tokens=False)["input_ids"]
+    merged = merged_model(inproc.base_dir, (inproc.registry.directory / "user1.zgd").read_bytes())
+    ref = forced_logprobs(merged, tok, prompt, [e.token for e in content], 3)
+    _check(content, ref, 3)
+    assert [[t.token for t in e.top_logprobs] for e in content] == [[tok.decode([i]) for i in ids]
+                                                                   for _, _, ids, _ in ref]
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    streamed = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]  # same seed, same tokens
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+    plain = client.chat.completions.create(model="user1", messages=HI, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs_in_the_legacy_shape(client, inproc):
+    tok = inproc.tokenizer
+    ask = dict(model="tiny", prompt="The", max_tokens=10, temperature=2.0, seed=26, logprobs=2)
+    r = client.completions.create(**ask)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == r.usage.completion_tokens >= 3
+    special = {str(t) for t in tok.added_tokens_decoder.values() if t.special}
+    assert "".join(t for t in lp.tokens if t not in special) == r.choices[0].text
+    ref = forced_logprobs(merged_model(inproc.base_dir, None), tok, tok("The")["input_ids"], lp.tokens, 2)
+    assert lp.token_logprobs == pytest.approx([w for _, w, *_ in ref], abs=1e-3)
+    for top, token, (_, _, top_ids, top_lps) in zip(lp.top_logprobs, lp.tokens, ref):
+        assert token in top and len(top) <= 3  # the sampled token is always listed (OpenAI's logprobs + 1)
+        for i, v in zip(top_ids, top_lps):
+            assert top[tok.decode([i])] == pytest.approx(v, abs=1e-3)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:n]) for n in range(len(lp.tokens))]
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**ask, stream=True) if c.choices[0].logprobs]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+
+
 @pytest.mark.parametrize("kw, param", [
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": 1}, "logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"frequency_penalty": 1.0}, "frequency_penalty"),

@@ -3,8 +3,9 @@
 FastAPI with Jinja2 templates and inline SVG charts drawn in Python (charts.py): every asset is ours,
 nothing loads from a CDN, and the pages work without JavaScript. The page refreshes itself (a meta
 refresh) while a round is open or aggregating. Every query parameter is bounded (422, never a database
-error); every response carries a strict CSP (no inline script or style), nosniff, no-referrer, no framing,
-and HSTS over TLS. No Swagger UI (it loads from a CDN): the schema is at /api/openapi.json.
+error); every response, an internal error's 500 too (``{"detail": "internal error"}``, no traceback), carries a
+strict CSP (no inline script or style), nosniff, no-referrer, no framing, and HSTS over TLS. No Swagger UI
+(it loads from a CDN): the schema is at /api/openapi.json.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 
 from fastapi import FastAPI, HTTPException, Query, Request
-from fastapi.responses import HTMLResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
@@ -52,6 +53,18 @@ class SecurityHeaders:
         return await self.app(scope, receive, send_with_headers)
 
 
+class _Dashboard(FastAPI):
+    """FastAPI with SecurityHeaders outside Starlette's ServerErrorMiddleware, which answers an uncaught
+    exception's 500 itself, outside every middleware added with ``add_middleware``."""
+
+    def build_middleware_stack(self):
+        return SecurityHeaders(super().build_middleware_stack())
+
+
+async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse({"detail": "internal error"}, status_code=500)
+
+
 def _templates() -> Jinja2Templates:
     templates = Jinja2Templates(directory=HERE / "templates")
     templates.env.filters["short"] = lambda s, n=12: (s or "")[:n]
@@ -78,8 +91,8 @@ def _index_context(state, check, dp_target_epsilon: float | None, refresh_second
 
 def create_app(state, *, registry=None, dp_target_epsilon: float | None = None, refresh_seconds: int = 5) -> FastAPI:
     """The dashboard over `state` (a ServerState; only read); /metrics serves `registry` when given."""
-    app = FastAPI(title="Zoo Gym federation", docs_url=None, redoc_url=None, openapi_url="/api/openapi.json")
-    app.add_middleware(SecurityHeaders)
+    app = _Dashboard(title="Zoo Gym federation", docs_url=None, redoc_url=None, openapi_url="/api/openapi.json",
+                     exception_handlers={Exception: _internal_error})
     templates = _templates()
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
     if registry is not None:

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
 
 import uvicorn
+
+log = logging.getLogger("zoo_gym.dashboard")
+
+
+def _warm(check) -> None:
+    try:
+        check.report()
+    except Exception:  # noqa: BLE001 - a page load asks again and answers 500 with the headers
+        log.exception("verifying the ledger for the dashboard failed")
 
 
 class DashboardServer:
@@ -42,7 +52,7 @@ class DashboardServer:
     def start(self, timeout: float = 10.0) -> None:
         check = getattr(self._server.config.app.state, "ledger_check", None)
         if check is not None:  # verify the ledger now, not on the first page load
-            threading.Thread(target=check.report, name="ledger-check", daemon=True).start()
+            threading.Thread(target=_warm, args=(check,), name="ledger-check", daemon=True).start()
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:

@@ -1,13 +1,13 @@
 """The OpenAI-compatible HTTP API of gym-serve (FastAPI).
 
-``GET /v1/models`` and ``/v1/models/{id}``; ``POST /v1/chat/completions`` and ``/v1/completions``
-(``stream: true``: Server-Sent Events ending in ``data: [DONE]``; ``stream_options.include_usage`` adds a
-last chunk with the usage), where ``model`` is the base's id or a variant's name; ``POST /v1/variants``
+``GET /v1/models`` and ``/v1/models/{id}``; ``POST /v1/chat/completions`` and ``/v1/completions`` (``stream:
+true``: Server-Sent Events ending in ``data: [DONE]``; ``stream_options.include_usage``: a last chunk with the
+usage; ``logprobs`` in OpenAI's shapes), ``model`` the base's id or a variant's name; ``POST /v1/variants``
 and ``DELETE /v1/variants/{name}``; ``GET /health`` (503 when the decoding worker has stopped) and
 ``GET /metrics`` (Prometheus). Bodies are JSON whatever the content type, at most ``max_body_bytes``
 (413, counted before parsing), validated by zoo_gym.serving.requests. With ``api_key`` every /v1 route
 needs ``Authorization: Bearer KEY`` (401); without it, variant management is refused (403) from anyone
-but localhost. Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+but localhost. Errors, an uncaught exception's 500 too, have OpenAI's shape (no traceback).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from zoo_gym.serving.batcher import Job
 from zoo_gym.serving.detok import Detok
 from zoo_gym.serving.edge import Edge, error_body
+from zoo_gym.serving.logprobs import LogprobFormat
 from zoo_gym.serving.metrics import Metrics
 from zoo_gym.serving.registry import UnknownVariant, VariantTooLarge
 from zoo_gym.serving.requests import AddVariant, ApiError, ChatRequest, CompletionRequest, parse, text_of
@@ -80,7 +81,7 @@ def _make_job(service: Service, prompt_ids: list[int], req, max_tokens: int | No
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
     return Job(prompt=prompt_ids, variant=variant, max_tokens=want, temperature=req.temperature,
-               seed=req.seed, top_p=req.top_p, loop=asyncio.get_running_loop())
+               seed=req.seed, top_p=req.top_p, logprobs=req.logprob_k(), loop=asyncio.get_running_loop())
 
 
 async def _next(service: Service, job: Job):
@@ -92,14 +93,15 @@ async def _next(service: Service, job: Job):
                 raise ApiError(503, WORKER_STOPPED, type_="server_error") from None
 
 
-async def run_job(service: Service, metrics: Metrics, job: Job, detok: Detok
-                  ) -> AsyncIterator[tuple[str, str | None]]:
-    """(text piece, None) ... then ("", finish_reason); ApiError when the worker refuses the request."""
+async def run_job(service: Service, metrics: Metrics, job: Job, detok: Detok) -> AsyncIterator[tuple]:
+    """(text piece, None, log-prob entries) ... then ("", finish_reason, entries); each token's entry (when
+    job.logprobs is set) comes with the first piece at or after it. ApiError when the worker refuses."""
     if not service.batcher.alive:
         raise ApiError(503, WORKER_STOPPED, type_="server_error")
     metrics.prompt_tokens.inc(len(job.prompt))
     start = last = time.monotonic()
     service.batcher.submit(job)
+    entries: list = []
     while True:
         kind, value = await _next(service, job)
         if kind == "token":
@@ -107,17 +109,22 @@ async def run_job(service: Service, metrics: Metrics, job: Job, detok: Detok
             (metrics.ttft if last == start else metrics.tpot).observe(now - last)
             last = now
             metrics.completion_tokens.inc()
-            piece = detok.add(value)
+            token, logprobs = value
+            if logprobs is not None:
+                entries.append((token, logprobs))
+            piece = detok.add(token)
             if piece:
-                yield piece, None
+                yield piece, None, entries
+                entries = []
             if detok.stopped:
-                yield "", "stop"
+                yield "", "stop", entries
                 return
         elif kind == "done":
             tail = detok.flush()
             if tail:
-                yield tail, None
-            yield "", value
+                yield tail, None, entries
+                entries = []
+            yield "", value, entries
             return
         else:
             status, message = value
@@ -223,6 +230,14 @@ def _completion_ids(service: Service, req: CompletionRequest) -> list[int]:
     return service.tokenizer(prompt)["input_ids"] if prompt else []
 
 
+async def _collect(pieces) -> tuple[str, str | None, list]:
+    parts, finish, entries = [], None, []
+    async for piece, finish, more in pieces:
+        parts.append(piece)
+        entries += more
+    return "".join(parts), finish, entries
+
+
 def _add_completion_routes(app: FastAPI, service: Service, metrics: Metrics) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -233,14 +248,13 @@ def _add_completion_routes(app: FastAPI, service: Service, metrics: Metrics) -> 
         detok = Detok(service.tokenizer, _stops(req))
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}
         pieces = run_job(service, metrics, job, detok)
+        fmt = LogprobFormat(service.tokenizer).chat if job.logprobs is not None else None
         if req.stream:
-            return sse(stream_chat(head, pieces, lambda: usage(job, detok), req.stream_options))
-        parts, finish = [], None
-        async for piece, finish in pieces:
-            parts.append(piece)
+            return sse(stream_chat(head, pieces, lambda: usage(job, detok), req.stream_options, fmt))
+        text, finish, entries = await _collect(pieces)
         return {**head, "object": "chat.completion", "usage": usage(job, detok),
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
-                             "logprobs": None, "finish_reason": finish}]}
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": fmt(entries) if fmt else None, "finish_reason": finish}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -252,13 +266,13 @@ def _add_completion_routes(app: FastAPI, service: Service, metrics: Metrics) -> 
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": req.model}
         pieces = run_job(service, metrics, job, detok)
+        fmt = LogprobFormat(service.tokenizer).completion if job.logprobs is not None else None
         if req.stream:
-            return sse(stream_completion(head, pieces, lambda: usage(job, detok), req.stream_options))
-        parts, finish = [], None
-        async for piece, finish in pieces:
-            parts.append(piece)
+            return sse(stream_completion(head, pieces, lambda: usage(job, detok), req.stream_options, fmt))
+        text, finish, entries = await _collect(pieces)
         return {**head, "usage": usage(job, detok),
-                "choices": [{"index": 0, "text": "".join(parts), "logprobs": None, "finish_reason": finish}]}
+                "choices": [{"index": 0, "text": text, "logprobs": fmt(entries) if fmt else None,
+                             "finish_reason": finish}]}
 
 
 def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: int = 1_000_000) -> FastAPI:

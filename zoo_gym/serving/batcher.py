@@ -36,7 +36,8 @@ class Job:
     loop: asyncio.AbstractEventLoop
     seed: int | None = None
     top_p: float = 1.0
-    # ("token", id) ... then ("done", reason) | ("error", (http status, message))
+    logprobs: int | None = None  # k: each token comes with its log-prob and the k most likely (model.generate)
+    # ("token", (id, log-probs or None)) ... then ("done", reason) | ("error", (http status, message))
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     def emit(self, kind: str, value) -> None:
@@ -143,14 +144,16 @@ class Batcher:
                                         max_new_tokens=[j.max_tokens for j in jobs],
                                         temperature=[j.temperature for j in jobs],
                                         top_p=[j.top_p for j in jobs], eos_ids=self.eos_ids,
-                                        pad_id=self.pad_id, generators=gens):
-            for i, tok in enumerate(step):
+                                        pad_id=self.pad_id, generators=gens,
+                                        logprobs=[j.logprobs for j in jobs]):
+            tokens, logprobs = step
+            for i, tok in enumerate(tokens):
                 if tok is None:
                     continue
                 produced[i] += 1
                 if tok in self.eos_ids:
                     jobs[i].emit("done", "stop")
                     continue
-                jobs[i].emit("token", tok)
+                jobs[i].emit("token", (tok, logprobs[i]))
                 if produced[i] >= jobs[i].max_tokens:
                     jobs[i].emit("done", "length")

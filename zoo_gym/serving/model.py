@@ -72,11 +72,13 @@ class MultiVariantModel:
     def generate(self, variants: list[Variant | None], prompts: list[list[int]], *, max_new_tokens: list[int],
                  temperature: list[float], eos_ids: set[int], pad_id: int, top_p: list[float] | None = None,
                  generator: torch.Generator | None = None,
-                 generators: list[torch.Generator | None] | None = None) -> Iterator[list[int | None]]:
-        """Decode all rows together (left padding, a KV cache object); yield each step's token per row (None
-        once a row stopped: EOS, which is yielded, or its own max_new_tokens). Row i samples with
-        ``generators[i]`` (else ``generator``; None: torch's global one), so its text does not depend on the
-        other rows."""
+                 generators: list[torch.Generator | None] | None = None,
+                 logprobs: list[int | None] | None = None) -> Iterator[tuple[list[int | None], list]]:
+        """Decode all rows together (left padding, a KV cache object); yield each step's (token per row, None
+        once a row stopped: EOS, which is yielded, or its own max_new_tokens; log-probs per row). Row i samples
+        with ``generators[i]`` (else ``generator``; None: torch's global one), so its text does not depend on
+        the other rows. Where ``logprobs[i]`` is k (not None), row i's log-probs are (the token's, the k most
+        likely (id, log-prob) pairs) under log_softmax of the logits (before temperature and top_p)."""
         from transformers import DynamicCache
 
         b = len(prompts)
@@ -98,7 +100,9 @@ class MultiVariantModel:
         for _ in range(max(max_new_tokens)):
             out = self.forward(variants, input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
                                cache=cache, use_cache=True)
-            nxt = _pick(out.logits[:, -1, :].float(), temps, top_ps, gens)  # (B,)
+            last = out.logits[:, -1, :].float()
+            nxt = _pick(last, temps, top_ps, gens)  # (B,)
+            lps = _logprobs(last, nxt, logprobs or [None] * b)
             row = []
             for i in range(b):
                 if done[i]:
@@ -109,12 +113,27 @@ class MultiVariantModel:
                 row.append(tok)
                 if tok in eos_ids or produced[i] >= max_new_tokens[i]:
                     done[i] = True
-            yield row
+            yield row, lps
             if all(done):
                 return
             step_ids = nxt.unsqueeze(1)
             step_pos = step_pos[:, -1:] + 1
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
+
+
+def _logprobs(logits: Tensor, chosen: Tensor, ks: list[int | None]) -> list:
+    """Per row: None, or (log-prob of chosen[i], [(id, log-prob)] of the ks[i] most likely tokens)."""
+    rows = [i for i, k in enumerate(ks) if k is not None]
+    out: list = [None] * len(ks)
+    if not rows:
+        return out
+    lp = torch.log_softmax(logits[rows], dim=-1)
+    mine = lp.gather(1, chosen[rows].unsqueeze(1)).squeeze(1).tolist()
+    top_v, top_i = lp.topk(max(ks[i] for i in rows), dim=-1)
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    for j, i in enumerate(rows):
+        out[i] = (mine[j], list(zip(top_i[j][:ks[i]], top_v[j][:ks[i]])))
+    return out
 
 
 def _pick(logits: Tensor, temps: Tensor, top_ps: Tensor, generators: list[torch.Generator | None]) -> Tensor:

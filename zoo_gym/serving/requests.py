@@ -20,7 +20,7 @@ STRICT = ConfigDict(strict=True, extra="allow")
 # `0` is not `false`).
 NEUTRAL: dict[str, tuple] = {
     "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None), "logit_bias": (None, {}),
-    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
+    "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None, True, False),
     "response_format": (None, {"type": "text"}), "best_of": (None, 1), "echo": (None, False),
     "suffix": (None, ""), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
@@ -71,11 +71,23 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def logprob_k(self) -> int | None:
+        """How many alternatives each token's log-prob comes with (None: no log-probs)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Request):
     prompt: str | list[str] = Field(min_length=0)
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for /v1/completions
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+    def logprob_k(self) -> int | None:
+        return self.logprobs
 
 
 class AddVariant(BaseModel):

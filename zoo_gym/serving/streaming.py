@@ -1,5 +1,6 @@
 """Server-Sent Events of a completion: OpenAI's ``chat.completion.chunk`` / ``text_completion`` chunks, then
-(``stream_options.include_usage``) one chunk with no choices and the usage, then ``data: [DONE]``. An
+(``stream_options.include_usage``) one chunk with no choices and the usage, then ``data: [DONE]``. Each
+chunk carries the log-probs of the tokens its text came from (when asked). An
 error after the stream began is sent as one ``data: {"error": ...}`` event before ``[DONE]``.
 """
 
@@ -32,24 +33,29 @@ def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def stream_chat(head: dict, pieces, usage: Callable[[], dict], options) -> AsyncIterator[dict]:
+async def stream_chat(head: dict, pieces, usage: Callable[[], dict], options, fmt=None) -> AsyncIterator[dict]:
+    """``fmt``: log-prob entries -> a chunk's ``logprobs`` (None: not asked for)."""
     with_usage = bool(options and options.include_usage)
     extra = {"usage": None} if with_usage else {}
     chunk = {**head, "object": "chat.completion.chunk"}
     yield {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None}], **extra}
-    async for piece, finish in pieces:
+    async for piece, finish, entries in pieces:
         delta = {"content": piece} if piece else {}
-        yield {**chunk, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        logprobs = fmt(entries) if fmt and entries else None
+        yield {**chunk, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
                **extra}
     if with_usage:
         yield {**chunk, "choices": [], "usage": usage()}
 
 
-async def stream_completion(head: dict, pieces, usage: Callable[[], dict], options) -> AsyncIterator[dict]:
+async def stream_completion(head: dict, pieces, usage: Callable[[], dict], options, fmt=None
+                            ) -> AsyncIterator[dict]:
     with_usage = bool(options and options.include_usage)
     extra = {"usage": None} if with_usage else {}
-    async for piece, finish in pieces:
-        yield {**head, "choices": [{"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}], **extra}
+    async for piece, finish, entries in pieces:
+        logprobs = fmt(entries) if fmt and entries else None
+        yield {**head, "choices": [{"index": 0, "text": piece, "logprobs": logprobs, "finish_reason": finish}],
+               **extra}
     if with_usage:
         yield {**head, "choices": [], "usage": usage()}
