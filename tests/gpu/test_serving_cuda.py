@@ -108,8 +108,8 @@ def test_served_model_on_cuda_equals_the_cpu(record_property):
         with torch.no_grad():
             rows = [m.on_device(v) if v else None for v in rows]  # moves the variant's tensors to `device`
             logits = m.logits(rows, ids, torch.ones_like(ids))
-        toks = list(m.generate(rows, prompts, max_new_tokens=[8] * 3, temperature=[0.0] * 3, eos_ids=set(),
-                               pad_id=0))
+        toks = [row for row, _ in m.generate(rows, prompts, max_new_tokens=[8] * 3, temperature=[0.0] * 3,
+                                             eos_ids=set(), pad_id=0)]
         out[device] = (logits.float().cpu(), toks)
 
     diff = (out["cuda"][0] - out["cpu"][0]).abs().max().item()

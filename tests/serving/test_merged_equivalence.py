@@ -76,8 +76,8 @@ def test_mixed_batch_equals_merged_models(base_dir):
         torch.testing.assert_close(got[i, width - len(p):], want, rtol=1e-4, atol=1e-4)
 
     # greedy decoding of the same mixed batch
-    steps = list(serving.generate(rows, prompts, max_new_tokens=[N_NEW] * 4, temperature=[0.0] * 4,
-                                  eos_ids=set(), pad_id=0))
+    steps = [row for row, _ in serving.generate(rows, prompts, max_new_tokens=[N_NEW] * 4, temperature=[0.0] * 4,
+                                                eos_ids=set(), pad_id=0)]
     for i, p in enumerate(prompts):
         tokens = [s[i] for s in steps if s[i] is not None]
         assert tokens == _greedy_alone(merged[which[i]], p, N_NEW), f"row {i}"

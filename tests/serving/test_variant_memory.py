@@ -68,8 +68,8 @@ def test_variant_holds_log8_codes_within_one_fifteenth_of_bf16(llama_dir):
     with torch.no_grad():
         want = merged(torch.tensor([prompts[0]])).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    steps = list(serving.generate([v, None], prompts, max_new_tokens=[N_NEW] * 2, temperature=[0.0] * 2,
-                                  eos_ids=set(), pad_id=0))
+    steps = [row for row, _ in serving.generate([v, None], prompts, max_new_tokens=[N_NEW] * 2, temperature=[0.0] * 2,
+                                                eos_ids=set(), pad_id=0)]
     tokens = [s[0] for s in steps if s[0] is not None]
     ids = list(prompts[0])
     with torch.no_grad():
