@@ -241,7 +241,8 @@ def _apply_stage(cfg: TrainConfig, bad) -> None:
         cfg.stage, cfg.finetuning_type = METHODS[cfg.method]
         cfg.method = None  # applied once: a later dataclasses.replace keeps the stage it sets
     if cfg.stage not in STAGES:
-        bad("stage", f"must be one of {STAGES}" + (" (ppo is not offered: TRL 1.16 ships no PPO trainer; see "
+        bad("stage", f"must be one of {STAGES}" + (" (ppo is not offered: TRL 1.16 ships no PPO trainer; rloo, "
+                                                   "grpo and gspo take a reward_model; see "
                                                    "docs/design/training-stages.md)" if cfg.stage == "ppo" else ""))
     if cfg.finetuning_type not in FINETUNING_TYPES:
         bad("finetuning_type", f"must be one of {FINETUNING_TYPES}")
