@@ -167,7 +167,7 @@ def test_the_client_refuses_a_bad_reward_before_contacting_a_server(tmp_path):
         prepare(opts)
 
 
-def test_loss_type_and_stage_refusals_name_the_allowed_values():
+def test_loss_type_and_stage_refusals_name_the_allowed_values(tmp_path):
     with pytest.raises(TrainConfigError, match=r"`loss_type` for grpo must be one of grpo, dr_grpo, dapo, bnpo"):
         TrainConfig(stage="grpo", loss_type="sigmoid")
     with pytest.raises(TrainConfigError, match=r"`loss_type` is not used by rloo"):
@@ -179,6 +179,8 @@ def test_loss_type_and_stage_refusals_name_the_allowed_values():
     with pytest.raises(TrainConfigError, match=r"`reward_funcs` entry 'r.py' must be path/to/file.py:name"):
         TrainConfig(stage="rloo", reward_funcs="r.py")
     assert TrainConfig(stage="gspo", loss_type="luspo").importance_sampling_level == "sequence"
+    grpo_sequence = TrainConfig(stage="grpo", importance_sampling_level="sequence", batch_size=8, num_generations=4)
+    assert grpo.rl_args(grpo_sequence, str(tmp_path), progress=False, weights=None).importance_sampling_level == "sequence"
 
 
 def test_grpo_loss_types_are_the_ones_trl_documents():

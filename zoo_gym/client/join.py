@@ -107,9 +107,9 @@ def _data_format(path: str) -> str:
 
     record = next(iter(iter_records(path)), (None, {}))[1]
     keys = {k for k, v in record.items() if v is not None} if isinstance(record, dict) else set()
-    for names, label in (({"chosen", "rejected"}, "preference pairs"), ({"conversations"}, "sharegpt"), ({"messages"}, "messages"),
-                         ({"prompt", "completion"}, "prompt/completion"), ({"instruction", "output"}, "alpaca"),
-                         ({"text"}, "text")):
+    for names, label in (({"chosen", "rejected"}, "preference pairs"), ({"conversations"}, "sharegpt"),
+                         ({"messages"}, "messages"), ({"prompt", "completion"}, "prompt/completion"),
+                         ({"instruction", "output"}, "alpaca"), ({"text"}, "text")):
         if keys & names:
             return label
     return "unknown"
