@@ -20,7 +20,8 @@ SPECIAL = {"method": "sft", "stage": "dpo", "finetuning_type": "full", "loss_typ
            "dp_noise_multiplier": 0.5, "dp_target_epsilon": 8.0, "loftq_bits": 8, "optim": "sgd",
            "freeze_trainable_modules": "mlp", "optim_target_modules": ["q_proj", "v_proj"], "flash_attn": "sdpa",
            "lr_scheduler_type": "cosine", "max_samples": 100, "logging_steps": 3,
-           "reward_funcs": "zoo_gym.gym_train.grpo:format_reward", "reward_weights": ["1", "0.5"]}
+           "reward_funcs": "zoo_gym.gym_train.grpo:format_reward", "reward_weights": ["1", "0.5"],
+           "reward_model": "reward_models/mine"}
 
 
 @pytest.fixture

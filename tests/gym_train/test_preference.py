@@ -10,7 +10,7 @@ from safetensors import safe_open
 from zoo_gym.codec import LoraFactors, decode, encode
 from zoo_gym.gym_train import (DataError, TrainConfig, TrainConfigError, builtin_examples, load_examples,
                                tiny_model_dir, train)
-from zoo_gym.gym_train.formats import check_stage_data
+from zoo_gym.gym_train.formats import check_stage_data, split_shared_prompt
 
 BASE = tiny_model_dir()
 
@@ -71,6 +71,26 @@ def test_builtin_pairs_follow_the_default_task_shards():
 _PAIR = {"instruction": "Say hi.", "input": "", "chosen": "hi", "rejected": "bye"}
 
 
+def _chat(*turns):
+    """Messages alternating user and assistant from the first; a leading ("system", text) is a system turn."""
+    roles = iter(("user", "assistant") * len(turns))
+    return [{"role": t[0], "content": t[1]} if isinstance(t, tuple) else {"role": next(roles), "content": t}
+            for t in turns]
+
+
+# TRL's implicit prompt: `chosen` and `rejected` hold the whole conversation (or text); the prompt is their
+# shared beginning
+IMPLICIT = [
+    ({"chosen": _chat("Say hi.", "hi"), "rejected": _chat("Say hi.", "bye")}, _PAIR),
+    ({"chosen": _chat(("system", "Be kind."), "a", "b", "Say hi.", "hi"),
+      "rejected": _chat(("system", "Be kind."), "a", "b", "Say hi.", "bye")},
+     {**_PAIR, "system": "Be kind.", "history": [["a", "b"]]}),
+    ({"chosen": "Say hi. hi", "rejected": "Say hi. bye"}, {**_PAIR, "chosen": " hi", "rejected": " bye"}),
+    # a text prompt beside whole conversations is set aside, as trl.maybe_extract_prompt does
+    ({"prompt": "Say hi.", "chosen": _chat("Say hi.", "hi"), "rejected": _chat("Say hi.", "bye")}, _PAIR),
+]
+
+
 @pytest.mark.parametrize("record, expected", [
     ({"prompt": "Say hi.", "chosen": "hi", "rejected": "bye"}, _PAIR),
     ({"prompt": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Say hi."}],
@@ -90,6 +110,7 @@ _PAIR = {"instruction": "Say hi.", "input": "", "chosen": "hi", "rejected": "bye
       "label": True}, {"instruction": "Say hi.", "input": "", "output": "hi", "label": True}),
     ({"conversations": [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "hi"}], "kto_tag": True},
      {"instruction": "Say hi.", "input": "", "output": "hi", "label": True}),
+    *IMPLICIT,
 ])
 def test_each_preference_format_loads(tmp_path, record, expected):
     p = tmp_path / "d.jsonl"
@@ -108,6 +129,13 @@ def test_each_preference_format_loads(tmp_path, record, expected):
     ({"conversations": [{"from": "human", "value": "q"}], "chosen": {"from": "human", "value": "a"},
       "rejected": {"from": "gpt", "value": "b"}}, "chosen.from"),
     ({"input": "x", "chosen": "a", "rejected": "b"}, "instruction"),
+    ({"chosen": _chat("q", "a"), "rejected": _chat("another q", "b")}, "prompt"),  # no shared prompt
+    ({"chosen": "yes", "rejected": "no"}, "prompt"),
+    ({"chosen": "q? yes", "rejected": _chat("q?", "no")}, "rejected"),
+    ({"chosen": _chat("q", "x", "y", "a"), "rejected": _chat("q", "x", "z", "b")}, "chosen"),  # two turns left
+    ({"chosen": _chat("q", "a") + [{"role": "user", "content": "more"}], "rejected": _chat("q", "b")}, "chosen"),
+    ({"chosen": _chat("q", "a"), "rejected": _chat("q") + [{"role": "user", "content": "b"}]}, "rejected[1].role"),
+    ({"chosen": _chat("q", "a"), "rejected": _chat("q", "a")}, "rejected"),  # the same answer
     ({"prompt": "q", "completion": "c", "label": "yes"}, "label"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "c"}], "kto_tag": 1},
      "kto_tag"),
@@ -118,6 +146,15 @@ def test_bad_preference_records_name_file_row_and_field(tmp_path, record, field)
     with pytest.raises(DataError) as e:
         load_examples(p)
     assert (e.value.file, e.value.where, e.value.field) == (str(p), "line 2", field)
+
+
+@pytest.mark.parametrize("record", [r for r, _ in IMPLICIT[:3]])
+def test_the_implicit_prompt_is_split_where_trl_splits_it(record):
+    from trl import extract_prompt
+
+    want = extract_prompt(record)
+    assert split_shared_prompt(record["chosen"], record["rejected"]) == (want["prompt"], want["chosen"],
+                                                                        want["rejected"])
 
 
 _ANSWERS = [{"instruction": "q", "input": "", "output": "a"}] * 4
@@ -157,7 +194,7 @@ def test_a_loss_type_the_stage_lacks_is_refused_naming_the_allowed_ones(stage, l
 
 def test_join_refuses_a_stage_without_its_data_before_contacting_a_server(tmp_path):
     from zoo_gym.client.contribute import JoinError
-    from zoo_gym.client.join import JoinOptions, prepare
+    from zoo_gym.client.join import JoinOptions, dry_run, prepare
 
     p = tmp_path / "answers.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in _ANSWERS * 2))
@@ -169,3 +206,9 @@ def test_join_refuses_a_stage_without_its_data_before_contacting_a_server(tmp_pa
     q.write_text("".join(json.dumps({"prompt": f"q{i}", "chosen": "a", "rejected": "b"}) + "\n" for i in range(8)))
     config, examples = prepare(dataclasses.replace(opts, data=str(q)))
     assert config.stage == "dpo" and examples[0] == {"instruction": "q0", "input": "", "chosen": "a", "rejected": "b"}
+    implicit = tmp_path / "implicit.jsonl"  # TRL's implicit prompt: whole conversations in chosen and rejected
+    implicit.write_text("".join(json.dumps({"chosen": _chat(f"q{i}", "a"), "rejected": _chat(f"q{i}", "b")}) + "\n"
+                                for i in range(8)))
+    doc = dry_run(dataclasses.replace(opts, data=str(implicit)))
+    assert doc["training"]["stage"] == "dpo" and doc["data"]["format"] == "preference pairs"
+    assert doc["data"]["examples"] == 8

@@ -89,11 +89,14 @@ def prepare(opts: JoinOptions) -> tuple[TrainConfig, list[dict] | None]:
         if n < 4:
             raise JoinError(f"{opts.data} ({n} examples): at least 4 examples are needed "
                             "(some are held out to measure the round)")
+    from zoo_gym.gym_train.reward_model import RewardModelError, check_reward_model
     from zoo_gym.gym_train.rewards_loader import RewardFuncError, check_reward_funcs
 
-    try:  # a contributor's own reward functions load and answer a sample before any server is contacted
+    try:  # a contributor's own rewards load (and functions answer a sample) before any server is contacted
         check_reward_funcs(config, examples)
-    except RewardFuncError as exc:
+        if config.reward_model is not None:
+            check_reward_model(config.reward_model)
+    except (RewardFuncError, RewardModelError) as exc:
         raise JoinError(str(exc)) from None
     return check_round(config, n_train=n - _held_count(n)), examples
 
@@ -104,9 +107,9 @@ def _data_format(path: str) -> str:
 
     record = next(iter(iter_records(path)), (None, {}))[1]
     keys = {k for k, v in record.items() if v is not None} if isinstance(record, dict) else set()
-    for names, label in (({"conversations"}, "sharegpt"), ({"messages"}, "messages"),
-                         ({"prompt", "completion"}, "prompt/completion"), ({"instruction", "output"}, "alpaca"),
-                         ({"text"}, "text")):
+    for names, label in (({"chosen", "rejected"}, "preference pairs"), ({"conversations"}, "sharegpt"),
+                         ({"messages"}, "messages"), ({"prompt", "completion"}, "prompt/completion"),
+                         ({"instruction", "output"}, "alpaca"), ({"text"}, "text")):
         if keys & names:
             return label
     return "unknown"

@@ -118,9 +118,13 @@ class TrainConfig:
         "help": "RL stages: reward functions as path/to/file.py:name or module:name, comma-separated [default: the "
                 "built-in exact-answer and format rewards]", "group": "RL",
         "aliases": ("reward_function", "reward_functions")})
+    reward_model: str | None = field(default=None, metadata={
+        "help": "RL stages: a local directory with a reward model (a sequence-classification checkpoint with one "
+                "label and its tokenizer, as TRL takes in reward_funcs; nothing is downloaded), alone or scored "
+                "after reward_funcs", "group": "RL", "aliases": ("reward_model_path",)})
     reward_weights: str | list[str] | None = field(default=None, metadata={
-        "help": "RL stages: one weight per reward function, comma-separated (TRL reward_weights) [default: 1 each]",
-        "group": "RL"})
+        "help": "RL stages: one weight per reward function (reward_funcs, then reward_model), comma-separated "
+                "(TRL reward_weights) [default: 1 each]", "group": "RL"})
     # Optimizer (transformers TrainingArguments' names, LLaMA-Factory's as aliases)
     optim: str = field(default="adamw_torch", metadata={
         "help": "adamw_torch | any transformers optim name (sgd, adafactor, galore_adamw, apollo_adamw ...) | "
@@ -237,7 +241,8 @@ def _apply_stage(cfg: TrainConfig, bad) -> None:
         cfg.stage, cfg.finetuning_type = METHODS[cfg.method]
         cfg.method = None  # applied once: a later dataclasses.replace keeps the stage it sets
     if cfg.stage not in STAGES:
-        bad("stage", f"must be one of {STAGES}" + (" (ppo is not offered: TRL 1.16 ships no PPO trainer; see "
+        bad("stage", f"must be one of {STAGES}" + (" (ppo is not offered: TRL 1.16 ships no PPO trainer; rloo, "
+                                                   "grpo and gspo take a reward_model; see "
                                                    "docs/design/training-stages.md)" if cfg.stage == "ppo" else ""))
     if cfg.finetuning_type not in FINETUNING_TYPES:
         bad("finetuning_type", f"must be one of {FINETUNING_TYPES}")
@@ -381,8 +386,10 @@ def check_rl_settings(cfg: TrainConfig) -> None:
     if cfg.stage in ("grpo", "gspo") and cfg.loss_type is not None and cfg.loss_type not in GRPO_LOSS_TYPES:
         raise TrainConfigError(f"`loss_type` for {cfg.stage} must be one of {', '.join(GRPO_LOSS_TYPES)} "
                                f"(TRL GRPOConfig), got {cfg.loss_type!r}")
+    if cfg.reward_model is not None and (not isinstance(cfg.reward_model, str) or not cfg.reward_model.strip()):
+        raise TrainConfigError(f"`reward_model` must be the path of a local directory, got {cfg.reward_model!r}")
     if cfg.reward_funcs is None and cfg.reward_weights is None:
-        return  # (like the other RL settings, both are unused by the other stages)
+        return  # (like the other RL settings, they are unused by the other stages)
     if not isinstance(cfg.reward_funcs, str | list | tuple | type(None)):
         raise TrainConfigError(f"`reward_funcs` must be text or a list of texts, got {cfg.reward_funcs!r}")
     specs = reward_func_specs(cfg.reward_funcs)
@@ -397,6 +404,8 @@ def check_rl_settings(cfg: TrainConfig) -> None:
     except (TypeError, ValueError):
         raise TrainConfigError(f"`reward_weights` must be numbers, comma-separated, got {cfg.reward_weights!r}"
                                ) from None
-    n = len(specs) or BUILTIN_REWARDS
+    n = len(specs) + (cfg.reward_model is not None) or BUILTIN_REWARDS
     if weights is not None and len(weights) != n:
-        raise TrainConfigError(f"`reward_weights` needs one weight per reward function ({n}), got {len(weights)}")
+        raise TrainConfigError(f"`reward_weights` needs one weight per reward function ({n}"
+                               f"{', the reward model last' if cfg.reward_model is not None else ''}), "
+                               f"got {len(weights)}")

@@ -2,12 +2,12 @@
 
 Detected per record: alpaca (``instruction``/``input``/``output``), sharegpt (``conversations``), OpenAI /
 TRL conversational (``messages``), TRL prompt-completion (``prompt``/``completion``), preference pairs (TRL
-``prompt``/``chosen``/``rejected``, LLaMA-Factory ranking data), KTO's ``prompt``/``completion``/``label``,
-and plain ``text`` where the caller accepts it (``allow_text=True``). Instruction records become
-``{"instruction", "input", "output"}`` plus optional ``"system"`` and ``"history"``; a pair keeps its prompt
-fields plus ``"chosen"``/``"rejected"``; a KTO record adds ``"label": bool``; ``text`` stays ``{"text"}``.
-``check_stage_data`` refuses records a stage cannot train on. Where records come from is ``sources.py``. A
-malformed record is a :class:`DataError` naming the file, line/record/row and field (docs/design/training.md).
+``prompt``/``chosen``/``rejected`` or its implicit prompt inside both, LLaMA-Factory ranking data), KTO's
+``prompt``/``completion``/``label``, plain ``text`` where the caller accepts it (``allow_text=True``). Records
+become ``{"instruction", "input", "output"}`` plus optional ``"system"``/``"history"``; a pair has ``"chosen"``/
+``"rejected"`` instead of ``"output"``; a KTO record adds ``"label": bool``; ``text`` stays ``{"text"}``.
+``check_stage_data`` refuses what a stage cannot train on; sources are ``sources.py``. A malformed record is a
+:class:`DataError` naming the file, line/record/row and field (docs/design/training.md).
 """
 
 from __future__ import annotations
@@ -174,11 +174,72 @@ def _pair_prompt(rec: dict, *, file: str, where: str) -> dict:
     return {k: v for k, v in done.items() if k != "output"}
 
 
+def _implicit_prompt(rec: dict) -> bool:
+    """Whether a pair's prompt is inside ``chosen`` and ``rejected`` (TRL's implicit-prompt form): no prompt
+    field at all, or, as trl.maybe_extract_prompt reads it, a text ``prompt`` beside whole conversations."""
+    if rec.keys() & {"conversations", "messages", "instruction", "input"}:
+        return False
+    prompt, chosen = rec.get("prompt"), rec.get("chosen")
+    if prompt is None:
+        return True
+    first = chosen[0] if isinstance(chosen, list) and chosen else None
+    role = first.get("role", first.get("from")) if isinstance(first, dict) else None
+    return isinstance(prompt, str) and isinstance(role, str) and role.lower() not in _ASSISTANT_ROLES
+
+
+def split_shared_prompt(chosen, rejected):
+    """(prompt, chosen rest, rejected rest): the longest shared prefix of two texts or message lists, by
+    trl.extract_prompt's rule (a text prompt gives its trailing space to the answers)."""
+    idx = 0
+    for idx in range(min(len(chosen), len(rejected))):
+        if chosen[idx] != rejected[idx]:
+            if idx > 0 and chosen[idx - 1] == " ":  # (TRL also steps back at idx 0, to chosen[-1])
+                idx -= 1
+            break
+    return chosen[:idx], chosen[idx:], rejected[idx:]
+
+
+def _implicit_pair(rec: dict, *, file: str, where: str) -> dict:
+    """A pair whose ``chosen`` and ``rejected`` hold the prompt too: both texts, or both message lists that
+    share their first turns and end with one assistant message each."""
+    chosen, rejected = rec.get("chosen"), rec.get("rejected")
+    for key, v in (("chosen", chosen), ("rejected", rejected)):
+        if v is None:
+            raise DataError(file, where, key, "missing (a preference pair needs both `chosen` and `rejected`)")
+    kinds = {type(chosen), type(rejected)}
+    if kinds not in ({str}, {list}):
+        raise DataError(file, where, "rejected", "must be the same kind as `chosen` (both texts or both message "
+                                                 "lists) when the prompt is inside them")
+    prompt, *rests = split_shared_prompt(chosen, rejected)
+    if not (prompt.strip() if isinstance(prompt, str) else prompt):
+        raise DataError(file, where, "prompt", "missing, and `chosen` and `rejected` share no beginning to take "
+                                               "it from (TRL's implicit prompt)")
+    for key, rest in zip(("chosen", "rejected"), rests):
+        if isinstance(rest, list) and len(rest) != 1:
+            raise DataError(file, where, key, f"must end with one assistant message after the {len(prompt)} turns "
+                                              f"it shares with the other answer (it has {len(rest)})")
+    if isinstance(prompt, str):
+        out = {"instruction": prompt, "input": ""}
+    else:
+        done = _turns(prompt + [{"role": "assistant", "content": "-"}], key="chosen", file=file, where=where)
+        out = {k: v for k, v in done.items() if k != "output"}
+    for key, rest in zip(("chosen", "rejected"), rests):
+        try:
+            out[key] = _answer({key: rest}, key, file=file, where=where)
+        except DataError as exc:  # the answer is turn len(prompt) of the record's list
+            raise DataError(file, where, exc.field.replace(f"{key}[0]", f"{key}[{len(prompt)}]"),
+                            exc.problem) from None
+    return out
+
+
 def _pair(rec: dict, *, file: str, where: str) -> dict:
     """A preference pair: its prompt plus ``chosen`` and ``rejected`` answer strings."""
-    out = _pair_prompt(rec, file=file, where=where)
-    out["chosen"] = _answer(rec, "chosen", file=file, where=where)
-    out["rejected"] = _answer(rec, "rejected", file=file, where=where)
+    if _implicit_prompt(rec):
+        out = _implicit_pair(rec, file=file, where=where)
+    else:
+        out = _pair_prompt(rec, file=file, where=where)
+        out["chosen"] = _answer(rec, "chosen", file=file, where=where)
+        out["rejected"] = _answer(rec, "rejected", file=file, where=where)
     if out["chosen"] == out["rejected"]:
         raise DataError(file, where, "rejected", "is the same as `chosen` (no preference to learn)")
     return out

@@ -5,8 +5,9 @@ advantages, no value model). GSPO: Zheng et al., "Group Sequence Policy Optimiza
 TRL's ``importance_sampling_level="sequence"``.
 
 RLOO: Ahmadian et al., "Back to Basics: Revisiting REINFORCE Style Optimization", 2024 (leave-one-out
-baseline). Rewards are the contributor's (``rewards_loader.py``) or the built-in exact answer + format, in
-TRL's convention ``(completions, **kwargs) -> list[float]``; completions arrive as lists of messages.
+baseline). Rewards are the contributor's functions (``rewards_loader.py``) and/or a local reward model
+(``reward_model.py``, scored last), or the built-in exact answer + format, in TRL's convention
+``(completions, **kwargs) -> list[float]``; completions arrive as lists of messages.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .delta import load_base_state
 from .evaluate import Evaluator, load_tokenizer
 from .finetuning import delta_of, prepare
 from .optimizers import trainer_optimizers
+from .reward_model import RewardModel
 from .rewards_loader import check_reward_funcs, reward_kwargs
 
 _INT = re.compile(r"-?\d+")
@@ -108,8 +110,10 @@ def _train_rl(model, tokenizer, train_ex, config: TrainConfig, funcs, weights, p
     from trl import GRPOTrainer, RLOOTrainer
 
     trainer_cls = RLOOTrainer if config.stage == "rloo" else GRPOTrainer
+    models = [f if isinstance(f, RewardModel) else None for f in funcs]  # TRL scores a model itself
     with tempfile.TemporaryDirectory(prefix=f"zoo_gym_{config.stage}_") as tmp:
-        trainer = trainer_cls(model=model, reward_funcs=list(funcs),
+        trainer = trainer_cls(model=model, reward_funcs=[m.model if m else f for f, m in zip(funcs, models)],
+                              reward_processing_classes=[m.tokenizer if m else None for m in models],
                               args=rl_args(config, tmp, progress=progress, weights=weights),
                               train_dataset=grpo_dataset(train_ex), processing_class=tokenizer,
                               optimizers=trainer_optimizers(model, config))
@@ -125,7 +129,8 @@ def train_grpo(base_dir, examples, config: TrainConfig, *, base_sha256: str, eva
 
     train_ex, held = split_heldout(examples, eval_examples)
     custom = check_reward_funcs(config, train_ex)  # before any model loads: a bad reward fails in one line
-    funcs = custom or list(REWARD_FUNCS)
+    reward_model = RewardModel(config.reward_model) if config.reward_model else None
+    funcs = (custom or []) + ([reward_model] if reward_model else []) or list(REWARD_FUNCS)
     weights = reward_weight_values(config.reward_weights)
     quiet_libraries(progress)
     set_seed(config.seed)
@@ -168,6 +173,7 @@ def train_grpo(base_dir, examples, config: TrainConfig, *, base_sha256: str, eva
         "train_reward_last": train_rewards[-1] if train_rewards else None,
         "reward_funcs": [getattr(f, "__name__", type(f).__name__) for f in funcs],
         "reward_weights": weights,
+        "reward_model": reward_model.architecture if reward_model else None,  # not its path: that is local
         "rl_trainer": "RLOOTrainer" if config.stage == "rloo" else "GRPOTrainer",
         "loss_type": rl_loss_type(config),
         "importance_sampling_level": None if config.stage == "rloo" else config.importance_sampling_level,
