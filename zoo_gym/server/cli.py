@@ -320,13 +320,27 @@ def export(
     round_id: Optional[int] = typer.Option(None, "--round", help="Round whose published checkpoint to export "
                                                                  "(0 = the base) \\[default: the latest]."),
     fmt: str = typer.Option("hf", "--format", help="hf: a Hugging Face directory; gguf: one .gguf file for "
-                                                    "llama.cpp / Ollama (needs the gguf package)."),
+                                                    "llama.cpp / Ollama (needs the gguf package); peft: the round's "
+                                                    "update as a PEFT LoRA adapter (truncated SVD) for the "
+                                                    "previous round's checkpoint."),
     quantization: str = typer.Option("f16", help="GGUF tensor type: f16, bf16 or q8_0."),
     license: str = typer.Option("unknown", "--license", help="The card's license (a Hub license id such as "
                                                              "apache-2.0; a fine-tune inherits its base's)."),
+    rank: Optional[int] = typer.Option(None, "--rank", help="--format peft: the LoRA rank of every tensor "
+                                       "\\[default: per tensor, the smallest with relative error <= 1e-3]."),
 ) -> None:
     """Write a published checkpoint as a plain Hugging Face directory (loads with from_pretrained) or a GGUF
-    file, with a README.md model card: base model, lineage, contributors, privacy spent, held-out loss."""
+    file, with a README.md model card: base model, lineage, contributors, privacy spent, held-out loss.
+    --format peft writes the round's update instead and prints, as JSON, each tensor's rank and error."""
+    if fmt == "peft":
+        with _one_line_errors():
+            from zoo_gym.server.store.peft_export import export_round_adapter
+
+            report = export_round_adapter(open_state(state_dir), out, round_id=round_id, rank=rank)
+        typer.echo(json.dumps(report.as_json(out), indent=2))
+        return
+    if rank is not None:
+        _fail("--rank is for --format peft")
     with _one_line_errors():
         state = open_state(state_dir)
         from zoo_gym.server.store.export import export_checkpoint

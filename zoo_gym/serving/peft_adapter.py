@@ -29,11 +29,14 @@ def is_peft_dir(path) -> bool:
     return pathlib.Path(path).is_dir() and (pathlib.Path(path) / CONFIG).is_file()
 
 
-def write_peft_adapter(factors: dict, out, *, base_dir, base_sha256: str, base_name: str) -> pathlib.Path:
-    """`out`/adapter_config.json + adapter_model.safetensors from ``{base weight name: LoraFactors}``."""
+def write_peft_adapter(factors: dict, out, *, base_dir, base_sha256: str, base_name: str,
+                       base_config: dict | None = None, metadata: dict | None = None) -> pathlib.Path:
+    """`out`/adapter_config.json + adapter_model.safetensors from ``{base weight name: LoraFactors}``;
+    `base_config`: the base's config.json (default: read from `base_dir`); `metadata`: more safetensors
+    metadata (strings)."""
     from safetensors.torch import save_file
 
-    cfg = json.loads((pathlib.Path(base_dir) / "config.json").read_text())
+    cfg = base_config if base_config is not None else json.loads((pathlib.Path(base_dir) / "config.json").read_text())
     conv1d = cfg.get("model_type") == "gpt2"  # factors arrive as (A=B.T, B=A.T) in the (in, out) layout
     tensors, ranks = {}, {}
     for name, f in sorted(factors.items()):
@@ -54,7 +57,8 @@ def write_peft_adapter(factors: dict, out, *, base_dir, base_sha256: str, base_n
               "alpha_pattern": {m: k for m, k in ranks.items() if k != r}}  # alpha == rank: scaling 1
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt", "zoo_gym_base_sha256": base_sha256})
+    save_file(tensors, str(out / WEIGHTS), metadata={**(metadata or {}), "format": "pt",
+                                                     "zoo_gym_base_sha256": base_sha256})
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return out
 

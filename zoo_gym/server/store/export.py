@@ -66,7 +66,7 @@ def export_checkpoint(state: ServerState, out: Path, *, round_id: int | None = N
     if not Path(blob).is_file():
         raise StateError(f"the blob of checkpoint {ckpt.sha256[:12]} is missing from {state.blobs.root}")
     if fmt not in ("hf", "gguf"):
-        raise StateError(f"--format must be hf or gguf, got {fmt!r}")
+        raise StateError(f"--format must be hf, gguf or peft, got {fmt!r}")
     rows = card_rows(lineage(state, ckpt))
     if fmt == "hf":
         archive.unpack(blob, out)
