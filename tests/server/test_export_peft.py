@@ -119,3 +119,55 @@ def test_what_a_lora_cannot_carry_is_reported_and_rounds_without_an_update_are_r
     res = _export(state_dir, tmp_path / "refused", "--format", "peft", "--round", "1")
     assert res.exit_code == 2 and "no longer stored (swept)" in res.output, res.output
     assert len(res.output.strip().splitlines()) == 1 and not (tmp_path / "refused").exists()
+
+
+def test_a_bf16_gpt2_round_is_factored_from_its_float32_masters_in_the_conv1d_layout(tmp_path):
+    """A bf16 base: the published difference is mostly rounding, the stored float32 masters are the update;
+    GPT-2 stores Conv1D weights (in, out), which PEFT loads with fan_in_fan_out."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from zoo_gym.gym_train.families import make_random_base
+    from tests.server.conftest import Federation
+    from zoo_gym.server.config import build_config
+    from zoo_gym.server.genesis import init_state
+    from zoo_gym.server.transport.servicer import build_server
+
+    base = make_random_base("gpt2", tmp_path / "base")
+    AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).save_pretrained(base)
+    state = init_state(tmp_path / "state", base_model=str(base))
+    config = build_config({}, port=0, insecure=True, min_contributors=2, aggregator="mean", round_timeout=600,
+                          validation_examples=8, max_payload_bytes=16 << 20, max_chunk_bytes=1 << 20)
+    server, port, rounds = build_server(state, config)
+    server.start()
+    rounds.start()
+    federation = Federation(state, config, server, port, rounds)
+    try:
+        shapes = federation.base_shapes()
+        names = [k for k, s in shapes.items() if len(s) == 2 and any(p in k for p in ("c_attn", "c_fc", "c_proj"))]
+        g = torch.Generator().manual_seed(5)
+        for _ in range(2):  # the base layout, as the trainer sends them: B @ A is (in, out) for Conv1D
+            factors = {k: LoraFactors(A=torch.randn(2, shapes[k][1], generator=g) * 0.1,
+                                      B=torch.randn(shapes[k][0], 2, generator=g) * 0.1) for k in names}
+            key, cid = federation.register()
+            federation.submit(key, cid, codec.encode(factors, codec="lora", lora_codec="fp32"))
+        federation.wait_published(1)
+    finally:
+        federation.stop()
+    for rnd in (0, 1):
+        assert _export(tmp_path / "state", tmp_path / f"r{rnd}", "--round", str(rnd)).exit_code == 0
+    res = _export(tmp_path / "state", tmp_path / "adapter", "--format", "peft", "--round", "1")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert doc["update_source"] == "float32 masters" and set(doc["tensors"]) == set(names)
+    assert all(t["rank"] == 4 for t in doc["tensors"].values()) and doc["max_relative_error"] <= 1e-3
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["fan_in_fan_out"] is True
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "r0")
+    base_model = AutoModelForCausalLM.from_pretrained(tmp_path / "r0", dtype=torch.float32)
+    before = _logits(base_model, tok)
+    target = _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "r1", dtype=torch.float32), tok)
+    got = _logits(PeftModel.from_pretrained(base_model, str(tmp_path / "adapter")), tok)
+    tolerance = dict(atol=1e-2, rtol=1.6e-2)  # round 1 is the float32 update rounded to bf16
+    torch.testing.assert_close(got, target, **tolerance)
+    assert not torch.allclose(before, target, **tolerance)
