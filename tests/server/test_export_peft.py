@@ -122,7 +122,7 @@ def test_what_a_lora_cannot_carry_is_reported_and_rounds_without_an_update_are_r
 
 
 def test_a_bf16_gpt2_round_is_factored_from_its_float32_masters_in_the_conv1d_layout(tmp_path):
-    """A bf16 base: the published difference is mostly rounding, the stored float32 masters are the update;
+    """A bf16 base: rounding makes the published difference full-rank, the stored float32 masters are the update;
     GPT-2 stores Conv1D weights (in, out), which PEFT loads with fan_in_fan_out."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
