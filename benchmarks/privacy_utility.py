@@ -2,7 +2,7 @@
 simulation engine (ray). Held-out loss of the tiny model against epsilon (delta = 1e-6).
 
     python benchmarks/privacy_utility.py --quick     # N=100, z in {1, 4}, 2 rounds (~5-10 min on 2 busy cores)
-    python benchmarks/privacy_utility.py             # N=100 and 1000, z in {0.5, 1, 2, 4} (4 rounds, cohort 20; ~1 h on 2 busy cores)
+    python benchmarks/privacy_utility.py             # N=100 and 1000, z in {0.5, 1, 2, 4} (3 rounds, cohort 20; ~1 h on 2 busy cores)
     python benchmarks/privacy_utility.py --ray-address auto   # on a ray cluster (README: ray start --head / --address)
 
 Protocol (also in the JSON under "protocol"): N virtual contributors (`flower_apps.client_app`), contributor
@@ -138,7 +138,7 @@ def run_population(n: int, args, configs: list[dict]) -> list[dict]:
     from zoo_gym.gym_train import default_validation_examples
 
     q = args.cohort / n
-    cache = tempfile.mkdtemp(prefix="zoo-gym-pu-cache-")
+    cache = args.cache_dir or tempfile.mkdtemp(prefix="zoo-gym-pu-cache-")
     rows: list[dict] = []
     app = ServerApp()
 
@@ -251,7 +251,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="N=100, z in {1, 4}, 2 rounds, cohort 10")
     ap.add_argument("--n", default="100,1000", help="populations (comma-separated)")
     ap.add_argument("--z", default="0.5,1,2,4", help="noise multipliers (comma-separated); 0 = non-private is always run")
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cohort", type=int, default=20, help="expected contributors per round m; q = m / N")
     ap.add_argument("--steps", type=int, default=2, help="LoRA steps per contributor round")
     ap.add_argument("--batch-size", type=int, default=4)
@@ -263,6 +263,8 @@ def main() -> None:
     ap.add_argument("--val", type=int, default=64, help="held-out examples")
     ap.add_argument("--cpus", type=int, default=os.cpu_count() or 1, help="ray CPUs (one contributor each)")
     ap.add_argument("--ray-address", help="connect to a running ray cluster (e.g. auto) instead of a local one")
+    ap.add_argument("--cache-dir", help="training cache (default: a fresh temporary directory); entries are keyed "
+                    "by every input of a training, so a cache from an earlier run only saves time")
     ap.add_argument("--out", default="benchmarks/results/privacy_utility.json")
     args = ap.parse_args()
     if args.quick:
