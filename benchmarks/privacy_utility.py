@@ -183,8 +183,9 @@ def run_population(n: int, args, configs: list[dict]) -> list[dict]:
 
 def targets(rows: list[dict], *, n: int, z: float) -> dict:
     """epsilon, gain_share and gain_share_byzantine at (n, z) against the non-private clean run (held-out
-    loss, the issue's measure), the same shares of held-out token accuracy, and the share of the loss
-    gain that the run's noise alone gives (`noise_only_gain_share`, no training)."""
+    loss, the issue's measure), the same shares of held-out token accuracy, the share of the loss gain the
+    run's noise alone gives (`noise_only_gain_share`, no training) and the run's gain beyond that control
+    (`net_gain_share` = (L_noise_only - L_run) / (L_base - L_nonprivate))."""
     pick = {(r["z"], r["byzantine"] > 0): r for r in rows if r["n"] == n}
     first = rows[0]
     clean, private, byz = pick.get((0.0, False)), pick.get((z, False)), pick.get((z, True))
@@ -201,11 +202,15 @@ def targets(rows: list[dict], *, n: int, z: float) -> dict:
            "gain_share": share(private, "final_loss", base_loss, -1.0),
            "gain_share_byzantine": share(byz, "final_loss", base_loss, -1.0),
            "noise_only_gain_share": share({"final_loss": noise["loss"]}, "final_loss", base_loss, -1.0) if noise else None,
+           "net_gain_share": share({"final_loss": private["final_loss"] - noise["loss"] + base_loss}, "final_loss",
+                                   base_loss, -1.0) if noise else None,
            "base_accuracy": base_acc, "nonprivate_accuracy": clean and clean["final_accuracy"],
            "accuracy_gain_share": share(private, "final_accuracy", base_acc, 1.0),
            "accuracy_gain_share_byzantine": share(byz, "final_accuracy", base_acc, 1.0)}
     out["met"] = bool(out["epsilon"] is not None and out["epsilon"] <= 8 and (out["gain_share"] or 0) >= 0.8
                       and (out["gain_share_byzantine"] or 0) >= 0.7)
+    # the same loss target net of what the run's noise alone does to this base (see the protocol)
+    out["met_net_of_noise"] = bool(out["met"] and (out["net_gain_share"] or 0) >= 0.8)
     return out
 
 
@@ -265,8 +270,19 @@ def main() -> None:
     ap.add_argument("--ray-address", help="connect to a running ray cluster (e.g. auto) instead of a local one")
     ap.add_argument("--cache-dir", help="training cache (default: a fresh temporary directory); entries are keyed "
                     "by every input of a training, so a cache from an earlier run only saves time")
+    ap.add_argument("--from-json", help="recompute `targets` and the plot from this earlier output's rows "
+                    "(no simulation); written to --out")
     ap.add_argument("--out", default="benchmarks/results/privacy_utility.json")
     args = ap.parse_args()
+    if args.from_json:
+        report = json.loads(Path(args.from_json).read_text())
+        rows, ns = report["rows"], sorted({r["n"] for r in report["rows"]})
+        report["targets"] = targets(rows, n=ns[-1], z=args.target_z if args.target_z is not None
+                                    else chosen_z(rows, n=ns[-1]))
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        plot(rows, Path(args.out).with_suffix(".png"))
+        print(json.dumps(report["targets"], indent=1))
+        return
     if args.quick:
         args.n, args.z, args.rounds, args.cohort = "100", "1,4", 2, 10
     ns, zs = [int(x) for x in args.n.split(",")], [float(x) for x in args.z.split(",")]
