@@ -191,8 +191,8 @@ def targets(rows: list[dict], *, n: int, z: float) -> dict:
     clean, private, byz = pick.get((0.0, False)), pick.get((z, False)), pick.get((z, True))
 
     def share(run: dict | None, key: str, base: float, sign: float) -> float | None:
-        if run is None or clean is None or clean[key] == base:
-            return None
+        if run is None or clean is None or not sign * (clean[key] - base) > 0:
+            return None  # a share of no gain (the non-private run did not improve this measure) is undefined
         return sign * (run[key] - base) / (sign * (clean[key] - base))
 
     base_loss, base_acc = first["losses"][0], first["accuracies"][0]
@@ -279,6 +279,7 @@ def main() -> None:
         rows, ns = report["rows"], sorted({r["n"] for r in report["rows"]})
         report["targets"] = targets(rows, n=ns[-1], z=args.target_z if args.target_z is not None
                                     else chosen_z(rows, n=ns[-1]))
+        report["targets_recomputed"] = "by --from-json from the rows of " + Path(args.from_json).name
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
         plot(rows, Path(args.out).with_suffix(".png"))
         print(json.dumps(report["targets"], indent=1))
