@@ -44,7 +44,7 @@ def run(tmp_path_factory):
     tls = make_certificates(root / "tls", hosts=("127.0.0.1", "localhost"))
     config = root / "fed.toml"
     config.write_text(f'mode = "async"\nbuffer-size = 2\nmax-staleness = 20\naggregator = "mean"\n'
-                      f'min-quality = 0.0\nsample-rate = {Q}\nround-timeout = 3\n'
+                      f'min-quality = 0.0\nsample-rate = {Q}\nround-timeout = 10\n'
                       f'dp-noise-multiplier = {Z}\ndp-clip = 1.0\ndp-delta = {DELTA}\n')
     port_file = root / "port"
     server = subprocess.Popen(_server("serve", "--state-dir", str(state_dir), "--port", "0", "--port-file",
@@ -55,7 +55,7 @@ def run(tmp_path_factory):
     try:
         port = _wait(lambda: port_file.exists() and port_file.read_text().strip() and int(port_file.read_text()),
                      timeout=120, what="the server to listen", procs=[server])
-        clients = [client(root, name, port, rounds=50, steps=2, shard=i) for i, name in enumerate("ABCD")]
+        clients = [client(root, name, port, rounds=50, steps=10, shard=i) for i, name in enumerate("ABCD")]
 
         def published():
             done = [r for r in _status(state_dir)["rounds"] if r["state"] == "published"]
