@@ -83,3 +83,41 @@ def test_a_round_short_of_selected_people_adds_a_draw_and_the_accountant_charges
     late = datetime.now(timezone.utc).replace(year=2100)  # registered after every cutoff: never selected
     assert not any(sampling.is_selected(key, rnd, c, late, 0.1) for c in ids)
     assert all(sampling.is_selected(key, rnd, c, late, 1.0) for c in ids)  # q = 1: everyone, as before
+
+
+def test_a_round_is_charged_the_sample_rate_it_closed_with_whatever_the_setting_says_later(federation_with):
+    import dataclasses
+
+    from sqlmodel import select
+
+    from zoo_gym.aggregation.privacy import epsilon
+    from zoo_gym.server.rounds.policy import policy_for
+    from zoo_gym.server.rounds.publish import publish_round, record_round_inputs
+    from zoo_gym.server.store.models import RoundInputs, RoundState, Submission
+
+    z, delta = 1.0, 1e-5
+    fed = federation_with(sample_rate=Q, min_contributors=3, dp_noise_multiplier=z, dp_clip=0.05, dp_delta=delta)
+    fed.rounds.stop()  # this test closes and publishes the round itself
+    people = _open_after_registering(fed, 12)
+    with fed.state.session() as s:
+        chosen = set(sampling.selected_ids(s, sampling.selection_key(fed.state.key), s.get(Round, 1), Q))
+    for seed, (key, cid) in enumerate([p for p in people if p[1] in chosen][:2]):
+        fed.submit(key, cid, codec.encode(fed.small_delta(seed=seed), codec="fp16"))
+    with fed.state.write_lock, fed.state.session() as s:  # close it, as the manager does
+        rnd = s.get(Round, 1)
+        rnd.state, rnd.closed_at = RoundState.AGGREGATING, datetime.now(timezone.utc)
+        s.add(rnd)
+        subs = list(s.exec(select(Submission).where(Submission.round_id == 1).order_by(Submission.id)))
+        record_round_inputs(fed.state, fed.config, policy_for(fed.config), 1, [x.contributor_id for x in subs], s)
+        s.commit()
+        s.refresh(rnd)
+
+    later = dataclasses.replace(fed.config, sample_rate=0.9)  # a restart with another --sample-rate
+    assert publish_round(fed.state, later, rnd, subs).startswith("published")
+
+    with fed.state.session() as s:
+        assert s.get(RoundInputs, 1).sample_rate == Q
+        published = s.get(Round, 1)
+        assert published.dp_sample_rate == Q
+        assert published.dp_epsilon_total == pytest.approx(epsilon([(z, Q, 1)], delta=delta))
+        assert published.dp_epsilon_total < epsilon([(z, 0.9, 1)], delta=delta)

@@ -34,8 +34,11 @@ class DeltaSoupStrategy(FedAvg):
     """FedAvg's sampling and messaging with DeltaSoup's aggregation.
 
     `reports` keeps one `SoupReport` per round; `accountant` accumulates DP rounds; `population`
-    is the number of registered nodes for q (default: nodes connected at round start).
+    is the number of registered nodes for q (default: nodes connected at round start); `sample_rate`
+    (set by subclasses that sample nodes at random) is accounted as q instead of m / population.
     """
+
+    sample_rate: float | None = None
 
     def __init__(self, config: SoupConfig, *, generator: torch.Generator | None = None,
                  accountant: PrivacyAccountant | None = None, population: int | None = None,
@@ -78,7 +81,7 @@ class DeltaSoupStrategy(FedAvg):
         try:
             report = self.soup.run(source, lambda name, t: out.__setitem__(name, t),
                                    generator=self.generator, accountant=self.accountant,
-                                   population=self.population or self._seen_nodes)
+                                   population=self.population or self._seen_nodes, sample_rate=self.sample_rate)
         except PrivacyBudgetExceeded as exc:
             self.stopped = str(exc)
             return None, None

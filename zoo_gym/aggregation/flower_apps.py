@@ -138,7 +138,8 @@ class SampledSoupStrategy(DeltaSoupStrategy):
 
     `seed` fixes the sampling draws (the same cohorts for runs with the same seed). `population`
     (default: the nodes connected) is N of q = m / N; the first round waits up to `wait_s` seconds
-    for N nodes. A round that samples nobody publishes nothing and is not accounted.
+    for N nodes. Under DP every round the sampler ran is accounted as one sampled-Gaussian step (z, q),
+    also one that sampled nobody or whose cohort the rule refused (it publishes nothing).
     """
 
     def __init__(self, config: SoupConfig, *, sample_rate: float, seed: int = 0, wait_s: float = 120.0,
@@ -166,6 +167,21 @@ class SampledSoupStrategy(DeltaSoupStrategy):
         config["server-round"] = server_round
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
         return self._construct_messages(record, chosen, MessageType.TRAIN)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        published = len(self.reports)
+        out = super().aggregate_train(server_round, replies)
+        config = self.soup.config
+        if len(self.reports) == published and self.stopped is None and config.dp_enabled:
+            z, q = config.dp_noise_multiplier, self.sample_rate
+            target = config.dp_target_epsilon
+            if target is not None and self.accountant.epsilon_if_step(
+                    noise_multiplier=z, sample_rate=q, delta=config.dp_delta) > target:
+                self.stopped = f"round {server_round}: accounting it would exceed dp_target_epsilon {target}"
+            else:
+                self.accountant.step(noise_multiplier=z, sample_rate=q)
+        return out
 
     def reply_delta(self, msg: Message, base: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         payload = msg.content["delta"]["payload"].numpy().tobytes()

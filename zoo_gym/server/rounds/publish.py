@@ -165,14 +165,15 @@ def round_generator(state: ServerState, base_sha256: str) -> torch.Generator:
 
 def record_round_inputs(state: ServerState, config: ServerConfig, policy, round_id: int, contributors: list[str],
                         session) -> RoundInputs:
-    """Copy what the round's outcome depends on (reputations, clip norm) into its row, with the population
-    (registered contributors, for the record: privacy is accounted with q = 1, not from it).
+    """Copy what the round's outcome depends on (reputations, clip norm, the sample rate its draws gave each
+    person) into its row, with the population (registered contributors, for the record: never a q).
 
     Called in the transaction that closes the round; the caller commits."""
     population = int(session.exec(select(func.count()).select_from(Contributor)).one())
     reps = current_reputations(state, config, contributors, session=session)
     inputs = RoundInputs(round_id=round_id, reputations_json=json.dumps(reps, sort_keys=True),
-                         dp_clip=_last_dp_clip(session, round_id), population=max(population, 1))
+                         dp_clip=_last_dp_clip(session, round_id), population=max(population, 1),
+                         sample_rate=_sample_rate(config, session.get(Round, round_id)) or 1.0)
     inputs.staleness_json = policy.record(session, round_id)  # async: each delta's staleness and weight
     session.add(inputs)
     return inputs
@@ -321,10 +322,19 @@ def open_streams(state: ServerState, config: ServerConfig, job: RoundJob, evalua
 
 
 def _sample_rate(config: ServerConfig, rnd: Round) -> float | None:
-    """The probability each person had of being selected for this round (its draws), None without sampling."""
+    """The probability each person had of being selected for this round (its draws), None without sampling.
+    Read when the round closes (`record_round_inputs`); publishing uses the recorded figure."""
     if config.sample_rate >= 1.0:
         return None
     return sampling.effective_rate(config.sample_rate, len(sampling.cutoffs(rnd)))
+
+
+def _recorded_rate(config: ServerConfig, job: RoundJob) -> float | None:
+    """The round's q as recorded at close (a later --sample-rate does not rewrite it); rows closed by a version
+    that did not record it: today's setting with the round's draws (None: q = 1)."""
+    if job.inputs.sample_rate is not None:
+        return job.inputs.sample_rate
+    return _sample_rate(config, job.rnd)
 
 
 def aggregate(state: ServerState, config: ServerConfig, job: RoundJob, streams: Streams):
@@ -340,7 +350,7 @@ def aggregate(state: ServerState, config: ServerConfig, job: RoundJob, streams: 
         with threads_beside_writers():  # the writer's two threads stream while the soup computes
             return DeltaSoup(job.soup, dp_clip=job.inputs.dp_clip).run(
                 rows, job.flush.sink(streams.writer.sink), weights=row_weights, generator=gen,
-                accountant=job.accountant, sample_rate=_sample_rate(config, rnd))  # None: q = 1, as above
+                accountant=job.accountant, sample_rate=_recorded_rate(config, job))
     except NotRobustConfigError as exc:
         _reopen(state, rnd.id, len(job.subs) + 1, f"waiting for more submissions: {exc}")
         return f"REOPENED ({exc})"

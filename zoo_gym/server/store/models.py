@@ -93,11 +93,15 @@ class RoundInputs(SQLModel, table=True):
     round_id: int = Field(primary_key=True)
     reputations_json: str = "{}"  # contributor id -> reputation before this round
     dp_clip: float | None = None  # clip norm the previous published round chose (None: the configured one)
-    population: int = 1  # registered contributors at close; for the record only (DP is accounted with q = 1)
+    population: int = 1  # registered contributors at close; for the record only (never taken as a q)
     # Asynchronous mode (zoo_gym/server/rounds/async_rounds.py), None in a synchronous round: the flush's server
     # learning rate and staleness exponent, and per contributor the staleness of its delta (versions published
     # since its base) and its weight (1 + s) ** -a, as they were when the buffer closed.
     staleness_json: str | None = None
+    # Server-side sampling: each person's probability of being in this round's draws (sampling.effective_rate of
+    # --sample-rate and the round's draws) as it was at close, 1.0 without sampling; the accountant charges it.
+    # None: closed by a version that did not record it.
+    sample_rate: float | None = None
 
 
 class Submission(SQLModel, table=True):

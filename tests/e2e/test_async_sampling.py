@@ -1,0 +1,96 @@
+"""Asynchronous rounds with server-side Poisson sampling end to end (issue 31), real processes: one `gym-server
+serve` in async mode with --sample-rate 0.5 and central DP, four `gym-client join` processes.
+
+Every buffer flushed holds only deltas of contributors the server's key selected for it (the clients register
+after version 1 opened, so they are eligible from a later draw on), each published version records the rate its
+draws gave each person, and the epsilon reported is the accountant's for exactly those rates.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from e2e_processes import ENV, client, status as _status, wait_for as _wait
+from e2e_processes import server_cmd as _server
+from zoo_gym.aggregation.privacy import epsilon
+from zoo_gym.proto.tls import make_certificates
+from zoo_gym.server.rounds import sampling
+from zoo_gym.server.store.models import Contributor, Round
+from zoo_gym.server.store.state import open_state
+
+Q, Z, DELTA, VERSIONS = 0.5, 1.0, 1e-5, 2
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("async-sampling")
+    state_dir = root / "server"
+    subprocess.run(_server("init", "--state-dir", str(state_dir), "--base-model", "tiny"), check=True, env=ENV,
+                   capture_output=True)
+    tls = make_certificates(root / "tls", hosts=("127.0.0.1", "localhost"))
+    config = root / "fed.toml"
+    config.write_text(f'mode = "async"\nbuffer-size = 2\nmax-staleness = 20\naggregator = "mean"\n'
+                      f'min-quality = 0.0\nsample-rate = {Q}\nround-timeout = 10\n'
+                      f'dp-noise-multiplier = {Z}\ndp-clip = 1.0\ndp-delta = {DELTA}\n')
+    port_file = root / "port"
+    server = subprocess.Popen(_server("serve", "--state-dir", str(state_dir), "--port", "0", "--port-file",
+                                      str(port_file), "--config", str(config), "--ssl-certfile", str(tls.cert),
+                                      "--ssl-keyfile", str(tls.key)),
+                              stderr=open(root / "server.log", "w"), env=ENV)
+    clients = []
+    try:
+        port = _wait(lambda: port_file.exists() and port_file.read_text().strip() and int(port_file.read_text()),
+                     timeout=120, what="the server to listen", procs=[server])
+        clients = [client(root, name, port, rounds=50, steps=10, shard=i) for i, name in enumerate("ABCD")]
+
+        def published():
+            done = [r for r in _status(state_dir)["rounds"] if r["state"] == "published"]
+            return len(done) >= VERSIONS and done
+
+        _wait(published, timeout=900, what=f"{VERSIONS} versions to publish", procs=[server, *clients])
+        _stop(clients)
+        yield {"root": root, "state_dir": state_dir, "status": _status(state_dir), "server": server}
+    finally:
+        _stop([*clients, server])
+
+
+def test_every_flushed_delta_came_from_someone_selected_for_that_buffer(run):
+    state = open_state(run["state_dir"])
+    key = sampling.selection_key(state.key)
+    flushed = [c for c in run["status"]["checkpoints"] if c["round"] > 0]
+    assert len(flushed) >= VERSIONS
+    with state.session() as s:
+        for ckpt in flushed:
+            rnd = s.get(Round, ckpt["round"])
+            for cid in ckpt["lineage"]["contributors"]:
+                registered = s.get(Contributor, cid).registered_at
+                assert sampling.is_selected(key, rnd, cid, registered, Q), (ckpt["round"], cid)
+    assert run["server"].poll() is None  # still serving
+
+
+def test_each_version_is_charged_its_draws_rate_and_epsilon_is_the_accountants(run):
+    published = [r for r in run["status"]["rounds"] if r["state"] == "published"]
+    state = open_state(run["state_dir"])
+    with state.session() as s:
+        draws = {r["id"]: len(sampling.cutoffs(s.get(Round, r["id"]))) for r in published}
+    rates = [r["dp_sample_rate"] for r in published]
+    assert rates == [pytest.approx(sampling.effective_rate(Q, draws[r["id"]])) for r in published]
+    assert all(q < 1 for q in rates)
+    assert draws[published[0]["id"]] >= 2  # version 1: the clients registered after its first draw
+    history = [(Z, q, 1) for q in rates]
+    assert published[-1]["dp_epsilon_total"] == pytest.approx(epsilon(history, delta=DELTA), rel=1e-9)
+    assert run["status"]["dp_epsilon_spent"] == published[-1]["dp_epsilon_total"]
