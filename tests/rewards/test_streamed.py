@@ -70,8 +70,9 @@ def test_gradient_and_score_order_equal_whole_model(model_dir):
     assert g_got.base_loss == pytest.approx(g_ref.base_loss, rel=1e-6)
     assert g_got.norm == pytest.approx(g_ref.norm, rel=1e-5)
     assert set(g_got.grad) == set(g_ref.grad)
-    for name in g_ref.grad:
-        torch.testing.assert_close(g_got.grad[name], g_ref.grad[name], rtol=1e-4, atol=1e-7)
+    for name in g_ref.grad:  # the output layer's gradient is summed in vocabulary blocks: float rounding differs
+        scale = float(g_ref.grad[name].abs().max())
+        torch.testing.assert_close(g_got.grad[name], g_ref.grad[name], rtol=1e-4, atol=max(1e-7, 1e-5 * scale))
     stream = stream_of(streamed)
     assert stream.max_resident == 1 and not stream.resident
     deltas = _deltas(whole, 5, seed=1)

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from zoo_gym.gym_train.memory import trim_heap
 
 from .activation_budget import decoder_layers
+from .vocab_blocks import install
 
 _TRIM = os.environ.get("ZOO_GYM_STREAM_TRIM", "1") != "0"
 
@@ -73,9 +74,11 @@ class LayerStream:
             return False
         return True
 
-    def read(self, handle, name: str) -> torch.Tensor:
+    def read(self, handle, name: str, *, as_stored: bool = False) -> torch.Tensor:
+        """Tensor ``name`` in float32 (in the checkpoint's dtype with ``as_stored``), plus the applied delta."""
         with torch.inference_mode(False):  # ordinary tensors: a gradient pass may save them
-            t = handle.get_tensor(self.key(name)).to(torch.float32)
+            t = handle.get_tensor(self.key(name))
+            t = t if as_stored else t.to(torch.float32)
             if self._delta is not None and name in self._delta:
                 t = torch.add(t, _dense(self._delta[name]).to(torch.float32), alpha=self._scale)
         return t
@@ -156,7 +159,9 @@ class LayerStream:
                 for name, p in self.resident_params.items():
                     if name in delta and id(p) not in saved:
                         saved[id(p)] = (p, p.data)
-                        p.data = torch.add(p.data, _dense(delta[name]).to(p.dtype), alpha=scale)
+                        # float32 even for a weight kept in the checkpoint's dtype (vocab_blocks.py)
+                        p.data = torch.add(p.data.to(torch.float32), _dense(delta[name]).to(torch.float32),
+                                           alpha=scale)
             yield
         finally:
             self.evict_all()
@@ -189,20 +194,22 @@ def load_streamed(model_dir: str | pathlib.Path) -> torch.nn.Module:
             if p is not None:
                 fresh.setdefault(id(p), torch.nn.Parameter(_absent(p.shape), requires_grad=p.requires_grad))
                 module._parameters[n] = fresh[id(p)]  # noqa: SLF001
+    vocab = install(model)  # embedding and output layer in the checkpoint's dtype, used a vocabulary block at a time
+    as_stored = {id(vocab.embed.weight), id(vocab.head.weight)} if vocab is not None else set()
     with safe_open(str(weights_file), "pt") as handle:
         keys = set(handle.keys())
         stream = LayerStream(model, weights_file, keys)
         aliases: dict[int, list[str]] = {}
         for name, p in stream.resident_params.items():
             aliases.setdefault(id(p), []).append(name)
-        for names in aliases.values():  # a tied weight is stored under one of its names
+        for key, names in aliases.items():  # a tied weight is stored under one of its names
             stored = [n for n in names if stream.has(n)] or names
-            stream.resident_params[stored[0]].data = stream.read(handle, stored[0])
+            stream.resident_params[stored[0]].data = stream.read(handle, stored[0], as_stored=key in as_stored)
     for i in range(len(stream.layers)):
         stream.wrap(i)
     embed = model.get_input_embeddings()
-    if isinstance(embed, torch.nn.Embedding):  # its weight's gradient as the rows it saw, not a (vocab, hidden)
-        embed.sparse = True  # buffer beside the tied output layer's (autograd adds it into that one in place)
+    if vocab is None and isinstance(embed, torch.nn.Embedding):  # its gradient as the rows it saw, added in
+        embed.sparse = True  # place into the tied output layer's buffer instead of a second (vocab, hidden) one
     model.zoo_stream = stream
     model.eval()
     return model
