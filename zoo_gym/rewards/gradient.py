@@ -148,12 +148,13 @@ def _by_name(store: dict[int, Tensor] | SpilledTensors,
              params: dict[str, torch.nn.Parameter]) -> Mapping[str, Tensor]:
     """The gradients keyed by parameter name (tied names share one tensor); an unused parameter's is zeros."""
     if isinstance(store, SpilledTensors):
-        for k, p in params.items():
-            store.alias(k, id(p), p.shape, p.dtype)
+        for k, p in params.items():  # gradients are float32, also of a weight kept in bf16 (vocab_blocks.py)
+            store.alias(k, id(p), p.shape, torch.promote_types(p.dtype, torch.float32))
         return store
     for p in params.values():
         if id(p) not in store:
-            store[id(p)] = torch.zeros(p.shape, dtype=p.dtype, device=p.device)  # not zeros_like: streamed
+            store[id(p)] = torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32),
+                                       device=p.device)  # not zeros_like: streamed
     return {k: store[id(p)] for k, p in params.items()}
 
 

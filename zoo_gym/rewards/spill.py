@@ -93,9 +93,9 @@ class SpilledTensors(Mapping[str, Tensor]):
         where = self._where.get(key)
         if where is None:
             return torch.zeros(shape, dtype=dtype)
-        offset, _, _ = where
+        offset, _, written = where
         self._writer.flush()  # the first read: what is still buffered reaches the file
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=written)  # the dtype written (a bf16 weight's gradient is float32)
         view = _bytes_of(out)
         done = 0
         while done < len(view):

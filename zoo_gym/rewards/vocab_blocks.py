@@ -32,15 +32,17 @@ def _capped(z: Tensor, cap: float | None) -> Tensor:
 
 def _dlogits(h: Tensor, w: Tensor, v0: int, v1: int, lse: Tensor, targets: Tensor, cap: float | None,
              scale: Tensor) -> Tensor:
-    """d(sum CE)/d(logits) of vocabulary rows v0:v1, times ``scale``: (K, Vb) float32."""
-    z = h @ _rows(w, v0, v1).T                                            # (K, Vb) raw logits
-    logits = _capped(z, cap)
-    d = torch.exp(logits - lse[:, None])                                  # softmax rows v0:v1
+    """d(sum CE)/d(logits) of vocabulary rows v0:v1, times ``scale``: (K, Vb) float32. A vocabulary of one
+    block takes ``softmax`` itself: the very operations of ``gym_train.head_loss``, bit for bit."""
+    logits = _capped(h @ _rows(w, v0, v1).T, cap)                         # (K, Vb)
+    whole = v0 == 0 and v1 == w.shape[0]
+    d = torch.softmax(logits, dim=-1) if whole else torch.exp(logits - lse[:, None])  # softmax rows v0:v1
     hit = (targets >= v0) & (targets < v1)                                # (K,)
     d[hit.nonzero()[:, 0], targets[hit] - v0] -= 1.0
+    d *= scale
     if cap:  # through tanh(z / cap) * cap
         d *= 1.0 - (logits / cap) ** 2
-    return d * scale
+    return d
 
 
 @dataclass
@@ -163,15 +165,19 @@ class _CrossEntropySum(torch.autograd.Function):
         hf = h.float()                                                    # (K, H)
         lse = torch.full((h.shape[0],), float("-inf"), dtype=torch.float32)  # running logsumexp (K,)
         picked = torch.zeros(h.shape[0], dtype=torch.float32)             # target logits (K,)
+        total = None
         for v0 in range(0, w.shape[0], BLOCK_ROWS):
             v1 = min(w.shape[0], v0 + BLOCK_ROWS)
             logits = _capped(hf @ _rows(w, v0, v1).T, cap)                # (K, Vb)
+            if v1 - v0 == w.shape[0]:  # one block: the plain cross-entropy (gym_train.head_loss's numbers)
+                total = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+                break
             lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=1))
             hit = ((targets >= v0) & (targets < v1)).nonzero()[:, 0]
             picked[hit] = logits[hit, targets[hit] - v0]
         ctx.vocab, ctx.w, ctx.cap = vocab, w, cap
         ctx.save_for_backward(h, targets, lse)
-        return (lse - picked).sum()
+        return total if total is not None else (lse - picked).sum()
 
     @staticmethod
     def backward(ctx, grad_total: Tensor):
