@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from zoo_gym.gym_train.memory import trim_heap
 
 from .activation_budget import decoder_layers
-from .vocab_blocks import install
+from .vocab_blocks import install, mapped
 
 _TRIM = os.environ.get("ZOO_GYM_STREAM_TRIM", "1") != "0"
 
@@ -74,11 +74,9 @@ class LayerStream:
             return False
         return True
 
-    def read(self, handle, name: str, *, as_stored: bool = False) -> torch.Tensor:
-        """Tensor ``name`` in float32 (in the checkpoint's dtype with ``as_stored``), plus the applied delta."""
+    def read(self, handle, name: str) -> torch.Tensor:
         with torch.inference_mode(False):  # ordinary tensors: a gradient pass may save them
-            t = handle.get_tensor(self.key(name))
-            t = t if as_stored else t.to(torch.float32)
+            t = handle.get_tensor(self.key(name)).to(torch.float32)
             if self._delta is not None and name in self._delta:
                 t = torch.add(t, _dense(self._delta[name]).to(torch.float32), alpha=self._scale)
         return t
@@ -194,8 +192,9 @@ def load_streamed(model_dir: str | pathlib.Path) -> torch.nn.Module:
             if p is not None:
                 fresh.setdefault(id(p), torch.nn.Parameter(_absent(p.shape), requires_grad=p.requires_grad))
                 module._parameters[n] = fresh[id(p)]  # noqa: SLF001
-    vocab = install(model)  # embedding and output layer in the checkpoint's dtype, used a vocabulary block at a time
-    as_stored = {id(vocab.embed.weight), id(vocab.head.weight)} if vocab is not None else set()
+    # embedding and output layer: mapped from the file in its dtype, used (and handed back) a vocabulary block at a time
+    vocab = install(model)
+    in_vocab = {id(vocab.embed.weight), id(vocab.head.weight)} if vocab is not None else set()
     with safe_open(str(weights_file), "pt") as handle:
         keys = set(handle.keys())
         stream = LayerStream(model, weights_file, keys)
@@ -204,7 +203,8 @@ def load_streamed(model_dir: str | pathlib.Path) -> torch.nn.Module:
             aliases.setdefault(id(p), []).append(name)
         for key, names in aliases.items():  # a tied weight is stored under one of its names
             stored = [n for n in names if stream.has(n)] or names
-            stream.resident_params[stored[0]].data = stream.read(handle, stored[0], as_stored=key in as_stored)
+            p = stream.resident_params[stored[0]]
+            p.data = mapped(weights_file, stream.key(stored[0])) if key in in_vocab else stream.read(handle, stored[0])
     for i in range(len(stream.layers)):
         stream.wrap(i)
     embed = model.get_input_embeddings()

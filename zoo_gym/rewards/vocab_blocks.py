@@ -13,6 +13,9 @@ so no ``(vocab, hidden)`` gradient is ever built. Why and how: docs/design/strea
 from __future__ import annotations
 
 import contextlib
+import json
+import mmap
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -23,7 +26,54 @@ BLOCK_ROWS = 8192  # vocabulary rows per block: (rows, hidden) float32 weights, 
 
 
 def _rows(w: Tensor, v0: int, v1: int) -> Tensor:
-    return w[v0:v1].float()                                               # (Vb, H) float32
+    """Rows v0:v1 in float32 (a copy); a mapped weight's pages of those rows leave the RSS again."""
+    m = _MappedWeight.of(w)
+    if m is None:
+        return w[v0:v1].float()                                           # (Vb, H) float32
+    out = w[v0:v1].to(torch.float32, copy=True)                          # (Vb, H) float32, off the mapping
+    m.drop(v0, v1)
+    return out
+
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+class _MappedWeight:
+    """A 2-D tensor of a safetensors file, mapped read-only: pages it reads are file pages, and ``drop`` hands a
+    range of rows back to the page cache (``MADV_DONTNEED`` on a shared read-only file mapping loses nothing)."""
+
+    _live: dict[int, "_MappedWeight"] = {}  # data_ptr -> mapping, for ``drop``
+
+    def __init__(self, path, key: str) -> None:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            info = json.loads(f.read(n))[key]
+            self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        start, end = info["data_offsets"]
+        dtype = _DTYPES[info["dtype"]]
+        with warnings.catch_warnings():  # read-only buffer: nothing ever writes into a weight in place
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(self.mm, dtype=dtype, offset=8 + n + start, count=(end - start) // dtype.itemsize)
+        self.tensor = flat.view(*info["shape"])
+        self.offset, self.row_bytes = 8 + n + start, self.tensor[0].numel() * dtype.itemsize
+        _MappedWeight._live[self.tensor.data_ptr()] = self
+
+    @classmethod
+    def of(cls, w: Tensor) -> "_MappedWeight | None":
+        """The mapping ``w`` is, or None (an ordinary tensor, e.g. base + delta swapped in)."""
+        m = cls._live.get(w.data_ptr())
+        return m if m is not None and m.tensor.shape == w.shape else None
+
+    def drop(self, v0: int = 0, v1: int | None = None) -> None:
+        v1 = self.tensor.shape[0] if v1 is None else v1
+        a = (self.offset + v0 * self.row_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        b = min(len(self.mm), self.offset + v1 * self.row_bytes)
+        self.mm.madvise(mmap.MADV_DONTNEED, a, b - a)
+
+
+def mapped(path, key: str) -> Tensor:
+    """Tensor ``key`` of the safetensors file ``path``, mapped (see ``_MappedWeight``), in the file's dtype."""
+    return _MappedWeight(path, key).tensor
 
 
 def _capped(z: Tensor, cap: float | None) -> Tensor:
@@ -114,7 +164,11 @@ class _Embed(torch.autograd.Function):
     def forward(ctx, ids: Tensor, weight: Tensor, vocab: VocabWeights) -> Tensor:
         ctx.vocab = vocab
         ctx.save_for_backward(ids)
-        return weight[ids].float()                                        # (..., H) float32
+        out = weight[ids].float()                                         # (..., H) float32
+        m = _MappedWeight.of(weight)
+        if m is not None:
+            m.drop()
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
