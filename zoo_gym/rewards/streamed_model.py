@@ -1,13 +1,12 @@
 """A causal LM whose decoder layers are read from its checkpoint one at a time, in float32.
 
-``load_streamed(model_dir)`` returns the Hugging Face model of ``model_dir`` in which only the parameters
-outside the decoder layers (embeddings, final norm, output layer) are resident; each decoder layer reads
-its weights from the safetensors file when its forward starts and drops them when the next layer loads
-(or when its forward ends outside a backward). With grad enabled every layer runs under non-reentrant
-activation checkpointing: autograd keeps only the layers' inputs, and the backward's recompute loads the
-layer again, so a gradient pass (``gradient.base_gradient``) holds one layer's weights at a time. The
-forward is the model's own, so losses and gradients are the whole-model ones. ``model.zoo_stream`` is
-the ``LayerStream``: ``applied(delta, scale=c)`` evaluates base + ``c * delta``.
+``load_streamed(model_dir)`` returns the Hugging Face model of ``model_dir`` with only its small parameters
+(norms) resident; the embedding and output layer are mapped from the file and used a vocabulary block at a
+time (``vocab_blocks.py``); each decoder layer reads its weights from the safetensors file when its forward
+starts and drops them when the next layer loads (or when its forward ends outside a backward). With grad
+enabled every layer runs under non-reentrant activation checkpointing and the backward's recompute loads the
+layer again, so a gradient pass (``gradient.base_gradient``) holds one layer's weights at a time. Losses and
+gradients are the whole-model ones. ``model.zoo_stream.applied(delta, scale=c)`` evaluates base + ``c * delta``.
 Why and how: docs/design/streamed-evaluation.md.
 """
 
@@ -24,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from zoo_gym.gym_train.memory import trim_heap
 
 from .activation_budget import decoder_layers
-from .vocab_blocks import install, mapped
+from .vocab_blocks import install
 
 _TRIM = os.environ.get("ZOO_GYM_STREAM_TRIM", "1") != "0"
 
@@ -203,8 +202,8 @@ def load_streamed(model_dir: str | pathlib.Path) -> torch.nn.Module:
             aliases.setdefault(id(p), []).append(name)
         for key, names in aliases.items():  # a tied weight is stored under one of its names
             stored = [n for n in names if stream.has(n)] or names
-            p = stream.resident_params[stored[0]]
-            p.data = mapped(weights_file, stream.key(stored[0])) if key in in_vocab else stream.read(handle, stored[0])
+            p, name = stream.resident_params[stored[0]], stored[0]
+            p.data = vocab.map(weights_file, stream.key(name)) if key in in_vocab else stream.read(handle, name)
     for i in range(len(stream.layers)):
         stream.wrap(i)
     embed = model.get_input_embeddings()

@@ -25,9 +25,9 @@ from torch import Tensor
 BLOCK_ROWS = 8192  # vocabulary rows per block: (rows, hidden) float32 weights, (K, rows) logits
 
 
-def _rows(w: Tensor, v0: int, v1: int) -> Tensor:
+def _rows(vocab: "VocabWeights", w: Tensor, v0: int, v1: int) -> Tensor:
     """Rows v0:v1 in float32 (a copy); a mapped weight's pages of those rows leave the RSS again."""
-    m = _MappedWeight.of(w)
+    m = vocab.mapping(w)
     if m is None:
         return w[v0:v1].float()                                           # (Vb, H) float32
     out = w[v0:v1].to(torch.float32, copy=True)                          # (Vb, H) float32, off the mapping
@@ -42,8 +42,6 @@ class _MappedWeight:
     """A 2-D tensor of a safetensors file, mapped read-only: pages it reads are file pages, and ``drop`` hands a
     range of rows back to the page cache (``MADV_DONTNEED`` on a shared read-only file mapping loses nothing)."""
 
-    _live: dict[int, "_MappedWeight"] = {}  # data_ptr -> mapping, for ``drop``
-
     def __init__(self, path, key: str) -> None:
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
@@ -56,13 +54,6 @@ class _MappedWeight:
             flat = torch.frombuffer(self.mm, dtype=dtype, offset=8 + n + start, count=(end - start) // dtype.itemsize)
         self.tensor = flat.view(*info["shape"])
         self.offset, self.row_bytes = 8 + n + start, self.tensor[0].numel() * dtype.itemsize
-        _MappedWeight._live[self.tensor.data_ptr()] = self
-
-    @classmethod
-    def of(cls, w: Tensor) -> "_MappedWeight | None":
-        """The mapping ``w`` is, or None (an ordinary tensor, e.g. base + delta swapped in)."""
-        m = cls._live.get(w.data_ptr())
-        return m if m is not None and m.tensor.shape == w.shape else None
 
     def drop(self, v0: int = 0, v1: int | None = None) -> None:
         v1 = self.tensor.shape[0] if v1 is None else v1
@@ -71,20 +62,15 @@ class _MappedWeight:
         self.mm.madvise(mmap.MADV_DONTNEED, a, b - a)
 
 
-def mapped(path, key: str) -> Tensor:
-    """Tensor ``key`` of the safetensors file ``path``, mapped (see ``_MappedWeight``), in the file's dtype."""
-    return _MappedWeight(path, key).tensor
-
-
 def _capped(z: Tensor, cap: float | None) -> Tensor:
     return torch.tanh(z / cap) * cap if cap else z
 
 
-def _dlogits(h: Tensor, w: Tensor, v0: int, v1: int, lse: Tensor, targets: Tensor, cap: float | None,
-             scale: Tensor) -> Tensor:
+def _dlogits(vocab: "VocabWeights", h: Tensor, w: Tensor, v0: int, v1: int, lse: Tensor, targets: Tensor,
+             cap: float | None, scale: Tensor) -> Tensor:
     """d(sum CE)/d(logits) of vocabulary rows v0:v1, times ``scale``: (K, Vb) float32. A vocabulary of one
     block takes ``softmax`` itself: the very operations of ``gym_train.head_loss``, bit for bit."""
-    logits = _capped(h @ _rows(w, v0, v1).T, cap)                         # (K, Vb)
+    logits = _capped(h @ _rows(vocab, w, v0, v1).T, cap)                  # (K, Vb)
     whole = v0 == 0 and v1 == w.shape[0]
     d = torch.softmax(logits, dim=-1) if whole else torch.exp(logits - lse[:, None])  # softmax rows v0:v1
     hit = (targets >= v0) & (targets < v1)                                # (K,)
@@ -142,6 +128,18 @@ class VocabWeights:
     def __init__(self, embed: torch.nn.Embedding, head: torch.nn.Linear) -> None:
         self.embed, self.head = embed, head
         self.grad: VocabGradient | None = None
+        self._mapped: dict[int, _MappedWeight] = {}  # data_ptr -> mapping; they live as long as the model
+
+    def map(self, path, key: str) -> Tensor:
+        """Tensor ``key`` of the safetensors file ``path``, mapped (``_MappedWeight``), in the file's dtype."""
+        m = _MappedWeight(path, key)
+        self._mapped[m.tensor.data_ptr()] = m
+        return m.tensor
+
+    def mapping(self, w: Tensor) -> _MappedWeight | None:
+        """The mapping ``w`` is, or None (an ordinary tensor, e.g. base + delta swapped in)."""
+        m = self._mapped.get(w.data_ptr())
+        return m if m is not None and m.tensor.shape == w.shape else None
 
     @contextlib.contextmanager
     def gathering(self) -> Iterator[VocabGradient]:
@@ -165,7 +163,7 @@ class _Embed(torch.autograd.Function):
         ctx.vocab = vocab
         ctx.save_for_backward(ids)
         out = weight[ids].float()                                         # (..., H) float32
-        m = _MappedWeight.of(weight)
+        m = vocab.mapping(weight)
         if m is not None:
             m.drop()
         return out
@@ -193,7 +191,7 @@ class _Logits(torch.autograd.Function):
         hf = h.reshape(-1, h.shape[-1]).float()
         for v0 in range(0, w.shape[0], BLOCK_ROWS):
             v1 = min(w.shape[0], v0 + BLOCK_ROWS)
-            flat[:, v0:v1] = hf @ _rows(w, v0, v1).T
+            flat[:, v0:v1] = hf @ _rows(vocab, w, v0, v1).T
         ctx.vocab, ctx.w = vocab, w
         ctx.save_for_backward(h)
         return out
@@ -207,7 +205,7 @@ class _Logits(torch.autograd.Function):
         grad_h = torch.zeros_like(hf)
         for v0 in range(0, V, BLOCK_ROWS):
             v1 = min(V, v0 + BLOCK_ROWS)
-            grad_h += g[:, v0:v1] @ _rows(w, v0, v1)
+            grad_h += g[:, v0:v1] @ _rows(ctx.vocab, w, v0, v1)
         ctx.vocab._gradient().head.append(_HeadPart(hf, lambda a, b: g[:, a:b]))  # noqa: SLF001
         return grad_h.reshape(h.shape).to(h.dtype), None, None
 
@@ -222,7 +220,7 @@ class _CrossEntropySum(torch.autograd.Function):
         total = None
         for v0 in range(0, w.shape[0], BLOCK_ROWS):
             v1 = min(w.shape[0], v0 + BLOCK_ROWS)
-            logits = _capped(hf @ _rows(w, v0, v1).T, cap)                # (K, Vb)
+            logits = _capped(hf @ _rows(vocab, w, v0, v1).T, cap)         # (K, Vb)
             if v1 - v0 == w.shape[0]:  # one block: the plain cross-entropy (gym_train.head_loss's numbers)
                 total = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
                 break
@@ -236,14 +234,14 @@ class _CrossEntropySum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total: Tensor):
         h, targets, lse = ctx.saved_tensors
-        w, cap, V = ctx.w, ctx.cap, ctx.w.shape[0]
+        vocab, w, cap, V = ctx.vocab, ctx.w, ctx.cap, ctx.w.shape[0]
         hf, scale = h.float().detach(), grad_total.detach().float()
         grad_h = torch.zeros_like(hf)                                     # (K, H)
         for v0 in range(0, V, BLOCK_ROWS):
             v1 = min(V, v0 + BLOCK_ROWS)
-            grad_h += _dlogits(hf, w, v0, v1, lse, targets, cap, scale) @ _rows(w, v0, v1)
-        ctx.vocab._gradient().head.append(  # noqa: SLF001 - recomputed block by block when finished
-            _HeadPart(hf, lambda a, b: _dlogits(hf, w, a, b, lse, targets, cap, scale)))
+            grad_h += _dlogits(vocab, hf, w, v0, v1, lse, targets, cap, scale) @ _rows(vocab, w, v0, v1)
+        vocab._gradient().head.append(  # noqa: SLF001 - recomputed block by block when finished
+            _HeadPart(hf, lambda a, b: _dlogits(vocab, hf, w, a, b, lse, targets, cap, scale)))
         return grad_h.to(h.dtype), None, None, None, None
 
 
