@@ -192,3 +192,20 @@ def test_vocabulary_gradient_is_handed_out_in_blocks(bf16_dir, monkeypatch):
     with pytest.raises(RuntimeError, match="gathering"):  # outside gathering: refused, not silently dropped
         with torch.enable_grad():
             packed_loss_sum(streamed, batch)[0].backward()
+
+
+def test_gradient_in_parts_gathers_every_backward(bf16_dir, monkeypatch):
+    """`rows_per_backward` runs one backward per part: the vocabulary gradient sums the factors of all of them."""
+    from zoo_gym.rewards import base_gradient, vocab_blocks
+    from zoo_gym.rewards.packed_batch import pack_shared_prefix
+
+    monkeypatch.setattr(vocab_blocks, "BLOCK_ROWS", 64)
+    whole, streamed = load_model(bf16_dir), load_streamed(bf16_dir)
+    tok = Evaluator(bf16_dir, EXAMPLES[:1], model=whole).tokenizer
+    batch = pack_shared_prefix(tokenize_examples(tok, EXAMPLES), pad_id=tok.pad_token_id, row_tokens=48)
+    assert batch.input_ids.shape[0] >= 2
+    ref, got = base_gradient(whole, [batch]), base_gradient(streamed, [batch], rows_per_backward=1)
+    assert got.base_loss == pytest.approx(ref.base_loss, rel=1e-6) and got.norm == pytest.approx(ref.norm, rel=1e-5)
+    for name in ref.grad:
+        scale = float(ref.grad[name].abs().max())
+        torch.testing.assert_close(got.grad[name], ref.grad[name], rtol=1e-4, atol=1e-5 * scale)
