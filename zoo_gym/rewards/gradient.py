@@ -10,6 +10,7 @@ finished gradient can go to disk (``spill.py``). Costs: docs/design/rewards-scor
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -25,6 +26,8 @@ from .errors import ScoringInputError
 from .packed_batch import PackedBatch, packed_loss_sum
 from .spill import SpilledTensors
 from .streamed_model import stream_of
+from .vocab_blocks import head_loss_sum as blocked_head_loss_sum
+from .vocab_blocks import vocab_of
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,8 @@ def _loss_sum(model: torch.nn.Module, batch) -> Tensor:
     ids, mask, labels = batch
     device = next(model.parameters()).device
     at, targets = scored_positions(labels.to(device))
-    return head_loss_sum(model, {"input_ids": ids.to(device), "attention_mask": mask.to(device)},
+    loss_sum = blocked_head_loss_sum if vocab_of(model) is not None else head_loss_sum
+    return loss_sum(model, {"input_ids": ids.to(device), "attention_mask": mask.to(device)},
                          at=at, targets=targets)
 
 
@@ -144,12 +148,13 @@ def _by_name(store: dict[int, Tensor] | SpilledTensors,
              params: dict[str, torch.nn.Parameter]) -> Mapping[str, Tensor]:
     """The gradients keyed by parameter name (tied names share one tensor); an unused parameter's is zeros."""
     if isinstance(store, SpilledTensors):
-        for k, p in params.items():
-            store.alias(k, id(p), p.shape, p.dtype)
+        for k, p in params.items():  # gradients are float32, also of a weight kept in bf16 (vocab_blocks.py)
+            store.alias(k, id(p), p.shape, torch.promote_types(p.dtype, torch.float32))
         return store
     for p in params.values():
         if id(p) not in store:
-            store[id(p)] = torch.zeros(p.shape, dtype=p.dtype, device=p.device)  # not zeros_like: streamed
+            store[id(p)] = torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32),
+                                       device=p.device)  # not zeros_like: streamed
     return {k: store[id(p)] for k, p in params.items()}
 
 
@@ -198,6 +203,8 @@ def base_gradient(model: torch.nn.Module,
 
     def take(p: torch.nn.Parameter) -> None:
         nonlocal sq
+        if p.grad is None:  # a vocabulary weight: its gradient comes from `vg.finish` below
+            return
         g = p.grad.detach()
         if g.is_sparse:  # a streamed model's untied input embedding (streamed_model.py)
             g = g.to_dense()
@@ -208,13 +215,26 @@ def base_gradient(model: torch.nn.Module,
             store[id(p)] = g
         p.grad = None
 
+    def put_blocks(p: torch.nn.Parameter, blocks) -> None:  # a vocabulary weight's gradient (vocab_blocks.py)
+        if isinstance(store, SpilledTensors):
+            store.put_blocks(id(p), p.shape, _summed(blocks))
+        else:
+            store[id(p)] = torch.cat(list(_summed(blocks)))
+
+    def _summed(blocks):
+        nonlocal sq
+        for g in blocks:
+            sq = sq + _sq_norm(g)
+            yield g
+
     was_training = model.training
     model.eval()
     model.zero_grad(set_to_none=True)
     total = 0.0  # summed cross-entropy, float64
     hooks = []
+    vocab = vocab_of(model)
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), (vocab.gathering() if vocab is not None else contextlib.nullcontext()) as vg:
             for n, (part, _, _) in enumerate(parts):
                 if n == len(parts) - 1:  # the last backward finishes every gradient: take each at once
                     hooks = [p.register_post_accumulate_grad_hook(take)
@@ -224,6 +244,8 @@ def base_gradient(model: torch.nn.Module,
                 (loss / tokens).backward()
                 total += float(loss.detach())
                 del loss
+            if vg is not None:  # the embedding's and output layer's gradients, a block of rows at a time
+                vg.finish(vocab.head.weight, vocab.embed.weight, put_blocks)
     except BaseException:
         if isinstance(store, SpilledTensors):
             store.close()

@@ -21,6 +21,8 @@ from torch import Tensor
 from zoo_gym.gym_train.evaluate import head_loss_sum
 
 from .errors import ScoringInputError
+from .vocab_blocks import head_loss_sum as blocked_head_loss_sum
+from .vocab_blocks import vocab_of
 
 _PACKABLE_ATTENTION = ("sdpa", "eager")
 
@@ -143,7 +145,7 @@ def packed_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> tuple[Tensor,
         raise ScoringInputError(f"packed scoring needs attention 'sdpa' or 'eager' (a 4D mask); "
                                 f"the model uses {impl!r}: load it with attn_implementation='sdpa'")
     device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
+    dtype = torch.float32 if vocab_of(model) is not None else next(model.parameters()).dtype  # bf16 embedding
     mask = batch.allowed.to(device)
     if impl == "eager":  # eager adds the mask to the scores
         mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(
@@ -151,5 +153,6 @@ def packed_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> tuple[Tensor,
     inputs = {"input_ids": batch.input_ids.to(device), "position_ids": batch.position_ids.to(device),
               "attention_mask": mask}
     # the lm_head runs only at the K positions that predict a completion token, in chunks
-    loss = head_loss_sum(model, inputs, at=batch.predict_at.to(device), targets=batch.targets.to(device))
+    loss_sum = blocked_head_loss_sum if vocab_of(model) is not None else head_loss_sum  # vocab_blocks.py
+    loss = loss_sum(model, inputs, at=batch.predict_at.to(device), targets=batch.targets.to(device))
     return loss, batch.tokens

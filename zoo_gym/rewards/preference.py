@@ -9,6 +9,7 @@ lowers it. Same interface as ``PackedScoringSet``: ``loss(delta, scale=c)`` and 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 
 import torch
@@ -19,6 +20,7 @@ from zoo_gym.gym_train.preference_eval import PreferenceEvaluator, completion_lo
 from .errors import ScoringInputError
 from .gradient import BaseGradient
 from .spill import SpilledTensors
+from .vocab_blocks import vocab_of
 
 __all__ = ["PreferenceScoringSet", "preference_loss"]
 
@@ -48,15 +50,20 @@ class PreferenceScoringSet:
         was_training = model.training
         model.eval()
         model.zero_grad(set_to_none=True)
+        vocab = vocab_of(model)  # a streamed model's embedding / output layer: their gradient comes in blocks
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), (vocab.gathering() if vocab is not None else contextlib.nullcontext()) as vg:
                 lp = completion_logprobs(model, self.evaluator._batches, device=device)  # noqa: SLF001
                 loss = preference_loss(lp[0::2] - lp[1::2])
                 if not loss.requires_grad:
                     raise ScoringInputError("the preference loss does not depend on the model's weights")
                 loss.backward()
-            grads = {id(p): (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-                     for p in params.values()}
+                grads = {id(p): (p.grad.detach().clone() if p.grad is not None
+                                 else torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32)))
+                         for p in params.values()}
+                if vg is not None:
+                    vg.finish(vocab.head.weight, vocab.embed.weight,
+                              lambda p, blocks: grads.__setitem__(id(p), torch.cat(list(blocks))))
         finally:
             model.zero_grad(set_to_none=True)
             model.train(was_training)
@@ -65,7 +72,7 @@ class PreferenceScoringSet:
             for key, g in grads.items():
                 store.put(key, g)
             for name, p in params.items():
-                store.alias(name, id(p), p.shape, p.dtype)
+                store.alias(name, id(p), p.shape, grads[id(p)].dtype)
             grad: Mapping[str, Tensor] = store
         else:
             grad = {name: grads[id(p)] for name, p in params.items()}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -47,6 +47,25 @@ class SpilledTensors(Mapping[str, Tensor]):
         self._where[key] = (self._end, t.shape, t.dtype)
         self._end += len(data)
 
+    def put_blocks(self, key: object, shape: torch.Size, blocks: Iterable[Tensor]) -> None:
+        """Write a tensor of ``shape`` under ``key`` from ``blocks`` of its leading rows, in order (one block is
+        resident at a time); they must fill ``shape`` exactly and share one dtype."""
+        if key in self._where:
+            raise ValueError(f"spilled key {key!r} written twice")
+        start, rows, dtype = self._end, 0, None
+        for block in blocks:
+            t = block.detach().contiguous()
+            if dtype is not None and t.dtype != dtype or tuple(t.shape[1:]) != tuple(shape[1:]):
+                raise ValueError(f"block of shape {tuple(t.shape)} {t.dtype} does not continue {tuple(shape)}")
+            dtype = t.dtype
+            data = _bytes_of(t)
+            self._writer.write(data)
+            self._end += len(data)
+            rows += t.shape[0]
+        if rows != shape[0] or dtype is None:
+            raise ValueError(f"blocks of {rows} rows for a tensor of shape {tuple(shape)}")
+        self._where[key] = (start, torch.Size(shape), dtype)
+
     def alias(self, name: str, key: object, shape: torch.Size, dtype: torch.dtype) -> None:
         self._names[name] = (key, torch.Size(shape), dtype)
 
@@ -74,9 +93,9 @@ class SpilledTensors(Mapping[str, Tensor]):
         where = self._where.get(key)
         if where is None:
             return torch.zeros(shape, dtype=dtype)
-        offset, _, _ = where
+        offset, _, written = where
         self._writer.flush()  # the first read: what is still buffered reaches the file
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=written)  # the dtype written (a bf16 weight's gradient is float32)
         view = _bytes_of(out)
         done = 0
         while done < len(view):

@@ -1,13 +1,12 @@
 """A causal LM whose decoder layers are read from its checkpoint one at a time, in float32.
 
-``load_streamed(model_dir)`` returns the Hugging Face model of ``model_dir`` in which only the parameters
-outside the decoder layers (embeddings, final norm, output layer) are resident; each decoder layer reads
-its weights from the safetensors file when its forward starts and drops them when the next layer loads
-(or when its forward ends outside a backward). With grad enabled every layer runs under non-reentrant
-activation checkpointing: autograd keeps only the layers' inputs, and the backward's recompute loads the
-layer again, so a gradient pass (``gradient.base_gradient``) holds one layer's weights at a time. The
-forward is the model's own, so losses and gradients are the whole-model ones. ``model.zoo_stream`` is
-the ``LayerStream``: ``applied(delta, scale=c)`` evaluates base + ``c * delta``.
+``load_streamed(model_dir)`` returns the Hugging Face model of ``model_dir`` with only its small parameters
+(norms) resident; the embedding and output layer are mapped from the file and used a vocabulary block at a
+time (``vocab_blocks.py``); each decoder layer reads its weights from the safetensors file when its forward
+starts and drops them when the next layer loads (or when its forward ends outside a backward). With grad
+enabled every layer runs under non-reentrant activation checkpointing and the backward's recompute loads the
+layer again, so a gradient pass (``gradient.base_gradient``) holds one layer's weights at a time. Losses and
+gradients are the whole-model ones. ``model.zoo_stream.applied(delta, scale=c)`` evaluates base + ``c * delta``.
 Why and how: docs/design/streamed-evaluation.md.
 """
 
@@ -24,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from zoo_gym.gym_train.memory import trim_heap
 
 from .activation_budget import decoder_layers
+from .vocab_blocks import install
 
 _TRIM = os.environ.get("ZOO_GYM_STREAM_TRIM", "1") != "0"
 
@@ -156,7 +156,9 @@ class LayerStream:
                 for name, p in self.resident_params.items():
                     if name in delta and id(p) not in saved:
                         saved[id(p)] = (p, p.data)
-                        p.data = torch.add(p.data, _dense(delta[name]).to(p.dtype), alpha=scale)
+                        # float32 even for a weight kept in the checkpoint's dtype (vocab_blocks.py)
+                        p.data = torch.add(p.data.to(torch.float32), _dense(delta[name]).to(torch.float32),
+                                           alpha=scale)
             yield
         finally:
             self.evict_all()
@@ -189,20 +191,24 @@ def load_streamed(model_dir: str | pathlib.Path) -> torch.nn.Module:
             if p is not None:
                 fresh.setdefault(id(p), torch.nn.Parameter(_absent(p.shape), requires_grad=p.requires_grad))
                 module._parameters[n] = fresh[id(p)]  # noqa: SLF001
+    # embedding and output layer: mapped from the file in its dtype, used (and handed back) a vocabulary block at a time
+    vocab = install(model)
+    in_vocab = {id(vocab.embed.weight), id(vocab.head.weight)} if vocab is not None else set()
     with safe_open(str(weights_file), "pt") as handle:
         keys = set(handle.keys())
         stream = LayerStream(model, weights_file, keys)
         aliases: dict[int, list[str]] = {}
         for name, p in stream.resident_params.items():
             aliases.setdefault(id(p), []).append(name)
-        for names in aliases.values():  # a tied weight is stored under one of its names
+        for key, names in aliases.items():  # a tied weight is stored under one of its names
             stored = [n for n in names if stream.has(n)] or names
-            stream.resident_params[stored[0]].data = stream.read(handle, stored[0])
+            p, name = stream.resident_params[stored[0]], stored[0]
+            p.data = vocab.map(weights_file, stream.key(name)) if key in in_vocab else stream.read(handle, name)
     for i in range(len(stream.layers)):
         stream.wrap(i)
     embed = model.get_input_embeddings()
-    if isinstance(embed, torch.nn.Embedding):  # its weight's gradient as the rows it saw, not a (vocab, hidden)
-        embed.sparse = True  # buffer beside the tied output layer's (autograd adds it into that one in place)
+    if vocab is None and isinstance(embed, torch.nn.Embedding):  # its gradient as the rows it saw, added in
+        embed.sparse = True  # place into the tied output layer's buffer instead of a second (vocab, hidden) one
     model.zoo_stream = stream
     model.eval()
     return model
