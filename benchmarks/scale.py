@@ -64,7 +64,15 @@ LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_
 
 
 def build_model(size: str, out: Path) -> int:
-    """A bf16 Qwen3 of `size`'s dimensions with random weights and the tiny tokenizer; returns #params."""
+    """A bf16 Qwen3 of `size`'s dimensions with random weights and the tiny tokenizer; returns #params.
+    A model of these dimensions already in `out` (a --work directory) is used again."""
+    if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+        cfg = json.loads((out / "config.json").read_text())
+        if all(cfg.get(k) == v for k, v in SIZES[size].items()):
+            from safetensors import safe_open
+
+            with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+                return sum(torch.Size(f.get_slice(k).get_shape()).numel() for k in f.keys())
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     from zoo_gym.gym_train import tiny_model_dir
@@ -726,8 +734,7 @@ def main() -> None:
             "state_bytes": r["state_bytes"], "keep_checkpoints": args.keep_checkpoints, "phases": phases}
         if scoring:
             res["bf16_publish"] = bf16_kept(state, payloads)
-        if not args.work:
-            shutil.rmtree(state, ignore_errors=True)  # a 4B state is ~20 GB: the next run needs the disk
+        shutil.rmtree(state, ignore_errors=True)  # a 4B state is ~20 GB: the next run needs the disk
     res["runs"] = runs
 
     if args.client_steps:
