@@ -712,7 +712,8 @@ def main() -> None:
     n_params = build_model(args.size, model_dir)
     fp32 = 4 * n_params
     res.update(params=n_params, fp32_bytes=fp32, build_s=time.perf_counter() - t0)
-    deltas = lora_deltas(model_dir, n=2, rank=args.rank, rms=args.delta_rms)
+    # the client run needs one synthetic contributor beside it; the server runs two
+    deltas = lora_deltas(model_dir, n=1 if args.server_runs == "none" else 2, rank=args.rank, rms=args.delta_rms)
     payloads = [codec.encode(d, codec="auto") for d in deltas]
     res["payload_bytes"] = [len(p) for p in payloads]
 
