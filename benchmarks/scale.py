@@ -591,7 +591,8 @@ def read_write_seconds(model_file: Path, work: Path) -> float:
     return best
 
 
-def forward_backward_seconds(model_dir: Path, scoring_examples: int = 32) -> tuple[float, float]:
+def forward_backward_seconds(model_dir: Path, scoring_examples: int = 32,
+                             dtype: torch.dtype = torch.float32) -> tuple[float, float]:
     """One forward + backward of the fp32 model on the server's scoring set (packed): (best of 2, the first).
 
     The first pass runs as the server's scoring pass does, once, on memory the process has not touched
@@ -601,7 +602,7 @@ def forward_backward_seconds(model_dir: Path, scoring_examples: int = 32) -> tup
     from zoo_gym.rewards.packed_batch import pack_shared_prefix, packed_loss_sum
 
     tok = load_tokenizer(model_dir)
-    model = load_model(model_dir, attn_implementation="sdpa")
+    model = load_model(model_dir, dtype=dtype, attn_implementation="sdpa")
     examples = gym_train.default_validation_examples(n=scoring_examples)
     batch = pack_shared_prefix(tokenize_examples(tok, examples), pad_id=tok.pad_token_id or 0)
     times = []
@@ -688,6 +689,9 @@ def main() -> None:
     ap.add_argument("--keep-checkpoints", type=int, help="gym-server serve --keep-checkpoints (default: unset, all)")
     ap.add_argument("--client-bf16", action="store_true",
                     help="the client trains with --bf16 (LoRA on a bfloat16 base: the way a 4B fits this machine)")
+    ap.add_argument("--baseline-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the whole model's dtype for the forward + backward baseline (scoring on); bfloat16 at 4B, "
+                         "whose float32 model (16 GB) does not fit beside the rest on 24 GB")
     ap.add_argument("--client-steps", type=int, default=0,
                     help="also run a real `gym-client join` LoRA round of this many steps (0: no client run)")
     ap.add_argument("--min-free-gb", type=float, default=3.0,
@@ -751,8 +755,9 @@ def main() -> None:
             "targets": {"train_peak_rss_over_fp32": 0.7 if args.client_bf16 else 3.0, "wait_rss_bytes": 0.5e9}}
     rw = read_write_seconds(model_dir / "model.safetensors", work) if runs else None
     # the fp32 forward+backward baseline only serves the scoring ratio (and is the biggest in-process step)
-    fb, fb_first = forward_backward_seconds(model_dir) if "scoring_on" in runs else (None, None)
-    res["baseline"] = {"read_write_model_s": rw, "forward_backward_scoring_set_s": fb,
+    fb, fb_first = (forward_backward_seconds(model_dir, dtype=getattr(torch, args.baseline_dtype))
+                    if "scoring_on" in runs else (None, None))
+    res["baseline"] = {"read_write_model_s": rw, "forward_backward_dtype": args.baseline_dtype, "forward_backward_scoring_set_s": fb,
                        "forward_backward_scoring_set_first_s": fb_first,
                        "forward_rest_of_validation_s": FORWARD.get("rest_s"),
                        "forward_rest_of_validation_first_s": FORWARD.get("rest_first_s")}
