@@ -194,6 +194,19 @@ def limits(rows: list[dict]) -> dict:
     return out
 
 
+def headline(lim: dict) -> list[str]:
+    """One sentence per box and delta kind: up to where one box publishes within the hour, and what stops it."""
+    out = []
+    for box, kinds in lim.items():
+        for kind, v in kinds.items():
+            ok = ", ".join(f"{n} at {s}" for s, n in v["max_contributors_within_hour"].items() if n)
+            f = v["first_failure"]
+            stop = (f"; first miss: {f['size']} with {f['contributors']} contributors ({', '.join(f['limited_by'])})"
+                    if f else "")
+            out.append(f"{box}, {kind}: publishes within an hour with up to {ok or 'none of the grid'}{stop}")
+    return out
+
+
 def text_table(lim: dict) -> str:
     sizes = list(SHAPES)
     lines = []
@@ -240,7 +253,7 @@ def main() -> None:
             for kind in ("lora-r16", "bitdelta-1bit-full") for size in SHAPES for n in CONTRIBUTORS]
     lim = limits(rows)
     res = {"model": MODEL, "boxes": BOXES, "shapes": {k: counts(v) for k, v in SHAPES.items()}, "measured": m,
-           "fit": co, "limits": lim, "table_markdown": text_table(lim), "predictions": rows}
+           "fit": co, "limits": lim, "headline": headline(lim), "table_markdown": text_table(lim), "predictions": rows}
     text = json.dumps(res, indent=2)
     print(text)
     if args.out:
