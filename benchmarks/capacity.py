@@ -109,11 +109,14 @@ def lora_merge_s_per_param(out: int = 9728, inp: int = 2560) -> float:
 def fit(m: dict) -> dict:
     """Coefficients: the publish and the server's RAM per parameter (scale-*.json), the rule per contributor."""
     pts = m["points"]
-    pub_a, pub_b = _fit_line([p["params"] for p in pts], [p["aggregation_publish_s"] for p in pts])
+    # through the origin: a free intercept went negative (-47 s) once the slow 4B point was in; per point below
+    pub_b = sum(p["params"] * p["aggregation_publish_s"] for p in pts) / sum(p["params"] ** 2 for p in pts)
+    pub_a = 0.0
     ram_a, ram_b = _fit_line([p["params"] for p in pts], [p["vm_hwm_bytes"] - p["stacked_bytes"] for p in pts])
     (n1, c1), (n2, c2) = sorted(m["trimmed_mean_s_per_contributor_param"])[:2]
     beta = (c2 - c1) / (math.log2(n2) - math.log2(n1))
-    return {"publish_s": {"a": pub_a, "b_per_param": pub_b},
+    return {"publish_s": {"a": pub_a, "b_per_param": pub_b,
+                          "per_point_s_per_param": {p["file"]: p["aggregation_publish_s"] / p["params"] for p in pts}},
             "server_ram_bytes": {"a": ram_a, "b_per_param": ram_b},
             "trimmed_mean_s_per_contributor_param": {"alpha": c1 - beta * math.log2(n1), "beta_per_log2_n": beta},
             "fitted_on": [p["file"] for p in pts]}
@@ -161,8 +164,10 @@ MODEL = {
                 "decode per param, codec.json) / (cores/2): scales with contributors x params",
     "aggregate_s": "contributors x changed params x (alpha + beta log2 contributors), trimmed mean measured at "
                    "n = 10 and 30 (aggregation.json) / (cores/2): scales with contributors x params x log n",
-    "publish_s": "a + b x params fitted on the measured rounds' aggregation + publish (load, aggregate 2 LoRA "
-                 "deltas, write, pack, commit) / disk speed-up: scales with params only",
+    "publish_s": "b x params, least squares through the origin on the measured rounds' aggregation + publish "
+                 "(load, aggregate 2 LoRA deltas, write, pack, commit) / disk speed-up: scales with params only; "
+                 "the points disagree (fit.publish_s.per_point_s_per_param), the 4B one, the slowest per parameter, "
+                 "weighs most",
     "peak_ram_bytes": "a + b x params fitted on the measured scoring-off VmHWM (less the 2 stacked rows) + "
                       "contributors x 16 bytes x the largest changed tensor (the stacked float32 rows and the "
                       "sort's values and int64 order, one tensor at a time): params, plus contributors x one tensor",
