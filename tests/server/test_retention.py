@@ -5,6 +5,7 @@ the ledger stay; a pull of a swept checkpoint is answered NOT_FOUND with what to
 from __future__ import annotations
 
 import json
+import time
 
 import grpc
 import pytest
@@ -30,6 +31,15 @@ def _stored(fed) -> set[str]:
     return {p.name for p in (fed.state.blobs.root / "sha256").rglob("*") if p.is_file()}
 
 
+def _stored_once_swept(fed, expected: set[str], timeout: float = 120.0) -> set[str]:
+    """The blob names once they equal `expected` (the sweep runs just after the publish's commit, which is what
+    marks the round published), or as they are when `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while _stored(fed) != expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _stored(fed)
+
+
 def _download(fed, sha: str) -> bytes:
     return b"".join(c.data for c in fed.stub.DownloadCheckpoint(gym_pb2.DownloadRequest(checkpoint_sha256=sha)))
 
@@ -49,7 +59,7 @@ def test_keep_one_sweeps_older_checkpoints_and_their_uploads_but_keeps_rows_line
     # Prepare the expected directory: the genesis, the newest checkpoint and its master, nothing else
     # (round 4 is open and empty; rounds 1-3 are published on swept bases or on the genesis).
     expected = {genesis, published[2]} | ({master_sha256(rows[3].manifest_json)} - {None})
-    assert _stored(fed) == expected
+    assert _stored_once_swept(fed, expected) == expected
     assert not (fed.state.work_dir / "checkpoints" / published[0]).exists()
 
     # Execute: pull each checkpoint. Assert: the kept ones download whole, a swept one is NOT_FOUND.
