@@ -12,7 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zoo_gym.codec import CodecError, LoraFactors, decode, decode_tensor, encode, read_bitdelta, read_manifest
+from zoo_gym.codec import (CodecError, LoraFactors, decode, decode_factors, decode_tensor, encode, read_bitdelta,
+                           read_manifest)
 from zoo_gym.codec.container import BODY_ALIGN
 
 _PREFIX = struct.Struct("<8sHHII")
@@ -137,6 +138,22 @@ def test_max_elements_bounds_what_decode_allocates():
     assert decode(payload, max_elements=10_000)["x"].shape == (100, 100)
     with pytest.raises(CodecError, match="max_elements"):
         decode(payload, max_elements=9_999)
+
+
+def test_a_model_past_two_billion_elements_is_read_tensor_by_tensor_but_never_decoded_whole():
+    """A 4B model's LoRA delta covers 3.6e9 weights: its manifest and each tensor read (the server streams
+    them one at a time), while a whole `decode()`, which would allocate all of them, is still refused."""
+    g = torch.Generator().manual_seed(0)
+    big = {f"l{i}.weight": LoraFactors(A=torch.randn(1, 40_000, generator=g), B=torch.randn(40_000, 1, generator=g))
+           for i in range(2)}  # 2 x 1.6e9 merged elements, 320 kB of factors
+    payload = encode(big, codec="lora")
+    assert sum(e.numel for e in read_manifest(payload).entries) == 3_200_000_000 > 2**31
+    f, want = decode_factors(payload, "l1.weight"), big["l1.weight"]
+    assert torch.allclose(f.B[:5].float() @ f.A[:, :5].float(), want.B[:5] @ want.A[:, :5], rtol=1e-2, atol=1e-3)
+    with pytest.raises(CodecError, match="in total"):
+        decode(payload)
+    with pytest.raises(CodecError, match="max_total_elements"):
+        read_manifest(payload, max_total_elements=2**31)
 
 
 def _body_edit(kind: str, name: str, fn) -> bytes:

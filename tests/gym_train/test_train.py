@@ -231,3 +231,18 @@ def test_qlora_delta_is_the_adapter_relative_to_the_base(kernel_4bit):
     shapes = _base_shapes()
     assert r.delta and all(isinstance(v, LoraFactors) for v in r.delta.values())
     assert all(tuple(v.merged().shape) == shapes[k] for k, v in r.delta.items())
+
+
+def test_a_bf16_lora_client_holds_its_frozen_base_in_bf16_and_its_delta_in_float32():
+    """--bf16 with LoRA loads the base in bfloat16 (half a float32 model's memory: how a 4B trains on 24 GB);
+    the adapters, and so the factors it sends, stay float32. Full fine-tuning keeps a float32 base."""
+    from zoo_gym.gym_train.common import load_training_model
+
+    cfg = TrainConfig(method="lora", max_steps=1, batch_size=2, warmup_steps=0, bf16=True)
+    assert {p.dtype for p in load_training_model(tiny_model_dir(), cfg).parameters()} == {torch.bfloat16}
+    full = TrainConfig(method="sft", max_steps=1, batch_size=2, warmup_steps=0, bf16=True)
+    assert {p.dtype for p in load_training_model(tiny_model_dir(), full).parameters()} == {torch.float32}
+    result = train(tiny_model_dir(), builtin_examples()[:8], cfg, base_sha256="x", eval_examples=[])
+    factors = list(result.delta.values())
+    assert factors and all(f.A.dtype == torch.float32 and f.B.dtype == torch.float32 for f in factors)
+    assert any(float(f.B.abs().sum()) > 0 for f in factors)  # one step moved B off its zero init

@@ -41,7 +41,10 @@ from zoo_gym.codec.lora import LoraFactors
 __all__ = ["encode", "decode", "decode_tensor", "decode_factors", "read_manifest", "read_bitdelta", "sha256_hex",
            "relative_error", "DEFAULT_MAX_ELEMENTS"]
 
-DEFAULT_MAX_ELEMENTS = 2**31
+DEFAULT_MAX_ELEMENTS = 2**31  # one tensor (and a whole `decode()`, which allocates every tensor)
+# all of a payload's tensors when they are read one at a time (`read_manifest`, `decode_tensor`): a 72B model's
+# full delta fits; the server checks every entry against its base's shapes
+DEFAULT_MAX_TOTAL_ELEMENTS = 2**38
 _PASSTHROUGH_FOR = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -280,16 +283,18 @@ def _guard(fn):
 
 def _manifest_for(mv: memoryview, manifest: Manifest | None, max_elements: int) -> Manifest:
     if manifest is None:
-        return parse_manifest(mv, max_elements=max_elements)
+        return parse_manifest(mv, max_elements=max_elements, max_total_elements=DEFAULT_MAX_TOTAL_ELEMENTS)
     if manifest.payload_size != len(mv):
         raise CodecError(f"manifest is for a payload of {manifest.payload_size} bytes, this one has {len(mv)}")
     return manifest
 
 
 @_guard
-def read_manifest(payload: Any, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> Manifest:
-    """The validated header (names, shapes, dtypes, codecs, sizes) without decoding the body."""
-    return parse_manifest(as_buffer(payload), max_elements=max_elements)
+def read_manifest(payload: Any, *, max_elements: int = DEFAULT_MAX_ELEMENTS,
+                  max_total_elements: int = DEFAULT_MAX_TOTAL_ELEMENTS) -> Manifest:
+    """The validated header (names, shapes, dtypes, codecs, sizes) without decoding the body: each tensor
+    within `max_elements`, all of them within `max_total_elements`."""
+    return parse_manifest(as_buffer(payload), max_elements=max_elements, max_total_elements=max_total_elements)
 
 
 @_guard

@@ -225,7 +225,7 @@ def _lora(d: dict, *, where: str, base: int, body_size: int, max_elements: int) 
     return TensorEntry(name, (out_f, in_f), d["dtype"], "lora", None, base + offset, nbytes, rank, None, (a, b))
 
 
-def parse_manifest(mv: memoryview, *, max_elements: int) -> Manifest:
+def parse_manifest(mv: memoryview, *, max_elements: int, max_total_elements: int | None = None) -> Manifest:
     """Read and validate the prefix and header; touches no body byte."""
     if type(max_elements) is not int or max_elements < 1:
         raise CodecError(f"`max_elements` must be a positive int, got {max_elements!r}")
@@ -278,8 +278,11 @@ def parse_manifest(mv: memoryview, *, max_elements: int) -> Manifest:
             raise CodecError(f"{where}: tensor name {e.name!r} appears twice")
         names.add(e.name)
         total += e.numel
-        if total > max_elements:
-            raise CodecError(f"payload declares more than max_elements={max_elements} elements in total")
+        if total > (max_total_elements or max_elements):
+            cap = max_total_elements or max_elements
+            raise CodecError(f"payload declares more than {cap} elements in total (max_total_elements)"
+                             if max_total_elements else
+                             f"payload declares more than max_elements={max_elements} elements in total")
         entries.append(e)
     regions = sorted((leaf.offset, leaf.nbytes, leaf.name) for e in entries for leaf in (e.factors or (e,)))
     for (o1, n1, a), (o2, _, b) in zip(regions, regions[1:]):

@@ -140,7 +140,8 @@ def with_lora(model, config: TrainConfig):
 
 
 def load_training_model(base_dir, config: TrainConfig):
-    """The base model to train: 4-bit NF4 for QLoRA (prepared for k-bit training), else float32."""
+    """The base model to train: 4-bit NF4 for QLoRA (prepared for k-bit training); bfloat16 for LoRA with
+    `bf16` (the frozen base at half the memory; the adapters stay float32); else float32."""
     if config.use_unsloth:  # Unsloth patches transformers and TRL when imported (CUDA only: check_hardware)
         import importlib
 
@@ -152,4 +153,6 @@ def load_training_model(base_dir, config: TrainConfig):
 
         model = load_4bit_model(base_dir, attn_implementation=config.attn_implementation)
         return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    return load_model(base_dir, attn_implementation=config.attn_implementation)
+    frozen_bf16 = config.bf16 and config.finetuning_type == "lora" and not config.dp_enabled
+    return load_model(base_dir, dtype=torch.bfloat16 if frozen_bf16 else torch.float32,
+                      attn_implementation=config.attn_implementation)

@@ -159,7 +159,8 @@ class TrainConfig:
     # hardware
     device: str = field(default="auto", metadata={"help": "auto (a CUDA GPU when present) | cpu | cuda | mps",
                                                   "group": "Hardware"})
-    bf16: bool = field(default=False, metadata={"help": "bfloat16 mixed precision", "group": "Hardware"})
+    bf16: bool = field(default=False, metadata={
+        "help": "bfloat16 mixed precision (with LoRA the frozen base is loaded in bfloat16)", "group": "Hardware"})
     fp16: bool = field(default=False, metadata={"help": "float16 mixed precision (CUDA only)", "group": "Hardware"})
     gradient_checkpointing: bool = field(default=False, metadata={
         "help": "recompute activations in the backward pass (less memory, slower)", "group": "Hardware"})

@@ -38,7 +38,7 @@ def check_template(model_dir: str | pathlib.Path) -> None:
         raise PreflightError(f"its tokenizer does not load: {_first_line(exc)}") from None
 
 
-def _check_vocabulary(model_dir: pathlib.Path, examples: list[dict]) -> None:
+def check_vocabulary(model_dir: pathlib.Path, examples: list[dict]) -> None:
     """PreflightError when the tokenizer gives ids past the model's embedding table."""
     from transformers import AutoConfig
 
@@ -55,9 +55,9 @@ def _check_vocabulary(model_dir: pathlib.Path, examples: list[dict]) -> None:
                              "(vocab_size in config.json); use the tokenizer the model was trained with")
 
 
-def check_trainable(model_dir: str | pathlib.Path, examples: list[dict]) -> None:
-    """One LoRA step of ``train()`` on the first two of ``examples``; PreflightError when it cannot run or
-    its delta does not fit the base."""
+def check_trainable(model_dir: str | pathlib.Path, examples: list[dict], *, bf16: bool = False) -> None:
+    """One LoRA step of ``train()`` on the first two of ``examples`` (as a ``--bf16`` client with `bf16`);
+    PreflightError when it cannot run or its delta does not fit the base."""
     from .config import TrainConfig
     from .delta import base_parameter_names
     from .evaluate import dense_delta
@@ -68,8 +68,8 @@ def check_trainable(model_dir: str | pathlib.Path, examples: list[dict]) -> None
     examples = list(examples)[:2]
     if not examples:
         raise PreflightError("no examples to try a training step on")
-    _check_vocabulary(model_dir, examples)
-    cfg = TrainConfig(method="lora", max_steps=1, batch_size=len(examples), warmup_steps=0)
+    check_vocabulary(model_dir, examples)
+    cfg = TrainConfig(method="lora", max_steps=1, batch_size=len(examples), warmup_steps=0, bf16=bf16)
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")  # deprecations and PEFT's Conv1D notice are not the operator's

@@ -138,6 +138,12 @@ def serve(
         swept = sweep_storage(state)  # what a crash left behind, before any upload can be in flight
         if swept.blobs or swept.scratch:
             logging.getLogger("zoo_gym.server").info("%s", swept)
+        if cfg.keep_checkpoints is not None:  # a crash between a publish's commit and its sweep
+            from zoo_gym.server.store.retention import retire_checkpoints
+
+            retired = retire_checkpoints(state, keep=cfg.keep_checkpoints)
+            if retired.bytes:
+                logging.getLogger("zoo_gym.server").info("%s", retired)
         from zoo_gym.server.transport.servicer import build_server
 
         server, bound, rounds = build_server(state, cfg)  # refuses a port another process listens on

@@ -132,6 +132,10 @@ class ServerConfig:
         "aliases": ("validation_file",)})
     validation_examples: int = field(default=128, metadata={
         "help": "held-out examples evaluated per checkpoint (0: no evaluation and no scoring)"})
+    keep_checkpoints: int | None = field(default=None, metadata={
+        "help": "published checkpoints whose files are kept besides the genesis; after each publish the older "
+                "ones' archives and float32 masters, and the uploads of the rounds built on them, are removed "
+                "(their rows, the lineage and the ledger stay; a pull of one is answered NOT_FOUND). Default: all"})
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR", "section": "Output"})
     log_format: str = field(default="text", metadata={
         "help": "text, or json (one object a line, with the event's fields)", "section": "Output"})
@@ -193,6 +197,11 @@ class ServerConfig:
             raise ConfigError("`server_lr` must be a finite number > 0")
         if not 0 <= self.staleness_exponent < float("inf"):
             raise ConfigError("`staleness_exponent` must be a finite number >= 0")
+        if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
+            raise ConfigError("`keep_checkpoints` must be >= 1 (the current base is always kept), or unset to keep all")
+        if self.keep_checkpoints is not None and self.mode == "async" and self.keep_checkpoints <= self.max_staleness:
+            raise ConfigError(f"`keep_checkpoints` must be >= max_staleness + 1 ({self.max_staleness + 1}) in async "
+                              "mode: a delta may be against any of the last max_staleness published bases")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"`log_level` must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if self.log_format not in ("text", "json"):

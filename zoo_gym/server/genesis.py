@@ -3,7 +3,8 @@
 It refuses, in one line and before creating anything, a base the federation could not use: the genesis
 tokenizer must render prompt/completion pairs (a base without a chat template gets
 `zoo_gym.gym_train.chat.PLAIN_TEMPLATE`, or the operator's `--chat-template FILE`), one LoRA step of the
-client's `train()` must run and give a delta in the base's shapes, and the server's evaluator must load the
+client's `train()` must run on its first decoder layers (zoo_gym/server/short_base.py) and give a delta in
+the base's shapes, and the server's evaluator, reading one layer at a time, must load the
 genesis checkpoint and give a finite held-out loss.
 """
 
@@ -107,33 +108,56 @@ def _dir_digest(model_dir: Path) -> str:
     return h.hexdigest()
 
 
+SHORT_LAYERS = 2  # decoder layers of the base that init's training step runs on (zoo_gym/server/short_base.py)
+
+
 def check_base(model_dir: Path, examples: list[dict]) -> None:
     """StateError (one line) unless a client can train `model_dir` (one LoRA step, delta in the base's
-    shapes) and the server's evaluator can load it and give a finite held-out loss on `examples`."""
-    import math
+    shapes) and the server's evaluator can load it and give a finite held-out loss on `examples`.
 
-    from zoo_gym.gym_train.preflight import PreflightError, check_trainable
+    Neither check holds the whole model: the evaluation reads the checkpoint one layer at a time, the
+    training step runs as a `--bf16` client's on the base's first SHORT_LAYERS decoder layers (the same
+    tensors: the same names, shapes and dtypes)."""
+    from zoo_gym.gym_train.preflight import PreflightError, check_template, check_trainable, check_vocabulary
+    from zoo_gym.server.short_base import short_base
 
     digest = _dir_digest(model_dir)
     if digest in _checked:
         return
     try:
-        check_trainable(model_dir, examples)
+        check_template(model_dir)
+        check_vocabulary(model_dir, list(examples)[:2])
     except PreflightError as exc:
         raise StateError(f"a contributor could not train this base: {exc}") from None
+    _check_evaluator(model_dir, examples)
+    with tempfile.TemporaryDirectory(dir=model_dir.parent) as tmp:
+        try:
+            short = short_base(model_dir, Path(tmp) / "short", layers=SHORT_LAYERS) or model_dir
+            check_trainable(short, examples, bf16=True)
+        except PreflightError as exc:
+            raise StateError(f"a contributor could not train this base: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - a config or weights file that does not read
+            raise StateError(f"a contributor could not train this base: {type(exc).__name__}: "
+                             f"{(str(exc).strip().splitlines() or [''])[0]}") from None
+    _checked.add(digest)
+
+
+def _check_evaluator(model_dir: Path, examples: list[dict]) -> None:
+    """StateError unless the server's (streamed) evaluator gives a finite held-out loss of `model_dir`."""
+    import math
+
     try:
         from zoo_gym.server.rounds.evaluation import ServerEvaluator
         from zoo_gym.gym_train.memory import release_memory
 
-        release_memory()  # the training check's model goes before the evaluator's loads
         loss = ServerEvaluator(model_dir, list(examples[:2]), scoring_examples=2).loss()  # no gradient needed
     except Exception as exc:  # noqa: BLE001 - whatever breaks the evaluator breaks every round
         text = str(exc).strip().splitlines()
         raise StateError(f"the server could not evaluate this base: {type(exc).__name__}: "
                          f"{text[0] if text else ''}") from None
+    release_memory()  # the evaluator's model goes before the training check's loads
     if not math.isfinite(loss):
         raise StateError(f"the server's held-out loss of this base is {loss}, not a finite number")
-    _checked.add(digest)
 
 
 def _validation_examples(validation_file: Path | None) -> list[dict]:

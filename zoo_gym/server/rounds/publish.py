@@ -32,6 +32,7 @@ from zoo_gym.server.rounds.policy import policy_for
 from zoo_gym.server.rounds.faults import crash_point
 from zoo_gym.gym_train.memory import release_memory
 from zoo_gym.server.store.models import Checkpoint, Contributor, Round, RoundInputs, RoundState, Submission
+from zoo_gym.server.store.retention import retire_checkpoints
 from zoo_gym.server.rounds.settlement import (aggregation_weights, current_reputations, plan_rewards, record_settlement,
                                       scoring_tap)
 from zoo_gym.proto.model_card import public_base_name
@@ -269,6 +270,8 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
     crash_point("blob-written")
     commit(state, config, job, written)
     crash_point("committed")
+    if config.keep_checkpoints is not None:
+        log.info("round %d: %s", rnd.id, retire_checkpoints(state, keep=config.keep_checkpoints))
     log.info("round %d phase=done", rnd.id)
     loss = f", held-out loss {written.heldout:.4f}" if written.heldout is not None else ""
     if written.preference is not None:

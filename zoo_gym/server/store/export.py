@@ -64,7 +64,8 @@ def export_checkpoint(state: ServerState, out: Path, *, round_id: int | None = N
     ckpt = checkpoint_of_round(state, round_id)
     blob = state.blobs.path(ckpt.sha256)
     if not Path(blob).is_file():
-        raise StateError(f"the blob of checkpoint {ckpt.sha256[:12]} is missing from {state.blobs.root}")
+        raise StateError(f"checkpoint {ckpt.sha256[:12]} (round {ckpt.round_id}) is no longer stored in "
+                         f"{state.blobs.root} (swept by --keep-checkpoints, or removed); export a newer round")
     if fmt not in ("hf", "gguf"):
         raise StateError(f"--format must be hf, gguf or peft, got {fmt!r}")
     rows = card_rows(lineage(state, ckpt))

@@ -213,6 +213,9 @@ def download(*, sha256: str, offset: int, state: ServerState, config: ServerConf
     with state.session() as s:
         if s.get(Checkpoint, sha256) is None:
             raise NotFound(f"no published checkpoint has sha256 {sha256}")
+    if not state.blobs.exists(sha256):
+        raise NotFound(f"checkpoint {sha256[:12]} is no longer stored: this server keeps only the genesis and its "
+                       "newest checkpoints (--keep-checkpoints); pull the current round's base (GetRound)")
     total = state.blobs.size(sha256)
     if offset > total:
         raise InvalidArgument(f"offset {offset} is past the end of the checkpoint ({total} bytes)")
