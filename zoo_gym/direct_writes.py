@@ -117,7 +117,10 @@ class DirectWriter:
     def _release_buffers(self) -> None:
         self._views = []
         for b in self._buffers:
-            b.close()
+            try:
+                b.close()
+            except BufferError:  # a failed write's traceback still holds a view of it: freed with that traceback
+                pass
         self._buffers = []
 
     def close(self) -> None:

@@ -85,3 +85,35 @@ def test_a_discarded_streamed_blob_leaves_nothing(tmp_path: Path, small_buffers)
             w.write(p)
     assert list(store.tmp_dir.iterdir()) == []
     assert list((store.root / "sha256").iterdir()) == []
+
+
+_FULL_DISK_SCRIPT = """
+import errno, os, resource, signal, sys
+from pathlib import Path
+from zoo_gym import direct_writes
+from zoo_gym.server.store.blobs import BlobStore
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG, as ENOSPC on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (direct_writes.BUFFER + 4096, resource.RLIM_INFINITY))
+store = BlobStore(Path(sys.argv[1]))
+try:
+    with store.writer(streamed=True) as w:
+        for _ in range(4):
+            w.write(b"x" * direct_writes.BUFFER)
+        w.commit()
+except OSError as exc:
+    print("ERRNO", exc.errno)
+print("TMP", len(list(store.tmp_dir.iterdir())), "BLOBS", len(list((store.root / "sha256").iterdir())))
+"""
+
+
+def test_a_streamed_blob_on_a_full_disk_fails_with_the_os_error_and_leaves_nothing(tmp_path: Path) -> None:
+    """The failed write's error reaches the caller as itself (no BufferError from closing the buffers the
+    failed write still held), and the temporary file is removed."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FULL_DISK_SCRIPT, str(tmp_path / "blobs")], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ERRNO 27" in out.stdout  # EFBIG
+    assert "TMP 0 BLOBS 0" in out.stdout
