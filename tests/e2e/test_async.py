@@ -16,22 +16,10 @@ import subprocess
 import pytest
 
 from e2e_processes import ENV, client, status as _status, wait_for as _wait
-from e2e_processes import server_cmd as _server
+from e2e_processes import server_cmd as _server, stop
 from zoo_gym.proto.tls import make_certificates
 
 FAST_STEPS, SLOW_STEPS = 10, 50  # the slow client trains 5x as many steps per delta
-
-
-def _stop(procs) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +55,7 @@ def run(tmp_path_factory):
 
         flush = _wait(flushed_with_slow, timeout=900, what="the slow client's delta to be flushed",
                       procs=[server, *fast])
-        _stop(fast)
+        stop(fast)
         ledger = subprocess.run(_server("ledger", "show", "--state-dir", str(state_dir), "--limit", "100000",
                                         "--json"), capture_output=True, text=True, check=True, env=ENV)
         verify = subprocess.run(_server("ledger", "verify", "--state-dir", str(state_dir)), capture_output=True,
@@ -75,7 +63,7 @@ def run(tmp_path_factory):
         yield {"root": root, "slow": slow_summary, "flush": flush, "status": _status(state_dir),
                "ledger": json.loads(ledger.stdout), "verify": verify, "server": server}
     finally:
-        _stop([*clients, server])
+        stop([*clients, server])
 
 
 def test_versions_publish_without_waiting_for_the_slow_client(run):

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from e2e_processes import ENV, client, status as _status, wait_for as _wait
-from e2e_processes import server_cmd as _server
+from e2e_processes import server_cmd as _server, stop
 from zoo_gym.aggregation.privacy import epsilon
 from zoo_gym.proto.tls import make_certificates
 from zoo_gym.server.rounds import sampling
@@ -21,18 +21,6 @@ from zoo_gym.server.store.models import Contributor, Round
 from zoo_gym.server.store.state import open_state
 
 Q, Z, DELTA, VERSIONS = 0.5, 1.0, 1e-5, 2
-
-
-def _stop(procs) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +50,10 @@ def run(tmp_path_factory):
             return len(done) >= VERSIONS and done
 
         _wait(published, timeout=900, what=f"{VERSIONS} versions to publish", procs=[server, *clients])
-        _stop(clients)
+        stop(clients)
         yield {"root": root, "state_dir": state_dir, "status": _status(state_dir), "server": server}
     finally:
-        _stop([*clients, server])
+        stop([*clients, server])
 
 
 def test_every_flushed_delta_came_from_someone_selected_for_that_buffer(run):

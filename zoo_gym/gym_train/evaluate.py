@@ -80,19 +80,9 @@ def dense_delta(value) -> torch.Tensor:
 _HEAD_CHUNK_ELEMENTS = 1 << 24
 
 
-def head_loss_sum(model, inputs: dict, *, at: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy of ``targets`` predicted at flat positions ``at``.
-
-    ``model(**inputs)`` runs the decoder body; a pre-hook on the output layer
-    (``get_output_embeddings()``, the lm_head) takes its input hidden states ``(B, T, H)`` and
-    hands it an empty slice, so no logits are built over the whole batch. The lm_head is then
-    applied only to the ``K`` hidden states at ``at`` (flat index ``b * T + t``), in chunks of
-    about ``_HEAD_CHUNK_ELEMENTS`` logits, each chunk's cross-entropy taken in float32 (Gemma-2
-    style ``final_logit_softcapping`` applied as the model does). With gradients on, each chunk is
-    recomputed in the backward (activation checkpointing), so only one chunk's logits live at a
-    time. Equal to the full-logits loss up to float rounding (the matmul sees fewer rows).
-    Differentiable when grad is enabled; ``at``, ``targets``: ``(K,)`` long on the model's device.
-    """
+def hidden_at(model, inputs: dict, at: torch.Tensor) -> torch.Tensor:
+    """(K, H) hidden states entering the output layer at flat positions ``at`` (``b * T + t``): the decoder
+    body runs on ``inputs`` and the output layer is called once on no position, so forward hooks on it run."""
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head): not a causal LM")
@@ -110,8 +100,24 @@ def head_loss_sum(model, inputs: dict, *, at: torch.Tensor, targets: torch.Tenso
     if len(grabbed) != 1:
         raise ValueError(f"the output layer ran {len(grabbed)} times in one forward: expected once")
     h = grabbed.pop()                                                    # (B, T, H)
-    hidden = h.reshape(-1, h.shape[-1])[at]                             # (K, H)
-    del h
+    return h.reshape(-1, h.shape[-1])[at]
+
+
+def head_loss_sum(model, inputs: dict, *, at: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy of ``targets`` predicted at flat positions ``at``.
+
+    ``model(**inputs)`` runs the decoder body; a pre-hook on the output layer
+    (``get_output_embeddings()``, the lm_head) takes its input hidden states ``(B, T, H)`` and
+    hands it an empty slice, so no logits are built over the whole batch. The lm_head is then
+    applied only to the ``K`` hidden states at ``at`` (flat index ``b * T + t``), in chunks of
+    about ``_HEAD_CHUNK_ELEMENTS`` logits, each chunk's cross-entropy taken in float32 (Gemma-2
+    style ``final_logit_softcapping`` applied as the model does). With gradients on, each chunk is
+    recomputed in the backward (activation checkpointing), so only one chunk's logits live at a
+    time. Equal to the full-logits loss up to float rounding (the matmul sees fewer rows).
+    Differentiable when grad is enabled; ``at``, ``targets``: ``(K,)`` long on the model's device.
+    """
+    head = model.get_output_embeddings()
+    hidden = hidden_at(model, inputs, at)                               # (K, H)
     cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
 
     def chunk_loss(hc: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from zoo_gym.gym_train.evaluate import hidden_at
+
 BLOCK_ROWS = 8192  # vocabulary rows per block: (rows, hidden) float32 weights, (K, rows) logits
 
 
@@ -278,21 +280,6 @@ def head_loss_sum(model: torch.nn.Module, inputs: dict, *, at: Tensor, targets: 
     summed cross-entropy of ``targets`` at flat positions ``at`` through one call of the output layer (so
     forward hooks on it, such as ``PackedScoringSet``'s delta swap, see the computation)."""
     head = model.get_output_embeddings()
-    grabbed: list[Tensor] = []
-
-    def grab(_module, args):
-        grabbed.append(args[0])
-        return (args[0][..., :0, :],) + tuple(args[1:])  # (B, 0, H): logits of no position
-
-    handle = head.register_forward_pre_hook(grab)
-    try:
-        model(**inputs, use_cache=False)
-    finally:
-        handle.remove()
-    if len(grabbed) != 1:
-        raise ValueError(f"the output layer ran {len(grabbed)} times in one forward: expected once")
-    h = grabbed.pop()                                                     # (B, T, H)
-    hidden = h.reshape(-1, h.shape[-1])[at]                               # (K, H)
-    del h
+    hidden = hidden_at(model, inputs, at)                                 # (K, H)
     cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
     return head(hidden, targets=targets, cap=cap)
