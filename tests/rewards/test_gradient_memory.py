@@ -10,6 +10,7 @@ gradient and every activation did.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -125,12 +126,16 @@ _PEAK = textwrap.dedent("""
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_the_bounded_gradient_adds_far_less_to_the_peak_than_holding_it(tmp_path):
-    """Holding the gradient and every activation (the old way) adds 2.3x this model to the peak; spilled to
-    disk within the activation budget it adds 1.5x (the budget, one recomputed layer, the head's buffer)."""
+    """Holding the gradient and every activation (the old way) adds ~2x this model to the peak; spilled to
+    disk within the activation budget it adds ~1x (the budget, one recomputed layer, the head's buffer).
+    glibc's malloc runs with a fixed mmap threshold: freed tensors leave RSS at once, so the peak counts live
+    memory only (with its adaptive threshold, memory freed by the warm-up could be reused resident and the
+    plain run once measured 1.5x instead of 2.3x in CI)."""
     added = {}
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
     for mode in ("bounded", "plain"):
         out = subprocess.run([sys.executable, "-c", _PEAK, str(tmp_path), mode], capture_output=True, text=True,
-                             timeout=600, check=True)
+                             timeout=600, check=True, env=env)
         added[mode] = json.loads(out.stdout.strip().splitlines()[-1])
     assert added["bounded"]["norm"] == pytest.approx(added["plain"]["norm"], rel=1e-5)
     assert added["plain"]["added_peak"] > added["plain"]["model_bytes"], added  # the gradient alone is 1x
