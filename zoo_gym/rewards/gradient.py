@@ -166,6 +166,40 @@ def _budget(model: torch.nn.Module, budget: int | None | str, *, streamed: bool)
     return None if streamed else sum(p.numel() * p.element_size() for p in model.parameters()) // 4
 
 
+class _GradientSink:
+    """Where finished gradients go (a dict, or a SpilledTensors file), with ||g||^2 summed as they arrive."""
+
+    def __init__(self, store: "dict[int, Tensor] | SpilledTensors") -> None:
+        self.store = store
+        self.sq = torch.zeros((), dtype=torch.float64)
+
+    def take(self, p: torch.nn.Parameter) -> None:
+        """A post-accumulate-grad hook: move p's finished gradient out of ``.grad``."""
+        if p.grad is None:  # a vocabulary weight: its gradient comes through put_blocks
+            return
+        g = p.grad.detach()
+        if g.is_sparse:  # a streamed model's untied input embedding (streamed_model.py)
+            g = g.to_dense()
+        self.sq = self.sq + _sq_norm(g)
+        if isinstance(self.store, SpilledTensors):
+            self.store.put(id(p), g)
+        else:
+            self.store[id(p)] = g
+        p.grad = None
+
+    def put_blocks(self, p: torch.nn.Parameter, blocks) -> None:
+        """A vocabulary weight's gradient, a block of rows at a time (vocab_blocks.py)."""
+        if isinstance(self.store, SpilledTensors):
+            self.store.put_blocks(id(p), p.shape, self._summed(blocks))
+        else:
+            self.store[id(p)] = torch.cat(list(self._summed(blocks)))
+
+    def _summed(self, blocks):
+        for g in blocks:
+            self.sq = self.sq + _sq_norm(g)
+            yield g
+
+
 def base_gradient(model: torch.nn.Module,
                   batches: Iterable[tuple[Tensor, Tensor, Tensor] | PackedBatch], *,
                   rows_per_backward: int | None = None, spill_dir: str | Path | None = None,
@@ -198,34 +232,7 @@ def base_gradient(model: torch.nn.Module,
     parts, tokens, examples = _backward_parts(batches, rows_per_backward)
     stream = stream_of(model)
     activation_budget = _budget(model, activation_budget, streamed=stream is not None)
-    store: dict[int, Tensor] | SpilledTensors = SpilledTensors(spill_dir) if spill_dir is not None else {}
-    sq = torch.zeros((), dtype=torch.float64)  # ||g||^2, summed as the gradients are taken
-
-    def take(p: torch.nn.Parameter) -> None:
-        nonlocal sq
-        if p.grad is None:  # a vocabulary weight: its gradient comes from `vg.finish` below
-            return
-        g = p.grad.detach()
-        if g.is_sparse:  # a streamed model's untied input embedding (streamed_model.py)
-            g = g.to_dense()
-        sq = sq + _sq_norm(g)
-        if isinstance(store, SpilledTensors):
-            store.put(id(p), g)
-        else:
-            store[id(p)] = g
-        p.grad = None
-
-    def put_blocks(p: torch.nn.Parameter, blocks) -> None:  # a vocabulary weight's gradient (vocab_blocks.py)
-        if isinstance(store, SpilledTensors):
-            store.put_blocks(id(p), p.shape, _summed(blocks))
-        else:
-            store[id(p)] = torch.cat(list(_summed(blocks)))
-
-    def _summed(blocks):
-        nonlocal sq
-        for g in blocks:
-            sq = sq + _sq_norm(g)
-            yield g
+    sink = _GradientSink(SpilledTensors(spill_dir) if spill_dir is not None else {})
 
     was_training = model.training
     model.eval()
@@ -237,7 +244,7 @@ def base_gradient(model: torch.nn.Module,
         with torch.enable_grad(), (vocab.gathering() if vocab is not None else contextlib.nullcontext()) as vg:
             for n, (part, _, _) in enumerate(parts):
                 if n == len(parts) - 1:  # the last backward finishes every gradient: take each at once
-                    hooks = [p.register_post_accumulate_grad_hook(take)
+                    hooks = [p.register_post_accumulate_grad_hook(sink.take)
                              for p in {id(p): p for p in params.values() if p.requires_grad}.values()]
                 with checkpoint_beyond(model, activation_budget):
                     loss = _loss_sum(model, part)
@@ -245,10 +252,10 @@ def base_gradient(model: torch.nn.Module,
                 total += float(loss.detach())
                 del loss
             if vg is not None:  # the embedding's and output layer's gradients, a block of rows at a time
-                vg.finish(vocab.head.weight, vocab.embed.weight, put_blocks)
+                vg.finish(vocab.head.weight, vocab.embed.weight, sink.put_blocks)
     except BaseException:
-        if isinstance(store, SpilledTensors):
-            store.close()
+        if isinstance(sink.store, SpilledTensors):
+            sink.store.close()
         raise
     finally:
         for h in hooks:
@@ -257,7 +264,7 @@ def base_gradient(model: torch.nn.Module,
         model.train(was_training)
         if stream is not None:
             stream.evict_all()
-    grad = _by_name(store, params)
+    grad = _by_name(sink.store, params)
     numel = sum(p.numel() for p in {id(p): p for p in params.values()}.values())
     return _with_summary(BaseGradient(base_loss=total / tokens, grad=grad, examples=examples, tokens=tokens),
-                         norm=float(sq.sqrt()), numel=numel)
+                         norm=float(sink.sq.sqrt()), numel=numel)
