@@ -28,7 +28,8 @@ import tempfile
 RESULTS = pathlib.Path(__file__).parent / "results" / "gguf_llama_cpp.json"
 
 
-def llama_greedy(llm, prompt: list[int], n: int, eos: int) -> tuple[list[int], float | None, object]:
+def llama_greedy(llm, prompt: list[int], n: int, eos: int):
+    """(greedy new tokens, ending at `eos` or after `n`; llama.cpp's logits at the prompt's positions)."""
     import numpy as np
 
     llm.reset()

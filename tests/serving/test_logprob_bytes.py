@@ -27,3 +27,18 @@ def test_special_tokens_are_their_own_text_in_utf8():
     fmt = LogprobFormat(tok)
     end = tok.convert_tokens_to_ids("<|im_end|>")
     assert fmt.raw_bytes(end) == list(b"<|im_end|>")
+
+
+def test_sentencepiece_byte_fallback_tokens_give_their_byte():
+    """Llama 2 / Gemma style: a character outside the vocabulary becomes ``<0xNN>`` tokens, one byte each."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)} | {c: 256 + i for i, c in enumerate("ehlo ")}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend)
+    fmt = LogprobFormat(tok)
+    ids = tok.encode("hello 世界", add_special_tokens=False)
+    assert tok.convert_ids_to_tokens(ids[-1]) == "<0x8C>"
+    assert bytes(b for i in ids for b in fmt.raw_bytes(i)).decode("utf-8") == "hello 世界"

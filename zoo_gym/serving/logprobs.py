@@ -24,7 +24,7 @@ class LogprobFormat:
         self._text: dict[int, str] = {}
         self._bytes: dict[int, list[int]] = {}
         self._byte_level = _is_byte_level(tokenizer)
-        self._added = {i for i in getattr(tokenizer, "added_tokens_decoder", {})}
+        self._added = set(getattr(tokenizer, "added_tokens_decoder", {}))
         self.offset = 0  # characters of the completion's text before the next token (text_offset)
 
     def text(self, token: int) -> str:
