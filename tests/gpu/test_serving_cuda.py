@@ -59,6 +59,29 @@ def test_triton_kernel_equals_the_cpu_path_on_mixed_variants(out_f, in_f, tokens
     torch.testing.assert_close(gpu.cpu()[rows < 0], cpu[rows < 0], rtol=2 ** -6, atol=1e-3)  # the base alone
 
 
+@pytest.mark.parametrize("form", ["float32", "mixed"])
+def test_triton_kernel_takes_float_scales_and_a_batch_mixing_both(form):
+    """Variants with float32 scales (scale_refs None, as gym-serve's --float-scales) and a batch that
+    mixes them with log8 codes: the GPU gives the CPU path's output (the first GPU run crashed here)."""
+    from zoo_gym.serving.kernels import _scales_f32, bitdelta_linear
+
+    out_f, in_f = 2048, 1024
+    signs, codes, refs = _variants(out_f, in_f, 4, seed=2)
+    floats = [_scales_f32(c, r) for c, r in zip(codes, refs)]
+    scales = floats if form == "float32" else [floats[0], codes[1], floats[2], codes[3]]
+    scale_refs = [None] * 4 if form == "float32" else [None, refs[1], None, refs[3]]
+    g = torch.Generator().manual_seed(3)
+    weight = (torch.randn(out_f, in_f, generator=g) * 0.02).bfloat16()
+    x = torch.randn(6, 1, in_f, generator=g).bfloat16()
+    rows = torch.tensor([0, 1, 2, 3, -1, 1])
+
+    cpu = bitdelta_linear(x, weight, None, signs, scales, GROUP, rows, scale_refs=scale_refs)
+    gpu = bitdelta_linear(x.cuda(), weight.cuda(), None, [s.cuda() for s in signs], [c.cuda() for c in scales],
+                          GROUP, rows, scale_refs=scale_refs)
+    diff = (gpu.cpu().float() - cpu.float()).abs().max().item()
+    assert diff <= 2 ** -7 * cpu.float().abs().max().item(), diff
+
+
 def test_kernel_time_against_the_base_matmul(record_property):
     """One adapted linear at a decode step (16 rows, 16 variants) against the base matmul alone (CUDA events)."""
     from zoo_gym.serving.kernels import bitdelta_linear

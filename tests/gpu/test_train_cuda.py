@@ -42,7 +42,8 @@ def test_bf16_lora_on_a_0_6b_model_lowers_the_loss_of_a_repeated_batch(model_0_6
     assert m["steps"] == 8
     assert math.isfinite(m["loss_before"]) and math.isfinite(m["loss_after"])
     assert m["loss_after"] < m["loss_before"], m  # the same 8 examples, trained on 8 times
-    assert _peak_gib() > 2.0  # the float32 master weights (2.4 GB) lived on the GPU
+    # the frozen base lived on the GPU in bf16 (1.1 GiB), and no float32 copy of it (2.2 GiB) did
+    assert 1.0 < _peak_gib() < 2.2, _peak_gib()
     assert all(torch.isfinite(f.A).all() and torch.isfinite(f.B).all() for f in r.delta.values())
     record_property("lora_0.6b_bf16_seconds_per_step", m["train_seconds"] / m["steps"])
     record_property("lora_0.6b_bf16_loss", f"{m['loss_before']:.4f} -> {m['loss_after']:.4f}")

@@ -94,6 +94,14 @@ def _log8_table(device: torch.device) -> Tensor:
     return torch.from_numpy(LOG8_MULT).to(device=device, dtype=torch.float32)
 
 
+def _float_scales(scales: Tensor, ref: float | None) -> Tensor:
+    """float32 scales from float scales (ref None) or from log8 codes and their reference (a batch that
+    mixes variants of both kinds runs the float32 kernel)."""
+    if ref is None:
+        return scales.to(torch.float32)
+    return torch.from_numpy(LOG8_MULT).to(scales.device)[scales.long()] * float(ref)
+
+
 def triton_delta_add(y: Tensor, x: Tensor, signs: list[Tensor], scales: list[Tensor], group_size: int,
                      variant_of_row: Tensor, *, scale_refs: list[float] | None = None) -> Tensor:
     """y (B, ..., out) += each row's variant delta of x (B, ..., in), in place on the GPU; returns y.
@@ -109,14 +117,15 @@ def triton_delta_add(y: Tensor, x: Tensor, signs: list[Tensor], scales: list[Ten
     used, tok, tok_start, max_tok = _routing(variant_of_row.to(torch.int64).contiguous().numpy().tobytes(),
                                              per_row, dev)
     sg = [signs[v].contiguous() for v in used]  # held until the kernel is queued: read by address
-    log8 = scale_refs is not None
-    sc = [(scales[v] if log8 else scales[v].to(torch.float32)).contiguous() for v in used]
+    refs_used = [None if scale_refs is None else scale_refs[v] for v in used]
+    log8 = all(r is not None for r in refs_used)  # codes decoded in the kernel; else float32 scales
+    sc = [(scales[v] if log8 else _float_scales(scales[v], r)).contiguous() for v, r in zip(used, refs_used)]
     n_groups = sc[0].shape[1]
     gs = group_size if n_groups > 1 else in_f + 8  # one group per row: every column in group 0
     sign_addr = _on_device(tuple(s.data_ptr() for s in sg), dev)
     scale_addr = _on_device(tuple(c.data_ptr() for c in sc), dev)
     scale_rows = _on_device(tuple(c.shape[0] for c in sc), dev)
-    refs = _on_device(tuple(float(scale_refs[v]) for v in used) if log8 else (0.0,), dev, torch.float32)
+    refs = _on_device(tuple(float(r) for r in refs_used) if log8 else (0.0,), dev, torch.float32)
     grid = (len(used), triton.cdiv(out_f, BLOCK_N), triton.cdiv(max_tok, BLOCK_M))
     _delta_add_kernel[grid](x2, y2, tok, tok_start, sign_addr, scale_addr, scale_rows, refs, _log8_table(dev),
                             out_f, in_f, sg[0].shape[1], n_groups, gs, LOG8=log8, BLOCK_M=BLOCK_M,
