@@ -26,7 +26,8 @@ BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
 @triton.jit
 def _delta_add_kernel(x_ptr, y_ptr, tok_ptr, tok_start_ptr, sign_addr_ptr, scale_addr_ptr, scale_rows_ptr,
                       ref_ptr, lut_ptr, n_out, n_in, nbytes, n_groups, group_size,
-                      LOG8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      LOG8: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
     v = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -52,16 +53,30 @@ def _delta_add_kernel(x_ptr, y_ptr, tok_ptr, tok_start_ptr, sign_addr_ptr, scale
             mask_k = offs_k < n_in
             xt = tl.load(x_ptr + toks[:, None] * n_in + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
                          other=0.0).to(tl.float32)  # (M, K)
-            mk = mask_k[:, None] & mask_n[None, :]
-            byte = tl.load(signs + offs_n[None, :].to(tl.int64) * nbytes + (offs_k // 8)[:, None], mask=mk,
-                           other=0).to(tl.int32)  # (K, N)
-            bit = (byte >> (offs_k % 8)[:, None]) & 1
-            at = srow[None, :] * n_groups + (offs_k // group_size)[:, None]  # (K, N) scale index
-            if LOG8:
-                sc = ref * tl.load(lut_ptr + tl.load(codes + at, mask=mk, other=0).to(tl.int32))
-            else:
-                sc = tl.load(scales + at, mask=mk, other=0.0)
-            acc += tl.dot(xt, tl.where(bit != 0, sc, -sc), input_precision="ieee")
+            if ALIGNED:  # the K block lies in one scale group: one scale per column, each sign byte read once
+                offs_b = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+                mb = (offs_b < nbytes)[:, None] & mask_n[None, :]
+                byte = tl.load(signs + offs_n[None, :].to(tl.int64) * nbytes + offs_b[:, None], mask=mb,
+                               other=0).to(tl.int32)  # (K / 8, N)
+                bit = (byte[:, None, :] >> tl.arange(0, 8)[None, :, None]) & 1  # (K / 8, 8, N): k = 8 b + i
+                pm = tl.reshape(tl.where(bit != 0, 1.0, -1.0), (BLOCK_K, BLOCK_N))
+                at = srow * n_groups + k0 // group_size  # (N,) scale index
+                if LOG8:
+                    sc = ref * tl.load(lut_ptr + tl.load(codes + at, mask=mask_n, other=0).to(tl.int32))
+                else:
+                    sc = tl.load(scales + at, mask=mask_n, other=0.0)
+                acc += tl.dot(xt, pm, input_precision="ieee") * sc[None, :]
+            else:  # groups narrower than the K block: a scale per (k, n)
+                mk = mask_k[:, None] & mask_n[None, :]
+                byte = tl.load(signs + offs_n[None, :].to(tl.int64) * nbytes + (offs_k // 8)[:, None], mask=mk,
+                               other=0).to(tl.int32)  # (K, N)
+                bit = (byte >> (offs_k % 8)[:, None]) & 1
+                at = srow[None, :] * n_groups + (offs_k // group_size)[:, None]  # (K, N) scale index
+                if LOG8:
+                    sc = ref * tl.load(lut_ptr + tl.load(codes + at, mask=mk, other=0).to(tl.int32))
+                else:
+                    sc = tl.load(scales + at, mask=mk, other=0.0)
+                acc += tl.dot(xt, tl.where(bit != 0, sc, -sc), input_precision="ieee")
         yp = y_ptr + toks[:, None] * n_out + offs_n[None, :]
         my = mask_m[:, None] & mask_n[None, :]
         y = tl.load(yp, mask=my, other=0.0).to(tl.float32)
@@ -128,6 +143,7 @@ def triton_delta_add(y: Tensor, x: Tensor, signs: list[Tensor], scales: list[Ten
     refs = _on_device(tuple(float(r) for r in refs_used) if log8 else (0.0,), dev, torch.float32)
     grid = (len(used), triton.cdiv(out_f, BLOCK_N), triton.cdiv(max_tok, BLOCK_M))
     _delta_add_kernel[grid](x2, y2, tok, tok_start, sign_addr, scale_addr, scale_rows, refs, _log8_table(dev),
-                            out_f, in_f, sg[0].shape[1], n_groups, gs, LOG8=log8, BLOCK_M=BLOCK_M,
+                            out_f, in_f, sg[0].shape[1], n_groups, gs, LOG8=log8,
+                            ALIGNED=n_groups == 1 or gs % BLOCK_K == 0, BLOCK_M=BLOCK_M,
                             BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     return y
