@@ -75,3 +75,17 @@ def test_cuda_only_options_pass_the_check_where_cuda_is_present(kw, monkeypatch)
     hardware.check_hardware(cfg)  # no HardwareError
     args = common_training_args(cfg, "/tmp/zoo_gym_unused", progress=False)
     assert args["use_liger_kernel"] == bool(kw.get("use_liger_kernel"))  # passed through to TrainingArguments
+
+
+def test_trl_head_chunks_are_narrow_on_the_cpu_and_trls_own_elsewhere():
+    """TRL's fused output layer copies each vocabulary chunk to float32 in its CPU backward: a CPU run uses
+    narrower chunks (the peak of gym-server init's LoRA step), a CUDA run keeps TRL's."""
+    import trl.trainer.utils as trl_utils
+
+    from zoo_gym.gym_train.common import CPU_HEAD_CHUNK_ROWS, fit_head_chunks
+
+    fit_head_chunks(torch.device("cpu"))
+    assert trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE == CPU_HEAD_CHUNK_ROWS
+    fit_head_chunks(torch.device("cuda"))
+    assert trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE == fit_head_chunks.trl_default > CPU_HEAD_CHUNK_ROWS
+    fit_head_chunks(torch.device("cpu"))

@@ -139,9 +139,29 @@ def with_lora(model, config: TrainConfig):
     return model, initial
 
 
+# TRL 1.16's fused output layer (trl.trainer.utils, in every TRL trainer) projects the vocabulary in chunks of
+# 32768 rows, and on the CPU its backward copies each chunk to float32 (on CUDA addmm writes float32 without a
+# copy): 134 MB at Qwen3-0.6B's width, 537 MB at 8B's, the peak of a short LoRA step. TRL has no setting for
+# it, so CPU training uses chunks of CPU_HEAD_CHUNK_ROWS (gym-server init at 0.6B: 1.23 -> 1.09 GB; README).
+CPU_HEAD_CHUNK_ROWS = 8192
+
+
+def fit_head_chunks(device: torch.device) -> None:
+    """TRL's vocabulary chunk: CPU_HEAD_CHUNK_ROWS on the CPU, TRL's own elsewhere (see above)."""
+    import trl.trainer.utils as trl_utils
+
+    own = getattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", None)
+    if not isinstance(own, int):
+        return  # another TRL: its own chunking
+    trl_default = fit_head_chunks.__dict__.setdefault("trl_default", own)
+    trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE = (min(CPU_HEAD_CHUNK_ROWS, trl_default) if device.type == "cpu"
+                                             else trl_default)
+
+
 def load_training_model(base_dir, config: TrainConfig):
     """The base model to train: 4-bit NF4 for QLoRA (prepared for k-bit training); bfloat16 for LoRA with
     `bf16` (the frozen base at half the memory; the adapters stay float32); else float32."""
+    fit_head_chunks(torch_device(config))
     if config.use_unsloth:  # Unsloth patches transformers and TRL when imported (CUDA only: check_hardware)
         import importlib
 
