@@ -142,7 +142,7 @@ def with_lora(model, config: TrainConfig):
 # TRL 1.16's fused output layer (trl.trainer.utils, in every TRL trainer) projects the vocabulary in chunks of
 # 32768 rows, and on the CPU its backward copies each chunk to float32 (on CUDA addmm writes float32 without a
 # copy): 134 MB at Qwen3-0.6B's width, 537 MB at 8B's, the peak of a short LoRA step. TRL has no setting for
-# it, so CPU training uses chunks of CPU_HEAD_CHUNK_ROWS (gym-server init at 0.6B: 1.23 -> 1.09 GB; README).
+# it, so CPU training uses chunks of CPU_HEAD_CHUNK_ROWS (gym-server init at 0.6B: 1.22 -> 1.08 GB; README).
 CPU_HEAD_CHUNK_ROWS = 8192
 
 
