@@ -1,6 +1,7 @@
 """The Triton variant kernel (kernels_triton.py) run by Triton's CPU interpreter (TRITON_INTERPRET=1) against
 the CPU path, on the group layouts of test_kernels.py, with float32 scales and with log8 codes: the kernel's
-indexing, masks, groups, per-tensor scales and in-kernel decoding checked without a GPU. Skipped where triton is not installed (CI's CPU torch has none) or where the
+indexing, masks, groups, per-tensor scales, in-kernel decoding and a batch mixing both kinds checked
+without a GPU. Skipped where triton is not installed (CI's CPU torch has none) or where the
 interpreter cannot run under the installed numpy (Triton 3.6's calls int() on 1-element arrays, which
 numpy 2.4 refuses); tests/gpu runs the compiled kernel on a GPU."""
 
@@ -50,6 +51,9 @@ _SCRIPT = textwrap.dedent("""
         assert torch.equal(cpu8, cpu)  # the codes are exact
         tri8 = triton_delta_add(base.clone(), x, signs, codes, p.group_size, rows, scale_refs=refs)
         worst = max(worst, float((tri8 - cpu).abs().max() / cpu.abs().max()))
+        mixed = [codes[0], scales[1], codes[2]]  # log8 and float32 variants in one batch: the float32 kernel
+        trim = triton_delta_add(base.clone(), x, signs, mixed, p.group_size, rows, scale_refs=[refs[0], None, refs[2]])
+        worst = max(worst, float((trim - cpu).abs().max() / cpu.abs().max()))
         n_log8 += 1
     print("LOG8", n_log8, "WORST", worst)
 """)

@@ -19,6 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from zoo_gym.codec.logscale import LOG8_MULT
+from zoo_gym.serving.kernels import _scales_f32
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
 
@@ -109,14 +110,6 @@ def _log8_table(device: torch.device) -> Tensor:
     return torch.from_numpy(LOG8_MULT).to(device=device, dtype=torch.float32)
 
 
-def _float_scales(scales: Tensor, ref: float | None) -> Tensor:
-    """float32 scales from float scales (ref None) or from log8 codes and their reference (a batch that
-    mixes variants of both kinds runs the float32 kernel)."""
-    if ref is None:
-        return scales.to(torch.float32)
-    return torch.from_numpy(LOG8_MULT).to(scales.device)[scales.long()] * float(ref)
-
-
 def triton_delta_add(y: Tensor, x: Tensor, signs: list[Tensor], scales: list[Tensor], group_size: int,
                      variant_of_row: Tensor, *, scale_refs: list[float] | None = None) -> Tensor:
     """y (B, ..., out) += each row's variant delta of x (B, ..., in), in place on the GPU; returns y.
@@ -134,7 +127,9 @@ def triton_delta_add(y: Tensor, x: Tensor, signs: list[Tensor], scales: list[Ten
     sg = [signs[v].contiguous() for v in used]  # held until the kernel is queued: read by address
     refs_used = [None if scale_refs is None else scale_refs[v] for v in used]
     log8 = all(r is not None for r in refs_used)  # codes decoded in the kernel; else float32 scales
-    sc = [(scales[v] if log8 else _float_scales(scales[v], r)).contiguous() for v, r in zip(used, refs_used)]
+    # a batch that mixes log8-coded and float32 variants runs the float32 kernel (the CPU path's decoding)
+    sc = [(scales[v] if log8 else _scales_f32(scales[v], r).to(torch.float32)).contiguous()
+          for v, r in zip(used, refs_used)]
     n_groups = sc[0].shape[1]
     gs = group_size if n_groups > 1 else in_f + 8  # one group per row: every column in group 0
     sign_addr = _on_device(tuple(s.data_ptr() for s in sg), dev)
