@@ -21,6 +21,7 @@ from torch import Tensor
 from zoo_gym.aggregation.packed_kernels import in_group_ranges
 from zoo_gym.codec.logscale import LOG8_MULT
 from zoo_gym.serving import kernels_cpu
+from zoo_gym.serving.scale_codes import float_scales as _scales_f32
 
 __all__ = ["bitdelta_linear", "bitdelta_linear_reference", "log8_scale_codes", "unpack_rows", "warm_up"]
 
@@ -51,13 +52,6 @@ def log8_scale_codes(scales: Tensor) -> tuple[Tensor, float]:
     if not torch.equal(table[codes], sc):
         raise ValueError("scales are not log8-coded (one float32 reference times the 1/16-octave grid)")
     return codes.to(torch.uint8), float(ref)
-
-
-def _scales_f32(scales: Tensor, ref: float | None) -> Tensor:
-    """float32 scales from float scales (ref None) or from log8 codes and their reference."""
-    if ref is None:
-        return scales
-    return torch.tensor(ref, dtype=torch.float32) * torch.from_numpy(LOG8_MULT).to(scales.device)[scales.long()]
 
 
 def _tile_delta(xv: Tensor, signs: Tensor, scales: Tensor, *, out_f: int, in_f: int, group_size: int) -> Tensor:

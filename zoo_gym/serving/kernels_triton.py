@@ -19,7 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from zoo_gym.codec.logscale import LOG8_MULT
-from zoo_gym.serving.kernels import _scales_f32
+from zoo_gym.serving.scale_codes import float_scales
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
 
@@ -128,7 +128,7 @@ def triton_delta_add(y: Tensor, x: Tensor, signs: list[Tensor], scales: list[Ten
     refs_used = [None if scale_refs is None else scale_refs[v] for v in used]
     log8 = all(r is not None for r in refs_used)  # codes decoded in the kernel; else float32 scales
     # a batch that mixes log8-coded and float32 variants runs the float32 kernel (the CPU path's decoding)
-    sc = [(scales[v] if log8 else _scales_f32(scales[v], r).to(torch.float32)).contiguous()
+    sc = [(scales[v] if log8 else float_scales(scales[v], r).to(torch.float32)).contiguous()
           for v, r in zip(used, refs_used)]
     n_groups = sc[0].shape[1]
     gs = group_size if n_groups > 1 else in_f + 8  # one group per row: every column in group 0
