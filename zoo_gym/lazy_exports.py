@@ -2,12 +2,17 @@
 
 ``__getattr__, __dir__ = lazy_exports(__name__, globals(), {"submodule": "NameA NameB", ...})``: importing
 the package (or a light submodule of it) then costs nothing until a name is used, so a command that
-needs no torch (`gym-server status`) does not import it.
+needs no torch (`gym-server status`) does not import it. A name that is also its submodule's name
+(`median` in `median.py`) stays the function: importing the submodule would otherwise bind the package
+attribute to the module (the import system's `setattr(package, "median", module)`), and
+`from zoo_gym.aggregation import median` would then return a module, depending on what was imported first.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from collections.abc import Callable, Mapping
 
 
@@ -25,4 +30,13 @@ def lazy_exports(package: str, namespace: dict, table: Mapping[str, str]) -> tup
     def __dir__() -> list[str]:
         return sorted(set(namespace) | set(where))
 
+    shadowed = {name for name, module in where.items() if name == module}
+    if shadowed:
+        class _Package(types.ModuleType):
+            def __setattr__(self, name: str, value) -> None:
+                if name in shadowed and isinstance(value, types.ModuleType):
+                    value = getattr(value, name)  # the submodule is fully executed when it is bound here
+                super().__setattr__(name, value)
+
+        sys.modules[package].__class__ = _Package
     return __getattr__, __dir__
