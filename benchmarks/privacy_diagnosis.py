@@ -58,10 +58,10 @@ def main() -> None:
         out: dict = {}
         report = DeltaSoup(config).run(DictDeltaSource([str(p) for p in cohort], deltas), out.__setitem__,
                                        generator=torch.Generator().manual_seed(1), population=args.n)
-        loss, acc = loss_and_accuracy(ev, examples, {k: out[k].reshape(shapes[k]) for k in out})
+        loss, acc, _ = loss_and_accuracy(ev, examples, {k: out[k].reshape(shapes[k]) for k in out})
         return {"loss": loss, "accuracy": acc, "noise_std": float(report.noise_std)}
 
-    base_loss, base_acc = loss_and_accuracy(ev, examples, {})
+    base_loss, base_acc, _ = loss_and_accuracy(ev, examples, {})
     rows = [{"run": "base", "loss": base_loss, "accuracy": base_acc}, {"run": "non-private", **merged(SoupConfig())}]
     clips, zs = [float(c) for c in args.clips.split(",")], [float(z) for z in args.z.split(",")]
     for c in clips:
@@ -72,7 +72,7 @@ def main() -> None:
             dp_noise_multiplier=z, dp_clip=clips[-1], dp_expected_contributors=m))}
         g = torch.Generator().manual_seed(2)
         noise = {k: torch.normal(0.0, row["noise_std"], s, generator=g) for k, s in shapes.items()}
-        row["noise_only_loss"], row["noise_only_accuracy"] = loss_and_accuracy(ev, examples, noise)
+        row["noise_only_loss"], row["noise_only_accuracy"], _ = loss_and_accuracy(ev, examples, noise)
         rows.append(row)
     report = {"protocol": __doc__.split("\n\n", 2)[2].strip(), "args": vars(args), "cohort": len(cohort),
               "norms": {"min": norms[0], "median": norms[len(norms) // 2], "max": norms[-1]}, "rows": rows}

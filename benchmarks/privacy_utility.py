@@ -10,7 +10,7 @@ i owns shard i mod 100 of the built-in task (beyond 100, its own draws from that
 node is sampled with probability q (Poisson, the same draws for every configuration of one N: seed 0); a
 sampled contributor trains `--steps` LoRA steps of batch `--batch-size` (gym_train.train, merged dense
 delta) from the current global model and replies its BitDelta payload. The server (`SampledSoupStrategy`)
-runs DeltaSoup with the default rule (trimmed mean, trim_beta 0.1) and, for z > 0, central DP: whole-delta
+runs DeltaSoup with the default rule (SoupConfig's: the trimmed mean) and, for z > 0, central DP: whole-delta
 clip C, noise z C / m per coordinate with m = q N the expected cohort. C is a public constant fixed before
 any private run (`calibrate_clip`): the median norm of 8 deltas trained from the base with the same
 settings on the public pretraining tasks, no contributor's data (`--clip` overrides it). The non-private
@@ -18,10 +18,11 @@ run has no clip and no noise. Byzantine: the contributors with the lowest 20% of
 their own delta (boosted sign flip) whenever sampled. epsilon: every round the sampler ran (published,
 refused or empty) is one Poisson-sampled Gaussian step (z, q) for opacus' PRV accountant, RDP as a
 cross-check (the strategy's own RDP figure, which counts published rounds, also reported). Utility:
-held-out completion loss and token accuracy after every round; gain_share = (L_base - L_run) /
-(L_base - L_nonprivate clean run), the same for accuracy; `noise_only`: the base plus the run's
-accumulated noise alone (std noise_std x sqrt(published rounds), no training), a control for what the
-noise by itself does to this base. Simplification: identical inputs (base sha256, partition, round,
+held-out completion loss, token accuracy and calibrated loss (the loss at the one temperature that
+minimises it: what noise cannot fake by flattening a confidently wrong base) after every round;
+gain_share = (L_base - L_run) / (L_base - L_nonprivate clean run), the same for accuracy and the
+calibrated loss; `noise_only`: the base plus the run's accumulated noise alone (std noise_std x
+sqrt(published rounds), no training), a control for what the noise by itself does to this base. Simplification: identical inputs (base sha256, partition, round,
 training settings) reuse one training (a disk cache): every configuration of one N shares round 1's;
 nothing else is approximated.
 """
@@ -65,16 +66,38 @@ def heldout_metrics(examples: list[dict], out: dict[str, list[float]]):
 
     def evaluate(server_round: int, arrays) -> MetricRecord:
         delta = {k: torch.from_numpy(np.asarray(v.numpy(), dtype=np.float32)) - base[k] for k, v in arrays.items()}
-        loss, acc = loss_and_accuracy(evaluator, examples, delta)
+        loss, acc, calibrated = loss_and_accuracy(evaluator, examples, delta)
         out["loss"].append(loss)
         out["accuracy"].append(acc)
-        return MetricRecord({"heldout-loss": loss, "heldout-accuracy": acc})
+        out["calibrated"].append(calibrated)
+        return MetricRecord({"heldout-loss": loss, "heldout-accuracy": acc, "heldout-calibrated-loss": calibrated})
 
     return evaluate
 
 
-def loss_and_accuracy(evaluator, examples: list[dict], delta: dict) -> tuple[float, float]:
-    """(mean completion loss, completion token accuracy) of the tiny base + `delta` on `examples`."""
+def calibrated_loss(logits, targets) -> float:
+    """min over one temperature T > 0 of the cross-entropy of logits / T: the held-out loss with the model's
+    confidence refitted, so a gain is a better ranking of the answers, not a flatter distribution.
+
+    Why: the tiny base answers the unseen default task confidently wrong (it copies the digits it was
+    pretrained to copy), and anything that flattens its output lowers the plain loss, the DP noise alone
+    included (docs/design/privacy.md). CE(b z) is convex in b = 1 / T, so a bounded scalar search finds the
+    minimum (scipy, which opacus already brings)."""
+    import torch
+    from scipy.optimize import minimize_scalar
+
+    z = logits.double()
+
+    def ce(b: float) -> float:
+        return float(torch.nn.functional.cross_entropy(b * z, targets))
+
+    best = minimize_scalar(ce, bounds=(1e-3, 20.0), method="bounded", options={"xatol": 1e-5})
+    return min(float(best.fun), ce(1.0))
+
+
+def loss_and_accuracy(evaluator, examples: list[dict], delta: dict) -> tuple[float, float, float]:
+    """(mean completion loss, completion token accuracy, calibrated loss) of the tiny base + `delta` on
+    `examples`."""
     import torch
 
     from zoo_gym.gym_train.evaluate import collate, scored_positions, tokenize_examples
@@ -87,7 +110,7 @@ def loss_and_accuracy(evaluator, examples: list[dict], delta: dict) -> tuple[flo
         flat = logits.reshape(-1, logits.shape[-1])[at]  # (K, V)
         loss = float(torch.nn.functional.cross_entropy(flat.float(), targets))
         acc = float((flat.argmax(-1) == targets).float().mean())
-    return loss, acc
+    return loss, acc, calibrated_loss(flat, targets)
 
 
 def noise_control(examples: list[dict], *, std: float, shapes: dict, seed: int = 2) -> dict:
@@ -98,9 +121,10 @@ def noise_control(examples: list[dict], *, std: float, shapes: dict, seed: int =
     from zoo_gym.gym_train import Evaluator, tiny_model_dir
 
     g = torch.Generator().manual_seed(seed)
-    loss, acc = loss_and_accuracy(Evaluator(tiny_model_dir(), examples), examples,
-                                  {k: torch.normal(0.0, std, shape, generator=g) for k, shape in shapes.items()})
-    return {"std": std, "loss": loss, "accuracy": acc}
+    loss, acc, calibrated = loss_and_accuracy(
+        Evaluator(tiny_model_dir(), examples), examples,
+        {k: torch.normal(0.0, std, shape, generator=g) for k, shape in shapes.items()})
+    return {"std": std, "loss": loss, "accuracy": acc, "calibrated_loss": calibrated}
 
 
 def calibrate_clip(args, n: int = 8) -> dict:
@@ -150,7 +174,7 @@ def run_population(n: int, args, configs: list[dict]) -> list[dict]:
                       dp_delta=DELTA) if cfg["z"] > 0 else {}
             strategy = SampledSoupStrategy(SoupConfig(**dp), sample_rate=q, seed=0, population=n,
                                            generator=torch.Generator().manual_seed(1))
-            metrics: dict[str, list[float]] = {"loss": [], "accuracy": []}
+            metrics: dict[str, list[float]] = {"loss": [], "accuracy": [], "calibrated": []}
             train = {**TRAIN_DEFAULTS, "steps": args.steps, "batch-size": args.batch_size,
                      "learning-rate": args.lr, "byzantine-fraction": cfg["byzantine"], "cache-dir": cache}
             strategy.start(grid=grid, initial_arrays=tiny_arrays(), num_rounds=args.rounds,
@@ -159,6 +183,7 @@ def run_population(n: int, args, configs: list[dict]) -> list[dict]:
             losses = metrics["loss"]
             row = {"n": n, "q": q, **cfg, "losses": losses, "final_loss": losses[-1],
                    "accuracies": metrics["accuracy"], "final_accuracy": metrics["accuracy"][-1],
+                   "calibrated_losses": metrics["calibrated"], "final_calibrated_loss": metrics["calibrated"][-1],
                    "cohorts": strategy.cohorts,
                    "accepted": [r.n_accepted for r in strategy.reports],
                    "noise_std": [float(r.noise_std) for r in strategy.reports],
@@ -207,10 +232,20 @@ def targets(rows: list[dict], *, n: int, z: float) -> dict:
            "base_accuracy": base_acc, "nonprivate_accuracy": clean and clean["final_accuracy"],
            "accuracy_gain_share": share(private, "final_accuracy", base_acc, 1.0),
            "accuracy_gain_share_byzantine": share(byz, "final_accuracy", base_acc, 1.0)}
+    if "calibrated_losses" in first:  # rows of runs before the calibrated loss existed lack it
+        base_cal = first["calibrated_losses"][0]
+        out.update({"base_calibrated_loss": base_cal, "nonprivate_calibrated_loss": clean and clean["final_calibrated_loss"],
+                    "calibrated_gain_share": share(private, "final_calibrated_loss", base_cal, -1.0),
+                    "calibrated_gain_share_byzantine": share(byz, "final_calibrated_loss", base_cal, -1.0),
+                    "noise_only_calibrated_gain_share": share({"final_calibrated_loss": noise["calibrated_loss"]},
+                                                              "final_calibrated_loss", base_cal, -1.0) if noise else None})
     out["met"] = bool(out["epsilon"] is not None and out["epsilon"] <= 8 and (out["gain_share"] or 0) >= 0.8
                       and (out["gain_share_byzantine"] or 0) >= 0.7)
     # the same loss target net of what the run's noise alone does to this base (see the protocol)
     out["met_net_of_noise"] = bool(out["met"] and (out["net_gain_share"] or 0) >= 0.8)
+    # the same targets on the calibrated loss, which the noise alone cannot lower (see calibrated_loss)
+    out["met_calibrated"] = bool(out["met"] and (out.get("calibrated_gain_share") or 0) >= 0.8
+                                 and (out.get("calibrated_gain_share_byzantine") or 0) >= 0.7)
     return out
 
 

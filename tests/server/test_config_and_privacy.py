@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from zoo_gym import codec
+from zoo_gym.aggregation import SoupConfig
 from zoo_gym.proto import gym_pb2
 from zoo_gym.server.cli import app
 from zoo_gym.server.config import ConfigError, ServerConfig, build_config, read_config_file
@@ -23,7 +24,7 @@ def test_file_values_are_overridden_by_flags_and_routed(tmp_path):
     assert cfg.min_contributors == 4  # the flag wins
     soup = cfg.soup
     assert (soup.aggregator, soup.dp_clip, soup.dp_noise_multiplier, soup.byzantine_f) == ("multi-krum", 0.5, 1.0, 1)
-    assert soup.trim_beta == 0.1  # not given anywhere: the one default
+    assert soup.trim_beta == SoupConfig.trim_beta == 0.4  # not given anywhere: the one default
     assert cfg.rewards.reward_pool == 77
     yaml_path = tmp_path / "server.yaml"
     yaml_path.write_text("aggregator: trimmed-mean\ntrim-beta: 0.2\n")

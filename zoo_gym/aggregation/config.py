@@ -30,7 +30,7 @@ class SoupConfig:
     aggregator: str = dataclasses.field(default="trimmed-mean", metadata={"help": "one of " + ", ".join(AGGREGATORS) + " (default trimmed-mean: robust, needs >= 3 contributors; mean is not robust)"})
     byzantine_f: int = dataclasses.field(default=0, metadata={"help": "Byzantine contributors tolerated (krum, multi-krum, bulyan)"})
     multi_krum_m: int | None = dataclasses.field(default=None, metadata={"help": "contributors Multi-Krum averages (default n - f; K // 2 per buffer in async mode)"})
-    trim_beta: float = dataclasses.field(default=0.1, metadata={"help": "share trimmed from each end per coordinate, [0, 0.5)"})
+    trim_beta: float = dataclasses.field(default=0.4, metadata={"help": "share trimmed from each end per coordinate, [0, 0.5) (default 0.4: near the median, which 1-bit deltas need against sign flips; docs/design/aggregation.md)"})
     cc_tau: float = dataclasses.field(default=1.0, metadata={"help": "centered-clipping radius (whole-delta L2)"})
     cc_iters: int = dataclasses.field(default=3, metadata={"help": "centered-clipping iterations"})
     gm_eps: float = dataclasses.field(default=1e-8, metadata={"help": "geometric median: stop once the iterate moves less than this x the median distance to it"})

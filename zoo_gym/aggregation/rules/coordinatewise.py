@@ -34,7 +34,7 @@ class TrimmedMean(Rule):
     name = "trimmed-mean"
     needs_distances = True
     counts_copies_once = True
-    beta: float = 0.1      # share trimmed from each end per coordinate, [0, 0.5)
+    beta: float  # share trimmed from each end per coordinate, [0, 0.5); no default here: SoupConfig.trim_beta is the one
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.beta < 0.5:
