@@ -1,6 +1,6 @@
 """Streamed evaluation and scoring (zoo_gym/rewards/streamed_model.py) give the whole-model numbers with one
-decoder layer resident at a time: held-out loss, loss of base + delta, the scoring gradient and the order of
-first-order scores, on the tiny model and random small bases of several families."""
+decoder layer resident at a time (and the next one read ahead): held-out loss, loss of base + delta, the scoring
+gradient and the order of first-order scores, on the tiny model and random small bases of several families."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def test_heldout_loss_equals_whole_model(model_dir):
     assert streamed.model.config._attn_implementation == whole.model.config._attn_implementation
     assert streamed.loss() == pytest.approx(whole.loss(), rel=1e-6)
     stream = stream_of(streamed.model)
-    assert stream.max_resident == 1 and stream.loads >= len(stream.layers)
+    assert stream.max_resident == 2 and stream.loads >= len(stream.layers)  # computing + reading ahead
+    assert stream.loads_read_ahead >= len(stream.layers) - 1  # every layer but the first was read ahead
     assert not stream.resident  # dropped after the pass
 
 
@@ -53,7 +54,7 @@ def test_loss_with_delta_equals_whole_model(model_dir):
     for delta in _deltas(whole.model, 2):
         assert streamed.loss(delta, scale=0.5) == pytest.approx(whole.loss(delta, scale=0.5), rel=1e-6)
     assert streamed.loss() == pytest.approx(whole.loss(), rel=1e-6)  # the delta is gone after
-    assert stream_of(streamed.model).max_resident == 1
+    assert stream_of(streamed.model).max_resident == 2
 
 
 def test_gradient_and_score_order_equal_whole_model(model_dir):
@@ -74,7 +75,7 @@ def test_gradient_and_score_order_equal_whole_model(model_dir):
         scale = float(g_ref.grad[name].abs().max())
         torch.testing.assert_close(g_got.grad[name], g_ref.grad[name], rtol=1e-4, atol=max(1e-7, 1e-5 * scale))
     stream = stream_of(streamed)
-    assert stream.max_resident == 1 and not stream.resident
+    assert stream.max_resident == 2 and not stream.resident
     deltas = _deltas(whole, 5, seed=1)
     slopes = [[float(sum((g.grad[k] * d[k]).sum() for k in d)) for d in deltas] for g in (g_ref, g_got)]
     assert sorted(range(5), key=slopes[0].__getitem__) == sorted(range(5), key=slopes[1].__getitem__)
@@ -101,6 +102,23 @@ def test_spilled_gradient_and_one_layer_during_backward(tmp_path):
     assert len(seen) == 4 * len(stream.layers) and max(seen) == 1  # forward + recompute, twice
     for name in kept.grad:
         assert torch.equal(spilled.grad[name], kept.grad[name])
+
+
+def test_reading_ahead_changes_no_number_and_off_holds_one_layer():
+    """The reader thread's reads are the same bytes and the same float operations (base + scale x delta) as a
+    read on demand: losses with and without a delta and the gradient are bit for bit equal; off, one layer."""
+    on, off = load_streamed(tiny_model_dir()), load_streamed(tiny_model_dir())
+    stream_of(off).prefetch = False
+    tok = Evaluator(tiny_model_dir(), EXAMPLES[:1], model=on).tokenizer
+    pairs = tokenize_examples(tok, EXAMPLES)
+    a, b = (PackedScoringSet(m, pairs, pad_id=tok.pad_token_id) for m in (on, off))
+    delta = _deltas(on, 1, seed=4)[0]
+    assert a.loss() == b.loss() and a.loss(delta, scale=0.5) == b.loss(delta, scale=0.5)
+    assert a.loss(delta, scale=2.0) == b.loss(delta, scale=2.0) != a.loss()  # a changed delta is read anew
+    ga, gb = a.gradient(), b.gradient()
+    assert ga.base_loss == gb.base_loss and all(torch.equal(ga.grad[k], gb.grad[k]) for k in gb.grad)
+    assert stream_of(on).loads_read_ahead > 0 and stream_of(off).loads_read_ahead == 0
+    assert stream_of(off).max_resident == 1 and stream_of(on).max_resident == 2
 
 
 def test_server_evaluator_streams():

@@ -3,10 +3,11 @@
 ``load_streamed(model_dir)`` returns the Hugging Face model of ``model_dir`` with only its small parameters
 (norms) resident; the embedding and output layer are mapped from the file and used a vocabulary block at a
 time (``vocab_blocks.py``); each decoder layer reads its weights from the safetensors file when its forward
-starts and drops them when the next layer loads (or when its forward ends outside a backward). With grad
-enabled every layer runs under non-reentrant activation checkpointing and the backward's recompute loads the
-layer again, so a gradient pass (``gradient.base_gradient``) holds one layer's weights at a time. Losses and
-gradients are the whole-model ones. ``model.zoo_stream.applied(delta, scale=c)`` evaluates base + ``c * delta``.
+starts and drops them when the next layer loads (or when its forward ends outside a backward), while a
+reader thread reads the next layer of a forward. With grad enabled every layer runs under non-reentrant
+activation checkpointing and the backward's recompute loads the layer again, so a gradient pass
+(``gradient.base_gradient``) holds one layer's weights at a time (two in its forward). Losses and gradients are
+the whole-model ones. ``model.zoo_stream.applied(delta, scale=c)`` evaluates base + ``c * delta``.
 Why and how: docs/design/streamed-evaluation.md.
 """
 
@@ -16,6 +17,7 @@ import contextlib
 import os
 import pathlib
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -26,6 +28,7 @@ from .activation_budget import decoder_layers
 from .vocab_blocks import install
 
 _TRIM = os.environ.get("ZOO_GYM_STREAM_TRIM", "1") != "0"
+_PREFETCH = os.environ.get("ZOO_GYM_STREAM_PREFETCH", "1") != "0"  # 0: read each layer when it is needed
 
 WEIGHTS = "model.safetensors"
 
@@ -50,11 +53,15 @@ class LayerStream:
         in_layer = {id(p) for ps in self._layer_params for _, p in ps}
         self.resident_params = {n: p for n, p in self.params.items() if id(p) not in in_layer}
         self.resident: set[int] = set()
-        self.max_resident = 0   # most decoder layers resident at once, over this stream's life
+        self.max_resident = 0   # most decoder layers in memory at once (resident + read ahead), over its life
         self.loads = 0          # layer loads (a checkpointed layer loads twice per gradient pass)
+        self.loads_read_ahead = 0  # of them, loads the reader thread had read
         self._delta: Mapping | None = None
         self._scale = 1.0
         self._recomputing = False
+        self.prefetch = _PREFETCH
+        self._reader: ThreadPoolExecutor | None = None
+        self._ahead: dict[int, tuple[Future, Mapping | None, float]] = {}  # layer -> its read, for (delta, scale)
 
     def key(self, name: str) -> str:
         """The checkpoint's key of parameter ``name`` (with or without the base model's prefix)."""
@@ -73,28 +80,53 @@ class LayerStream:
             return False
         return True
 
-    def read(self, handle, name: str) -> torch.Tensor:
+    def read(self, handle, name: str, delta: Mapping | None = None, scale: float = 1.0) -> torch.Tensor:
         with torch.inference_mode(False):  # ordinary tensors: a gradient pass may save them
             t = handle.get_tensor(self.key(name)).to(torch.float32)
-            if self._delta is not None and name in self._delta:
-                t = torch.add(t, _dense(self._delta[name]).to(torch.float32), alpha=self._scale)
+            if delta is not None and name in delta:
+                t = torch.add(t, _dense(delta[name]).to(torch.float32), alpha=scale)
         return t
 
-    def load(self, i: int) -> None:
-        """Make layer ``i`` resident (every other layer is dropped first)."""
+    def _read_layer(self, i: int, delta: Mapping | None, scale: float) -> list[torch.Tensor]:
         from safetensors import safe_open
 
+        with safe_open(str(self.weights_file), "pt") as handle:  # closed at once: no mapped pages stay
+            return [self.read(handle, name, delta, scale) for name, _ in self._layer_params[i]]
+
+    def _read_ahead(self, i: int) -> None:
+        """Start reading layer ``i`` on the reader thread (torch and file reads release the GIL)."""
+        if not self.prefetch or not 0 <= i < len(self.layers) or i in self.resident or i in self._ahead:
+            return
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="zoo-gym-layer-reader")
+        self._ahead[i] = (self._reader.submit(self._read_layer, i, self._delta, self._scale), self._delta, self._scale)
+
+    def load(self, i: int) -> None:
+        """Make layer ``i`` resident (every other layer is dropped first) and start reading the next one."""
         for j in list(self.resident):
             if j != i:
                 self.evict(j)
         if i in self.resident:
             return
-        with safe_open(str(self.weights_file), "pt") as handle:  # closed at once: no mapped pages stay
-            for name, p in self._layer_params[i]:
-                p.data = self.read(handle, name)
+        ahead = self._ahead.pop(i, None)
+        if ahead is not None and ahead[1] is self._delta and ahead[2] == self._scale:
+            tensors = ahead[0].result()
+            self.loads_read_ahead += 1
+        else:
+            tensors = self._read_layer(i, self._delta, self._scale)
+        for (_, p), t in zip(self._layer_params[i], tensors, strict=True):
+            p.data = t
+        del tensors, ahead
         self.resident.add(i)
         self.loads += 1
-        self.max_resident = max(self.max_resident, len(self.resident))
+        if not self._recomputing:  # a backward's recomputes read what its forward just read: from the page
+            self._read_ahead(i + 1)  # cache, so a reader would only take the compute's CPU (measured, see doc)
+        self.max_resident = max(self.max_resident, len(self.resident) + len(self._ahead))
+
+    def _drop_ahead(self) -> None:
+        for future, _, _ in self._ahead.values():
+            future.cancel()
+        self._ahead.clear()
 
     def evict(self, i: int) -> None:
         for _, p in self._layer_params[i]:
@@ -104,6 +136,7 @@ class LayerStream:
             trim_heap()  # the layer's tensors sit below malloc's mmap threshold: hand their pages back
 
     def evict_all(self) -> None:
+        self._drop_ahead()
         for i in list(self.resident):
             self.evict(i)
 
