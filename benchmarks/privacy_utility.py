@@ -2,7 +2,7 @@
 simulation engine (ray). Held-out loss of the tiny model against epsilon (delta = 1e-6).
 
     python benchmarks/privacy_utility.py --quick     # N=100, z in {1, 4}, 2 rounds (~5-10 min on 2 busy cores)
-    python benchmarks/privacy_utility.py             # N=100 and 1000, z in {0.5, 1, 2, 4} (3 rounds, cohort 20; ~1 h on 2 busy cores)
+    python benchmarks/privacy_utility.py             # N=100 and 1000, z in {0.5, 1, 2, 4}, q = 0.2 (cohorts 20 and 200), 3 rounds (~1 h)
     python benchmarks/privacy_utility.py --ray-address auto   # on a ray cluster (README: ray start --head / --address)
 
 Protocol (also in the JSON under "protocol"): N virtual contributors (`flower_apps.client_app`), contributor
@@ -161,7 +161,8 @@ def run_population(n: int, args, configs: list[dict]) -> list[dict]:
     from zoo_gym.aggregation.flower_apps import TRAIN_DEFAULTS, SampledSoupStrategy, client_app, tiny_arrays
     from zoo_gym.gym_train import default_validation_examples
 
-    q = args.cohort / n
+    cohort = args.cohort if args.cohort is not None else round(args.sample_rate * n)
+    q = cohort / n
     cache = args.cache_dir or tempfile.mkdtemp(prefix="zoo-gym-pu-cache-")
     rows: list[dict] = []
     app = ServerApp()
@@ -170,7 +171,7 @@ def run_population(n: int, args, configs: list[dict]) -> list[dict]:
     def main(grid: Grid, context: Context) -> None:
         for cfg in configs:
             t0 = time.perf_counter()
-            dp = dict(dp_noise_multiplier=cfg["z"], dp_clip=args.clip_value, dp_expected_contributors=args.cohort,
+            dp = dict(dp_noise_multiplier=cfg["z"], dp_clip=args.clip_value, dp_expected_contributors=cohort,
                       dp_delta=DELTA) if cfg["z"] > 0 else {}
             strategy = SampledSoupStrategy(SoupConfig(**dp), sample_rate=q, seed=0, population=n,
                                            generator=torch.Generator().manual_seed(1))
@@ -292,7 +293,10 @@ def main() -> None:
     ap.add_argument("--n", default="100,1000", help="populations (comma-separated)")
     ap.add_argument("--z", default="0.5,1,2,4", help="noise multipliers (comma-separated); 0 = non-private is always run")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--cohort", type=int, default=20, help="expected contributors per round m; q = m / N")
+    ap.add_argument("--sample-rate", type=float, default=0.2, help="q: each node sampled with probability q per "
+                    "round, the expected cohort m = q N (20 at N = 100, 200 at N = 1000: the cohort that keeps "
+                    "the noise per coordinate, z C / m, below the signal; ~1 h for the whole run on 2 cores)")
+    ap.add_argument("--cohort", type=int, help="expected contributors per round m for every N (overrides --sample-rate)")
     ap.add_argument("--steps", type=int, default=2, help="LoRA steps per contributor round")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-2)
