@@ -172,7 +172,10 @@ def serve(
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
-    done.wait()
+    # wake every second: a process's signal may land on any thread (gRPC's own), and then Python runs the
+    # handler only when the main thread next executes bytecode, never while it blocks in a wait without timeout
+    while not done.wait(1.0):
+        pass
     announce("gym-server stopping")
     if dashboard is not None:
         dashboard.stop()
