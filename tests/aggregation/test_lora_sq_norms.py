@@ -142,18 +142,31 @@ def test_mean_from_factors_decodes_no_row_and_is_the_mean():
     assert torch.allclose(got["b.weight"].double(), want_b.reshape(-1), rtol=1e-5, atol=1e-7 * float(want_b.abs().max()))
 
 
-def test_first_order_slopes_of_a_factored_mean_equal_the_rows_slopes(monkeypatch):
+@pytest.mark.parametrize("spilled", [False, True])
+def test_first_order_slopes_of_a_factored_mean_equal_the_rows_slopes(monkeypatch, tmp_path, spilled):
+    """From the factors, a block of the gradient's rows at a time (64 bytes: several blocks per tensor), the
+    slopes equal the decoded rows'; spilled (bfloat16, read ahead), they equal the rounded gradient's."""
+    from zoo_gym.rewards import first_order
     from zoo_gym.rewards.first_order import SlopeTap, streamed_slopes
+    from zoo_gym.rewards.spill import SpilledTensors
 
     calls = []
     gram = LoraFactors.merged_sq_norm
     monkeypatch.setattr(LoraFactors, "merged_sq_norm", lambda self: calls.append(1) or gram(self))
+    monkeypatch.setattr(first_order, "_BLOCK_BYTES", 64)
 
     payloads = _payloads()
     grad = {k: torch.randn(s, generator=torch.Generator().manual_seed(7)) for k, s in SHAPES.items()}
+    given = grad
+    if spilled:
+        given = SpilledTensors(tmp_path)
+        for k, v in grad.items():
+            given.put(k, v)
+            given.alias(k, k, v.shape, v.dtype)
+        grad = {k: v.to(torch.bfloat16).float() for k, v in grad.items()}  # what the tap reads
     inner = StoredDeltas(payloads, ["x", "y"], SHAPES)
     inner.stacked = lambda name: pytest.fail(f"row of {name} decoded: slopes should come from the factors")
-    tap = SlopeTap(inner, grad)
+    tap = SlopeTap(inner, given)
     DeltaSoup(SoupConfig.from_mapping({"aggregator": "mean"})).run(tap, lambda k, v: None)
     assert len(calls) == 4  # 2 contributors x 2 tensors: validation's norms serve the tap too
     slopes, norms = tap.result(scales=[1.0, 1.0])

@@ -74,7 +74,8 @@ def test_spilled_and_checkpointed_gradient_equals_the_plain_one(tiny_batch, tmp_
     assert spilled.numel == plain.numel
     assert set(spilled.grad) == set(plain.grad)
     for name, want in plain.grad.items():
-        torch.testing.assert_close(spilled.grad[name], want, rtol=1e-4, atol=1e-7 * plain.norm)
+        # spilled in bfloat16 (rewards/spill.py): 2^-9 relative, 2^-8 with the recompute's float32 differences
+        torch.testing.assert_close(spilled.grad[name], want, rtol=4e-3, atol=1e-7 * plain.norm)
 
     released = spilled.release()
     assert released.released and released.norm == spilled.norm

@@ -30,8 +30,12 @@ def test_scoring_set_is_packed_and_equals_the_padded_evaluator(server_eval):
     assert ev.gradient() is g  # once per base
     ref = base_gradient(padded.model, padded._batches)  # noqa: SLF001 (its padded batches)
     assert g.base_loss == pytest.approx(ref.base_loss, rel=1e-5)  # float32 sums in another order: ~1e-7 here, CPU-dependent
-    num = sum(float((g.grad[k] - v).norm() ** 2) for k, v in ref.grad.items()) ** 0.5
-    assert num <= 1e-4 * ref.norm
+    # the server's gradient is spilled in bfloat16 (rewards/spill.py): compare with the padded one rounded alike
+    # (an element whose float32 sums differ across a rounding boundary moves by one bf16 step, 2^-8 of it: 1.2e-4
+    # of the norm here, against 2e-3 for the rounding itself)
+    num = sum(float((g.grad[k] - v.to(torch.bfloat16).float()).norm() ** 2) for k, v in ref.grad.items()) ** 0.5
+    assert num <= 5e-4 * ref.norm
+    assert g.norm == pytest.approx(ref.norm, rel=1e-5)  # summed from the float32 values, before the rounding
 
 
 def test_exact_check_on_the_packed_set_zeroes_a_curvature_exploit(server_eval):

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .errors import ScoringInputError
-from .spill import SpilledTensors
+from .spill import ReadAhead, SpilledTensors
 
 
 def directional_slopes(grad: Mapping[str, Tensor],
@@ -96,6 +96,26 @@ def _row_sums(rows: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
         s += torch.mv(r64, g64[c0:c0 + block])
         q += (r64 * r64).sum(dim=1)
     return s, q
+
+
+_BLOCK_BYTES = 4 << 20  # float32 gradient rows upcast and multiplied at a time (_factor_slopes)
+
+
+def _factor_slopes(g: Tensor, b: Tensor, a: Tensor) -> Tensor:
+    """(R,) float64: entry k is sum_{o, j} g[o, j] b[o, k] a[k, j], so <g, B_i A_i> sums contributor i's ranks.
+
+    Taken as sum_o b[o, k] (g a^T)[o, k], a block of rows of g at a time: g (out, in) in any float dtype (a
+    block upcast to float32 at a time, no whole float32 copy), b (out, R) and a (R, in) float32. The
+    float32 product g a^T reads g once in its own layout (B^T g on the transposed view took 2-3x as long);
+    the products sum in float64."""
+    out, inn = g.shape
+    at = a.T.contiguous()  # (in, R)
+    total = torch.zeros(a.shape[0], dtype=torch.float64)
+    step = max(1, _BLOCK_BYTES // (4 * max(inn, 1)))
+    for o0 in range(0, out, step):
+        ga = g[o0:o0 + step].float() @ at  # (rows, R)
+        total += (ga * b[o0:o0 + step]).sum(dim=0, dtype=torch.float64)
+    return total
 
 
 def streamed_slopes(grad: Mapping[str, Tensor], source: DeltaRows, *, scales: Sequence[float]
@@ -182,6 +202,8 @@ class SlopeTap:
             raise ScoringInputError(f"`keep_bytes` must be >= 0, got {keep_bytes}")
         self._source = source
         self._grad = grad
+        # a spilled gradient is read in the aggregation's order, the next tensor on a thread (spill.ReadAhead)
+        self._reader = ReadAhead(grad, source.names()) if isinstance(grad, SpilledTensors) else None
         self._kept: dict[str, Tensor] = {}
         self._keep_left = keep_bytes
         self._seen: set[str] = set()
@@ -199,9 +221,9 @@ class SlopeTap:
 
     def factors(self, name: str) -> Sequence | None:
         """The source's LoRA factors of `name` (zoo_gym/aggregation/lora_mean.py: the plain mean then
-        decodes no row), with the slopes taken from them: <g, B A> = sum((B^T g) * A), every
-        contributor's B^T g in one float32 matmul (one read of the gradient; the float32 products sum
-        over `out` terms, ~1e-6 of |B A| |g|), and |B A|^2 the source's `sq_norms` (validation's, from the
+        decodes no row), with the slopes taken from them: <g, B A> = sum((g A^T) * B), every
+        contributor's g A^T in one float32 matmul (`_factor_slopes`: one read of the gradient; the float32
+        products sum over `in` terms, ~1e-6 of |B A| |g|), and |B A|^2 the source's `sq_norms` (validation's, from the
         r x r Gram matrices), never forming an (out, in) product. None (rows are decoded, and tapped)
         when the source has no factors or no norms for them."""
         inner = getattr(self._source, "factors", None)
@@ -218,13 +240,12 @@ class SlopeTap:
         q = known[0].to(torch.float64).clone()  # (n,)
         sent = [i for i, f in enumerate(factors) if f is not None]  # the others are zero rows
         if sent:
-            g = _gradient_of(self._grad, name, math.prod(shape)).reshape(shape).float()  # (out, in)
-            bt_g = torch.cat([factors[i].B.float() for i in sent], dim=1).T @ g  # (sum of ranks, in)
-            row = 0
-            for i in sent:
-                a = factors[i].A.float()  # (r, in)
-                s[i] = float((bt_g[row:row + a.shape[0]] * a).sum(dtype=torch.float64))
-                row += a.shape[0]
+            g = self._gradient(name, math.prod(shape)).reshape(shape)  # (out, in), float32 or as spilled
+            ranks = [factors[i].A.shape[0] for i in sent]
+            per_rank = _factor_slopes(g, torch.cat([factors[i].B.float() for i in sent], dim=1),
+                                      torch.cat([factors[i].A.float() for i in sent], dim=0))
+            for i, part in zip(sent, per_rank.split(ranks)):
+                s[i] = float(part.sum())
         self._slopes = s if self._slopes is None else self._slopes + s
         self._sq = q if self._sq is None else self._sq + q
         self._seen.add(name)
@@ -235,7 +256,7 @@ class SlopeTap:
         rows = self._source.stacked(name)                                 # (n, numel)
         if name not in self._seen:
             t = time.perf_counter()
-            g = _gradient_of(self._grad, name, rows.shape[1])
+            g = self._gradient(name, rows.shape[1])
             s, q = _row_sums(rows, g)                                     # (n,), (n,)
             self._slopes = s if self._slopes is None else self._slopes + s
             self._sq = q if self._sq is None else self._sq + q
@@ -245,6 +266,14 @@ class SlopeTap:
                 self._keep_left -= rows.nbytes
             self.seconds += time.perf_counter() - t
         return rows
+
+    def _gradient(self, name: str, numel: int) -> Tensor:
+        """The gradient of tensor `name` (spilled: as stored, read ahead), refused as `_gradient_of` does."""
+        if self._reader is None or name not in self._grad:
+            return _gradient_of(self._grad, name, numel)
+        if self._grad.shape(name).numel() != numel:
+            return _gradient_of(self._grad, name, numel)  # raises, naming both sizes
+        return self._reader.get(name)
 
     def delta_of(self, i: int) -> "LazyDelta":
         """Contributor ``i``'s dense delta (unscaled), every tensor in the gradient's shape, as a

@@ -2,6 +2,8 @@
 
 ``SpilledTensors`` writes each tensor to an unlinked temporary file as it is produced and reads it back
 with ``pread`` when asked for: nothing of it is resident, and the file disappears with the process.
+Float32 tensors are stored rounded to bfloat16 (half the disk and the reads; the slopes it serves move by
+at most 2^-9 sum_i |g_i delta_i|). ``ReadAhead`` reads the next tensor on a thread while one is used.
 Writes go around the page cache (O_DIRECT, ``zoo_gym/direct_writes.py``) and read pages leave the cache
 (``zoo_gym/page_cache.py``). Why, and why not safetensors or memmap: docs/design/rewards-scoring.md.
 """
@@ -10,7 +12,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -27,24 +30,37 @@ class SpilledTensors(Mapping[str, Tensor]):
     (tied weights: two names, one tensor); a name aliased to a key never written reads zeros of the
     recorded shape. Every read returns a fresh tensor (the caller owns it). After ``close()`` the
     file is gone and reads return meta tensors of the right shapes (holders still see the shapes).
+
+    ``stored_dtype``: floating tensors of a wider dtype are written rounded to it (round to nearest
+    even) and read back in their own dtype; ``stored(name)`` reads one as written. None: exact.
     """
 
-    def __init__(self, directory: str | Path | None = None) -> None:
+    def __init__(self, directory: str | Path | None = None, *,
+                 stored_dtype: torch.dtype | None = torch.bfloat16) -> None:
         self._file = tempfile.TemporaryFile(dir=directory, prefix="zoo-gym-spill-")  # unlinked at once
         self._writer = DirectWriter(self._file.fileno(), owns_fd=False)  # appends; no page cache
         self._end = 0
-        self._where: dict[object, tuple[int, torch.Size, torch.dtype]] = {}   # key -> (offset, shape, dtype)
+        self._stored_dtype = stored_dtype
+        # key -> (offset, shape, dtype written, dtype put)
+        self._where: dict[object, tuple[int, torch.Size, torch.dtype, torch.dtype]] = {}
         self._names: dict[str, tuple[object, torch.Size, torch.dtype]] = {}    # name -> (key, shape, dtype)
         self.closed = False
+
+    def _narrowed(self, t: Tensor) -> Tensor:
+        d = self._stored_dtype
+        if d is None or not t.is_floating_point() or t.dtype.itemsize <= d.itemsize:
+            return t
+        return t.to(d)
 
     def put(self, key: object, tensor: Tensor) -> None:
         """Write ``tensor`` (CPU) under ``key``; each key once."""
         if key in self._where:
             raise ValueError(f"spilled key {key!r} written twice")
-        t = tensor.detach().contiguous()
+        given = tensor.detach()
+        t = self._narrowed(given).contiguous()
         data = _bytes_of(t)
         self._writer.write(data)
-        self._where[key] = (self._end, t.shape, t.dtype)
+        self._where[key] = (self._end, t.shape, t.dtype, given.dtype)
         self._end += len(data)
 
     def put_blocks(self, key: object, shape: torch.Size, blocks: Iterable[Tensor]) -> None:
@@ -54,17 +70,17 @@ class SpilledTensors(Mapping[str, Tensor]):
             raise ValueError(f"spilled key {key!r} written twice")
         start, rows, dtype = self._end, 0, None
         for block in blocks:
-            t = block.detach().contiguous()
+            t = block.detach()
             if dtype is not None and t.dtype != dtype or tuple(t.shape[1:]) != tuple(shape[1:]):
                 raise ValueError(f"block of shape {tuple(t.shape)} {t.dtype} does not continue {tuple(shape)}")
             dtype = t.dtype
-            data = _bytes_of(t)
+            data = _bytes_of(self._narrowed(t).contiguous())
             self._writer.write(data)
             self._end += len(data)
             rows += t.shape[0]
         if rows != shape[0] or dtype is None:
             raise ValueError(f"blocks of {rows} rows for a tensor of shape {tuple(shape)}")
-        self._where[key] = (start, torch.Size(shape), dtype)
+        self._where[key] = (start, torch.Size(shape), self._narrowed(torch.empty(0, dtype=dtype)).dtype, dtype)
 
     def alias(self, name: str, key: object, shape: torch.Size, dtype: torch.dtype) -> None:
         self._names[name] = (key, torch.Size(shape), dtype)
@@ -93,9 +109,17 @@ class SpilledTensors(Mapping[str, Tensor]):
         where = self._where.get(key)
         if where is None:
             return torch.zeros(shape, dtype=dtype)
-        offset, _, written = where
+        return self.stored(name).to(where[3])  # in the dtype it was put in (a bf16 weight's gradient: float32)
+
+    def stored(self, name: str) -> Tensor:
+        """Tensor ``name`` as written (bfloat16 for a float32 put with the default ``stored_dtype``)."""
+        key, shape, dtype = self._names[name]
+        where = self._where.get(key) if not self.closed else None
+        if where is None:
+            return self[name]  # meta (closed) or zeros (never written)
+        offset, _, written, _ = where
         self._writer.flush()  # the first read: what is still buffered reaches the file
-        out = torch.empty(shape, dtype=written)  # the dtype written (a bf16 weight's gradient is float32)
+        out = torch.empty(shape, dtype=written)
         view = _bytes_of(out)
         done = 0
         while done < len(view):
@@ -105,6 +129,15 @@ class SpilledTensors(Mapping[str, Tensor]):
             done += n
         drop_cached(self._file.fileno(), offset, len(view))  # read once per round
         return out
+
+    def stored_nbytes(self, name: str) -> int:
+        """Bytes ``stored(name)`` reads (0: nothing written under its key)."""
+        key, shape, _ = self._names[name]
+        where = self._where.get(key)
+        return 0 if where is None else where[2].itemsize * shape.numel()
+
+    def __contains__(self, name: object) -> bool:  # Mapping's would read the tensor
+        return name in self._names
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -117,6 +150,52 @@ class SpilledTensors(Mapping[str, Tensor]):
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+class ReadAhead:
+    """``get(name)``: ``spill.stored(name)``, the tensors taken in ``order``; while the caller uses one, a thread
+    reads the next (reads release the GIL: the disk works beside the arithmetic). A tensor over ``max_bytes``
+    is read when asked for, so at most one such read is resident beside the caller's. Names out of order are
+    read on demand."""
+
+    def __init__(self, spill: SpilledTensors, order: Sequence[str], *, max_bytes: int = 256 << 20) -> None:
+        self._spill, self._order, self._max = spill, list(order), max_bytes
+        self._at = {name: i for i, name in enumerate(self._order)}
+        self._pending: tuple[str, threading.Thread, list] | None = None
+        self._start(0)
+
+    def _start(self, i: int) -> None:
+        if i >= len(self._order) or self._spill.closed:
+            return
+        name = self._order[i]
+        if self._spill.stored_nbytes(name) > self._max:
+            return
+        box: list = []
+
+        def read() -> None:
+            try:
+                box.append(self._spill.stored(name))
+            except BaseException as exc:  # noqa: BLE001 - raised again by get()
+                box.append(exc)
+
+        thread = threading.Thread(target=read, name="spill-read-ahead", daemon=True)
+        thread.start()
+        self._pending = (name, thread, box)
+
+    def get(self, name: str) -> Tensor:
+        pending, self._pending = self._pending, None
+        got = None
+        if pending is not None:
+            pending[1].join()
+            if pending[0] == name:
+                got = pending[2][0]
+                if isinstance(got, BaseException):
+                    raise got
+        if got is None:
+            got = self._spill.stored(name)
+        if name in self._at:
+            self._start(self._at[name] + 1)
+        return got
 
 
 def _bytes_of(t: Tensor) -> memoryview:
