@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zoo_gym import direct_writes
-from zoo_gym.rewards.spill import ReadAhead, SpilledTensors
+from zoo_gym.rewards.spill import SpilledTensors, read_ahead
 
 
 def _expected(t: torch.Tensor, stored: torch.dtype | None) -> torch.Tensor:
@@ -63,9 +63,11 @@ def test_read_ahead_hands_out_the_stored_tensors_in_and_out_of_order(tmp_path) -
         spill.put(name, t)
         spill.alias(name, name, t.shape, t.dtype)
     order = list(tensors)
-    reader = ReadAhead(spill, order, max_bytes=2 * 3500)  # t3 and t4 are too big to read ahead
+    reader = read_ahead(spill, order, max_bytes=2 * 3500)  # t3 and t4 are too big to read ahead
     asked = ["t0", "t1", "t3", "t2", "t4", "t0"]  # t3 out of order, t0 twice
     for name in asked:
         got = reader.get(name)
         assert got.dtype == torch.bfloat16 and torch.equal(got, tensors[name].to(torch.bfloat16)), name
+    assert reader.read_ahead == 2  # t0 and t1; t2's read was dropped when t3 came first, t3 and t4 are too big
+    reader.close()
     spill.close()

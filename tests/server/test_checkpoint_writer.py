@@ -83,7 +83,8 @@ def test_streamed_safetensors_load_with_the_library(tmp_path):
 
 
 def _write_round(base_tar: Path, master: Path | None, agg: dict[str, torch.Tensor], out_tar: Path,
-                 master_out: Path) -> None:
+                 master_out: Path) -> int:
+    """Publish `agg` onto `base_tar` (and its `master`); returns the tensors whose inputs were read ahead."""
     with open(out_tar, "wb") as ck, open(master_out, "wb") as mb:
         reader = SafetensorsReader(master) if master is not None else None
         w = CheckpointWriter(base_tar, master=reader, changed=list(agg), ckpt_blob=ck, master_blob=mb)
@@ -94,6 +95,7 @@ def _write_round(base_tar: Path, master: Path | None, agg: dict[str, torch.Tenso
         w.close()
         if reader is not None:
             reader.close()
+    return w.reads_ahead
 
 
 def _pack(model_dir: Path, out: Path) -> Path:
@@ -143,9 +145,11 @@ def test_bf16_publish_keeps_the_aggregate_in_the_master(tmp_path):
     parent, master = _pack(base_dir, tmp_path / "base.tar"), None
     for r, agg in enumerate(aggs):
         out, mfile = tmp_path / f"r{r}.tar", tmp_path / f"m{r}.safetensors"
-        _write_round(parent, master, agg, out, mfile)
+        # every changed tensor's base and low half were read ahead of its sink (checkpoint_writer._inputs)
+        assert _write_round(parent, master, agg, out, mfile) == len(names)
         parent, master = out, mfile
     # Assert: the published weights are bf16 of the master, and published + carried = sum of aggregates
+    # (bit for bit below, so the reads ahead are the same bytes as reads on demand)
     last = archive.unpack(parent, tmp_path / "last")
     published, kept = load_file(str(last / archive.WEIGHTS)), _masters(parent, master)
     assert all(published[k].dtype == torch.bfloat16 for k in names)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .errors import ScoringInputError
-from .spill import ReadAhead, SpilledTensors
+from .spill import SpilledTensors, read_ahead
 
 
 def directional_slopes(grad: Mapping[str, Tensor],
@@ -202,8 +202,8 @@ class SlopeTap:
             raise ScoringInputError(f"`keep_bytes` must be >= 0, got {keep_bytes}")
         self._source = source
         self._grad = grad
-        # a spilled gradient is read in the aggregation's order, the next tensor on a thread (spill.ReadAhead)
-        self._reader = ReadAhead(grad, source.names()) if isinstance(grad, SpilledTensors) else None
+        # a spilled gradient is read in the aggregation's order, the next tensor on a thread (spill.read_ahead)
+        self._reader = read_ahead(grad, source.names()) if isinstance(grad, SpilledTensors) else None
         self._kept: dict[str, Tensor] = {}
         self._keep_left = keep_bytes
         self._seen: set[str] = set()

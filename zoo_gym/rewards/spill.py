@@ -3,7 +3,7 @@
 ``SpilledTensors`` writes each tensor to an unlinked temporary file as it is produced and reads it back
 with ``pread`` when asked for: nothing of it is resident, and the file disappears with the process.
 Float32 tensors are stored rounded to bfloat16 (half the disk and the reads; the slopes it serves move by
-at most 2^-9 sum_i |g_i delta_i|). ``ReadAhead`` reads the next tensor on a thread while one is used.
+at most 2^-9 sum_i |g_i delta_i|). ``read_ahead`` reads the next tensor on a thread while one is used.
 Writes go around the page cache (O_DIRECT, ``zoo_gym/direct_writes.py``) and read pages leave the cache
 (``zoo_gym/page_cache.py``). Why, and why not safetensors or memmap: docs/design/rewards-scoring.md.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 from torch import Tensor
 
 from zoo_gym.direct_writes import DirectWriter
+from zoo_gym.read_ahead import ReadAhead
 from zoo_gym.page_cache import drop_cached
 
 
@@ -152,50 +152,10 @@ class SpilledTensors(Mapping[str, Tensor]):
             pass
 
 
-class ReadAhead:
-    """``get(name)``: ``spill.stored(name)``, the tensors taken in ``order``; while the caller uses one, a thread
-    reads the next (reads release the GIL: the disk works beside the arithmetic). A tensor over ``max_bytes``
-    is read when asked for, so at most one such read is resident beside the caller's. Names out of order are
-    read on demand."""
-
-    def __init__(self, spill: SpilledTensors, order: Sequence[str], *, max_bytes: int = 256 << 20) -> None:
-        self._spill, self._order, self._max = spill, list(order), max_bytes
-        self._at = {name: i for i, name in enumerate(self._order)}
-        self._pending: tuple[str, threading.Thread, list] | None = None
-        self._start(0)
-
-    def _start(self, i: int) -> None:
-        if i >= len(self._order) or self._spill.closed:
-            return
-        name = self._order[i]
-        if self._spill.stored_nbytes(name) > self._max:
-            return
-        box: list = []
-
-        def read() -> None:
-            try:
-                box.append(self._spill.stored(name))
-            except BaseException as exc:  # noqa: BLE001 - raised again by get()
-                box.append(exc)
-
-        thread = threading.Thread(target=read, name="spill-read-ahead", daemon=True)
-        thread.start()
-        self._pending = (name, thread, box)
-
-    def get(self, name: str) -> Tensor:
-        pending, self._pending = self._pending, None
-        got = None
-        if pending is not None:
-            pending[1].join()
-            if pending[0] == name:
-                got = pending[2][0]
-                if isinstance(got, BaseException):
-                    raise got
-        if got is None:
-            got = self._spill.stored(name)
-        if name in self._at:
-            self._start(self._at[name] + 1)
-        return got
+def read_ahead(spill: SpilledTensors, order: Sequence[str], *, max_bytes: int = 256 << 20) -> ReadAhead[Tensor]:
+    """``get(name)``: ``spill.stored(name)``, the next name of ``order`` read on a thread meanwhile
+    (zoo_gym/read_ahead.py); tensors over ``max_bytes`` (a vocabulary matrix) are read when asked for."""
+    return ReadAhead(spill.stored, order, size=spill.stored_nbytes, max_bytes=max_bytes)
 
 
 def _bytes_of(t: Tensor) -> memoryview:

@@ -28,6 +28,7 @@ from zoo_gym.proto import archive
 from zoo_gym.server.store import master_kernel
 from zoo_gym.server.store import master_weights
 from zoo_gym.page_cache import drop_cached
+from zoo_gym.read_ahead import ReadAhead
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -308,22 +309,43 @@ class CheckpointWriter:
             self.master_layout = SafetensorsLayout(m_order, metadata={"format": "pt"})
             self._threads.append(_Background([master_blob.write], name="publish-master"))
             self._master_out = _Sequential(self.master_layout, [self._threads[1]])
+        # the next changed tensor's base (and low half) is read while this one is added (zoo_gym/read_ahead.py)
+        self._inputs = ReadAhead(self._read_inputs, list(changed), size=self._input_bytes)
 
     def sink(self, name: str, agg: torch.Tensor) -> None:
         """Add the aggregate (numel,) float32 to tensor `name` and write it everywhere."""
         info = self.base.infos[name]
-        kind = master_weights.entry_dtype(info.torch_dtype) if self._master_out is not None else None
-        base = self.base.read(name)
+        kind = self._kind(name)
+        base, stored_low = self._inputs.get(name)
         if kind is None:  # float32 (or no master kept): the published weights are the master
             published = (base.float() + agg.reshape(info.shape)).to(info.torch_dtype)
         elif kind == "I16":  # bf16: one fused pass, in place (master_kernel.py)
-            published, low = master_kernel.add_to_bf16_master(base, self._low_half(name), agg.float())
+            published, low = master_kernel.add_to_bf16_master(base, stored_low, agg.float())
             self._master_out.write(name, [tensor_bytes(low)])
         else:  # float16: its master is a float32 tensor
             new_master = master_weights.master_of(base, self.master, name).add_(agg.reshape(info.shape))
             published = new_master.to(info.torch_dtype)
             self._master_out.write(name, [tensor_bytes(new_master)])
         self._pub.write(name, [tensor_bytes(published)])
+
+    @property
+    def reads_ahead(self) -> int:
+        """Changed tensors whose inputs were read before `sink` asked for them."""
+        return self._inputs.read_ahead
+
+    def _kind(self, name: str) -> str | None:
+        """How tensor `name`'s master is kept: "I16" (bf16: a low half), another dtype name, None (none)."""
+        if self._master_out is None:
+            return None
+        return master_weights.entry_dtype(self.base.infos[name].torch_dtype)
+
+    def _read_inputs(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tensor `name` of the base, and its stored low half when its master is kept as one."""
+        return self.base.read(name), self._low_half(name) if self._kind(name) == "I16" else None
+
+    def _input_bytes(self, name: str) -> int:
+        low = self.master.infos.get(name) if self.master is not None and self._kind(name) == "I16" else None
+        return self.base.infos[name].nbytes + (low.nbytes if low is not None else 0)
 
     def _low_half(self, name: str) -> torch.Tensor | None:
         """Bf16 tensor `name`'s stored low half (None: no master stored, the published weights are it). A
@@ -347,6 +369,7 @@ class CheckpointWriter:
         for t in self._threads:
             t.drain()
         self._tar.end()
+        self._inputs.close()
         self.base.close()
 
     def finish(self, lineage: dict) -> None:
@@ -359,6 +382,7 @@ class CheckpointWriter:
         self._tar.close()
 
     def close(self) -> None:
+        self._inputs.close()  # before the files close under a read still running
         for t in self._threads:
             t.close()
         self.base.close()
