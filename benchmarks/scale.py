@@ -352,6 +352,7 @@ def serve_round(state: Path, payloads: list[bytes], env: dict, work: Path, *, sc
                                 cwd=CHILD_CWD))
     sampler = Sampler(p.pid)
     logs = LogReader(p.stderr, work / f"server-{'scoring' if scoring else 'noscoring'}.log")
+    later: list[dict] = []
     try:
         t_start = time.monotonic()
         logs.wait_for(r"listening on", timeout)
@@ -366,11 +367,12 @@ def serve_round(state: Path, payloads: list[bytes], env: dict, work: Path, *, sc
         time.sleep(0.3)
         hwm = sampler.hwm()
         disk.append({"after": "round 1", **state_bytes(state)})
-        for k in range(2, rounds + 1):  # more rounds: only the state directory's bytes are reported for them
+        for k in range(2, rounds + 1):  # more rounds: their phases' seconds and the state directory's bytes
             submit(port, payloads)
-            logs.wait_for(rf"round {k}: (published|REOPENED|HALTED)", timeout)
+            done = logs.wait_for(rf"round {k}: (published|REOPENED|HALTED)", timeout)
             time.sleep(0.3)
             disk.append({"after": f"round {k}", **state_bytes(state)})
+            later.append({"round": k, "phases": _phase_seconds(logs, k, done)})
     finally:
         _stop(p)
         sampler.stop()
@@ -382,7 +384,14 @@ def serve_round(state: Path, payloads: list[bytes], env: dict, work: Path, *, sc
     for (ph, t0), nxt in zip(seq, seq[1:] + [(None, t_done)]):
         phases[ph] = (t0, nxt[1])
     return {"outcome": outcome.split(": ", 2)[-1], "phases": phases, "sampler": sampler, "hwm": hwm,
-            "state_bytes": disk}
+            "state_bytes": disk, "later_rounds": later}
+
+
+def _phase_seconds(logs: "LogReader", k: int, done: float) -> dict[str, float]:
+    """Seconds of each phase of round `k` (from its first phase mark to `done`, the round's outcome line).
+    From round 2 on the base's evaluator and scoring gradient come from the publish before: the steady state."""
+    marks = sorted((t, ph) for ph in PHASES if (t := logs.first(rf"round {k} phase={re.escape(ph)}$")) is not None)
+    return {ph: t1 - t0 for (t0, ph), (t1, _) in zip(marks, marks[1:] + [(done, None)])}
 
 
 # The real `gym-client` CLI, with the end of its training process (zoo_gym/client/train_process.py) observed:
@@ -684,7 +693,8 @@ def main() -> None:
     ap.add_argument("--server-runs", choices=("both", "scoring-on", "scoring-off", "none"), default="both",
                     help="which synthetic-delta server rounds to run (none: only the client measurement)")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="server rounds per run (the same synthetic deltas each round); phases are round 1's, the "
+                    help="server rounds per run (the same synthetic deltas each round); phases are round 1's, later rounds' in "
+                         "`later_rounds` (the steady state: evaluator and gradient ready from the publish before); the "
                          "state directory's bytes are reported after each")
     ap.add_argument("--keep-checkpoints", type=int, help="gym-server serve --keep-checkpoints (default: unset, all)")
     ap.add_argument("--client-bf16", action="store_true",
@@ -739,7 +749,8 @@ def main() -> None:
         runs["scoring_on" if scoring else "scoring_off"] = {
             "outcome": r["outcome"], "vm_hwm_over_fp32": r["hwm"] / fp32, "vm_hwm_bytes": r["hwm"],
             "init_peak_rss_bytes": init["peak_rss"], "init_peak_tree_rss_bytes": init["peak_tree_rss"],
-            "state_bytes": r["state_bytes"], "keep_checkpoints": args.keep_checkpoints, "phases": phases}
+            "state_bytes": r["state_bytes"], "keep_checkpoints": args.keep_checkpoints, "phases": phases,
+            "later_rounds": r["later_rounds"]}
         if scoring:
             res["bf16_publish"] = bf16_kept(state, payloads)
         shutil.rmtree(state, ignore_errors=True)  # a 4B state is ~20 GB: the next run needs the disk
@@ -770,6 +781,10 @@ def main() -> None:
         agg_pub = sec("load", "aggregation", "write", "pack", "commit")
         run["aggregation_publish_s"] = agg_pub
         run["aggregation_publish_over_read_write"] = agg_pub / rw
+        for later in run.get("later_rounds", []):  # the steady state: the evaluator and gradient come ready
+            secs = sum(later["phases"].get(n, 0.0) for n in ("load", "aggregation", "write", "pack", "commit"))
+            later["aggregation_publish_s"] = secs
+            later["aggregation_publish_over_read_write"] = secs / rw
         if key == "scoring_on" and fb:
             run["scoring_s"] = sec("scoring-gradient", "scoring")
             run["scoring_over_forward_backward"] = run["scoring_s"] / fb
