@@ -3,7 +3,8 @@
 ``SpilledTensors`` writes each tensor to an unlinked temporary file as it is produced and reads it back
 with ``pread`` when asked for: nothing of it is resident, and the file disappears with the process.
 Float32 tensors are stored rounded to bfloat16 (half the disk and the reads; the slopes it serves move by
-at most 2^-9 sum_i |g_i delta_i|). ``read_ahead`` reads the next tensor on a thread while one is used.
+at most 2^-9 sum_i |g_i delta_i|, typically ~1e-3 / sqrt(d) of |g| |delta|). ``read_ahead`` reads the next
+tensor on a thread while one is used.
 Writes go around the page cache (O_DIRECT, ``zoo_gym/direct_writes.py``) and read pages leave the cache
 (``zoo_gym/page_cache.py``). Why, and why not safetensors or memmap: docs/design/rewards-scoring.md.
 """
