@@ -106,8 +106,7 @@ def _factor_slopes(g: Tensor, b: Tensor, a: Tensor) -> Tensor:
 
     Taken as sum_o b[o, k] (g a^T)[o, k], a block of rows of g at a time: g (out, in) in any float dtype (a
     block upcast to float32 at a time, no whole float32 copy), b (out, R) and a (R, in) float32. The
-    float32 product g a^T reads g once in its own layout (B^T g on the transposed view took 2-3x as long);
-    the products sum in float64."""
+    float32 product g a^T reads g once in its own layout; the products sum in float64."""
     out, inn = g.shape
     at = a.T.contiguous()  # (in, R)
     total = torch.zeros(a.shape[0], dtype=torch.float64)
@@ -269,10 +268,8 @@ class SlopeTap:
 
     def _gradient(self, name: str, numel: int) -> Tensor:
         """The gradient of tensor `name` (spilled: as stored, read ahead), refused as `_gradient_of` does."""
-        if self._reader is None or name not in self._grad:
-            return _gradient_of(self._grad, name, numel)
-        if self._grad.shape(name).numel() != numel:
-            return _gradient_of(self._grad, name, numel)  # raises, naming both sizes
+        if self._reader is None or name not in self._grad or self._grad.shape(name).numel() != numel:
+            return _gradient_of(self._grad, name, numel)  # a dict's gradient, or the error naming what is wrong
         return self._reader.get(name)
 
     def delta_of(self, i: int) -> "LazyDelta":
