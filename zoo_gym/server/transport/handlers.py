@@ -135,14 +135,19 @@ class RoundView:
 
 
 def _privacy_figures(s, delta: float) -> tuple[float, float, float]:
-    """(cumulative epsilon, the last round's, RDP's cumulative cross-check) of the published rounds."""
-    rows = s.exec(select(Round).where(Round.dp_noise_multiplier.is_not(None), Round.state == RoundState.PUBLISHED)
+    """(cumulative epsilon, the last round's, RDP's cumulative cross-check) of the published rounds.
+
+    Columns, not Round objects: the caller's session may already hold a round as it was before its publish
+    committed (the view loads the current round first), and a query hands back such an object unrefreshed."""
+    rows = s.exec(select(Round.dp_noise_multiplier, Round.dp_sample_rate, Round.dp_epsilon_total,
+                         Round.dp_epsilon_round)
+                  .where(Round.dp_noise_multiplier.is_not(None), Round.state == RoundState.PUBLISHED)
                   .order_by(Round.id)).all()
     if not rows:
         return 0.0, 0.0, 0.0
-    last = rows[-1]
-    rdp = rdp_epsilon([(r.dp_noise_multiplier, r.dp_sample_rate or 1.0, 1) for r in rows], delta=delta)
-    return float(last.dp_epsilon_total or 0.0), float(last.dp_epsilon_round or 0.0), rdp
+    _, _, total, last_round = rows[-1]
+    rdp = rdp_epsilon([(z, q or 1.0, 1) for z, q, _, _ in rows], delta=delta)
+    return float(total or 0.0), float(last_round or 0.0), rdp
 
 
 def _selection(s, state: ServerState, rnd: Round, contributor_id: str, q: float) -> tuple[int, bool]:
