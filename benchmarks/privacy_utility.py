@@ -32,9 +32,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import flower_sim  # noqa: E402
 
 DELTA = 1e-6
 
@@ -201,9 +205,10 @@ def run_population(n: int, args, configs: list[dict]) -> list[dict]:
             print(json.dumps({k: row[k] for k in ("n", "z", "byzantine", "final_loss", "seconds")}), flush=True)
 
     init = {"address": args.ray_address} if args.ray_address else {"num_cpus": args.cpus}
-    run_simulation(server_app=app, client_app=client_app(), num_supernodes=n,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                   "init_args": {**init, "include_dashboard": False}})
+    with flower_sim.reproducible_node_ids(seed=0), flower_sim.indexed_polling():
+        run_simulation(server_app=app, client_app=client_app(), num_supernodes=n,
+                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                       "init_args": {**init, "include_dashboard": False}})
     return rows
 
 
