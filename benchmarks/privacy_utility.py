@@ -2,12 +2,13 @@
 simulation engine (ray). Held-out loss of the tiny model against epsilon (delta = 1e-6).
 
     python benchmarks/privacy_utility.py --quick     # N=100, z in {1, 4}, 2 rounds (~5-10 min on 2 busy cores)
-    python benchmarks/privacy_utility.py             # N=100 and 1000, z in {0.5, 1, 2, 4}, q = 0.2 (cohorts 20 and 200), 3 rounds (~1 h)
+    python benchmarks/privacy_utility.py             # N=100 and 1000, z in {0.5, 1, 2, 4}, q = 0.2 (cohorts 20 and 200), 3 rounds (42 min alone on 2 cores)
     python benchmarks/privacy_utility.py --ray-address auto   # on a ray cluster (README: ray start --head / --address)
 
 Protocol (also in the JSON under "protocol"): N virtual contributors (`flower_apps.client_app`), contributor
 i owns shard i mod 100 of the built-in task (beyond 100, its own draws from that shard); each round every
-node is sampled with probability q (Poisson, the same draws for every configuration of one N: seed 0); a
+node is sampled with probability q (Poisson, the same draws for every configuration of one N and every run:
+seed 0, node ids seeded by `flower_sim.reproducible_node_ids`); a
 sampled contributor trains `--steps` LoRA steps of batch `--batch-size` (gym_train.train, merged dense
 delta) from the current global model and replies its BitDelta payload. The server (`SampledSoupStrategy`)
 runs DeltaSoup with the default rule (SoupConfig's: the trimmed mean) and, for z > 0, central DP: whole-delta
@@ -300,7 +301,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sample-rate", type=float, default=0.2, help="q: each node sampled with probability q per "
                     "round, the expected cohort m = q N (20 at N = 100, 200 at N = 1000: the cohort that keeps "
-                    "the noise per coordinate, z C / m, below the signal; ~1 h for the whole run on 2 cores)")
+                    "the noise per coordinate, z C / m, below the signal; 42 min for the whole run alone on 2 cores)")
     ap.add_argument("--cohort", type=int, help="expected contributors per round m for every N (overrides --sample-rate)")
     ap.add_argument("--steps", type=int, default=2, help="LoRA steps per contributor round")
     ap.add_argument("--batch-size", type=int, default=4)

@@ -319,6 +319,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 PHASES = ("load", "scoring-gradient", "aggregation", "scoring", "parent-evaluation", "write", "evaluation", "pack",
           "commit", "done")
+AGG_PUBLISH_PHASES = ("load", "aggregation", "write", "pack", "commit")  # "aggregation + publish" of the targets
 
 
 def state_bytes(state: Path) -> dict:
@@ -642,7 +643,8 @@ def bf16_kept(state: Path, payloads: list[bytes]) -> dict:
     published bf16 checkpoint holds, and with the server's float32 master (if there is one) what published
     + carried holds."""
     from zoo_gym import codec
-    from zoo_gym.server.store.checkpoint_writer import SafetensorsReader, master_path
+    from zoo_gym.safetensors_reader import SafetensorsReader
+    from zoo_gym.server.store.checkpoint_writer import master_path
     from zoo_gym.server.store.master_weights import master_of
     from zoo_gym.server.store.models import Round
     from zoo_gym.server.store.state import open_state
@@ -778,11 +780,11 @@ def main() -> None:
     for key, run in runs.items():
         ph = run["phases"]
         sec = lambda *names: sum(ph[n]["seconds"] for n in names if n in ph)  # noqa: E731
-        agg_pub = sec("load", "aggregation", "write", "pack", "commit")
+        agg_pub = sec(*AGG_PUBLISH_PHASES)
         run["aggregation_publish_s"] = agg_pub
         run["aggregation_publish_over_read_write"] = agg_pub / rw
         for later in run.get("later_rounds", []):  # the steady state: the evaluator and gradient come ready
-            secs = sum(later["phases"].get(n, 0.0) for n in ("load", "aggregation", "write", "pack", "commit"))
+            secs = sum(later["phases"].get(n, 0.0) for n in AGG_PUBLISH_PHASES)
             later["aggregation_publish_s"] = secs
             later["aggregation_publish_over_read_write"] = secs / rw
         if key == "scoring_on" and fb:

@@ -14,7 +14,7 @@ import torch
 from zoo_gym import direct_writes
 from zoo_gym.direct_writes import DirectWriter
 from zoo_gym.server.store.blobs import BlobStore
-from zoo_gym.server.store.checkpoint_writer import tensor_bytes
+from zoo_gym.safetensors_reader import tensor_bytes
 
 
 def _pieces(seed: int) -> list[bytes]:

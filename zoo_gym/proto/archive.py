@@ -107,21 +107,26 @@ class TarStream:
             self._emit(tarfile.NUL * pad)
 
 
-def unpack(archive: Path, dest: Path) -> Path:
-    """Extract a checkpoint tar into `dest` (created; replaced atomically if it exists)."""
+def unpack(archive: Path, dest: Path, *, skip: frozenset[str] = frozenset()) -> Path:
+    """Extract a checkpoint tar into `dest` (created; replaced atomically if it exists), all members but
+    those named in `skip` (e.g. the weights, read in place from the archive instead)."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=dest.name + ".unpacking-"))  # one per call
     try:
+        names = set()
         with tarfile.open(archive, mode="r:") as tar:
             for member in tar:
                 if not member.isfile() or not _SAFE_NAME.match(member.name):
                     raise CheckpointError(f"refusing archive member {member.name!r}: not a plain file")
+                names.add(member.name)
+                if member.name in skip:
+                    continue
                 src = tar.extractfile(member)
                 assert src is not None  # isfile() members always have data
                 with open(tmp / member.name, "wb") as f:
                     shutil.copyfileobj(src, f)
-        if not (tmp / WEIGHTS).is_file():
+        if WEIGHTS not in names:
             raise CheckpointError(f"the checkpoint archive has no {WEIGHTS}")
         if dest.exists():
             shutil.rmtree(dest)

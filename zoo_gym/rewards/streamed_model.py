@@ -23,6 +23,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from zoo_gym.gym_train.memory import trim_heap
+from zoo_gym.safetensors_reader import SafetensorsReader, WeightsFile
 
 from .activation_budget import decoder_layers
 from .vocab_blocks import install
@@ -41,8 +42,8 @@ def _absent(shape: torch.Size) -> torch.Tensor:
 class LayerStream:
     """Loads and drops the decoder layers' weights of one model; counts what is resident."""
 
-    def __init__(self, model: torch.nn.Module, weights_file: pathlib.Path, keys: set[str]) -> None:
-        self.weights_file = pathlib.Path(weights_file)
+    def __init__(self, model: torch.nn.Module, weights: WeightsFile, keys: set[str]) -> None:
+        self.weights = weights
         self._keys = keys
         self._prefix = getattr(model, "base_model_prefix", "") or ""
         names = {id(m): n for n, m in model.named_modules()}
@@ -71,7 +72,7 @@ class LayerStream:
         for k in (short, f"{self._prefix}.{name}"):
             if k in self._keys:
                 return k
-        raise KeyError(f"the checkpoint {self.weights_file} has no tensor for parameter {name!r}")
+        raise KeyError(f"the checkpoint {self.weights.path} has no tensor for parameter {name!r}")
 
     def has(self, name: str) -> bool:
         try:
@@ -80,18 +81,17 @@ class LayerStream:
             return False
         return True
 
-    def read(self, handle, name: str, delta: Mapping | None = None, scale: float = 1.0) -> torch.Tensor:
+    def read(self, reader: SafetensorsReader, name: str, delta: Mapping | None = None,
+             scale: float = 1.0) -> torch.Tensor:
         with torch.inference_mode(False):  # ordinary tensors: a gradient pass may save them
-            t = handle.get_tensor(self.key(name)).to(torch.float32)
+            t = reader.read(self.key(name)).to(torch.float32)
             if delta is not None and name in delta:
                 t = torch.add(t, _dense(delta[name]).to(torch.float32), alpha=scale)
         return t
 
     def _read_layer(self, i: int, delta: Mapping | None, scale: float) -> list[torch.Tensor]:
-        from safetensors import safe_open
-
-        with safe_open(str(self.weights_file), "pt") as handle:  # closed at once: no mapped pages stay
-            return [self.read(handle, name, delta, scale) for name, _ in self._layer_params[i]]
+        with self.weights.open() as reader:  # pread into fresh tensors: no mapped pages stay
+            return [self.read(reader, name, delta, scale) for name, _ in self._layer_params[i]]
 
     def _read_ahead(self, i: int) -> None:
         """Start reading layer ``i`` on the reader thread (torch and file reads release the GIL)."""
@@ -206,14 +206,15 @@ def _dense(value) -> torch.Tensor:
     return dense_delta(value)
 
 
-def load_streamed(model_dir: str | pathlib.Path) -> torch.nn.Module:
-    """The float32 model of ``model_dir`` (a single ``model.safetensors``) with streamed decoder layers."""
+def load_streamed(model_dir: str | pathlib.Path, weights: WeightsFile | None = None) -> torch.nn.Module:
+    """The float32 model of ``model_dir`` (its config; its weights a single ``model.safetensors``) with
+    streamed decoder layers. ``weights``: read them from there instead, e.g. in place from a checkpoint
+    archive (``WeightsFile.in_archive``), so the directory needs no copy of them."""
     from accelerate import init_empty_weights
-    from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_dir = pathlib.Path(model_dir)
-    weights_file = model_dir / WEIGHTS
+    weights = weights or WeightsFile(model_dir / WEIGHTS)
     config = AutoConfig.from_pretrained(str(model_dir))
     with init_empty_weights():  # parameters on the meta device; buffers (rotary tables) computed as usual
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -227,16 +228,16 @@ def load_streamed(model_dir: str | pathlib.Path) -> torch.nn.Module:
     # embedding and output layer: mapped from the file in its dtype, used (and handed back) a vocabulary block at a time
     vocab = install(model)
     in_vocab = {id(vocab.embed.weight), id(vocab.head.weight)} if vocab is not None else set()
-    with safe_open(str(weights_file), "pt") as handle:
-        keys = set(handle.keys())
-        stream = LayerStream(model, weights_file, keys)
+    with weights.open() as reader:
+        keys = set(reader.names())
+        stream = LayerStream(model, weights, keys)
         aliases: dict[int, list[str]] = {}
         for name, p in stream.resident_params.items():
             aliases.setdefault(id(p), []).append(name)
         for key, names in aliases.items():  # a tied weight is stored under one of its names
             stored = [n for n in names if stream.has(n)] or names
             p, name = stream.resident_params[stored[0]], stored[0]
-            p.data = vocab.map(weights_file, stream.key(name)) if key in in_vocab else stream.read(handle, name)
+            p.data = vocab.map(weights, stream.key(name)) if key in in_vocab else stream.read(reader, name)
     for i in range(len(stream.layers)):
         stream.wrap(i)
     embed = model.get_input_embeddings()

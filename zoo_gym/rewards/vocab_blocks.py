@@ -13,7 +13,6 @@ so no ``(vocab, hidden)`` gradient is ever built. Why and how: docs/design/strea
 from __future__ import annotations
 
 import contextlib
-import json
 import mmap
 import warnings
 from collections.abc import Callable, Iterator
@@ -23,6 +22,7 @@ import torch
 from torch import Tensor
 
 from zoo_gym.gym_train.evaluate import hidden_at
+from zoo_gym.safetensors_reader import WeightsFile
 
 BLOCK_ROWS = 8192  # vocabulary rows per block: (rows, hidden) float32 weights, (K, rows) logits
 
@@ -37,25 +37,21 @@ def _rows(vocab: "VocabWeights", w: Tensor, v0: int, v1: int) -> Tensor:
     return out
 
 
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-
-
 class _MappedWeight:
     """A 2-D tensor of a safetensors file, mapped read-only: pages it reads are file pages, and ``drop`` hands a
     range of rows back to the page cache (``MADV_DONTNEED`` on a shared read-only file mapping loses nothing)."""
 
-    def __init__(self, path, key: str) -> None:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            info = json.loads(f.read(n))[key]
+    def __init__(self, weights: WeightsFile, key: str) -> None:
+        with weights.open() as reader:
+            info = reader.infos[key]
+        with open(weights.path, "rb") as f:
             self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        start, end = info["data_offsets"]
-        dtype = _DTYPES[info["dtype"]]
+        dtype = info.torch_dtype
         with warnings.catch_warnings():  # read-only buffer: nothing ever writes into a weight in place
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(self.mm, dtype=dtype, offset=8 + n + start, count=(end - start) // dtype.itemsize)
-        self.tensor = flat.view(*info["shape"])
-        self.offset, self.row_bytes = 8 + n + start, self.tensor[0].numel() * dtype.itemsize
+            flat = torch.frombuffer(self.mm, dtype=dtype, offset=info.start, count=info.nbytes // dtype.itemsize)
+        self.tensor = flat.view(*info.shape)
+        self.offset, self.row_bytes = info.start, self.tensor[0].numel() * dtype.itemsize
 
     def drop(self, v0: int = 0, v1: int | None = None) -> None:
         v1 = self.tensor.shape[0] if v1 is None else v1
@@ -132,9 +128,9 @@ class VocabWeights:
         self.grad: VocabGradient | None = None
         self._mapped: dict[int, _MappedWeight] = {}  # data_ptr -> mapping; they live as long as the model
 
-    def map(self, path, key: str) -> Tensor:
-        """Tensor ``key`` of the safetensors file ``path``, mapped (``_MappedWeight``), in the file's dtype."""
-        m = _MappedWeight(path, key)
+    def map(self, weights: WeightsFile, key: str) -> Tensor:
+        """Tensor ``key`` of the safetensors bytes ``weights``, mapped (``_MappedWeight``), in their dtype."""
+        m = _MappedWeight(weights, key)
         self._mapped[m.tensor.data_ptr()] = m
         return m.tensor
 

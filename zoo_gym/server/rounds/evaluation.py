@@ -17,6 +17,7 @@ from pathlib import Path
 
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.gym_train.memory import release_memory
+from zoo_gym.safetensors_reader import WeightsFile
 from zoo_gym.server.store.state import ServerState
 
 
@@ -67,7 +68,7 @@ class ServerEvaluator:
     """
 
     def __init__(self, base_dir: Path, examples: list[dict], *, scoring_examples: int = 32,
-                 spill_dir: Path | None = None) -> None:
+                 spill_dir: Path | None = None, weights: WeightsFile | None = None) -> None:
         from zoo_gym.gym_train import Evaluator
         from zoo_gym.gym_train.evaluate import tokenize_examples
         from zoo_gym.rewards.packing import PackedScoringSet, supports_packing
@@ -78,8 +79,9 @@ class ServerEvaluator:
         # the scoring gradient goes to a file here as the backward produces it (rewards/spill.py): never
         # resident, from the publish that computes it to the round that reads it
         self.spill_dir = Path(spill_dir) if spill_dir is not None else Path(tempfile.gettempdir())
-        # one decoder layer's weights at a time, read from the checkpoint (rewards/streamed_model.py)
-        self.base = Evaluator(base_dir, self.loss_examples, model=load_streamed(base_dir))
+        # one decoder layer's weights at a time, read from the checkpoint (rewards/streamed_model.py): from
+        # `weights` when given (a checkpoint archive's, in place), else base_dir's model.safetensors
+        self.base = Evaluator(base_dir, self.loss_examples, model=load_streamed(base_dir, weights))
         self.scoring_set = (self.pairs or examples)[:scoring_examples]
         tok, model = self.base.tokenizer, self.base.model
         self._preference = None
@@ -194,16 +196,17 @@ def _loss_sum(model, tokenizer, examples: list[dict]) -> tuple[float, int]:
                                            for i in range(0, len(pairs), 64)])
 
 
-def _weights_digest(model_dir: Path) -> str:
-    """sha256 of a checkpoint's weights file: recognises a published base after its archive round trip."""
+def _weights_digest(weights: WeightsFile) -> str:
+    """sha256 of a checkpoint's weights bytes: recognises a published base after its archive round trip."""
     import hashlib
 
-    from zoo_gym.proto import archive
-
     h = hashlib.sha256()
-    with open(model_dir / archive.WEIGHTS, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
+    with open(weights.path, "rb") as f:
+        f.seek(weights.offset)
+        left = weights.length if weights.length is not None else float("inf")
+        while left > 0 and (chunk := f.read(int(min(1 << 20, left)))):
             h.update(chunk)
+            left -= len(chunk)
     return h.hexdigest()
 
 
@@ -225,29 +228,34 @@ class Evaluators:
         if base_sha256 not in self._current:
             self._current.clear()  # one base at a time: a model in memory is enough
             examples = list(_validation_examples(self.config.validation_data, self.config.validation_examples))
-            base_dir = self.state.checkpoint_dir(base_sha256)
+            base_dir, weights = self.state.checkpoint_files(base_sha256)
             ready = self._prepared.pop(base_sha256, None)
             if ready is None and self._prepared:
-                ready = self._prepared.pop(_weights_digest(base_dir), None)
+                ready = self._prepared.pop(_weights_digest(weights), None)
             self._prepared.clear()
             if ready is not None and ready.examples == examples:
                 self._current[base_sha256] = ready  # its scoring gradient came with the held-out loss
             else:
-                self._current[base_sha256] = ServerEvaluator(base_dir, examples, spill_dir=self.state.work_dir)
+                self._current[base_sha256] = ServerEvaluator(base_dir, examples, spill_dir=self.state.work_dir,
+                                                             weights=weights)
         return self._current[base_sha256]
 
-    def measure_published(self, evaluator: ServerEvaluator, model_dir: Path, *,
+    def measure_published(self, evaluator: ServerEvaluator, model_dir: Path, *, weights: WeightsFile | None = None,
                           checkpoint_sha256: str | None = None) -> float:
-        """Held-out loss of a newly published checkpoint, measured by the evaluator of the round it starts
-        (kept for `for_base`, recognised by `checkpoint_sha256`, else by its weights' sha256). Call
-        `evaluator.release()` first to hold one model at a time."""
+        """Held-out loss of a newly published checkpoint (`model_dir`; its weights there or at `weights`),
+        measured by the evaluator of the round it starts (kept for `for_base`, recognised by
+        `checkpoint_sha256`, else by its weights' sha256). Call `evaluator.release()` first to hold one
+        model at a time."""
+        from zoo_gym.proto import archive
+
         self._current.clear()  # this base is superseded
         self._prepared.clear()  # one prepared base at a time
+        weights = weights or WeightsFile(Path(model_dir) / archive.WEIGHTS)
         nxt = ServerEvaluator(Path(model_dir), evaluator.examples, scoring_examples=len(evaluator.scoring_set),
-                              spill_dir=evaluator.spill_dir)
+                              spill_dir=evaluator.spill_dir, weights=weights)
         loss = nxt.heldout_loss()
         nxt.preference_report()  # with pairs: measured now, the next round's "before" then costs nothing
-        self._prepared[checkpoint_sha256 or _weights_digest(Path(model_dir))] = nxt
+        self._prepared[checkpoint_sha256 or _weights_digest(weights)] = nxt
         return loss
 
     def published_preference(self, checkpoint_sha256: str) -> dict | None:

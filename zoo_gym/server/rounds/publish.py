@@ -25,7 +25,8 @@ from zoo_gym import codec
 from zoo_gym.aggregation import DeltaSoup, NotRobustConfigError, PrivacyAccountant, PrivacyBudgetExceeded, SoupConfig
 from zoo_gym.server.rounds import async_rounds, sampling
 from zoo_gym.server.store import master_weights
-from zoo_gym.server.store.checkpoint_writer import CheckpointWriter, SafetensorsReader, master_path, threads_beside_writers
+from zoo_gym.safetensors_reader import SafetensorsReader
+from zoo_gym.server.store.checkpoint_writer import CheckpointWriter, master_path, threads_beside_writers
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.rounds.evaluation import Evaluators, ServerEvaluator
 from zoo_gym.server.rounds.policy import policy_for
@@ -406,7 +407,8 @@ def write(state: ServerState, job: RoundJob, streams: Streams, evaluators: Evalu
         evaluator.release()  # one model in memory: this base's goes before the new one loads
         streams.source = None  # and the decoded rows it cached (up to 512 MB)
         release_memory()
-        heldout = evaluators.measure_published(evaluator, state.checkpoint_dir(sha), checkpoint_sha256=sha)
+        model_dir, weights = state.checkpoint_files(sha)  # the weights read in place from the new archive
+        heldout = evaluators.measure_published(evaluator, model_dir, weights=weights, checkpoint_sha256=sha)
         if before is not None:
             preference = {"before": before, "after": evaluators.published_preference(sha)}
             report_json = json.dumps({**json.loads(report_json), "preference": preference}, sort_keys=True)

@@ -12,13 +12,11 @@ order they are delivered, then the rest in the base's order. Design: docs/design
 from __future__ import annotations
 
 import json
-import os
 import queue
 import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -27,123 +25,16 @@ import torch
 from zoo_gym.proto import archive
 from zoo_gym.server.store import master_kernel
 from zoo_gym.server.store import master_weights
-from zoo_gym.page_cache import drop_cached
 from zoo_gym.read_ahead import ReadAhead
+from zoo_gym.safetensors_reader import DTYPES, CheckpointFormatError, SafetensorsReader, tensor_bytes
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
 _CHUNK = 16 << 20  # bytes copied at a time for tensors the round does not change
 _WRITER_THREADS = 2  # the archive's and the master's (CheckpointWriter)
 _QUEUED_PIECES = 4  # pieces (one tensor or one _CHUNK each, <= 64 MiB) waiting per output thread
 
 
-class CheckpointFormatError(ValueError):
-    """A safetensors file is not what its header says."""
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    dtype: str               # safetensors dtype name, e.g. "BF16"
-    shape: tuple[int, ...]
-    start: int               # absolute byte offset in the file
-    nbytes: int
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
-
-
-class SafetensorsReader:
-    """Tensor by tensor reads of a safetensors file with `os.pread` (no whole-file map, no whole-model dict).
-
-    `offset`/`length` read one stored inside another file: a checkpoint archive's weights member is
-    read in place (`in_archive`), so the server never needs an unpacked copy to publish from.
-    `streamed=True` drops what was read from the page cache (zoo_gym/page_cache.py): a publish reads the
-    base and its master once, and their pages are better reused by the blobs it writes."""
-
-    def __init__(self, path: Path, *, offset: int = 0, length: int | None = None, streamed: bool = False) -> None:
-        self.path = Path(path)
-        self._streamed = streamed
-        self._fd = os.open(self.path, os.O_RDONLY)
-        try:
-            size = os.fstat(self._fd).st_size - offset if length is None else length
-            (n,) = struct.unpack("<Q", os.pread(self._fd, 8, offset))
-            if n > min(size - 8, 100 << 20):
-                raise CheckpointFormatError(f"{self.path}: header length {n} does not fit the file")
-            header = json.loads(os.pread(self._fd, n, offset + 8))
-        except (struct.error, ValueError) as exc:
-            os.close(self._fd)
-            raise CheckpointFormatError(f"{self.path}: not a safetensors file ({exc})") from exc
-        self.metadata = header.pop("__metadata__", None) or {}
-        infos = {}
-        for name, h in header.items():
-            b, e = h["data_offsets"]
-            if h["dtype"] not in _DTYPES or not 0 <= b <= e <= size - 8 - n:
-                os.close(self._fd)
-                raise CheckpointFormatError(f"{self.path}: tensor {name!r} has dtype {h['dtype']!r} or range "
-                                            f"{b}..{e} this reader does not accept")
-            infos[name] = TensorInfo(h["dtype"], tuple(h["shape"]), offset + 8 + n + b, e - b)
-        # file order: what `load_file` would hand out first
-        self.infos: dict[str, TensorInfo] = dict(sorted(infos.items(), key=lambda kv: kv[1].start))
-
-    @classmethod
-    def in_archive(cls, path: Path, spans: Mapping[str, tuple[int, int]] | None = None, *,
-                   streamed: bool = False) -> "SafetensorsReader":
-        """The weights of a checkpoint archive (`archive.members` spans, read if not given), in place."""
-        offset, size = (spans or archive.members(path))[archive.WEIGHTS]
-        return cls(path, offset=offset, length=size, streamed=streamed)
-
-    def names(self) -> list[str]:
-        return list(self.infos)
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {k: v.shape for k, v in self.infos.items()}
-
-    def read(self, name: str) -> torch.Tensor:
-        """One tensor, in its stored dtype and shape (a fresh buffer)."""
-        info = self.infos[name]
-        out = torch.empty(info.shape, dtype=info.torch_dtype)  # not zero-filled first, as a bytearray is
-        if out.numel() * out.element_size() != info.nbytes:
-            raise CheckpointFormatError(f"{self.path}: tensor {name!r} holds {info.nbytes} bytes, its shape "
-                                        f"{list(info.shape)} of {info.dtype} needs {out.numel() * out.element_size()}")
-        if info.nbytes:
-            self._read_into(tensor_bytes(out), info.start)
-        return out
-
-    def chunks(self, name: str) -> Iterable[bytes]:
-        """The tensor's raw bytes, `_CHUNK` at a time."""
-        info = self.infos[name]
-        for off in range(0, info.nbytes, _CHUNK):
-            n = min(_CHUNK, info.nbytes - off)
-            yield os.pread(self._fd, n, info.start + off)
-            if self._streamed:
-                drop_cached(self._fd, info.start + off, n)
-
-    def _read_into(self, view: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(view):
-            got = os.preadv(self._fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise CheckpointFormatError(f"{self.path}: short read")
-            done += got
-        if self._streamed:
-            drop_cached(self._fd, offset, len(view))
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __enter__(self) -> "SafetensorsReader":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
-    return next(k for k, v in _DTYPES.items() if v == dtype)
+    return next(k for k, v in DTYPES.items() if v == dtype)
 
 
 class SafetensorsLayout:
@@ -156,7 +47,7 @@ class SafetensorsLayout:
         self.order = [name for name, _, _ in order]
         self.sizes: dict[str, int] = {}
         for name, dtype, shape in order:
-            n = _DTYPES[dtype].itemsize * _numel(shape)
+            n = DTYPES[dtype].itemsize * _numel(shape)
             header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
             self.sizes[name] = n
             offset += n
@@ -171,14 +62,6 @@ def _numel(shape: Sequence[int]) -> int:
     for s in shape:
         n *= int(s)
     return n
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """A contiguous tensor's bytes without a copy (bf16 included: viewed as uint8)."""
-    t = t.detach().contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 class _Sequential:

@@ -29,6 +29,7 @@ from sqlmodel import Session, select
 
 from zoo_gym.proto import signing
 from zoo_gym.proto import archive
+from zoo_gym.safetensors_reader import WeightsFile
 from zoo_gym.server.store import migrations
 from zoo_gym.server.store.blobs import BlobStore
 from zoo_gym.server.store.engine import make_engine
@@ -213,15 +214,25 @@ class ServerState:
         return session.exec(select(Round).order_by(Round.id.desc()).limit(1)).first()
 
     def checkpoint_dir(self, sha256: str) -> Path:
-        """The unpacked Hugging Face directory of a stored checkpoint (cached under work/).
+        """The unpacked Hugging Face directory of a stored checkpoint, weights included (cached under work/).
 
         One unpack at a time, the rest wait for it: concurrent submissions for a base not unpacked yet
         would otherwise unpack it side by side into one temporary directory and break each other."""
+        return self._unpacked(sha256, weights=True)
+
+    def checkpoint_files(self, sha256: str) -> tuple[Path, WeightsFile]:
+        """A stored checkpoint's directory without its weights (config, tokenizer, lineage: cached under
+        work/) and its weights in place in the archive blob: what the evaluator reads, no model-sized copy."""
+        return self._unpacked(sha256, weights=False), WeightsFile.in_archive(self.blobs.path(sha256))
+
+    def _unpacked(self, sha256: str, *, weights: bool) -> Path:
         dest = self.work_dir / "checkpoints" / sha256
-        if not (dest / archive.WEIGHTS).is_file():
+        done = (dest / archive.WEIGHTS).is_file if weights else dest.is_dir  # unpack replaces dest atomically
+        if not done():
             with _UNPACK_LOCK:
-                if not (dest / archive.WEIGHTS).is_file():
-                    archive.unpack(self.blobs.path(sha256), dest)
+                if not done():
+                    skip = frozenset() if weights else frozenset({archive.WEIGHTS})
+                    archive.unpack(self.blobs.path(sha256), dest, skip=skip)
                     os.chmod(dest.parent, PRIVATE_DIR)
                     make_private(dest)
         return dest
