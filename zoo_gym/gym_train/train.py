@@ -92,6 +92,18 @@ def train(
         n_train = len(split_heldout(examples, eval_examples)[0])
         config = dataclasses.replace(config, max_steps=config.steps_for(n_train), num_train_epochs=None)
     config = dataclasses.replace(config, warmup_steps=config.warmup_for(config.max_steps))  # DP-SGD reads steps
+    if config.use_liger_kernel:  # Liger patches transformers for the whole process: undone when training ends
+        from .process_patches import restored_modeling_module
+
+        with restored_modeling_module(base_dir):
+            return _dispatch(base_dir, examples, config, base_sha256=base_sha256, eval_examples=eval_examples,
+                             progress=progress)
+    return _dispatch(base_dir, examples, config, base_sha256=base_sha256, eval_examples=eval_examples,
+                     progress=progress)
+
+
+def _dispatch(base_dir: pathlib.Path, examples: list[dict], config: TrainConfig, *, base_sha256: str,
+              eval_examples: list[dict] | None, progress: bool) -> TrainResult:
     if config.stage != "sft" or config.dp_enabled:
         if is_plain_text(examples):
             raise ValueError("plain `text` records train only with --stage sft without DP-SGD: preference and RL "
