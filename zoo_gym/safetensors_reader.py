@@ -9,8 +9,10 @@ because `safetensors.safe_open` needs a file of its own: it cannot read the weig
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,13 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
 _CHUNK = 16 << 20  # bytes a time for `chunks`
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
 
 
 class CheckpointFormatError(ValueError):
@@ -96,6 +105,30 @@ class SafetensorsReader:
                                         f"{list(info.shape)} of {info.dtype} needs {out.numel() * out.element_size()}")
         if info.nbytes:
             self._read_into(tensor_bytes(out), info.start)
+        return out
+
+    def read_as(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """One tensor converted to `dtype` straight from the file's pages (a read-only map, unmapped before
+        this returns): no intermediate buffer in the stored dtype, whose fresh pages `read` would fault in.
+        The streamed evaluator reads every layer this way, twice per gradient pass."""
+        info = self.infos[name]
+        n = _numel(info.shape)
+        if n * info.torch_dtype.itemsize != info.nbytes:
+            raise CheckpointFormatError(f"{self.path}: tensor {name!r} holds {info.nbytes} bytes, its shape "
+                                        f"{list(info.shape)} of {info.dtype} needs {n * info.torch_dtype.itemsize}")
+        if not n:
+            return torch.empty(info.shape, dtype=dtype)
+        mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+        try:
+            with warnings.catch_warnings():  # read-only: the view is only read, into a fresh tensor
+                warnings.simplefilter("ignore", UserWarning)
+                view = torch.frombuffer(mm, dtype=info.torch_dtype, offset=info.start, count=n)
+            out = view.view(info.shape).to(dtype, copy=True)
+            del view  # releases the map's exported buffer, so it can close
+        finally:
+            mm.close()
+        if self._streamed:
+            drop_cached(self._fd, info.start, info.nbytes)
         return out
 
     def chunks(self, name: str) -> Iterable[bytes]:

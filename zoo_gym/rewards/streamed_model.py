@@ -84,7 +84,7 @@ class LayerStream:
     def read(self, reader: SafetensorsReader, name: str, delta: Mapping | None = None,
              scale: float = 1.0) -> torch.Tensor:
         with torch.inference_mode(False):  # ordinary tensors: a gradient pass may save them
-            t = reader.read(self.key(name)).to(torch.float32)
+            t = reader.read_as(self.key(name), torch.float32)
             if delta is not None and name in delta:
                 t = torch.add(t, _dense(delta[name]).to(torch.float32), alpha=scale)
         return t
