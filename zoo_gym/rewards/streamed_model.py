@@ -90,7 +90,7 @@ class LayerStream:
         return t
 
     def _read_layer(self, i: int, delta: Mapping | None, scale: float) -> list[torch.Tensor]:
-        with self.weights.open() as reader:  # pread into fresh tensors: no mapped pages stay
+        with self.weights.open() as reader:  # each tensor converted from a map unmapped at once: no mapped pages stay
             return [self.read(reader, name, delta, scale) for name, _ in self._layer_params[i]]
 
     def _read_ahead(self, i: int) -> None:
