@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy.engine import Engine, make_url
@@ -29,11 +30,13 @@ from sqlmodel import Session, select
 
 from zoo_gym.proto import signing
 from zoo_gym.proto import archive
-from zoo_gym.safetensors_reader import WeightsFile
 from zoo_gym.server.store import migrations
 from zoo_gym.server.store.blobs import BlobStore
 from zoo_gym.server.store.engine import make_engine
 from zoo_gym.server.store.models import Round, Submission
+
+if TYPE_CHECKING:
+    from zoo_gym.safetensors_reader import WeightsFile
 
 STATE_FILE = "state.json"
 DB_FILE = "server.db"
@@ -223,6 +226,8 @@ class ServerState:
     def checkpoint_files(self, sha256: str) -> tuple[Path, WeightsFile]:
         """A stored checkpoint's directory without its weights (config, tokenizer, lineage: cached under
         work/) and its weights in place in the archive blob: what the evaluator reads, no model-sized copy."""
+        from zoo_gym.safetensors_reader import WeightsFile  # torch: status and ledger stay light (test_light_commands)
+
         return self._unpacked(sha256, weights=False), WeightsFile.in_archive(self.blobs.path(sha256))
 
     def _unpacked(self, sha256: str, *, weights: bool) -> Path:
