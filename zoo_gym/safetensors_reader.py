@@ -9,6 +9,7 @@ because `safetensors.safe_open` needs a file of its own: it cannot read the weig
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -26,13 +27,6 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
 _CHUNK = 16 << 20  # bytes a time for `chunks`
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 class CheckpointFormatError(ValueError):
@@ -96,13 +90,19 @@ class SafetensorsReader:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {k: v.shape for k, v in self.infos.items()}
 
+    def _checked(self, name: str) -> TensorInfo:
+        """Tensor `name`'s entry, once its byte count is the one its shape and dtype need."""
+        info = self.infos[name]
+        need = math.prod(info.shape) * info.torch_dtype.itemsize
+        if need != info.nbytes:
+            raise CheckpointFormatError(f"{self.path}: tensor {name!r} holds {info.nbytes} bytes, its shape "
+                                        f"{list(info.shape)} of {info.dtype} needs {need}")
+        return info
+
     def read(self, name: str) -> torch.Tensor:
         """One tensor, in its stored dtype and shape (a fresh buffer)."""
-        info = self.infos[name]
+        info = self._checked(name)
         out = torch.empty(info.shape, dtype=info.torch_dtype)  # not zero-filled first, as a bytearray is
-        if out.numel() * out.element_size() != info.nbytes:
-            raise CheckpointFormatError(f"{self.path}: tensor {name!r} holds {info.nbytes} bytes, its shape "
-                                        f"{list(info.shape)} of {info.dtype} needs {out.numel() * out.element_size()}")
         if info.nbytes:
             self._read_into(tensor_bytes(out), info.start)
         return out
@@ -111,11 +111,8 @@ class SafetensorsReader:
         """One tensor converted to `dtype` straight from the file's pages (a read-only map, unmapped before
         this returns): no intermediate buffer in the stored dtype, whose fresh pages `read` would fault in.
         The streamed evaluator reads every layer this way, twice per gradient pass."""
-        info = self.infos[name]
-        n = _numel(info.shape)
-        if n * info.torch_dtype.itemsize != info.nbytes:
-            raise CheckpointFormatError(f"{self.path}: tensor {name!r} holds {info.nbytes} bytes, its shape "
-                                        f"{list(info.shape)} of {info.dtype} needs {n * info.torch_dtype.itemsize}")
+        info = self._checked(name)
+        n = math.prod(info.shape)
         if not n:
             return torch.empty(info.shape, dtype=dtype)
         mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)

@@ -12,6 +12,7 @@ order they are delivered, then the rest in the base's order. Design: docs/design
 from __future__ import annotations
 
 import json
+import math
 import queue
 import struct
 import threading
@@ -47,7 +48,7 @@ class SafetensorsLayout:
         self.order = [name for name, _, _ in order]
         self.sizes: dict[str, int] = {}
         for name, dtype, shape in order:
-            n = DTYPES[dtype].itemsize * _numel(shape)
+            n = DTYPES[dtype].itemsize * math.prod(shape)
             header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
             self.sizes[name] = n
             offset += n
@@ -55,13 +56,6 @@ class SafetensorsLayout:
         text += b" " * (-len(text) % 8)  # as the safetensors library pads it
         self.header = struct.pack("<Q", len(text)) + text
         self.total = len(self.header) + offset
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 class _Sequential:
