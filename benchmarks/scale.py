@@ -5,7 +5,8 @@ runs `gym-server init` and a real `gym-server serve` process, submits 2 LoRA-fac
 and samples the server's RSS every 50 ms. Phases come from the server's log lines
 (`round N phase=...`, zoo_gym/server/rounds/publish.py). Reported per phase: peak RSS / fp32 model bytes.
 Also: aggregation+publish time / (one read + write of the model), scoring time / (one forward +
-backward on the scoring set), both baselines measured in this run, and how much of the round's
+backward on the scoring set), both baselines measured in this run (the slopes scoring takes from the rows
+the aggregation decodes are timed by the server and moved from aggregation to scoring), and how much of the round's
 aggregate survives publishing into the bf16 base (item 5).
 
 The deltas are synthetic: rank-8 LoRA factors of every Linear weight, encoded with
@@ -204,6 +205,12 @@ class LogReader:
         with self._cv:
             return next((t for t, line in self.lines if rx.search(line)), None)
 
+    def number(self, pattern: str) -> float | None:
+        """The number group 1 of `pattern` captures in the first line it matches (None: no line does)."""
+        rx = re.compile(pattern)
+        with self._cv:
+            return next((float(m.group(1)) for _, line in self.lines if (m := rx.search(line))), None)
+
 
 class MemGuard:
     """Kills the benchmark's child processes (and interrupts this one) when the machine's MemAvailable
@@ -373,7 +380,7 @@ def serve_round(state: Path, payloads: list[bytes], env: dict, work: Path, *, sc
             done = logs.wait_for(rf"round {k}: (published|REOPENED|HALTED)", timeout)
             time.sleep(0.3)
             disk.append({"after": f"round {k}", **state_bytes(state)})
-            later.append({"round": k, "phases": _phase_seconds(logs, k, done)})
+            later.append({"round": k, "phases": _phase_seconds(logs, k, done), "tap_s": _tap_seconds(logs, k)})
     finally:
         _stop(p)
         sampler.stop()
@@ -385,7 +392,13 @@ def serve_round(state: Path, payloads: list[bytes], env: dict, work: Path, *, sc
     for (ph, t0), nxt in zip(seq, seq[1:] + [(None, t_done)]):
         phases[ph] = (t0, nxt[1])
     return {"outcome": outcome.split(": ", 2)[-1], "phases": phases, "sampler": sampler, "hwm": hwm,
-            "state_bytes": disk, "later_rounds": later}
+            "state_bytes": disk, "later_rounds": later, "tap_s": _tap_seconds(logs, 1)}
+
+
+def _tap_seconds(logs: "LogReader", k: int) -> float:
+    """Seconds round `k`'s scoring took inside the aggregation phase (the slopes taken from the rows it
+    decodes: the server logs them); 0 without scoring. Scoring's, not aggregation's."""
+    return logs.number(rf"round {k} scoring slopes taken during aggregation in ([0-9.]+) s") or 0.0
 
 
 def _phase_seconds(logs: "LogReader", k: int, done: float) -> dict[str, float]:
@@ -752,6 +765,7 @@ def main() -> None:
             "outcome": r["outcome"], "vm_hwm_over_fp32": r["hwm"] / fp32, "vm_hwm_bytes": r["hwm"],
             "init_peak_rss_bytes": init["peak_rss"], "init_peak_tree_rss_bytes": init["peak_tree_rss"],
             "state_bytes": r["state_bytes"], "keep_checkpoints": args.keep_checkpoints, "phases": phases,
+            "scoring_slopes_in_aggregation_s": r["tap_s"],
             "later_rounds": r["later_rounds"]}
         if scoring:
             res["bf16_publish"] = bf16_kept(state, payloads)
@@ -780,15 +794,20 @@ def main() -> None:
     for key, run in runs.items():
         ph = run["phases"]
         sec = lambda *names: sum(ph[n]["seconds"] for n in names if n in ph)  # noqa: E731
-        agg_pub = sec(*AGG_PUBLISH_PHASES)
+        # the slopes the scoring tap takes inside the aggregation phase count as scoring, not aggregation
+        agg_pub = sec(*AGG_PUBLISH_PHASES) - run["scoring_slopes_in_aggregation_s"]
         run["aggregation_publish_s"] = agg_pub
         run["aggregation_publish_over_read_write"] = agg_pub / rw
         for later in run.get("later_rounds", []):  # the steady state: the evaluator and gradient come ready
-            secs = sum(later["phases"].get(n, 0.0) for n in AGG_PUBLISH_PHASES)
+            secs = sum(later["phases"].get(n, 0.0) for n in AGG_PUBLISH_PHASES) - later["tap_s"]
             later["aggregation_publish_s"] = secs
             later["aggregation_publish_over_read_write"] = secs / rw
+            if key == "scoring_on" and fb:
+                later["scoring_s"] = later["phases"].get("scoring-gradient", 0.0) + later["tap_s"] + later[
+                    "phases"].get("scoring", 0.0)
+                later["scoring_over_forward_backward"] = later["scoring_s"] / fb
         if key == "scoring_on" and fb:
-            run["scoring_s"] = sec("scoring-gradient", "scoring")
+            run["scoring_s"] = sec("scoring-gradient", "scoring") + run["scoring_slopes_in_aggregation_s"]
             run["scoring_over_forward_backward"] = run["scoring_s"] / fb
             run["scoring_over_first_forward_backward"] = run["scoring_s"] / fb_first  # both cold, both once
             run["evaluation_s"] = sec("parent-evaluation", "evaluation")  # genesis's loss (round 1 only), new model's

@@ -310,9 +310,9 @@ def open_streams(state: ServerState, config: ServerConfig, job: RoundJob, evalua
     """Map the payloads, get the base's evaluator (scoring), open the checkpoint (and master) blob writers."""
     rnd = job.rnd
     payloads = [stack.enter_context(state.blobs.mapped(sub.payload_sha256)) for sub in job.subs]
+    log.info("round %d phase=scoring-gradient", rnd.id)  # the evaluator's build (a first round's) included
     evaluator = evaluators.for_base(rnd.base_sha256)
     stack.callback(evaluators.forget, evaluator)  # a retry of this round rebuilds a released one
-    log.info("round %d phase=scoring-gradient", rnd.id)
     stored = StoredDeltas(payloads, job.contributors, job.shapes)
     source = scoring_tap(config, stored, evaluator)
     ckpt_blob = stack.enter_context(state.blobs.writer(streamed=True))
@@ -352,9 +352,13 @@ def aggregate(state: ServerState, config: ServerConfig, job: RoundJob, streams: 
         # async: w(s) as aggregation weights or on the rows, as recorded; server_lr x step_scale x out
         rows, row_weights = job.flush.rows(streams.source, job.contributors, weights)
         with threads_beside_writers():  # the writer's two threads stream while the soup computes
-            return DeltaSoup(job.soup, dp_clip=job.inputs.dp_clip).run(
+            report = DeltaSoup(job.soup, dp_clip=job.inputs.dp_clip).run(
                 rows, job.flush.sink(streams.writer.sink), weights=row_weights, generator=gen,
                 accountant=job.accountant, sample_rate=_recorded_rate(config, job))
+        tap_s = getattr(streams.source, "seconds", None)  # a SlopeTap's share of the phase is scoring's
+        if tap_s is not None:
+            log.info("round %d scoring slopes taken during aggregation in %.3f s", rnd.id, tap_s)
+        return report
     except NotRobustConfigError as exc:
         _reopen(state, rnd.id, len(job.subs) + 1, f"waiting for more submissions: {exc}")
         return f"REOPENED ({exc})"
