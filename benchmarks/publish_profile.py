@@ -60,7 +60,7 @@ def publish_once(store: BlobStore, base_sha: str, master_sha: str | None, payloa
         t1 = time.perf_counter()
         t["load"] = t1 - t0
         with threads_beside_writers():  # as publish_round
-            DeltaSoup(SoupConfig.from_mapping(soup)).run(stored, writer.sink,
+            DeltaSoup(SoupConfig.from_mapping(soup)).run(stored, writer.sink, lend_aggregates=True,
                                                          generator=torch.Generator().manual_seed(seed))
         t2 = time.perf_counter()
         t["aggregation"] = t2 - t1

@@ -175,3 +175,29 @@ def test_first_order_slopes_of_a_factored_mean_equal_the_rows_slopes(monkeypatch
     for got, ref, norm in zip(slopes, want, want_norms):  # float32 products: within 1e-5 of |delta| |g|
         assert abs(got - ref) <= 1e-5 * norm * gnorm
     assert norms == pytest.approx(want_norms, rel=1e-6)
+
+
+def test_lent_aggregates_are_the_same_bytes_in_one_buffer():
+    # Prepare: the LoRA mean over two contributors, the larger tensor first
+    shapes = {"big.weight": (64, 48), "small.weight": (32, 16)}
+    payloads = [codec.encode({k: _factors(*s, seed=10 * i + j) for j, (k, s) in enumerate(shapes.items())},
+                             codec="lora") for i in range(2)]
+
+    def run(lend: bool) -> tuple[dict, set]:
+        got, buffers = {}, set()
+
+        def sink(k, v):
+            got[k] = v.clone()  # a borrowing sink copies what it keeps
+            buffers.add(v.untyped_storage().data_ptr())
+
+        DeltaSoup(SoupConfig.from_mapping({"aggregator": "mean"})).run(
+            StoredDeltas(payloads, ["x", "y"], shapes), sink, weights=torch.tensor([3.0, 1.0]), lend_aggregates=lend)
+        return got, buffers
+
+    # Execute
+    fresh, fresh_buffers = run(False)
+    lent, lent_buffers = run(True)
+    # Assert: bit for bit what fresh tensors hold, both written into one buffer
+    assert list(lent) == list(fresh) == list(shapes)
+    assert all(torch.equal(lent[k], fresh[k]) and float(fresh[k].abs().max()) > 0 for k in fresh)
+    assert len(lent_buffers) == 1 and len(fresh_buffers) == 2

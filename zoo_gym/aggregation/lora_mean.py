@@ -22,10 +22,10 @@ from ._checks import weighted_terms
 
 
 def factored_mean(source, name: str, acc: Tensor, clip: Tensor, coeff: Tensor, *,
-                  total: float | None) -> Tensor | None:
+                  total: float | None, out: Tensor | None = None) -> Tensor | None:
     """(numel,) float32 sum_j coeff_j clip_j x_j / total over the accepted rows (`acc` indexes the
-    source's contributors), from `source.factors(name)`; None when the source has no factors for it
-    (then the caller decodes rows)."""
+    source's contributors), from `source.factors(name)`, written into `out` ((numel,) float32) when given;
+    None when the source has no factors for it (then the caller decodes rows)."""
     get = getattr(source, "factors", None)
     factors: Sequence | None = get(name) if get is not None else None
     if factors is None:
@@ -38,6 +38,11 @@ def factored_mean(source, name: str, acc: Tensor, clip: Tensor, coeff: Tensor, *
             continue
         bs.append(f.B.float() * (wj * float(clip[j]) / denom))  # (out, r)
         as_.append(f.A.float())  # (r, in)
+    shape = tuple(source.shape(name))
     if not bs:
-        return torch.zeros(math.prod(source.shape(name)))
-    return (torch.cat(bs, dim=1) @ torch.cat(as_, dim=0)).reshape(-1)
+        return torch.zeros(math.prod(shape)) if out is None else out.zero_()
+    b, a = torch.cat(bs, dim=1), torch.cat(as_, dim=0)  # (o, k r), (k r, i)
+    if out is None:
+        return (b @ a).reshape(-1)
+    torch.matmul(b, a, out=out.view(b.shape[0], a.shape[1]))
+    return out

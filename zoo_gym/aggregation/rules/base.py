@@ -62,8 +62,10 @@ class Plan:
 
     note: str = ""  # how the rule was adapted to this round, if it was
 
-    def from_factors(self, source: Any, name: str, acc: Tensor, clip: Tensor) -> Tensor | None:
-        """(numel,) float32 aggregate of tensor `name` from the source's LoRA factors, or None."""
+    def from_factors(self, source: Any, name: str, acc: Tensor, clip: Tensor, *,
+                     out: Tensor | None = None) -> Tensor | None:
+        """(numel,) float32 aggregate of tensor `name` from the source's LoRA factors (written into `out`,
+        (numel,) float32, when given), or None."""
         return None
 
     def aggregate(self, x: Tensor, *, share: float) -> Tensor:
@@ -87,10 +89,11 @@ class LinearPlan(Plan):
         self.selected = torch.ones(k, dtype=torch.bool) if selected is None else selected
         self.score_sq = torch.zeros(k, dtype=torch.float64) if iterated else None
 
-    def from_factors(self, source: Any, name: str, acc: Tensor, clip: Tensor) -> Tensor | None:
+    def from_factors(self, source: Any, name: str, acc: Tensor, clip: Tensor, *,
+                     out: Tensor | None = None) -> Tensor | None:
         if not self.factored:
             return None
-        return factored_mean(source, name, acc, clip, self.coeff, total=self.total)
+        return factored_mean(source, name, acc, clip, self.coeff, total=self.total, out=out)
 
     def aggregate(self, x: Tensor, *, share: float) -> Tensor:
         if self.score_sq is None:

@@ -354,7 +354,8 @@ def aggregate(state: ServerState, config: ServerConfig, job: RoundJob, streams: 
         with threads_beside_writers():  # the writer's two threads stream while the soup computes
             report = DeltaSoup(job.soup, dp_clip=job.inputs.dp_clip).run(
                 rows, job.flush.sink(streams.writer.sink), weights=row_weights, generator=gen,
-                accountant=job.accountant, sample_rate=_recorded_rate(config, job))
+                accountant=job.accountant, sample_rate=_recorded_rate(config, job),
+                lend_aggregates=True)  # CheckpointWriter.sink uses each aggregate before it returns
         tap_s = getattr(streams.source, "seconds", None)  # a SlopeTap's share of the phase is scoring's
         if tap_s is not None:
             log.info("round %d scoring slopes taken during aggregation in %.3f s", rnd.id, tap_s)
