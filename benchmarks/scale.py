@@ -375,6 +375,8 @@ def serve_round(state: Path, payloads: list[bytes], env: dict, work: Path, *, sc
         time.sleep(0.3)
         hwm = sampler.hwm()
         disk.append({"after": "round 1", **state_bytes(state)})
+        # round 1's checkpoint and its parent, before a later round's --keep-checkpoints sweeps them
+        kept = bf16_kept(state, payloads) if scoring else None
         for k in range(2, rounds + 1):  # more rounds: their phases' seconds and the state directory's bytes
             submit(port, payloads)
             done = logs.wait_for(rf"round {k}: (published|REOPENED|HALTED)", timeout)
@@ -392,7 +394,7 @@ def serve_round(state: Path, payloads: list[bytes], env: dict, work: Path, *, sc
     for (ph, t0), nxt in zip(seq, seq[1:] + [(None, t_done)]):
         phases[ph] = (t0, nxt[1])
     return {"outcome": outcome.split(": ", 2)[-1], "phases": phases, "sampler": sampler, "hwm": hwm,
-            "state_bytes": disk, "later_rounds": later, "tap_s": _tap_seconds(logs, 1)}
+            "state_bytes": disk, "later_rounds": later, "tap_s": _tap_seconds(logs, 1), "bf16_publish": kept}
 
 
 def _tap_seconds(logs: "LogReader", k: int) -> float:
@@ -768,7 +770,7 @@ def main() -> None:
             "scoring_slopes_in_aggregation_s": r["tap_s"],
             "later_rounds": r["later_rounds"]}
         if scoring:
-            res["bf16_publish"] = bf16_kept(state, payloads)
+            res["bf16_publish"] = r["bf16_publish"]
         shutil.rmtree(state, ignore_errors=True)  # a 4B state is ~20 GB: the next run needs the disk
     res["runs"] = runs
 
