@@ -1,6 +1,6 @@
 """The capacity of one server box, on paper, from measured points (prints JSON; writes a plot or a text table).
 
-Fits the server's measured rounds (benchmarks/results/scale-0.6b.json, scale-1.7b.json, scale-4b.json: scoring
+Fits the server's measured rounds (benchmarks/results/scale-{0.6b,1.7b,4b}-2026-11-28.json, `POINTS`: scoring
 off, 2 synthetic LoRA contributors) and the per-contributor costs measured by the other benchmarks
 (aggregation.json: the default rule, trimmed mean, per contributor and parameter at n = 10 and 30; codec.json:
 BitDelta decode per parameter; round.json: the server's upload rate with validation; one LoRA merge timed
@@ -44,6 +44,8 @@ LORA_RANK = 16
 LORA_BYTES_PER_ELEMENT = 2  # factors as the codec sends them (10,174,720 bytes for rank 8 at 0.6B: 2.02 B/element)
 SORT_BYTES_PER_ELEMENT = 16  # trimmed mean: the stacked float32 row + sort's float32 values + int64 order
 HOUR = 3600.0
+# the server's measured rounds, one per size, all with the same code (benchmarks/scale.py --server-runs both)
+POINTS = ("scale-0.6b-2026-11-28.json", "scale-1.7b-2026-11-28.json", "scale-4b-2026-11-28.json")
 
 
 def counts(shape: tuple) -> dict:
@@ -70,7 +72,7 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 def measured(results: Path) -> dict:
     """The measured points and per-unit costs this model is fitted on."""
     points = []
-    for name in ("scale-0.6b.json", "scale-1.7b.json", "scale-4b.json"):
+    for name in POINTS:
         path = results / name
         if not path.is_file():
             continue
@@ -252,7 +254,7 @@ def main() -> None:
     args = ap.parse_args()
     m = measured(args.results)
     if len(m["points"]) < 2:
-        raise SystemExit("capacity.py: needs at least two of scale-0.6b.json, scale-1.7b.json, scale-4b.json")
+        raise SystemExit(f"capacity.py: needs at least two of {', '.join(POINTS)} in the results directory")
     co = fit(m)
     rows = [{"box": box, **predict(co, m, size, n, kind, spec)} for box, spec in BOXES.items()
             for kind in ("lora-r16", "bitdelta-1bit-full") for size in SHAPES for n in CONTRIBUTORS]

@@ -325,7 +325,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 PHASES = ("load", "scoring-gradient", "aggregation", "scoring", "parent-evaluation", "write", "evaluation", "pack",
-          "commit", "done")
+          "commit", "retire", "done")  # retire: --keep-checkpoints sweeping older checkpoints, after the commit
 AGG_PUBLISH_PHASES = ("load", "aggregation", "write", "pack", "commit")  # "aggregation + publish" of the targets
 
 

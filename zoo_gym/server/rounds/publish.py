@@ -271,7 +271,8 @@ def publish_round(state: ServerState, config: ServerConfig, rnd: Round, subs: li
     crash_point("blob-written")
     commit(state, config, job, written)
     crash_point("committed")
-    if config.keep_checkpoints is not None:
+    if config.keep_checkpoints is not None:  # housekeeping after the publish is visible: its own phase
+        log.info("round %d phase=retire", rnd.id)
         log.info("round %d: %s", rnd.id, retire_checkpoints(state, keep=config.keep_checkpoints))
     log.info("round %d phase=done", rnd.id)
     loss = f", held-out loss {written.heldout:.4f}" if written.heldout is not None else ""
