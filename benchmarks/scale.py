@@ -598,12 +598,19 @@ def _submission_metadata(state: Path, contributor: str) -> dict:
         st.engine.dispose()
 
 
-def read_write_seconds(model_file: Path, work: Path) -> float:
-    """One read + write of the model file (safetensors load_file + save_file + fsync), best of 2."""
+def read_write_seconds(model_file: Path, work: Path, *, cold: bool = False) -> float:
+    """One read + write of the model file (safetensors load_file + save_file + fsync), best of 2. `cold`: its
+    pages dropped from the page cache first, as a publish finds its base (written past the cache, O_DIRECT)."""
     from safetensors.torch import load_file, save_file
+
+    from zoo_gym.page_cache import drop_cached
 
     best = float("inf")
     for _ in range(2):
+        if cold:
+            fd = os.open(model_file, os.O_RDONLY)
+            drop_cached(fd)
+            os.close(fd)
         t0 = time.perf_counter()
         w = load_file(str(model_file))
         out = work / "rw.safetensors"
@@ -786,10 +793,11 @@ def main() -> None:
             "bf16_bytes": 2 * n_params, "runs": client,
             "targets": {"train_peak_rss_over_fp32": 0.7 if args.client_bf16 else 3.0, "wait_rss_bytes": 0.5e9}}
     rw = read_write_seconds(model_dir / "model.safetensors", work) if runs else None
+    rw_cold = read_write_seconds(model_dir / "model.safetensors", work, cold=True) if runs else None
     # the fp32 forward+backward baseline only serves the scoring ratio (and is the biggest in-process step)
     fb, fb_first = (forward_backward_seconds(model_dir, dtype=getattr(torch, args.baseline_dtype))
                     if "scoring_on" in runs else (None, None))
-    res["baseline"] = {"read_write_model_s": rw, "forward_backward_dtype": args.baseline_dtype, "forward_backward_scoring_set_s": fb,
+    res["baseline"] = {"read_write_model_s": rw, "read_write_model_cold_s": rw_cold, "forward_backward_dtype": args.baseline_dtype, "forward_backward_scoring_set_s": fb,
                        "forward_backward_scoring_set_first_s": fb_first,
                        "forward_rest_of_validation_s": FORWARD.get("rest_s"),
                        "forward_rest_of_validation_first_s": FORWARD.get("rest_first_s")}
@@ -800,10 +808,12 @@ def main() -> None:
         agg_pub = sec(*AGG_PUBLISH_PHASES) - run["scoring_slopes_in_aggregation_s"]
         run["aggregation_publish_s"] = agg_pub
         run["aggregation_publish_over_read_write"] = agg_pub / rw
+        run["aggregation_publish_over_cold_read_write"] = agg_pub / rw_cold  # like for like: the publish reads cold
         for later in run.get("later_rounds", []):  # the steady state: the evaluator and gradient come ready
             secs = sum(later["phases"].get(n, 0.0) for n in AGG_PUBLISH_PHASES) - later["tap_s"]
             later["aggregation_publish_s"] = secs
             later["aggregation_publish_over_read_write"] = secs / rw
+            later["aggregation_publish_over_cold_read_write"] = secs / rw_cold
             if key == "scoring_on" and fb:
                 later["scoring_s"] = later["phases"].get("scoring-gradient", 0.0) + later["tap_s"] + later[
                     "phases"].get("scoring", 0.0)
