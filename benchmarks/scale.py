@@ -403,6 +403,12 @@ def _tap_seconds(logs: "LogReader", k: int) -> float:
     return logs.number(rf"round {k} scoring slopes taken during aggregation in ([0-9.]+) s") or 0.0
 
 
+def _scoring_seconds(seconds: dict[str, float], tap_s: float) -> float:
+    """A round's scoring: its gradient phase (the evaluator's build included), the scores' phase and the
+    slopes its tap took inside the aggregation."""
+    return seconds.get("scoring-gradient", 0.0) + seconds.get("scoring", 0.0) + tap_s
+
+
 def _phase_seconds(logs: "LogReader", k: int, done: float) -> dict[str, float]:
     """Seconds of each phase of round `k` (from its first phase mark to `done`, the round's outcome line).
     From round 2 on the base's evaluator and scoring gradient come from the publish before: the steady state."""
@@ -603,14 +609,12 @@ def read_write_seconds(model_file: Path, work: Path, *, cold: bool = False) -> f
     pages dropped from the page cache first, as a publish finds its base (written past the cache, O_DIRECT)."""
     from safetensors.torch import load_file, save_file
 
-    from zoo_gym.page_cache import drop_cached
+    from zoo_gym.page_cache import drop_file_cache
 
     best = float("inf")
     for _ in range(2):
         if cold:
-            fd = os.open(model_file, os.O_RDONLY)
-            drop_cached(fd)
-            os.close(fd)
+            drop_file_cache(model_file)
         t0 = time.perf_counter()
         w = load_file(str(model_file))
         out = work / "rw.safetensors"
@@ -815,11 +819,11 @@ def main() -> None:
             later["aggregation_publish_over_read_write"] = secs / rw
             later["aggregation_publish_over_cold_read_write"] = secs / rw_cold
             if key == "scoring_on" and fb:
-                later["scoring_s"] = later["phases"].get("scoring-gradient", 0.0) + later["tap_s"] + later[
-                    "phases"].get("scoring", 0.0)
+                later["scoring_s"] = _scoring_seconds(later["phases"], later["tap_s"])
                 later["scoring_over_forward_backward"] = later["scoring_s"] / fb
         if key == "scoring_on" and fb:
-            run["scoring_s"] = sec("scoring-gradient", "scoring") + run["scoring_slopes_in_aggregation_s"]
+            run["scoring_s"] = _scoring_seconds({n: v["seconds"] for n, v in ph.items()},
+                                                run["scoring_slopes_in_aggregation_s"])
             run["scoring_over_forward_backward"] = run["scoring_s"] / fb
             run["scoring_over_first_forward_backward"] = run["scoring_s"] / fb_first  # both cold, both once
             run["evaluation_s"] = sec("parent-evaluation", "evaluation")  # genesis's loss (round 1 only), new model's

@@ -43,7 +43,7 @@ def streamed_pass(model_dir: Path, kind: str, prefetch: bool) -> dict:
     """One streamed pass ('forward' or 'gradient') on a cold page cache; seconds and layer-load counts."""
     import torch
 
-    from zoo_gym.page_cache import drop_cached
+    from zoo_gym.page_cache import drop_file_cache
     from zoo_gym.rewards.packed_batch import packed_loss_sum
     from zoo_gym.rewards.packing import PackedScoringSet
     from zoo_gym.rewards.streamed_model import load_streamed, stream_of
@@ -53,9 +53,7 @@ def streamed_pass(model_dir: Path, kind: str, prefetch: bool) -> dict:
     stream = stream_of(model)
     stream.prefetch = prefetch
     scoring = PackedScoringSet(model, scoring_pairs, pad_id=pad) if kind == "gradient" else None
-    fd = os.open(model_dir / "model.safetensors", os.O_RDONLY)
-    drop_cached(fd)
-    os.close(fd)
+    drop_file_cache(model_dir / "model.safetensors")
     t0 = time.perf_counter()
     if kind == "forward":
         with torch.no_grad():

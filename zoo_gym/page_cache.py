@@ -23,6 +23,15 @@ def drop_cached(fd: int, offset: int = 0, length: int = 0) -> None:
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
+def drop_file_cache(path) -> None:
+    """`drop_cached` for a whole file by its path: the next read comes from the device (benchmarks' cold reads)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        drop_cached(fd)
+    finally:
+        os.close(fd)
+
+
 class StreamedRanges:
     """Call `written(fd, end)` after writing a file up to byte `end` (front to back)."""
 
