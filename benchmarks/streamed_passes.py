@@ -3,11 +3,13 @@ layer reader thread on and off (zoo_gym/rewards/streamed_model.py).
 
     python benchmarks/streamed_passes.py --size 0.6b --work /tmp/sp-0.6b
     python benchmarks/streamed_passes.py --size 1.7b --work /tmp/sp-1.7b --out benchmarks/results/streamed_passes-1.7b.json
+    python benchmarks/streamed_passes.py --size 4b --work /tmp/sp-4b --dtype bfloat16 --baseline-dtype bfloat16
 
 A random bf16 Qwen3 of the size's dimensions (benchmarks/scale.py's `build_model`). Baseline, as scale.py
 measures it: the float32 model loaded whole, one no-grad forward over validation examples 32..127 (the held-out
 loss's part without gradient) and one forward + backward over the first 32 (the scoring set); best of two each.
-Streamed, as the server runs them on a checkpoint it published (whose pages it handed back to the kernel):
+`--baseline-dtype bfloat16`: that model in bf16 instead (at 4B the float32 one does not fit 24 GB).
+Streamed, in `--dtype` (the server's `evaluation_dtype`: auto, float32 or bfloat16), as the server runs them on a checkpoint it published (whose pages it handed back to the kernel):
 the same forward and the scoring gradient (`PackedScoringSet.gradient`) with the checkpoint's pages dropped
 from the page cache first, with the reader thread off and on. Each pass runs in a fresh process. Output: JSON
 with seconds and the ratios streamed / baseline (issue 29's targets: forward <= 1.5x, gradient <= 1.5x).
@@ -39,14 +41,14 @@ def _batches(model_dir: Path):
         tokenize_examples(tok, examples[32:]), pad_id=pad)
 
 
-def streamed_pass(model_dir: Path, kind: str, prefetch: bool) -> dict:
+def streamed_pass(model_dir: Path, kind: str, prefetch: bool, dtype: str = "auto") -> dict:
     """One streamed pass ('forward' or 'gradient') on a cold page cache; seconds and layer-load counts."""
     import torch
 
     from zoo_gym.page_cache import drop_file_cache
     from zoo_gym.rewards.packed_batch import packed_loss_sum
     from zoo_gym.rewards.packing import PackedScoringSet
-    from zoo_gym.rewards.streamed_model import load_streamed, stream_of
+    from zoo_gym.rewards.streamed_model import compute_dtype, load_streamed, stream_of
 
     _, pad, scoring_pairs, rest = _batches(model_dir)
     model = load_streamed(model_dir)
@@ -55,23 +57,28 @@ def streamed_pass(model_dir: Path, kind: str, prefetch: bool) -> dict:
     scoring = PackedScoringSet(model, scoring_pairs, pad_id=pad) if kind == "gradient" else None
     drop_file_cache(model_dir / "model.safetensors")
     t0 = time.perf_counter()
-    if kind == "forward":
-        with torch.no_grad():
-            loss, k = packed_loss_sum(model, rest)
-        value = float(loss / k)
-    else:
-        with tempfile.TemporaryDirectory() as spill:  # the server spills the gradient to disk
-            value = float(scoring.gradient(spill_dir=Path(spill)).norm)
-    return {"seconds": time.perf_counter() - t0, "value": value, "loads": stream.loads,
+    with stream.computing(compute_dtype(dtype)):
+        if kind == "forward":
+            with torch.no_grad():
+                loss, k = packed_loss_sum(model, rest)
+            value = float(loss / k)
+        else:
+            with tempfile.TemporaryDirectory() as spill:  # the server spills the gradient to disk
+                gradient = scoring.gradient(spill_dir=Path(spill))
+                value = float(gradient.norm)
+    return {"seconds": time.perf_counter() - t0, "value": value, "dtype": str(compute_dtype(dtype)),
+            "loss": float(loss / k) if kind == "forward" else gradient.base_loss, "loads": stream.loads,
             "loads_read_ahead": stream.loads_read_ahead, "max_layers_in_memory": stream.max_resident}
 
 
-def baseline(model_dir: Path) -> dict:
+def baseline(model_dir: Path, dtype: str) -> dict:
+    import torch
+
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import scale
 
-    best, first = scale.forward_backward_seconds(model_dir)
-    return {"forward_backward_s": best, "forward_backward_first_s": first, "forward_s": scale.FORWARD["rest_s"],
+    best, first = scale.forward_backward_seconds(model_dir, dtype=getattr(torch, dtype))
+    return {"dtype": dtype, "forward_backward_s": best, "forward_backward_first_s": first, "forward_s": scale.FORWARD["rest_s"],
             "forward_first_s": scale.FORWARD["rest_first_s"]}
 
 
@@ -86,11 +93,16 @@ def main() -> None:
     ap.add_argument("--size", default="0.6b", help="benchmarks/scale.py's SIZES key (0.6b, 1.7b, 4b)")
     ap.add_argument("--work", type=Path, help="model directory (built once, reused; required)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="the streamed passes' dtype (the server's evaluation_dtype)")
+    ap.add_argument("--baseline-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the whole model's dtype for the baseline passes")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         what, model_dir = args.child[0], Path(args.child[1])
-        result = baseline(model_dir) if what == "baseline" else streamed_pass(model_dir, what, args.child[2] == "on")
+        result = (baseline(model_dir, args.child[2]) if what == "baseline"
+                  else streamed_pass(model_dir, what, args.child[2] == "on", args.child[3]))
         print(json.dumps(result))
         return
     if args.work is None:
@@ -100,10 +112,10 @@ def main() -> None:
 
     args.work.mkdir(parents=True, exist_ok=True)
     params = scale.build_model(args.size, args.work)
-    report: dict = {"size": args.size, "params": params, "cpu_count": os.cpu_count(), "baseline": _child("baseline", str(args.work))}
+    report: dict = {"size": args.size, "params": params, "cpu_count": os.cpu_count(), "baseline": _child("baseline", str(args.work), args.baseline_dtype)}
     for kind in ("forward", "gradient"):
         for prefetch in ("off", "on"):
-            r = _child(kind, str(args.work), prefetch)
+            r = _child(kind, str(args.work), prefetch, args.dtype)
             base = report["baseline"]["forward_s" if kind == "forward" else "forward_backward_s"]
             report[f"{kind}_read_ahead_{prefetch}"] = {**r, "over_baseline": r["seconds"] / base}
             print(json.dumps({kind: prefetch, **report[f"{kind}_read_ahead_{prefetch}"]}), flush=True)

@@ -11,7 +11,7 @@ import pytest
 from zoo_gym import codec
 from zoo_gym.gym_train import default_validation_examples
 from zoo_gym.proto import archive
-from zoo_gym.rewards.streamed_model import load_streamed
+from zoo_gym.rewards.streamed_model import compute_dtype, load_streamed
 from zoo_gym.safetensors_reader import SafetensorsReader, WeightsFile
 from zoo_gym.server.rounds.evaluation import ServerEvaluator
 from zoo_gym.server.store.models import Checkpoint
@@ -46,7 +46,8 @@ def test_a_round_evaluates_in_place_no_unpacked_weights_and_the_loss_a_copy_give
 
     # Assert: the held-out loss from the full unpack (checkpoint_dir, weights included) is the same number.
     assert measured is not None
-    copy = ServerEvaluator(fed.state.checkpoint_dir(published), list(default_validation_examples(n=16)))
+    copy = ServerEvaluator(fed.state.checkpoint_dir(published), list(default_validation_examples(n=16)),
+                           dtype=compute_dtype(fed.config.evaluation_dtype))  # in the server's dtype
     assert (dirs[published] / archive.WEIGHTS).is_file()  # the unpack replaced the small directory
     assert copy.heldout_loss() == pytest.approx(measured, rel=1e-6)
 

@@ -9,7 +9,9 @@ CPU to another (AVX2 and AVX-512 kernels sum in other orders; the bf16 gradient 
 score), and the lineage in the archive carries those numbers, so the archive's sha256 does too. Compared exactly:
 the published weights' sha256, every lineage and ledger field that is not such a number, the pool each round
 pays. Compared to 2e-3 relative: those numbers (1.5e-2 where a message prints them to 3-4 digits); each payout
-to one unit (a score's last digits can move a rounding). Re-record only for a change that is meant to alter
+to one unit (a score's last digits can move a rounding). The rounds evaluate in float32 (`evaluation_dtype`; auto
+would pick bf16 on a CPU that has it and float32 elsewhere); the bf16 test here checks that bf16 evaluation keeps
+every round's score order and held-out losses. Re-record only for a change that is meant to alter
 what is published: `ZOO_GYM_RECORD_GOLDEN=1 pytest tests/server/test_golden.py`; every case must then pass with
 `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` too (other kernels, the way another CPU runs them).
 """
@@ -163,9 +165,10 @@ def fixed_server_key(monkeypatch):
 
 @pytest.mark.slow
 def test_fixed_submissions_publish_the_recorded_checkpoints_and_ledger(federation_with, db_backend, fixed_server_key):
-    sync = _sync(federation_with(min_contributors=3, aggregator=None, validation_examples=32, reward_pool=1000))
+    sync = _sync(federation_with(min_contributors=3, aggregator=None, validation_examples=32, reward_pool=1000,
+                                 evaluation_dtype="float32"))
     flushes = _async(federation_with(mode="async", buffer_size=3, max_staleness=2, aggregator=None,
-                                     validation_examples=32, reward_pool=1000))
+                                     validation_examples=32, reward_pool=1000, evaluation_dtype="float32"))
     got = {"sync": sync, "async": flushes}
     if _recording() and db_backend == "sqlite":
         from safetensors.torch import save_file
@@ -178,6 +181,27 @@ def test_fixed_submissions_publish_the_recorded_checkpoints_and_ledger(federatio
         _assert_same(got[mode]["published"], want[mode]["published"], f"{mode}.published")
         _assert_same(got[mode]["ledger"], want[mode]["ledger"], f"{mode}.ledger")
         assert _pools(got[mode]["ledger"]) == _pools(want[mode]["ledger"])  # each round pays its whole pool
+
+
+@pytest.mark.slow
+def test_bfloat16_evaluation_keeps_the_score_order_and_the_heldout_losses(federation_with, fixed_server_key):
+    """The same sync rounds with the held-out passes and the scoring gradient in bf16 (issue 29: bf16 weights,
+    float32 accumulation): every round ranks its contributors as the recorded float32 rounds do, pays the same
+    ones, and every published checkpoint's held-out loss is within 1e-3 of float32's."""
+    got = _sync(federation_with(min_contributors=3, aggregator=None, validation_examples=32, reward_pool=1000,
+                                evaluation_dtype="bfloat16"))
+    want = json.loads(GOLDEN.read_text())["sync"]
+
+    def ranking(ledger: list[dict]) -> dict:
+        rounds: dict = {}
+        for e in ledger:
+            rounds.setdefault(e["round_id"], []).append((e["score"], e["contributor_id"], e["amount"] > 0))
+        return {r: [(cid, paid) for _, cid, paid in sorted(rows, reverse=True)] for r, rows in rounds.items()}
+
+    assert ranking(got["ledger"]) == ranking(want["ledger"])
+    for g, w in zip(got["published"], want["published"], strict=True):
+        for gh, wh in zip(g["lineage"]["history"], w["lineage"]["history"], strict=True):
+            assert math.isclose(gh["heldout_loss"], wh["heldout_loss"], rel_tol=1e-3), (gh, wh)
 
 
 _NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?:e[-+]?\d+)?(?![\w.])")

@@ -35,7 +35,8 @@ def _commit(state, out) -> str:
 
 def test_published_base_is_scored_with_the_evaluator_that_measured_it(tmp_path):
     state = init_state(tmp_path / "state", base_model="tiny")
-    config = build_config({}, port=0, validation_examples=40)
+    # float32: compared with the whole model's float32 numbers (bf16 evaluation: test_golden.py, test_streamed.py)
+    config = build_config({}, port=0, validation_examples=40, evaluation_dtype="float32")
     with state.session() as s:
         genesis = state.current_round(s).base_sha256
     evaluators = Evaluators(state, config)

@@ -27,6 +27,7 @@ SPECIAL = {
     "mode": ("async", {}),
     "sample_rate": (0.5, {}),
     "validation_data": ("held-out.jsonl", {}),
+    "evaluation_dtype": ("bfloat16", {}),
     "log_level": ("DEBUG", {}),
     "log_format": ("json", {}),
     "aggregator": ("median", {}),

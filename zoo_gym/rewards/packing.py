@@ -3,6 +3,7 @@ packed by ``packed_batch.pack_shared_prefix``, the same quantities as ``gym_trai
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -11,6 +12,7 @@ from torch import Tensor
 from .errors import ScoringInputError
 from .gradient import base_gradient
 from .packed_batch import pack_shared_prefix, packed_loss_sum, supports_packing
+from .streamed_model import computing
 
 __all__ = ["PackedScoringSet", "pack_shared_prefix", "packed_loss_sum", "supports_packing"]
 
@@ -90,7 +92,8 @@ class PackedScoringSet:
             for module in owners:
                 handles.append(module.register_forward_pre_hook(swap_in))
                 handles.append(module.register_forward_hook(swap_out))
-            with torch.no_grad():
+            # base + delta in float32 always: a delta's effect is below a bf16 weight's rounding
+            with torch.no_grad(), computing(self.model, torch.float32) if delta else contextlib.nullcontext():
                 total, count = packed_loss_sum(self.model, self.batch)
             for name, p in patches.values():  # a parameter no module used still gets its check
                 if id(p) not in applied:

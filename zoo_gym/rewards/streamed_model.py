@@ -62,7 +62,11 @@ class LayerStream:
         self._recomputing = False
         self.prefetch = _PREFETCH
         self._reader: ThreadPoolExecutor | None = None
-        self._ahead: dict[int, tuple[Future, Mapping | None, float]] = {}  # layer -> its read, for (delta, scale)
+        self._ahead: dict[int, tuple[Future, tuple]] = {}  # layer -> its read, for (delta, scale, dtype)
+        # float32, or bfloat16: the layers' matrices read in bf16 and their products computed under autocast
+        # (float32 accumulation; norms, softmax and the residual stream stay float32). `computing` sets it.
+        self.compute_dtype = torch.float32
+        self.vocab = None  # the model's VocabWeights (vocab_blocks.py): computes in the same dtype
 
     def key(self, name: str) -> str:
         """The checkpoint's key of parameter ``name`` (with or without the base model's prefix)."""
@@ -84,6 +88,8 @@ class LayerStream:
     def read(self, reader: SafetensorsReader, name: str, delta: Mapping | None = None,
              scale: float = 1.0) -> torch.Tensor:
         with torch.inference_mode(False):  # ordinary tensors: a gradient pass may save them
+            if self.compute_dtype is not torch.float32 and self.params[name].dim() >= 2:
+                return reader.read_as(self.key(name), self.compute_dtype)
             t = reader.read_as(self.key(name), torch.float32)
             if delta is not None and name in delta:
                 t = torch.add(t, _dense(delta[name]).to(torch.float32), alpha=scale)
@@ -99,7 +105,10 @@ class LayerStream:
             return
         if self._reader is None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="zoo-gym-layer-reader")
-        self._ahead[i] = (self._reader.submit(self._read_layer, i, self._delta, self._scale), self._delta, self._scale)
+        self._ahead[i] = (self._reader.submit(self._read_layer, i, self._delta, self._scale), self._reading())
+
+    def _reading(self) -> tuple:
+        return self._delta, self._scale, self.compute_dtype
 
     def load(self, i: int) -> None:
         """Make layer ``i`` resident (every other layer is dropped first) and start reading the next one."""
@@ -109,7 +118,7 @@ class LayerStream:
         if i in self.resident:
             return
         ahead = self._ahead.pop(i, None)
-        if ahead is not None and ahead[1] is self._delta and ahead[2] == self._scale:
+        if ahead is not None and all(a is b or a == b for a, b in zip(ahead[1], self._reading(), strict=True)):
             tensors = ahead[0].result()
             self.loads_read_ahead += 1
         else:
@@ -124,7 +133,7 @@ class LayerStream:
         self.max_resident = max(self.max_resident, len(self.resident) + len(self._ahead))
 
     def _drop_ahead(self) -> None:
-        for future, _, _ in self._ahead.values():
+        for future, _ in self._ahead.values():
             future.cancel()
         self._ahead.clear()
 
@@ -156,7 +165,9 @@ class LayerStream:
 
         def run(*args, **kwargs):
             self.load(i)
-            out = forward(*args, **kwargs)
+            low = self.compute_dtype is not torch.float32
+            with torch.autocast("cpu", dtype=self.compute_dtype, enabled=low):
+                out = forward(*args, **kwargs)
             if not self._recomputing:
                 self.evict(i)
             return out
@@ -168,6 +179,26 @@ class LayerStream:
             return run(*args, **kwargs)
 
         layer.forward = streamed  # an instance attribute: nn.Module calls it first
+
+    @contextlib.contextmanager
+    def computing(self, dtype: torch.dtype) -> Iterator[None]:
+        """Within the block the layers compute in ``dtype`` (float32 or bfloat16; a delta applied inside
+        computes in float32: its effect is below a bf16 weight's rounding)."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"a streamed model computes in float32 or bfloat16, not {dtype}")
+        before = self.compute_dtype
+        self.evict_all()
+        self._set_dtype(dtype)
+        try:
+            yield
+        finally:
+            self.evict_all()
+            self._set_dtype(before)
+
+    def _set_dtype(self, dtype: torch.dtype) -> None:
+        self.compute_dtype = dtype
+        if self.vocab is not None:
+            self.vocab.compute_dtype = dtype
 
     @contextlib.contextmanager
     def applied(self, delta: Mapping | None, *, scale: float = 1.0) -> Iterator[None]:
@@ -184,6 +215,9 @@ class LayerStream:
         saved: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
         self.evict_all()
         self._delta, self._scale = delta, scale
+        dtype = self.compute_dtype
+        if delta:  # a delta's effect is below a bf16 weight's rounding: base + delta computes in float32
+            self._set_dtype(torch.float32)
         try:
             with torch.no_grad():
                 for name, p in self.resident_params.items():
@@ -196,6 +230,7 @@ class LayerStream:
         finally:
             self.evict_all()
             self._delta, self._scale = None, 1.0
+            self._set_dtype(dtype)
             for p, orig in saved.values():
                 p.data = orig
 
@@ -238,6 +273,7 @@ def load_streamed(model_dir: str | pathlib.Path, weights: WeightsFile | None = N
             stored = [n for n in names if stream.has(n)] or names
             p, name = stream.resident_params[stored[0]], stored[0]
             p.data = vocab.map(weights, stream.key(name)) if key in in_vocab else stream.read(reader, name)
+    stream.vocab = vocab
     for i in range(len(stream.layers)):
         stream.wrap(i)
     embed = model.get_input_embeddings()
@@ -246,6 +282,31 @@ def load_streamed(model_dir: str | pathlib.Path, weights: WeightsFile | None = N
     model.zoo_stream = stream
     model.eval()
     return model
+
+
+def compute_dtype(setting: str) -> torch.dtype:
+    """The dtype of a streamed pass for the setting ``auto``, ``float32`` or ``bfloat16`` (``ServerConfig.
+    evaluation_dtype``): auto is bfloat16 where the CPU multiplies bf16 natively (AVX512-BF16 or AMX), else float32
+    (oneDNN emulates bf16 there, slower than float32)."""
+    if setting == "auto":
+        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()  # noqa: SLF001
+        return torch.bfloat16 if native else torch.float32
+    if setting not in ("float32", "bfloat16"):
+        raise ValueError(f"evaluation dtype must be auto, float32 or bfloat16, got {setting!r}")
+    return getattr(torch, setting)
+
+
+@contextlib.contextmanager
+def computing(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """``LayerStream.computing`` for a streamed model; float32 only for any other model."""
+    stream = stream_of(model)
+    if stream is None:
+        if dtype is not torch.float32:
+            raise ValueError(f"only a streamed model (load_streamed) computes in {dtype}")
+        yield
+        return
+    with stream.computing(dtype):
+        yield
 
 
 def stream_of(model: torch.nn.Module) -> LayerStream | None:

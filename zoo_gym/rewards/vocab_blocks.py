@@ -28,13 +28,20 @@ BLOCK_ROWS = 8192  # vocabulary rows per block: (rows, hidden) float32 weights, 
 
 
 def _rows(vocab: "VocabWeights", w: Tensor, v0: int, v1: int) -> Tensor:
-    """Rows v0:v1 in float32 (a copy); a mapped weight's pages of those rows leave the RSS again."""
+    """Rows v0:v1 in the compute dtype (a copy); a mapped weight's pages of those rows leave the RSS again."""
     m = vocab.mapping(w)
     if m is None:
-        return w[v0:v1].float()                                           # (Vb, H) float32
-    out = w[v0:v1].to(torch.float32, copy=True)                          # (Vb, H) float32, off the mapping
+        return w[v0:v1].to(vocab.compute_dtype)                           # (Vb, H)
+    out = w[v0:v1].to(vocab.compute_dtype, copy=True)                    # (Vb, H), off the mapping
     m.drop(v0, v1)
     return out
+
+
+def _mm(vocab: "VocabWeights", a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` in the compute dtype (bf16: float32 accumulation, the product rounded once), as float32."""
+    if vocab.compute_dtype is torch.float32:
+        return a @ b
+    return (a.to(vocab.compute_dtype) @ b.to(vocab.compute_dtype)).float()
 
 
 class _MappedWeight:
@@ -68,7 +75,7 @@ def _dlogits(vocab: "VocabWeights", h: Tensor, w: Tensor, v0: int, v1: int, lse:
              cap: float | None, scale: Tensor) -> Tensor:
     """d(sum CE)/d(logits) of vocabulary rows v0:v1, times ``scale``: (K, Vb) float32. A vocabulary of one
     block takes ``softmax`` itself: the very operations of ``gym_train.head_loss``, bit for bit."""
-    logits = _capped(h @ _rows(vocab, w, v0, v1).T, cap)                  # (K, Vb)
+    logits = _capped(_mm(vocab, h, _rows(vocab, w, v0, v1).T), cap)      # (K, Vb)
     whole = v0 == 0 and v1 == w.shape[0]
     d = torch.softmax(logits, dim=-1) if whole else torch.exp(logits - lse[:, None])  # softmax rows v0:v1
     hit = (targets >= v0) & (targets < v1)                                # (K,)
@@ -89,7 +96,8 @@ class _HeadPart:
 class VocabGradient:
     """The vocabulary weights' gradient, gathered from backward passes and finished a block at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab: "VocabWeights") -> None:
+        self.vocab = vocab
         self.head: list[_HeadPart] = []
         self.ids: list[Tensor] = []    # (N,) long, embedding rows used
         self.rows: list[Tensor] = []   # (N, H) float32, their gradients
@@ -113,7 +121,7 @@ class VocabGradient:
             g = torch.zeros(v1 - v0, H, dtype=torch.float32)              # (Vb, H)
             if head:
                 for part in self.head:
-                    g.addmm_(part.dlogits(v0, v1).T, part.h)
+                    g += _mm(self.vocab, part.dlogits(v0, v1).T, part.h)
             if ids is not None:
                 sel = ((ids >= v0) & (ids < v1)).nonzero()[:, 0]
                 g.index_add_(0, ids[sel] - v0, rows[sel])
@@ -127,6 +135,7 @@ class VocabWeights:
         self.embed, self.head = embed, head
         self.grad: VocabGradient | None = None
         self._mapped: dict[int, _MappedWeight] = {}  # data_ptr -> mapping; they live as long as the model
+        self.compute_dtype = torch.float32  # the products' dtype (the stream's: LayerStream.computing)
 
     def map(self, weights: WeightsFile, key: str) -> Tensor:
         """Tensor ``key`` of the safetensors bytes ``weights``, mapped (``_MappedWeight``), in their dtype."""
@@ -142,7 +151,7 @@ class VocabWeights:
     @contextlib.contextmanager
     def gathering(self) -> Iterator[VocabGradient]:
         """Backward passes within the block record the vocabulary weights' gradient here."""
-        before, self.grad = self.grad, VocabGradient()
+        before, self.grad = self.grad, VocabGradient(self)
         try:
             yield self.grad
         finally:
@@ -189,7 +198,7 @@ class _Logits(torch.autograd.Function):
         hf = h.reshape(-1, h.shape[-1]).float()
         for v0 in range(0, w.shape[0], BLOCK_ROWS):
             v1 = min(w.shape[0], v0 + BLOCK_ROWS)
-            flat[:, v0:v1] = hf @ _rows(vocab, w, v0, v1).T
+            flat[:, v0:v1] = _mm(vocab, hf, _rows(vocab, w, v0, v1).T)
         ctx.vocab, ctx.w = vocab, w
         ctx.save_for_backward(h)
         return out
@@ -203,7 +212,7 @@ class _Logits(torch.autograd.Function):
         grad_h = torch.zeros_like(hf)
         for v0 in range(0, V, BLOCK_ROWS):
             v1 = min(V, v0 + BLOCK_ROWS)
-            grad_h += g[:, v0:v1] @ _rows(ctx.vocab, w, v0, v1)
+            grad_h += _mm(ctx.vocab, g[:, v0:v1], _rows(ctx.vocab, w, v0, v1))
         ctx.vocab._gradient().head.append(_HeadPart(hf, lambda a, b: g[:, a:b]))  # noqa: SLF001
         return grad_h.reshape(h.shape).to(h.dtype), None, None
 
@@ -218,7 +227,7 @@ class _CrossEntropySum(torch.autograd.Function):
         total = None
         for v0 in range(0, w.shape[0], BLOCK_ROWS):
             v1 = min(w.shape[0], v0 + BLOCK_ROWS)
-            logits = _capped(hf @ _rows(vocab, w, v0, v1).T, cap)         # (K, Vb)
+            logits = _capped(_mm(vocab, hf, _rows(vocab, w, v0, v1).T), cap)  # (K, Vb)
             if v1 - v0 == w.shape[0]:  # one block: the plain cross-entropy (gym_train.head_loss's numbers)
                 total = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
                 break
@@ -237,7 +246,7 @@ class _CrossEntropySum(torch.autograd.Function):
         grad_h = torch.zeros_like(hf)                                     # (K, H)
         for v0 in range(0, V, BLOCK_ROWS):
             v1 = min(V, v0 + BLOCK_ROWS)
-            grad_h += _dlogits(vocab, hf, w, v0, v1, lse, targets, cap, scale) @ _rows(vocab, w, v0, v1)
+            grad_h += _mm(vocab, _dlogits(vocab, hf, w, v0, v1, lse, targets, cap, scale), _rows(vocab, w, v0, v1))
         vocab._gradient().head.append(  # noqa: SLF001 - recomputed block by block when finished
             _HeadPart(hf, lambda a, b: _dlogits(vocab, hf, w, a, b, lse, targets, cap, scale)))
         return grad_h.to(h.dtype), None, None, None, None

@@ -132,6 +132,12 @@ class ServerConfig:
         "aliases": ("validation_file",)})
     validation_examples: int = field(default=128, metadata={
         "help": "held-out examples evaluated per checkpoint (0: no evaluation and no scoring)"})
+    evaluation_dtype: str = field(default="auto", metadata={
+        "help": "what the held-out evaluation and the scoring gradient multiply in: bfloat16 (the checkpoint's "
+                "bf16 weights as stored, float32 accumulation, norms and residual stream in float32), float32, "
+                "or auto: bfloat16 where the CPU multiplies bf16 natively (AVX512-BF16 or AMX), float32 "
+                "elsewhere (emulated bf16 is slower than float32). Exact checks of base + delta always run in "
+                "float32"})
     keep_checkpoints: int | None = field(default=None, metadata={
         "help": "published checkpoints whose files are kept besides the genesis; after each publish the older "
                 "ones' archives and float32 masters, and the uploads of the rounds built on them, are removed "
@@ -197,6 +203,8 @@ class ServerConfig:
             raise ConfigError("`server_lr` must be a finite number > 0")
         if not 0 <= self.staleness_exponent < float("inf"):
             raise ConfigError("`staleness_exponent` must be a finite number >= 0")
+        if self.evaluation_dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(f"`evaluation_dtype` must be auto, float32 or bfloat16, got {self.evaluation_dtype!r}")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
             raise ConfigError("`keep_checkpoints` must be >= 1 (the current base is always kept), or unset to keep all")
         if self.keep_checkpoints is not None and self.mode == "async" and self.keep_checkpoints <= self.max_staleness:

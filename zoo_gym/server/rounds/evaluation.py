@@ -15,6 +15,9 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+import torch
+
+from zoo_gym.rewards.streamed_model import computing, compute_dtype
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.gym_train.memory import release_memory
 from zoo_gym.safetensors_reader import WeightsFile
@@ -65,10 +68,12 @@ class ServerEvaluator:
     gradient (computed once per base). Both run on the scoring set packed with its shared chat
     prefix computed once (zoo_gym.rewards.packing: same loss, fewer positions than padded
     batches); a model whose attention cannot take the packing mask falls back to padded batches.
+    ``dtype`` (torch.float32 or torch.bfloat16) is what the held-out passes and the gradient multiply in;
+    base + delta (`scoring.loss(delta)`, `solo_loss`) always computes in float32.
     """
 
     def __init__(self, base_dir: Path, examples: list[dict], *, scoring_examples: int = 32,
-                 spill_dir: Path | None = None, weights: WeightsFile | None = None) -> None:
+                 spill_dir: Path | None = None, weights: WeightsFile | None = None, dtype=None) -> None:
         from zoo_gym.gym_train import Evaluator
         from zoo_gym.gym_train.evaluate import tokenize_examples
         from zoo_gym.rewards.packing import PackedScoringSet, supports_packing
@@ -95,6 +100,8 @@ class ServerEvaluator:
         else:
             self.scoring = Evaluator(None, self.scoring_set, model=model, tokenizer=tok)
         self._gradient = None
+        self._float32_base_loss: float | None = None
+        self.dtype = dtype if dtype is not None else torch.float32
         self.released = False
 
     def release_gradient(self) -> None:
@@ -114,11 +121,12 @@ class ServerEvaluator:
         if self._gradient is None:
             from zoo_gym.rewards import base_gradient
 
-            if hasattr(self.scoring, "gradient"):
-                self._gradient = self.scoring.gradient(spill_dir=self.spill_dir)
-            else:  # padded fallback: the Evaluator's own length-sorted batches
-                self._gradient = base_gradient(self.base.model, self.scoring._batches,  # noqa: SLF001
-                                               spill_dir=self.spill_dir)
+            with computing(self.base.model, self.dtype):
+                if hasattr(self.scoring, "gradient"):
+                    self._gradient = self.scoring.gradient(spill_dir=self.spill_dir)
+                else:  # padded fallback: the Evaluator's own length-sorted batches
+                    self._gradient = base_gradient(self.base.model, self.scoring._batches,  # noqa: SLF001
+                                                   spill_dir=self.spill_dir)
             release_memory()  # the backward's activations and buffers, kept by malloc otherwise
         return self._gradient
 
@@ -131,9 +139,23 @@ class ServerEvaluator:
         if delta is None:
             if self._gradient is not None and not self.pairs:
                 return self.heldout_loss()
-            total, count = _loss_sum(self.base.model, self.base.tokenizer, self.loss_examples)
+            with computing(self.base.model, self.dtype):
+                total, count = _loss_sum(self.base.model, self.base.tokenizer, self.loss_examples)
             return total / max(count, 1)
         return self.base.loss(delta, scale=scale)
+
+    def solo_loss(self, delta, *, scale: float = 1.0) -> float:
+        """Scoring loss of base + ``scale * delta`` (float32), on the level of ``gradient().base_loss``.
+
+        The first-order check compares it with the gradient's base loss. A gradient taken in bf16 has that
+        loss a bf16 rounding away from float32's, which can exceed a small delta's whole effect: then the
+        delta's float32 change (against the float32 base loss, measured once) is added to the gradient's."""
+        loss = self.scoring.loss(delta, scale=scale)
+        if self.dtype is torch.float32:
+            return loss
+        if self._float32_base_loss is None:
+            self._float32_base_loss = self.scoring.loss(None)
+        return self.gradient().base_loss + (loss - self._float32_base_loss)
 
     def heldout_loss(self) -> float:
         """Mean completion loss of this base on all validation examples, token-weighted.
@@ -149,7 +171,8 @@ class ServerEvaluator:
         total, count = g.base_loss * g.tokens, g.tokens
         rest = self.examples[len(self.scoring_set):]
         if rest:
-            t, c = _loss_sum(self.base.model, self.base.tokenizer, rest)
+            with computing(self.base.model, self.dtype):
+                t, c = _loss_sum(self.base.model, self.base.tokenizer, rest)
             total, count = total + t, count + c
         return total / max(count, 1)
 
@@ -217,6 +240,7 @@ class Evaluators:
 
     def __init__(self, state: ServerState, config: ServerConfig) -> None:
         self.state, self.config = state, config
+        self.dtype = compute_dtype(config.evaluation_dtype)
         self._current: dict[str, ServerEvaluator] = {}
         self._prepared: dict[str, ServerEvaluator] = {}  # weights sha256 -> evaluator built when it was published
 
@@ -237,7 +261,7 @@ class Evaluators:
                 self._current[base_sha256] = ready  # its scoring gradient came with the held-out loss
             else:
                 self._current[base_sha256] = ServerEvaluator(base_dir, examples, spill_dir=self.state.work_dir,
-                                                             weights=weights)
+                                                             weights=weights, dtype=self.dtype)
         return self._current[base_sha256]
 
     def measure_published(self, evaluator: ServerEvaluator, model_dir: Path, *, weights: WeightsFile | None = None,
@@ -252,7 +276,7 @@ class Evaluators:
         self._prepared.clear()  # one prepared base at a time
         weights = weights or WeightsFile(Path(model_dir) / archive.WEIGHTS)
         nxt = ServerEvaluator(Path(model_dir), evaluator.examples, scoring_examples=len(evaluator.scoring_set),
-                              spill_dir=evaluator.spill_dir, weights=weights)
+                              spill_dir=evaluator.spill_dir, weights=weights, dtype=self.dtype)
         loss = nxt.heldout_loss()
         nxt.preference_report()  # with pairs: measured now, the next round's "before" then costs nothing
         self._prepared[checkpoint_sha256 or _weights_digest(weights)] = nxt

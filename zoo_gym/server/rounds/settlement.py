@@ -102,7 +102,7 @@ def plan_rewards(state: ServerState, config: ServerConfig, rnd, source, report, 
         result = score_round_first_order(
             ids, base_loss=bg.base_loss, grad_norm=bg.norm, numel=bg.numel, slopes=slopes, norms=norms,
             weights=weights, diagnostics=diagnostics, config=scoring,
-            exact_solo_loss=lambda i: evaluator.scoring.loss(source.delta_of(i), scale=scales[i]))
+            exact_solo_loss=lambda i: evaluator.solo_loss(source.delta_of(i), scale=scales[i]))
         scores, base_loss, method = result.scores, bg.base_loss, "first-order"
     else:
         scores, base_loss = _exact_scores(ids, source, scales, used, weights, diagnostics, scoring, evaluator,
