@@ -141,3 +141,14 @@ def test_the_bounded_gradient_adds_far_less_to_the_peak_than_holding_it(tmp_path
     assert added["bounded"]["norm"] == pytest.approx(added["plain"]["norm"], rel=1e-5)
     assert added["plain"]["added_peak"] > added["plain"]["model_bytes"], added  # the gradient alone is 1x
     assert added["bounded"]["added_peak"] < 0.8 * added["plain"]["added_peak"], added
+
+
+@pytest.mark.parametrize("shape", [(3, 16384), (130, 16384 + 7), (5,)], ids=["rows", "blocks-and-tail", "short"])
+def test_a_bf16_gradients_norm_is_its_float32_copys_to_the_bit(shape):
+    """The gradient's norm of a bf16 gradient (computed blockwise, without a float32 copy of it) is the norm of
+    its float32 copy, bit for bit: the same float32 row norms summed in float64."""
+    from zoo_gym.rewards.gradient import _sq_norm
+
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    assert float(_sq_norm(g)) == float(_sq_norm(g.float()))
+    assert float(_sq_norm(g)) == pytest.approx(float((g.double() ** 2).sum()), rel=1e-5)

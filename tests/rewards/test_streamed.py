@@ -258,3 +258,25 @@ def test_bfloat16_passes_keep_the_float32_numbers(model_dir):
     assert sorted(range(5), key=slopes16.__getitem__) == sorted(range(5), key=slopes32.__getitem__)
     assert exact16 == exact32  # the delta's pass ran in float32 inside the bf16 block
     assert stream.compute_dtype is torch.float32 and not stream.resident
+
+
+def test_bf16_layers_are_used_where_they_lie_in_the_file(bf16_dir):
+    """Computing in bf16 from a bf16 checkpoint, a layer's matrices are the file's own bytes (a read-only mapping,
+    no copy), and every layer's pages leave the process again when it is dropped."""
+    import numpy as np
+
+    from zoo_gym.rewards.packed_batch import pack_shared_prefix, packed_loss_sum
+
+    model = load_streamed(bf16_dir)
+    stream = stream_of(model)
+    tok = Evaluator(bf16_dir, EXAMPLES[:1], model=model).tokenizer
+    batch = pack_shared_prefix(tokenize_examples(tok, EXAMPLES), pad_id=tok.pad_token_id or 0)
+    proj = next(m for m in stream.layers[1].modules() if isinstance(m, torch.nn.Linear))
+    seen = []
+    proj.register_forward_hook(lambda m, args, out: seen.append((m.weight.data_ptr(), m.weight.dtype)))
+    with stream.computing(torch.bfloat16), torch.no_grad():
+        packed_loss_sum(model, batch)
+    start = np.frombuffer(stream._map, dtype=np.uint8).ctypes.data  # noqa: SLF001
+    ptr, dtype = seen[0]
+    assert dtype is torch.bfloat16 and start <= ptr < start + len(stream._map)  # noqa: SLF001
+    assert not stream.resident and not stream._spans  # noqa: SLF001 - every layer's pages dropped

@@ -14,8 +14,10 @@ Why and how: docs/design/streamed-evaluation.md.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import pathlib
+import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -32,6 +34,18 @@ _TRIM = os.environ.get("ZOO_GYM_STREAM_TRIM", "1") != "0"
 _PREFETCH = os.environ.get("ZOO_GYM_STREAM_PREFETCH", "1") != "0"  # 0: read each layer when it is needed
 
 WEIGHTS = "model.safetensors"
+
+
+_POPULATE_READ = 22  # Linux 5.14+: map a range's pages in now, reading them from disk if needed
+
+
+def _advise(mm: mmap.mmap, advice: int, start: int, n: int) -> None:
+    a = start // mmap.PAGESIZE * mmap.PAGESIZE
+    try:
+        mm.madvise(advice, a, min(len(mm), start + n) - a)
+    except OSError:  # an older kernel without MADV_POPULATE_READ: the compute's first touch maps the pages
+        if advice != _POPULATE_READ:
+            raise
 
 
 def _absent(shape: torch.Size) -> torch.Tensor:
@@ -67,6 +81,8 @@ class LayerStream:
         # (float32 accumulation; norms, softmax and the residual stream stay float32). `computing` sets it.
         self.compute_dtype = torch.float32
         self.vocab = None  # the model's VocabWeights (vocab_blocks.py): computes in the same dtype
+        self._map: mmap.mmap | None = None  # the weights file, mapped read-only once (bf16 layers used in place)
+        self._spans: dict[int, list[tuple[int, int]]] = {}  # layer -> the mapped byte ranges it uses
 
     def key(self, name: str) -> str:
         """The checkpoint's key of parameter ``name`` (with or without the base model's prefix)."""
@@ -95,9 +111,36 @@ class LayerStream:
                 t = torch.add(t, _dense(delta[name]).to(torch.float32), alpha=scale)
         return t
 
-    def _read_layer(self, i: int, delta: Mapping | None, scale: float) -> list[torch.Tensor]:
+    def _read_layer(self, i: int, delta: Mapping | None,
+                    scale: float) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+        """Layer ``i``'s tensors, and the file ranges of those used in place (none in float32)."""
         with self.weights.open() as reader:  # each tensor converted from a map unmapped at once: no mapped pages stay
-            return [self.read(reader, name, delta, scale) for name, _ in self._layer_params[i]]
+            if self.compute_dtype is torch.float32:
+                return [self.read(reader, name, delta, scale) for name, _ in self._layer_params[i]], []
+            return self._in_place(reader, i)
+
+    def _in_place(self, reader: SafetensorsReader, i: int) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+        """Computing in the dtype the matrices are stored in: they are used where they lie in the page cache,
+        through a read-only mapping whose pages are mapped in here (on the reader thread) and dropped from the
+        process again when the layer is (``evict``); no copy. The other tensors as ``read`` gives them."""
+        if self._map is None:
+            with open(self.weights.path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        out, spans = [], []
+        with torch.inference_mode(False):
+            for name, p in self._layer_params[i]:
+                info = reader.infos[self.key(name)]
+                if p.dim() < 2 or info.torch_dtype != self.compute_dtype:
+                    out.append(self.read(reader, name))
+                    continue
+                with warnings.catch_warnings():  # read-only: nothing writes into a weight in place
+                    warnings.simplefilter("ignore", UserWarning)
+                    flat = torch.frombuffer(self._map, dtype=info.torch_dtype, offset=info.start,
+                                            count=info.nbytes // info.torch_dtype.itemsize)
+                _advise(self._map, _POPULATE_READ, info.start, info.nbytes)
+                out.append(flat.view(info.shape))
+                spans.append((info.start, info.nbytes))
+        return out, spans
 
     def _read_ahead(self, i: int) -> None:
         """Start reading layer ``i`` on the reader thread (torch and file reads release the GIL)."""
@@ -119,12 +162,13 @@ class LayerStream:
             return
         ahead = self._ahead.pop(i, None)
         if ahead is not None and all(a is b or a == b for a, b in zip(ahead[1], self._reading(), strict=True)):
-            tensors = ahead[0].result()
+            tensors, spans = ahead[0].result()
             self.loads_read_ahead += 1
         else:
-            tensors = self._read_layer(i, self._delta, self._scale)
+            tensors, spans = self._read_layer(i, self._delta, self._scale)
         for (_, p), t in zip(self._layer_params[i], tensors, strict=True):
             p.data = t
+        self._spans[i] = spans
         del tensors, ahead
         self.resident.add(i)
         self.loads += 1
@@ -141,6 +185,8 @@ class LayerStream:
         for _, p in self._layer_params[i]:
             p.data = _absent(p.shape)
         self.resident.discard(i)
+        for start, n in self._spans.pop(i, ()):  # a file mapping: the pages stay in the page cache, and a view
+            _advise(self._map, mmap.MADV_DONTNEED, start, n)  # autograd still holds maps them again on use
         if _TRIM:
             trim_heap()  # the layer's tensors sit below malloc's mmap threshold: hand their pages back
 
