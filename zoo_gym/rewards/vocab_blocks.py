@@ -121,7 +121,10 @@ class VocabGradient:
             g = torch.zeros(v1 - v0, H, dtype=torch.float32)              # (Vb, H)
             if head:
                 for part in self.head:
-                    g += _mm(self.vocab, part.dlogits(v0, v1).T, part.h)
+                    if self.vocab.compute_dtype is torch.float32:
+                        g.addmm_(part.dlogits(v0, v1).T, part.h)
+                    else:
+                        g += _mm(self.vocab, part.dlogits(v0, v1).T, part.h)
             if ids is not None:
                 sel = ((ids >= v0) & (ids < v1)).nonzero()[:, 0]
                 g.index_add_(0, ids[sel] - v0, rows[sel])
