@@ -142,3 +142,60 @@ def _write_all(fd: int, data: memoryview) -> None:
     while len(data):
         n = os.write(fd, data)
         data = data[n:]
+
+
+class QueuedWrites:
+    """`writer.write` on a thread of its own, in order, with at most `max_bytes` handed over and not yet written:
+    the caller goes on computing while the disk writes (a DirectWriter's two buffers overlap only 8 MiB, so
+    a burst of gradients waited for the disk). `drain()` before touching `writer` again; errors surface there
+    or in the next `write`."""
+
+    def __init__(self, writer: DirectWriter, *, max_bytes: int) -> None:
+        self.writer, self.max_bytes = writer, max_bytes
+        self._queue: list[memoryview] = []
+        self._queued = 0  # bytes handed over and not yet written
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def write(self, data: memoryview) -> None:
+        """Hand `data` over (it must stay unchanged until written: the view keeps its memory alive)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._error is not None or not self._queue
+                                or self._queued + len(data) <= self.max_bytes)
+            self._raise()
+            self._queue.append(data)
+            self._queued += len(data)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="queued-writes", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._queue))
+                data = self._queue[0]
+            try:
+                self.writer.write(data)
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread by write or drain
+                with self._cond:
+                    self._error = exc
+                    self._queue.clear()
+                    self._queued = 0
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._queue.pop(0)
+                self._queued -= len(data)
+                self._cond.notify_all()
+
+    def drain(self) -> None:
+        """Wait until everything handed over is written."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._queue)
+            self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error

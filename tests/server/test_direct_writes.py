@@ -117,3 +117,51 @@ def test_a_streamed_blob_on_a_full_disk_fails_with_the_os_error_and_leaves_nothi
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ERRNO 27" in out.stdout  # EFBIG
     assert "TMP 0 BLOBS 0" in out.stdout
+
+
+def test_queued_writes_keep_the_order_bound_what_waits_and_surface_a_failure(tmp_path):
+    """QueuedWrites writes on its own thread in the order handed over, never lets more than `max_bytes` wait
+    (one piece may exceed it alone), and a failed write is raised in the caller's thread, not lost."""
+    import threading
+
+    from zoo_gym.direct_writes import QueuedWrites
+
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    writer = DirectWriter(fd)
+    release, waiting = threading.Event(), []
+    write = writer.write
+
+    def slow(data):
+        release.wait(5)
+        write(data)
+
+    writer.write = slow
+    queued = QueuedWrites(writer, max_bytes=3000)
+    pieces = [bytes([i]) * 1000 for i in range(6)]
+    for p in pieces[:3]:
+        queued.write(memoryview(p))
+        waiting.append(queued._queued)  # noqa: SLF001
+    blocked = threading.Thread(target=queued.write, args=(memoryview(pieces[3]),))
+    blocked.start()
+    blocked.join(0.3)
+    assert blocked.is_alive() and max(waiting) <= 3000  # the fourth waits for room
+    release.set()
+    blocked.join(5)
+    for p in pieces[4:]:
+        queued.write(memoryview(p))
+    queued.drain()
+    writer.finish()
+    writer.close()
+    assert path.read_bytes() == b"".join(pieces)
+
+    fd = os.open(tmp_path / "g", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    failing = DirectWriter(fd)
+    failing.write = lambda data: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+    queued = QueuedWrites(failing, max_bytes=10)
+    queued.write(memoryview(b"x" * 5))
+    with pytest.raises(OSError, match="No space left"):
+        queued.drain()
+    with pytest.raises(OSError, match="No space left"):
+        queued.write(memoryview(b"y"))
+    failing.close()

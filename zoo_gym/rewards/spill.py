@@ -5,7 +5,8 @@ with ``pread`` when asked for: nothing of it is resident, and the file disappear
 Float32 tensors are stored rounded to bfloat16 (half the disk and the reads; the slopes it serves move by
 at most 2^-9 sum_i |g_i delta_i|, typically ~1e-3 / sqrt(d) of |g| |delta|). ``read_ahead`` reads the next
 tensor on a thread while one is used.
-Writes go around the page cache (O_DIRECT, ``zoo_gym/direct_writes.py``) and read pages leave the cache
+Writes go around the page cache (O_DIRECT, ``zoo_gym/direct_writes.py``) on a thread of their own (``put``
+returns once its bytes are queued, up to ``queued_bytes`` waiting) and read pages leave the cache
 (``zoo_gym/page_cache.py``). Why, and why not safetensors or memmap: docs/design/rewards-scoring.md.
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from zoo_gym.direct_writes import DirectWriter
+from zoo_gym.direct_writes import DirectWriter, QueuedWrites
 from zoo_gym.read_ahead import ReadAhead
 from zoo_gym.page_cache import drop_cached
 
@@ -34,12 +35,15 @@ class SpilledTensors(Mapping[str, Tensor]):
 
     ``stored_dtype``: floating tensors of a wider dtype are written rounded to it (round to nearest
     even) and read back in their own dtype; ``stored(name)`` reads one as written. None: exact.
+    ``queued_bytes``: how much of what ``put`` hands over may wait for the disk (written on a thread).
     """
 
     def __init__(self, directory: str | Path | None = None, *,
-                 stored_dtype: torch.dtype | None = torch.bfloat16) -> None:
+                 stored_dtype: torch.dtype | None = torch.bfloat16, queued_bytes: int = 16 << 20) -> None:
         self._file = tempfile.TemporaryFile(dir=directory, prefix="zoo-gym-spill-")  # unlinked at once
         self._writer = DirectWriter(self._file.fileno(), owns_fd=False)  # appends; no page cache
+        # on a thread, up to `queued_bytes` waiting: the caller (a backward) goes on while the disk writes
+        self._writes = QueuedWrites(self._writer, max_bytes=queued_bytes)
         self._end = 0
         self._stored_dtype = stored_dtype
         # key -> (offset, shape, dtype written, dtype put)
@@ -60,7 +64,7 @@ class SpilledTensors(Mapping[str, Tensor]):
         given = tensor.detach()
         t = self._narrowed(given).contiguous()
         data = _bytes_of(t)
-        self._writer.write(data)
+        self._writes.write(data)
         self._where[key] = (self._end, t.shape, t.dtype, given.dtype)
         self._end += len(data)
 
@@ -76,7 +80,7 @@ class SpilledTensors(Mapping[str, Tensor]):
                 raise ValueError(f"block of shape {tuple(t.shape)} {t.dtype} does not continue {tuple(shape)}")
             dtype = t.dtype
             data = _bytes_of(self._narrowed(t).contiguous())
-            self._writer.write(data)
+            self._writes.write(data)
             self._end += len(data)
             rows += t.shape[0]
         if rows != shape[0] or dtype is None:
@@ -99,6 +103,10 @@ class SpilledTensors(Mapping[str, Tensor]):
     def close(self) -> None:
         """Delete the file; reads return meta tensors from now on."""
         if not self.closed:
+            try:
+                self._writes.drain()  # the writer thread is done with the file before it closes
+            except BaseException:  # noqa: BLE001 - closing after a failed write: it was raised before
+                pass
             self._writer.close()
             self._file.close()
             self.closed = True
@@ -119,6 +127,7 @@ class SpilledTensors(Mapping[str, Tensor]):
         if where is None:
             return self[name]  # meta (closed) or zeros (never written)
         offset, _, written, _ = where
+        self._writes.drain()
         self._writer.flush()  # the first read: what is still buffered reaches the file
         out = torch.empty(shape, dtype=written)
         view = _bytes_of(out)
