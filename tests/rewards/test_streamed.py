@@ -132,6 +132,22 @@ def test_server_evaluator_streams():
     assert ev.loss(delta, scale=0.3) == pytest.approx(whole.loss(delta, scale=0.3), rel=1e-6)
 
 
+def test_a_bf16_evaluators_exact_check_measures_the_float32_change():
+    """The first-order exact check compares base + delta with the gradient's base loss: in bf16 that loss is a
+    bf16 rounding away from float32's, so `solo_loss` carries the delta's float32 change onto it; the gain the
+    check sees is float32's, not the rounding."""
+    from zoo_gym.server.rounds.evaluation import ServerEvaluator
+
+    examples = default_validation_examples(n=40)
+    ev16, ev32 = (ServerEvaluator(tiny_model_dir(), examples, scoring_examples=32, dtype=d)
+                  for d in (torch.bfloat16, torch.float32))
+    delta = _deltas(ev32.base.model, 1)[0]
+    base16, base32 = ev16.gradient().base_loss, ev32.gradient().base_loss
+    assert base16 != base32 and base16 == pytest.approx(base32, rel=1e-3)
+    gain16, gain32 = base16 - ev16.solo_loss(delta, scale=3.0), base32 - ev32.solo_loss(delta, scale=3.0)
+    assert gain32 != 0 and gain16 == pytest.approx(gain32, abs=1e-6 * base32)
+
+
 @pytest.fixture(scope="module")
 def bf16_dir(tmp_path_factory):
     """A random Qwen3 base stored in bfloat16, as published checkpoints are."""

@@ -73,7 +73,8 @@ class ServerEvaluator:
     """
 
     def __init__(self, base_dir: Path, examples: list[dict], *, scoring_examples: int = 32,
-                 spill_dir: Path | None = None, weights: WeightsFile | None = None, dtype=None) -> None:
+                 spill_dir: Path | None = None, weights: WeightsFile | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         from zoo_gym.gym_train import Evaluator
         from zoo_gym.gym_train.evaluate import tokenize_examples
         from zoo_gym.rewards.packing import PackedScoringSet, supports_packing
