@@ -185,18 +185,15 @@ class LayerStream:
         for _, p in self._layer_params[i]:
             p.data = _absent(p.shape)
         self.resident.discard(i)
-        spans = self._spans.pop(i, ())
-        for start, n in spans:  # a file mapping: the pages stay in the page cache, and a view autograd still
-            _advise(self._map, mmap.MADV_DONTNEED, start, n)  # holds maps them again on use
-        if _TRIM and not spans:  # copies sit below malloc's mmap threshold: hand their pages back (a mapped
-            trim_heap()  # layer left only activations, which the next layer reuses: 20% of a 0.6B pass)
+        for start, n in self._spans.pop(i, ()):  # a file mapping: the pages stay in the page cache, and a view
+            _advise(self._map, mmap.MADV_DONTNEED, start, n)  # autograd still holds maps them again on use
+        if _TRIM:
+            trim_heap()  # the layer's tensors sit below malloc's mmap threshold: hand their pages back
 
     def evict_all(self) -> None:
         self._drop_ahead()
         for i in list(self.resident):
             self.evict(i)
-        if _TRIM:
-            trim_heap()  # the pass's freed memory goes back (per layer only for copied layers: `evict`)
 
     @contextlib.contextmanager
     def recomputing(self) -> Iterator[None]:
