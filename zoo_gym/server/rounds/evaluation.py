@@ -105,6 +105,11 @@ class ServerEvaluator:
         self.dtype = dtype if dtype is not None else torch.float32
         self.released = False
 
+    @property
+    def has_gradient(self) -> bool:
+        """Whether `gradient()` was computed (its tensors may be released since; the loss and norm stay)."""
+        return self._gradient is not None
+
     def release_gradient(self) -> None:
         """Free the gradient's tensors once the round's slopes are taken; its loss, norm and size stay
         (first-order scoring needs only those). Until `forget`, `gradient()` returns that summary."""
