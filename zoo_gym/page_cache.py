@@ -4,13 +4,17 @@
 files read once. `StreamedRanges` does it for a file written front to back: every `step` bytes it hands
 the new pages to writeback and drops the previous step's (clean by then), so at most two steps stay
 cached. Writes bypass the cache altogether where the file system allows (zoo_gym/direct_writes.py); this
-module serves the reads, and the writes where O_DIRECT is refused. All of it is a hint: nothing happens
-without posix_fadvise. Why: docs/design/checkpoint-publishing.md.
+module serves the reads, and the writes where O_DIRECT is refused. `CachedRanges` is for a file read back
+soon (a published checkpoint): its pages are handed to writeback as they come and stay cached. All of it is
+a hint: nothing happens without posix_fadvise (sync_file_range). Why: docs/design/checkpoint-publishing.md.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
+import sys
 
 DROP_STEP = 64 << 20  # bytes between releases
 
@@ -21,6 +25,30 @@ def drop_cached(fd: int, offset: int = 0, length: int = 0) -> None:
     hint: nothing happens where the platform has no posix_fadvise."""
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing a range's dirty pages to the device now and keep them cached (Linux's
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which Python's os module lacks): a later fsync finds them
+    written instead of writing the whole file at once. A hint: nothing happens elsewhere."""
+    fn = _sync_file_range()
+    if fn is not None:
+        fn(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+@functools.lru_cache(maxsize=1)
+def _sync_file_range():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint], ctypes.c_int
+    return fn
 
 
 def drop_file_cache(path) -> None:
@@ -47,3 +75,20 @@ class StreamedRanges:
         if self.due(end):
             drop_cached(fd, self._marks[0], end - self._marks[0])
             self._marks = (self._marks[1], end)
+
+
+class CachedRanges:
+    """`StreamedRanges` for a file that is read back soon: every `step` bytes the new pages are handed to
+    writeback (`start_writeback`) and stay cached, so the dirty pages never pile up for the final fsync."""
+
+    def __init__(self, step: int | None = None) -> None:
+        self.step = DROP_STEP if step is None else step
+        self._mark = 0  # end of the range handed to writeback
+
+    def due(self, end: int) -> bool:
+        return end - self._mark >= self.step
+
+    def written(self, fd: int, end: int) -> None:
+        if self.due(end):
+            start_writeback(fd, self._mark, end - self._mark)
+            self._mark = end

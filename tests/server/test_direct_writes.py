@@ -1,6 +1,7 @@
-"""Streamed blobs (a published checkpoint and its master) bypass the page cache with O_DIRECT: the bytes
+"""Streamed blobs (a published checkpoint's master) bypass the page cache with O_DIRECT: the bytes
 on disk and the content address must be exactly what was written, across buffer boundaries, unaligned
-pieces, a flush in the middle, and file systems that refuse O_DIRECT."""
+pieces, a flush in the middle, and file systems that refuse O_DIRECT. Cached blobs (a published checkpoint)
+hand their pages to writeback as they go, with the same bytes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zoo_gym import direct_writes
+from zoo_gym import direct_writes, page_cache
 from zoo_gym.direct_writes import DirectWriter
 from zoo_gym.server.store.blobs import BlobStore
 from zoo_gym.safetensors_reader import tensor_bytes
@@ -78,6 +79,25 @@ def test_streamed_blob_has_the_same_content_and_address_as_a_plain_one(tmp_path:
     assert list(store.tmp_dir.iterdir()) == []  # nothing left behind
 
 
+def test_a_cached_blob_is_handed_to_writeback_as_it_goes_and_keeps_its_bytes(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(page_cache, "DROP_STEP", 256 << 10)  # several hand-overs in a small blob
+    handed: list[tuple[int, int]] = []
+    real = page_cache.start_writeback
+    monkeypatch.setattr(page_cache, "start_writeback", lambda fd, off, n: (handed.append((off, n)), real(fd, off, n)))
+    store = BlobStore(tmp_path / "blobs")
+    pieces = _pieces(4)  # with the 3-byte and empty pieces still in Python's buffer when a step is due
+    with store.writer() as w:
+        for p in pieces:
+            w.write(memoryview(p))
+        digest = w.commit()
+    data = b"".join(pieces)
+    assert digest == hashlib.sha256(data).hexdigest()
+    assert store.path(digest).read_bytes() == data
+    assert len(handed) >= 2 and handed[0][0] == 0  # front to back, each range where the last one ended
+    assert all(a + n == b for (a, n), (b, _) in zip(handed, handed[1:]))
+    assert len(data) - page_cache.DROP_STEP <= handed[-1][0] + handed[-1][1] <= len(data)  # the fsync does the rest
+
+
 def test_a_discarded_streamed_blob_leaves_nothing(tmp_path: Path, small_buffers) -> None:
     store = BlobStore(tmp_path / "blobs")
     with store.writer(streamed=True) as w:
@@ -90,7 +110,7 @@ def test_a_discarded_streamed_blob_leaves_nothing(tmp_path: Path, small_buffers)
 _FULL_DISK_SCRIPT = """
 import errno, os, resource, signal, sys
 from pathlib import Path
-from zoo_gym import direct_writes
+from zoo_gym import direct_writes, page_cache
 from zoo_gym.server.store.blobs import BlobStore
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG, as ENOSPC on a full disk
 resource.setrlimit(resource.RLIMIT_FSIZE, (direct_writes.BUFFER + 4096, resource.RLIM_INFINITY))

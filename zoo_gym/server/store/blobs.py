@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from zoo_gym.direct_writes import DirectWriter
+from zoo_gym.page_cache import CachedRanges
 
 
 @contextmanager
@@ -64,11 +65,15 @@ class BlobWriter:
         self._hash = hashlib.sha256()
         self.size = 0
         self._file: BinaryIO | DirectWriter = DirectWriter(fd) if streamed else os.fdopen(fd, "wb")
+        self._ranges = None if streamed else CachedRanges()  # cached pages handed to writeback as they come
 
     def write(self, data: bytes | memoryview) -> None:
         self._file.write(data)
         self._hash.update(data)
         self.size += len(data)
+        if self._ranges is not None and self._ranges.due(self.size):
+            self._file.flush()
+            self._ranges.written(self._file.fileno(), self.size)
 
     def flush(self) -> None:
         """Make what was written readable through `self.path` (not yet durable, not yet visible)."""
