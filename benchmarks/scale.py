@@ -7,7 +7,9 @@ and samples the server's RSS every 50 ms. Phases come from the server's log line
 Also: aggregation+publish time / (one read + write of the model), scoring time / (one forward +
 backward on the scoring set), both baselines measured in this run (the slopes scoring takes from the rows
 the aggregation decodes are timed by the server and moved from aggregation to scoring), and how much of the round's
-aggregate survives publishing into the bf16 base (item 5).
+aggregate survives publishing into the bf16 base (item 5). Round 1's base is evaluated while the round waits for
+the submissions (the server logs "prepared while open ... in S s"): `prepared_while_open_s` and its ratio to one
+forward + backward over the scoring set plus one forward over the rest; its publish then finds them ready.
 
 The deltas are synthetic: rank-8 LoRA factors of every Linear weight, encoded with
 zoo_gym.codec (`auto`, as the client sends them), merged entries of RMS `--delta-rms` (a few LoRA
@@ -394,7 +396,8 @@ def serve_round(state: Path, payloads: list[bytes], env: dict, work: Path, *, sc
     for (ph, t0), nxt in zip(seq, seq[1:] + [(None, t_done)]):
         phases[ph] = (t0, nxt[1])
     return {"outcome": outcome.split(": ", 2)[-1], "phases": phases, "sampler": sampler, "hwm": hwm,
-            "state_bytes": disk, "later_rounds": later, "tap_s": _tap_seconds(logs, 1), "bf16_publish": kept}
+            "state_bytes": disk, "later_rounds": later, "tap_s": _tap_seconds(logs, 1), "bf16_publish": kept,
+            "prepared_s": logs.number(r"round 1 base \w+ prepared while open \(.*\) in ([0-9.]+) s")}
 
 
 def _tap_seconds(logs: "LogReader", k: int) -> float:
@@ -779,6 +782,8 @@ def main() -> None:
             "init_peak_rss_bytes": init["peak_rss"], "init_peak_tree_rss_bytes": init["peak_tree_rss"],
             "state_bytes": r["state_bytes"], "keep_checkpoints": args.keep_checkpoints, "phases": phases,
             "scoring_slopes_in_aggregation_s": r["tap_s"],
+            # the base's evaluator, scoring gradient and held-out loss, computed while round 1 waited for submissions
+            "prepared_while_open_s": r["prepared_s"],
             "later_rounds": r["later_rounds"]}
         if scoring:
             res["bf16_publish"] = r["bf16_publish"]
@@ -826,6 +831,9 @@ def main() -> None:
                                                 run["scoring_slopes_in_aggregation_s"])
             run["scoring_over_forward_backward"] = run["scoring_s"] / fb
             run["scoring_over_first_forward_backward"] = run["scoring_s"] / fb_first  # both cold, both once
+            if run["prepared_while_open_s"] is not None:  # the genesis's scoring gradient and held-out forward
+                run["prepared_over_forward_backward_plus_forward"] = (
+                    run["prepared_while_open_s"] / (fb_first + FORWARD["rest_first_s"]))
             run["evaluation_s"] = sec("parent-evaluation", "evaluation")  # genesis's loss (round 1 only), new model's
             # the genesis's held-out loss past the scoring set: the same no-grad forward as FORWARD's
             run["parent_evaluation_over_forward"] = sec("parent-evaluation") / FORWARD["rest_s"]

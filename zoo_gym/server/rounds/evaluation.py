@@ -3,7 +3,8 @@
 One pass per published base serves both the held-out loss and rewards scoring: `Evaluators.measure_published`
 builds the next round's `ServerEvaluator`, whose `heldout_loss()` takes the scoring set's part of the loss from
 the forward pass of the scoring gradient (scoring then costs only its backward); `Evaluators.for_base` hands it
-to the next round (recognised by its weights' sha256). The first base after a start has no such pass.
+to the next round (recognised by its weights' sha256). The first base after a start has no such pass: the round
+manager runs it (`Evaluators.prepare`) while that round waits for submissions.
 Preference pairs in the validation data (`chosen`/`rejected`) add a preference report (accuracy, mean margin)
 and become the scoring set, scored on their Bradley-Terry loss (rewards/preference.py); the held-out loss then
 runs on the other records (on the pairs' chosen answers when there are none).
@@ -102,6 +103,7 @@ class ServerEvaluator:
             self.scoring = Evaluator(None, self.scoring_set, model=model, tokenizer=tok)
         self._gradient = None
         self._float32_base_loss: float | None = None
+        self._heldout: float | None = None  # heldout_loss(), measured once: a base's never changes
         self.dtype = dtype if dtype is not None else torch.float32
         self.released = False
 
@@ -109,6 +111,11 @@ class ServerEvaluator:
     def has_gradient(self) -> bool:
         """Whether `gradient()` was computed (its tensors may be released since; the loss and norm stay)."""
         return self._gradient is not None
+
+    @property
+    def has_heldout(self) -> bool:
+        """Whether `heldout_loss()` was measured (it is kept)."""
+        return self._heldout is not None
 
     def release_gradient(self) -> None:
         """Free the gradient's tensors once the round's slopes are taken; its loss, norm and size stay
@@ -173,15 +180,16 @@ class ServerEvaluator:
         """
         if self.pairs:
             return self.loss(None)
-        g = self.gradient()
-        total, count = g.base_loss * g.tokens, g.tokens
-        rest = self.examples[len(self.scoring_set):]
-        if rest:
-            with computing(self.base.model, self.dtype):
-                t, c = _loss_sum(self.base.model, self.base.tokenizer, rest)
-            total, count = total + t, count + c
-        return total / max(count, 1)
-
+        if self._heldout is None:
+            g = self.gradient()
+            total, count = g.base_loss * g.tokens, g.tokens
+            rest = self.examples[len(self.scoring_set):]
+            if rest:
+                with computing(self.base.model, self.dtype):
+                    t, c = _loss_sum(self.base.model, self.base.tokenizer, rest)
+                total, count = total + t, count + c
+            self._heldout = total / max(count, 1)
+        return self._heldout
 
     def preference_report(self) -> dict | None:
         """Preference accuracy, mean margin and pair count of this base on all validation pairs (None without
@@ -248,6 +256,7 @@ class Evaluators:
         self.state, self.config = state, config
         self.dtype = compute_dtype(config.evaluation_dtype)
         self._current: dict[str, ServerEvaluator] = {}
+        self.built = 0  # evaluators built here (not handed over from a publish's measure)
         self._prepared: dict[str, ServerEvaluator] = {}  # weights sha256 -> evaluator built when it was published
 
     def for_base(self, base_sha256: str) -> ServerEvaluator | None:
@@ -268,7 +277,23 @@ class Evaluators:
             else:
                 self._current[base_sha256] = ServerEvaluator(base_dir, examples, spill_dir=self.state.work_dir,
                                                              weights=weights, dtype=self.dtype)
+                self.built += 1
         return self._current[base_sha256]
+
+    def prepare(self, base_sha256: str, *, heldout: bool) -> bool:
+        """The base's evaluator and scoring gradient now, and its held-out loss when `heldout` (a base whose loss
+        is not recorded yet): what the round's publish would compute first. The round manager calls it while
+        the round waits for submissions. True when it computed anything (False: all ready, or no evaluator)."""
+        built = self.built
+        evaluator = self.for_base(base_sha256)
+        if evaluator is None or evaluator.released:
+            return False
+        computed = self.built != built or not evaluator.has_gradient
+        evaluator.gradient()
+        if heldout and not evaluator.pairs:
+            computed = computed or not evaluator.has_heldout
+            evaluator.heldout_loss()
+        return computed
 
     def measure_published(self, evaluator: ServerEvaluator, model_dir: Path, *, weights: WeightsFile | None = None,
                           checkpoint_sha256: str | None = None) -> float:

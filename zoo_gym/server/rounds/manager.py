@@ -20,7 +20,7 @@ from sqlmodel import select
 
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.metrics import ServerMetrics
-from zoo_gym.server.store.models import Round, RoundState, Submission
+from zoo_gym.server.store.models import Checkpoint, Round, RoundState, Submission
 from zoo_gym.server.rounds import sampling
 from zoo_gym.server.rounds.evaluation import Evaluators
 from zoo_gym.server.rounds.policy import policy_for
@@ -38,6 +38,7 @@ class RoundManager:
         self.config = config
         self.policy = policy_for(config)  # sync or async, chosen once
         self.evaluators = Evaluators(state, config)  # the bases' evaluators, kept from round to round
+        self._prepare_done: set[str] = set()  # bases prepared while open, or whose preparation failed (not retried)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="round-manager", daemon=True)
@@ -138,6 +139,28 @@ class RoundManager:
             s.commit()
         return len(contributors)
 
+    def _prepare_base(self, rnd: Round) -> None:
+        """While the round waits for submissions: its base's evaluator, scoring gradient and (when not recorded)
+        held-out loss, which its publish would otherwise compute first. After a publish they are ready (it
+        measured the new base); after a start this takes the base's passes off the publish's path. The same
+        numbers either way; a failure is logged and left for the publish, which computes the same, to report."""
+        if self.config.rewards.scoring_method != "first-order" or rnd.base_sha256 in self._prepare_done:
+            return
+        self._prepare_done.add(rnd.base_sha256)  # tried once per base
+        with self.state.session() as s:
+            base = s.get(Checkpoint, rnd.base_sha256)
+            heldout = base is not None and base.heldout_loss is None
+        started = time.perf_counter()
+        try:
+            computed = self.evaluators.prepare(rnd.base_sha256, heldout=heldout)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            log.warning("round %d: preparing base %s's evaluation while open failed (%s); its publish will "
+                        "try again", rnd.id, rnd.base_sha256[:12], exc)
+            return
+        if computed:
+            log.info("round %d base %s prepared while open (evaluator, scoring gradient%s) in %.2f s", rnd.id,
+                     rnd.base_sha256[:12], ", held-out loss" if heldout else "", time.perf_counter() - started)
+
     def _ensure_deadline(self) -> None:
         if not self.policy.has_deadline:
             return
@@ -175,6 +198,7 @@ class RoundManager:
             if not ready and self.policy.timed_out(rnd):
                 ready = self._close_or_extend(rnd, n)
             if not ready:
+                self._prepare_base(rnd)
                 return
             n = self._close(rnd.id)
             with self.state.session() as s:

@@ -323,7 +323,8 @@ def open_streams(state: ServerState, config: ServerConfig, job: RoundJob, evalua
         # pass has just read the base: its pages are still in the page cache, which aggregation then drops
         log.info("round %d phase=parent-evaluation", rnd.id)
         parent_loss = evaluator.loss(None)
-    ckpt_blob = stack.enter_context(state.blobs.writer())  # cached: its evaluation reads it right after
+    # read back at once by its held-out evaluation: through the page cache; without one, around it (blobs.py)
+    ckpt_blob = stack.enter_context(state.blobs.writer(streamed=evaluator is None))
     master_blob = stack.enter_context(state.blobs.writer(streamed=True)) if job.keep_master else None
     master_file = master_path(state, rnd.base_sha256)
     master = stack.enter_context(SafetensorsReader(master_file, streamed=True)) if master_file is not None else None

@@ -53,10 +53,10 @@ class BlobWriter:
     """A temporary file that hashes what is written and is committed or discarded as a whole.
 
     `streamed=True` is for blobs of gigabytes that nobody reads back soon (a published checkpoint's master low
-    halves, read by the next publish only): they bypass the page cache (O_DIRECT, zoo_gym/direct_writes.py), or
-    where the file system refuses that, their pages leave it as the writes go (zoo_gym/page_cache.py says why).
-    A published checkpoint is read back at once (its held-out evaluation, then the next round's aggregation):
-    it stays in the page cache (docs/design/checkpoint-publishing.md)."""
+    halves, read by the next publish; a checkpoint when the server does not evaluate it): they bypass the page
+    cache (O_DIRECT, zoo_gym/direct_writes.py), or where the file system refuses that, their pages leave it as
+    the writes go (zoo_gym/page_cache.py says why). A checkpoint its held-out evaluation reads back at once
+    stays in the page cache (docs/design/checkpoint-publishing.md)."""
 
     def __init__(self, store: "BlobStore", *, streamed: bool = False) -> None:
         self._store = store
