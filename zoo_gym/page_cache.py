@@ -4,8 +4,8 @@
 files read once. `StreamedRanges` does it for a file written front to back: every `step` bytes it hands
 the new pages to writeback and drops the previous step's (clean by then), so at most two steps stay
 cached. Writes bypass the cache altogether where the file system allows (zoo_gym/direct_writes.py); this
-module serves the reads, and the writes where O_DIRECT is refused. `CachedRanges` is for a file read back
-soon (a published checkpoint): its pages are handed to writeback as they come and stay cached. All of it is
+module serves the reads, and the writes where O_DIRECT is refused. With `keep_cached` a file read back soon
+(a published checkpoint) has its pages handed to writeback as they come and kept cached. All of it is
 a hint: nothing happens without posix_fadvise (sync_file_range). Why: docs/design/checkpoint-publishing.md.
 """
 
@@ -61,10 +61,13 @@ def drop_file_cache(path) -> None:
 
 
 class StreamedRanges:
-    """Call `written(fd, end)` after writing a file up to byte `end` (front to back)."""
+    """Call `written(fd, end)` after writing a file up to byte `end` (front to back). Every `step` bytes the new
+    pages go to writeback; the previous step's (clean by then) are dropped, or with `keep_cached` stay cached
+    (a file read back soon: the final fsync then finds them written)."""
 
-    def __init__(self, step: int | None = None) -> None:
+    def __init__(self, step: int | None = None, *, keep_cached: bool = False) -> None:
         self.step = DROP_STEP if step is None else step
+        self.keep_cached = keep_cached
         self._marks = (0, 0)  # (start of the range handed to writeback a step ago, end of it)
 
     def due(self, end: int) -> bool:
@@ -72,23 +75,10 @@ class StreamedRanges:
         return end - self._marks[1] >= self.step
 
     def written(self, fd: int, end: int) -> None:
-        if self.due(end):
+        if not self.due(end):
+            return
+        if self.keep_cached:
+            start_writeback(fd, self._marks[1], end - self._marks[1])
+        else:
             drop_cached(fd, self._marks[0], end - self._marks[0])
-            self._marks = (self._marks[1], end)
-
-
-class CachedRanges:
-    """`StreamedRanges` for a file that is read back soon: every `step` bytes the new pages are handed to
-    writeback (`start_writeback`) and stay cached, so the dirty pages never pile up for the final fsync."""
-
-    def __init__(self, step: int | None = None) -> None:
-        self.step = DROP_STEP if step is None else step
-        self._mark = 0  # end of the range handed to writeback
-
-    def due(self, end: int) -> bool:
-        return end - self._mark >= self.step
-
-    def written(self, fd: int, end: int) -> None:
-        if self.due(end):
-            start_writeback(fd, self._mark, end - self._mark)
-            self._mark = end
+        self._marks = (self._marks[1], end)

@@ -228,7 +228,6 @@ class Streams:
     writer: CheckpointWriter
     ckpt_blob: object
     master_blob: object | None
-    parent_loss: float | None = None  # the base's held-out loss, when measured right after its scoring gradient
 
 
 @dataclass
@@ -317,12 +316,11 @@ def open_streams(state: ServerState, config: ServerConfig, job: RoundJob, evalua
     stack.callback(evaluators.forget, evaluator)  # a retry of this round rebuilds a released one
     stored = StoredDeltas(payloads, job.contributors, job.shapes)
     source = scoring_tap(config, stored, evaluator)
-    parent_loss = None
-    if evaluator is not None and not job.parent_measured and evaluator.has_gradient:
-        # the same loss `write` would measure (from this gradient's forward and the rest), while the gradient
-        # pass has just read the base: its pages are still in the page cache, which aggregation then drops
+    if evaluator is not None and not job.parent_measured and evaluator.has_gradient and not evaluator.has_heldout:
+        # the loss `write` records (kept by the evaluator), measured while the gradient pass has just read the
+        # base: its pages are still in the page cache, which aggregation then drops
         log.info("round %d phase=parent-evaluation", rnd.id)
-        parent_loss = evaluator.loss(None)
+        evaluator.loss(None)
     # read back at once by its held-out evaluation: through the page cache; without one, around it (blobs.py)
     ckpt_blob = stack.enter_context(state.blobs.writer(streamed=evaluator is None))
     master_blob = stack.enter_context(state.blobs.writer(streamed=True)) if job.keep_master else None
@@ -331,8 +329,7 @@ def open_streams(state: ServerState, config: ServerConfig, job: RoundJob, evalua
     writer = CheckpointWriter(state.blobs.path(rnd.base_sha256), master=master, changed=stored.names(),
                               ckpt_blob=ckpt_blob, master_blob=master_blob)
     stack.callback(writer.close)
-    return Streams(source=source, evaluator=evaluator, writer=writer, ckpt_blob=ckpt_blob, master_blob=master_blob,
-                   parent_loss=parent_loss)
+    return Streams(source=source, evaluator=evaluator, writer=writer, ckpt_blob=ckpt_blob, master_blob=master_blob)
 
 
 def _sample_rate(config: ServerConfig, rnd: Round) -> float | None:
@@ -402,10 +399,11 @@ def write(state: ServerState, job: RoundJob, streams: Streams, evaluators: Evalu
     rnd, evaluator = job.rnd, streams.evaluator
     report_json = json.dumps(_jsonable({"soup": report, "rewards": rewards_summary}), sort_keys=True)
     privacy = getattr(report, "privacy", None)
-    parent_loss = streams.parent_loss
-    if evaluator is not None and not job.parent_measured and parent_loss is None:
-        log.info("round %d phase=parent-evaluation", rnd.id)
-        parent_loss = evaluator.loss(None)  # genesis: measured once, on the same set
+    parent_loss = None
+    if evaluator is not None and not job.parent_measured:
+        if not evaluator.has_heldout:
+            log.info("round %d phase=parent-evaluation", rnd.id)
+        parent_loss = evaluator.loss(None)  # genesis: measured once (kept when measured before), on the same set
     lineage = _lineage(state, job, report, privacy, parent_loss)
     log.info("round %d phase=write", rnd.id)
     streams.writer.finish_weights()

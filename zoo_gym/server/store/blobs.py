@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from zoo_gym.direct_writes import DirectWriter
-from zoo_gym.page_cache import CachedRanges
+from zoo_gym.page_cache import StreamedRanges
 
 
 @contextmanager
@@ -65,7 +65,7 @@ class BlobWriter:
         self._hash = hashlib.sha256()
         self.size = 0
         self._file: BinaryIO | DirectWriter = DirectWriter(fd) if streamed else os.fdopen(fd, "wb")
-        self._ranges = None if streamed else CachedRanges()  # cached pages handed to writeback as they come
+        self._ranges = None if streamed else StreamedRanges(keep_cached=True)  # to writeback as they come
 
     def write(self, data: bytes | memoryview) -> None:
         self._file.write(data)
