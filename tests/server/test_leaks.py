@@ -106,6 +106,7 @@ def test_database_stays_private_after_a_round_is_served(federation):
 
 def test_serve_tightens_an_existing_state_directory(federation):
     root = federation.state.root  # an in-process federation holds no lock: serve's open below can take it
+    federation.rounds.stop()  # nothing writes into the directory (a round manager prepares its base): as serve finds it
     root.chmod(0o755)
     for p in root.rglob("*"):
         p.chmod(0o755 if p.is_dir() else 0o644)

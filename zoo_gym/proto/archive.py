@@ -109,9 +109,11 @@ class TarStream:
 
 def unpack(archive: Path, dest: Path, *, skip: frozenset[str] = frozenset()) -> Path:
     """Extract a checkpoint tar into `dest` (created; replaced atomically if it exists), all members but
-    those named in `skip` (e.g. the weights, read in place from the archive instead)."""
+    those named in `skip` (e.g. the weights, read in place from the archive instead). Owner-only from the
+    first byte: files 0600 in a 0700 directory (a new parent 0700 too), so a concurrent look never finds them
+    readable by others (the server unpacks while its state directory is private)."""
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=dest.name + ".unpacking-"))  # one per call
     try:
         names = set()
@@ -124,7 +126,8 @@ def unpack(archive: Path, dest: Path, *, skip: frozenset[str] = frozenset()) -> 
                     continue
                 src = tar.extractfile(member)
                 assert src is not None  # isfile() members always have data
-                with open(tmp / member.name, "wb") as f:
+                fd = os.open(tmp / member.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with open(fd, "wb") as f:
                     shutil.copyfileobj(src, f)
         if WEIGHTS not in names:
             raise CheckpointError(f"the checkpoint archive has no {WEIGHTS}")
