@@ -50,3 +50,23 @@ def test_status_and_help_do_not_import_the_training_stack(state_dir, args):
     assert doc["heavy"] == [], f"{' '.join(args)} imported {doc['heavy']}"
     if args == ("status", "--state-dir", str(state_dir)):
         assert "round 1: open" in out
+
+
+def test_a_server_without_differential_privacy_does_not_load_the_accountant():
+    """Opacus (and the scipy it brings) is ~110 MB of resident memory in every `gym-server serve` process; only
+    a privacy figure needs it, so the serving modules import it on first use, and a figure still comes out."""
+    code = """
+import json, sys
+import zoo_gym.server.rounds.manager, zoo_gym.server.transport.servicer, zoo_gym.server.rounds.publish
+before = "opacus" in sys.modules
+from zoo_gym.aggregation.privacy import PrivacyAccountant
+acct = PrivacyAccountant()
+acct.step(noise_multiplier=1.0, sample_rate=0.1)
+print(json.dumps({"before": before, "eps": acct.epsilon(delta=1e-5), "after": "opacus" in sys.modules}))
+"""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                         check=True).stdout
+    doc = json.loads(out.strip().splitlines()[-1])
+    assert doc["before"] is False
+    assert 0 < doc["eps"] < 10 and doc["after"] is True

@@ -22,8 +22,6 @@ from dataclasses import dataclass
 
 import torch
 import numpy as np
-from opacus.accountants import PRVAccountant
-from opacus.accountants.analysis import rdp as rdp_analysis
 from torch import Tensor
 
 from .errors import SoupConfigError
@@ -48,6 +46,8 @@ def rdp_epsilon(history: Iterable[tuple[float, float, int]], *, delta: float) ->
         return 0.0
     if not 0 < delta < 1:
         raise SoupConfigError(f"`dp_delta` must be in (0, 1), got {delta}")
+    from opacus.accountants.analysis import rdp as rdp_analysis  # here: opacus + scipy are ~100 MB of RSS
+
     rdp = sum(rdp_analysis.compute_rdp(q=q, noise_multiplier=z, steps=s, orders=list(RDP_ORDERS))
               for z, q, s in rows)
     eps, _ = rdp_analysis.get_privacy_spent(orders=list(RDP_ORDERS), rdp=rdp, delta=delta)
@@ -60,6 +60,8 @@ def prv_epsilon(history: Iterable[tuple[float, float, int]], *, delta: float) ->
     rows = [(float(z), float(q), int(s)) for z, q, s in history]
     if not rows:
         return 0.0
+    from opacus.accountants import PRVAccountant  # here: opacus + scipy are ~100 MB of RSS
+
     acct = PRVAccountant()
     acct.history = rows
     try:
