@@ -9,10 +9,12 @@ A random bf16 Qwen3 of the size's dimensions (benchmarks/scale.py's `build_model
 measures it: the float32 model loaded whole, one no-grad forward over validation examples 32..127 (the held-out
 loss's part without gradient) and one forward + backward over the first 32 (the scoring set); best of two each.
 `--baseline-dtype bfloat16`: that model in bf16 instead (at 4B the float32 one does not fit 24 GB).
-Streamed, in `--dtype` (the server's `evaluation_dtype`: auto, float32 or bfloat16), as the server runs them on a checkpoint it published (whose pages it handed back to the kernel):
-the same forward and the scoring gradient (`PackedScoringSet.gradient`) with the checkpoint's pages dropped
-from the page cache first, with the reader thread off and on. Each pass runs in a fresh process. Output: JSON
-with seconds and the ratios streamed / baseline (issue 29's targets: forward <= 1.5x, gradient <= 1.5x).
+Streamed, in `--dtype` (the server's `evaluation_dtype`: auto, float32 or bfloat16): the same forward and the
+scoring gradient (`PackedScoringSet.gradient`), each in a fresh process, with the reader thread off and on, and
+with the checkpoint's file in two states (`--page-cache`): `warm`, read into the page cache first, as the server
+evaluates a checkpoint it has just published (written through the page cache for that reason), and `cold`, its
+pages dropped first, as a base prepared after a restart. Output: JSON with seconds and the ratios streamed /
+baseline (issue 29's targets: forward <= 1.5x, gradient <= 1.5x).
 """
 
 from __future__ import annotations
@@ -41,8 +43,15 @@ def _batches(model_dir: Path):
         tokenize_examples(tok, examples[32:]), pad_id=pad)
 
 
-def streamed_pass(model_dir: Path, kind: str, prefetch: bool, dtype: str = "auto") -> dict:
-    """One streamed pass ('forward' or 'gradient') on a cold page cache; seconds and layer-load counts."""
+def _read_into_page_cache(path: Path) -> None:
+    with open(path, "rb", buffering=0) as f:
+        while f.read(64 << 20):
+            pass
+
+
+def streamed_pass(model_dir: Path, kind: str, prefetch: bool, dtype: str = "auto", cache: str = "cold") -> dict:
+    """One streamed pass ('forward' or 'gradient') with the checkpoint's pages dropped (cold) or read in first
+    (warm); seconds and layer-load counts."""
     import torch
 
     from zoo_gym.page_cache import drop_file_cache
@@ -56,6 +65,8 @@ def streamed_pass(model_dir: Path, kind: str, prefetch: bool, dtype: str = "auto
     stream.prefetch = prefetch
     scoring = PackedScoringSet(model, scoring_pairs, pad_id=pad) if kind == "gradient" else None
     drop_file_cache(model_dir / "model.safetensors")
+    if cache == "warm":
+        _read_into_page_cache(model_dir / "model.safetensors")
     t0 = time.perf_counter()
     with stream.computing(compute_dtype(dtype)):
         if kind == "forward":
@@ -97,12 +108,15 @@ def main() -> None:
                     help="the streamed passes' dtype (the server's evaluation_dtype)")
     ap.add_argument("--baseline-dtype", default="float32", choices=("float32", "bfloat16"),
                     help="the whole model's dtype for the baseline passes")
+    ap.add_argument("--page-cache", nargs="+", default=["warm", "cold"], choices=("warm", "cold"),
+                    help="the checkpoint's file read into the page cache first (warm: a just-published checkpoint) "
+                         "or dropped from it (cold: a base after a restart)")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         what, model_dir = args.child[0], Path(args.child[1])
         result = (baseline(model_dir, args.child[2]) if what == "baseline"
-                  else streamed_pass(model_dir, what, args.child[2] == "on", args.child[3]))
+                  else streamed_pass(model_dir, what, args.child[2] == "on", args.child[3], args.child[4]))
         print(json.dumps(result))
         return
     if args.work is None:
@@ -113,16 +127,17 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     params = scale.build_model(args.size, args.work)
     report: dict = {"size": args.size, "params": params, "cpu_count": os.cpu_count(), "baseline": _child("baseline", str(args.work), args.baseline_dtype)}
-    for kind in ("forward", "gradient"):
-        for prefetch in ("off", "on"):
-            r = _child(kind, str(args.work), prefetch, args.dtype)
-            base = report["baseline"]["forward_s" if kind == "forward" else "forward_backward_s"]
-            report[f"{kind}_read_ahead_{prefetch}"] = {**r, "over_baseline": r["seconds"] / base}
-            print(json.dumps({kind: prefetch, **report[f"{kind}_read_ahead_{prefetch}"]}), flush=True)
-    for kind in ("forward", "gradient"):
-        on, off = report[f"{kind}_read_ahead_on"], report[f"{kind}_read_ahead_off"]
-        assert on["value"] == off["value"], f"{kind}: the reader thread changed the result"
-        report[f"{kind}_read_ahead_speedup"] = off["seconds"] / on["seconds"]
+    for cache in args.page_cache:
+        for kind in ("forward", "gradient"):
+            for prefetch in ("off", "on"):
+                r = _child(kind, str(args.work), prefetch, args.dtype, cache)
+                base = report["baseline"]["forward_s" if kind == "forward" else "forward_backward_s"]
+                key = f"{kind}_{cache}_read_ahead_{prefetch}"
+                report[key] = {**r, "over_baseline": r["seconds"] / base}
+                print(json.dumps({"pass": key, **report[key]}), flush=True)
+            on, off = report[f"{kind}_{cache}_read_ahead_on"], report[f"{kind}_{cache}_read_ahead_off"]
+            assert on["value"] == off["value"], f"{kind}: the reader thread changed the result"
+            report[f"{kind}_{cache}_read_ahead_speedup"] = off["seconds"] / on["seconds"]
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:
