@@ -1,6 +1,7 @@
 """`gym-server status` and `gym-server --help` import no training stack (issue 30: status took 97 s of wall
 time on a loaded machine, most of it importing torch): run in a fresh interpreter, neither leaves torch,
-transformers or trl in sys.modules."""
+transformers or trl in sys.modules. And the serving modules leave out the privacy accountant until a figure is
+asked for."""
 
 from __future__ import annotations
 
