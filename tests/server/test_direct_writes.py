@@ -110,7 +110,7 @@ def test_a_discarded_streamed_blob_leaves_nothing(tmp_path: Path, small_buffers)
 _FULL_DISK_SCRIPT = """
 import errno, os, resource, signal, sys
 from pathlib import Path
-from zoo_gym import direct_writes, page_cache
+from zoo_gym import direct_writes
 from zoo_gym.server.store.blobs import BlobStore
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG, as ENOSPC on a full disk
 resource.setrlimit(resource.RLIMIT_FSIZE, (direct_writes.BUFFER + 4096, resource.RLIM_INFINITY))

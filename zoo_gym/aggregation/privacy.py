@@ -46,7 +46,7 @@ def rdp_epsilon(history: Iterable[tuple[float, float, int]], *, delta: float) ->
         return 0.0
     if not 0 < delta < 1:
         raise SoupConfigError(f"`dp_delta` must be in (0, 1), got {delta}")
-    from opacus.accountants.analysis import rdp as rdp_analysis  # here: opacus + scipy are ~100 MB of RSS
+    from opacus.accountants.analysis import rdp as rdp_analysis  # here: opacus + scipy are ~110 MB of resident memory
 
     rdp = sum(rdp_analysis.compute_rdp(q=q, noise_multiplier=z, steps=s, orders=list(RDP_ORDERS))
               for z, q, s in rows)
@@ -60,7 +60,7 @@ def prv_epsilon(history: Iterable[tuple[float, float, int]], *, delta: float) ->
     rows = [(float(z), float(q), int(s)) for z, q, s in history]
     if not rows:
         return 0.0
-    from opacus.accountants import PRVAccountant  # here: opacus + scipy are ~100 MB of RSS
+    from opacus.accountants import PRVAccountant  # here: opacus + scipy are ~110 MB of resident memory
 
     acct = PRVAccountant()
     acct.history = rows

@@ -256,7 +256,6 @@ class Evaluators:
         self.state, self.config = state, config
         self.dtype = compute_dtype(config.evaluation_dtype)
         self._current: dict[str, ServerEvaluator] = {}
-        self.built = 0  # evaluators built here (not handed over from a publish's measure)
         self._prepared: dict[str, ServerEvaluator] = {}  # weights sha256 -> evaluator built when it was published
 
     def for_base(self, base_sha256: str) -> ServerEvaluator | None:
@@ -277,21 +276,19 @@ class Evaluators:
             else:
                 self._current[base_sha256] = ServerEvaluator(base_dir, examples, spill_dir=self.state.work_dir,
                                                              weights=weights, dtype=self.dtype)
-                self.built += 1
         return self._current[base_sha256]
 
     def prepare(self, base_sha256: str, *, heldout: bool) -> bool:
         """The base's evaluator and scoring gradient now, and its held-out loss when `heldout` (a base whose loss
         is not recorded yet): what the round's publish would compute first. The round manager calls it while
         the round waits for submissions. True when it computed anything (False: all ready, or no evaluator)."""
-        built = self.built
         evaluator = self.for_base(base_sha256)
         if evaluator is None or evaluator.released:
             return False
-        computed = self.built != built or not evaluator.has_gradient
+        heldout = heldout and not evaluator.pairs
+        computed = not evaluator.has_gradient or (heldout and not evaluator.has_heldout)  # a new one has neither
         evaluator.gradient()
-        if heldout and not evaluator.pairs:
-            computed = computed or not evaluator.has_heldout
+        if heldout:
             evaluator.heldout_loss()
         return computed
 
