@@ -4,7 +4,8 @@
 clip factor_i = min(1, C / ||x_i||) over ALL tensors of contribution i; a zero delta gets
 factor 1 (Flower divides by its unguarded norm). Adaptive clipping moves C towards the
 `target_quantile` of the norms: C <- C * exp(-lr (b - gamma)), b the noised share of
-contributions with norm <= C (noise std `count_stddev` on the count, divided by m); the update
+contributions with norm <= C, from the centred count sum_i (1[norm_i <= C] - 1/2) (sensitivity 1/2; noise
+std `count_stddev` on it, divided by m, plus 1/2); the update
 noise multiplier becomes (z^-2 - (2 sigma_b)^-2)^(-1/2) so the round's total stays z (Andrew et
 al., Theorem 1), with sigma_b = count_stddev.
 """
@@ -45,8 +46,10 @@ def adaptive_clip_update(norms: Tensor, *, clip: float, target_quantile: float, 
     """Next round's clip norm from this round's norms (geometric update)."""
     if not 0 < target_quantile < 1:
         raise SoupConfigError(f"`dp_target_quantile` must be in (0, 1), got {target_quantile}")
-    unclipped = float((norms.to(torch.float64) <= clip).sum())
+    # the centred count sum_i (1[norm_i <= C] - 1/2): one person moves it by 1/2, the sensitivity that
+    # `update_noise_multiplier`'s budget assumes (Andrew et al. 2021, sec. 3); the uncentred count moves by 1
+    centred = float((norms.to(torch.float64) <= clip).sum()) - norms.numel() / 2.0
     noise = float(gaussian_noise((1,), std=count_stddev, generator=generator, secure=secure,
                                  dtype=torch.float64)[0])
-    b = (unclipped + noise) / expected_contributors
+    b = (centred + noise) / expected_contributors + 0.5
     return clip * math.exp(-lr * (b - target_quantile))

@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 # the rules' names, in the order the help text lists them (== tuple(rules.RULES); spelled out so that
 # reading a config does not import torch: tests/aggregation/test_rules.py checks they agree)
 AGGREGATORS = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan", "geometric-median", "centered-clip")
+# the rules whose per-contributor influence bound is proven, so DP noise can be calibrated to it (== the rules with
+# `dp_exact`; tests/aggregation/test_rules.py checks they agree). Every other rule is refused with DP on.
+DP_AGGREGATORS = ("mean",)
+PARTICIPATION = ("public", "private")
 
 
 @dataclass
@@ -46,7 +50,8 @@ class SoupConfig:
     dp_target_quantile: float = dataclasses.field(default=0.5, metadata={"help": "adaptive clipping: target share of unclipped norms"})
     dp_clip_lr: float = dataclasses.field(default=0.2, metadata={"help": "adaptive clipping: geometric learning rate"})
     dp_clip_count_stddev: float | None = dataclasses.field(default=None, metadata={"help": "adaptive clipping: noise std on the unclipped count (default m/20)"})
-    dp_expected_contributors: int | None = dataclasses.field(default=None, metadata={"help": "m: fixed denominator and q = m / population (default: contributions received)"})
+    dp_expected_contributors: int | None = dataclasses.field(default=None, metadata={"help": "m: the mean's fixed denominator under DP, set before any submission (required with DP: dividing by the number who submitted moves the release by up to 2C/n and reveals the cohort's size)"})
+    dp_participation: str = dataclasses.field(default="public", metadata={"help": "public: who took part in a round is known (the ledger names whom it paid), so the epsilon protects the content of a contribution (replace-one adjacency, sensitivity 2C/m, no amplification by sampling); private: nothing but the noised aggregate is released (add/remove adjacency, sampling amplifies). docs/design/privacy.md"})
     dp_delta: float = dataclasses.field(default=1e-5, metadata={"help": "delta of the (epsilon, delta) guarantee"})
     dp_target_epsilon: float | None = dataclasses.field(default=None, metadata={"help": "stop publishing before epsilon would exceed this"})
     dp_secure_noise: bool = dataclasses.field(default=False, metadata={"help": "draw noise from an os.urandom-seeded generator (ignore the given one)"})
@@ -80,6 +85,10 @@ class SoupConfig:
             raise SoupConfigError(f"`min_contributors` must be >= 1, got {self.min_contributors}")
         if not (self.dp_noise_multiplier >= 0 and math.isfinite(self.dp_noise_multiplier)):
             raise SoupConfigError(f"`dp_noise_multiplier` must be >= 0, got {self.dp_noise_multiplier}")
+        if self.dp_participation not in PARTICIPATION:
+            raise SoupConfigError(f"`dp_participation` must be public or private, got {self.dp_participation!r}")
+        if self.dp_noise_multiplier > 0:
+            self._check_dp_bound()
         if self.dp_noise_multiplier > 0 and self.dp_clip is None:
             raise SoupConfigError("`dp_clip` is required when `dp_noise_multiplier` > 0: the noise "
                                   "is calibrated to the clip norm (set --dp-clip)")
@@ -97,6 +106,19 @@ class SoupConfig:
         if self.dp_target_epsilon is not None and self.dp_noise_multiplier == 0:
             raise SoupConfigError("`dp_target_epsilon` is set but `dp_noise_multiplier` is 0: "
                                   "without noise there is no privacy to budget")
+
+    def _check_dp_bound(self) -> None:
+        """With DP on, only a mechanism whose per-contributor influence bound is proven may run: the noise is
+        calibrated to that bound, and for any other rule the epsilon reported would not bound anything."""
+        if self.aggregator not in DP_AGGREGATORS:
+            raise SoupConfigError(
+                f"with DP on (`dp_noise_multiplier` > 0) `aggregator` must be {' or '.join(DP_AGGREGATORS)}, got "
+                f"{self.aggregator!r}: one added contributor can move its output by many times C/m (trimmed mean "
+                "4.8x, Krum 200x), so no epsilon reported for it would be a bound (docs/design/privacy.md)")
+        if self.dp_expected_contributors is None:
+            raise SoupConfigError(
+                "`dp_expected_contributors` (m) is required with DP on: the noised sum is divided by this fixed m, "
+                "set before any submission is seen (e.g. the contributors you expect per round)")
 
     @property
     def dp_enabled(self) -> bool:

@@ -16,8 +16,9 @@ import torch
 from torch import Tensor
 
 from .clipping import adaptive_clip_update, clip_factors, update_noise_multiplier
-from .errors import InvalidDeltaError, PrivacyBudgetExceeded
-from .privacy import PrivacyAccountant, PrivacyReport, epsilon, gaussian_noise, secure_generator
+from .errors import InvalidDeltaError, PrivacyBudgetExceeded, SoupConfigError
+from .privacy import (PrivacyAccountant, PrivacyReport, accounted_step, epsilon, gaussian_noise,
+                      secure_generator)
 from .rules.base import Rule
 
 
@@ -37,8 +38,9 @@ class DifferentialPrivacy:
     def __init__(self, rule: Rule, *, noise_multiplier: float = 0.0, clip: float | None = None,
                  adaptive: bool = False, target_quantile: float = 0.5, clip_lr: float = 0.2,
                  count_stddev: float | None = None, expected_contributors: int | None = None,
-                 delta: float = 1e-5, target_epsilon: float | None = None, secure: bool = False) -> None:
-        self.rule = rule
+                 delta: float = 1e-5, target_epsilon: float | None = None, secure: bool = False,
+                 participation: str = "public") -> None:
+        self.rule, self.participation = rule, participation
         self.noise_multiplier, self.clip, self.adaptive = noise_multiplier, clip, adaptive
         self.target_quantile, self.clip_lr, self.count_stddev = target_quantile, clip_lr, count_stddev
         self.expected_contributors, self.delta = expected_contributors, delta
@@ -52,7 +54,8 @@ class DifferentialPrivacy:
                    target_quantile=config.dp_target_quantile, clip_lr=config.dp_clip_lr,
                    count_stddev=config.dp_clip_count_stddev,
                    expected_contributors=config.dp_expected_contributors, delta=config.dp_delta,
-                   target_epsilon=config.dp_target_epsilon, secure=config.dp_secure_noise)
+                   target_epsilon=config.dp_target_epsilon, secure=config.dp_secure_noise,
+                   participation=config.dp_participation)
 
     @property
     def enabled(self) -> bool:
@@ -68,30 +71,46 @@ class DifferentialPrivacy:
              accountant: PrivacyAccountant | None, sample_rate: float | None = None) -> Release:
         """This round's release; raises PrivacyBudgetExceeded before anything is published. `sample_rate`:
         the probability with which the caller sampled each person (overrides m / population)."""
-        m_exp = self.expected_contributors or submitted
+        if not self.enabled:
+            m_exp = self.expected_contributors or submitted
+            return Release(self, expected=m_exp, count_stddev=self.count_stddev or m_exp / 20.0,
+                           z_update=0.0, privacy=None)
+        m_exp = self._fixed_denominator()
         count_std = self.count_stddev or m_exp / 20.0
         z_update = self.noise_multiplier
-        if not self.enabled:
-            return Release(self, expected=m_exp, count_stddev=count_std, z_update=z_update, privacy=None)
         if self.adaptive:
             z_update = update_noise_multiplier(noise_multiplier=self.noise_multiplier,
                                                count_stddev=count_std)
-        z, delta = self.noise_multiplier, self.delta
+        delta = self.delta
         q = min(1.0, m_exp / population) if population else 1.0
         q = float(sample_rate) if sample_rate is not None else q
+        z_acct, q_acct = accounted_step(self.noise_multiplier, q, participation=self.participation)
         acct = accountant if accountant is not None else PrivacyAccountant()
         eps_before = acct.epsilon(delta=delta)
-        eps_after = acct.epsilon_if_step(noise_multiplier=z, sample_rate=q, delta=delta)
+        eps_after = acct.epsilon_if_step(noise_multiplier=z_acct, sample_rate=q_acct, delta=delta)
         if self.target_epsilon is not None and eps_after > self.target_epsilon:
             raise PrivacyBudgetExceeded(epsilon_spent=eps_before, epsilon_if_published=eps_after,
                                         target=self.target_epsilon, delta=delta)
         trial = PrivacyAccountant(acct.history)
-        trial.step(noise_multiplier=z, sample_rate=q)
+        trial.step(noise_multiplier=z_acct, sample_rate=q_acct)
         privacy = PrivacyReport(
-            epsilon_round=epsilon([(z, q, 1)], delta=delta), epsilon_total=eps_after, delta=delta,
-            q=q, noise_multiplier=z, clip=float(self.clip), expected_contributors=m_exp,
-            covers_aggregator=self.rule.dp_exact, epsilon_total_rdp=trial.epsilon_rdp(delta=delta))
+            epsilon_round=epsilon([(z_acct, q_acct, 1)], delta=delta), epsilon_total=eps_after, delta=delta,
+            q=q_acct, noise_multiplier=self.noise_multiplier, clip=float(self.clip), expected_contributors=m_exp,
+            mechanism=f"{self.rule.name} / fixed m={m_exp}", participation=self.participation,
+            accounted_noise_multiplier=z_acct, epsilon_total_rdp=trial.epsilon_rdp(delta=delta))
         return Release(self, expected=m_exp, count_stddev=count_std, z_update=z_update, privacy=privacy)
+
+
+    def _fixed_denominator(self) -> int:
+        """m, fixed before any submission; refuses a rule whose influence bound the noise does not match
+        (SoupConfig refuses both first: this guards callers that build the step by hand)."""
+        if not self.rule.dp_exact:
+            raise SoupConfigError(f"DP noise is calibrated to the fixed-denominator mean's bound C/m; rule "
+                                  f"{self.rule.name!r} has no such bound: refused")
+        if self.expected_contributors is None:
+            raise SoupConfigError("DP needs a fixed denominator `dp_expected_contributors`, set before any "
+                                  "submission: refused")
+        return int(self.expected_contributors)
 
 
 class Release:
@@ -136,5 +155,5 @@ class Release:
                                            expected_contributors=self.expected,
                                            generator=self.generator, secure=dp.secure)
         if dp.enabled and accountant is not None:
-            accountant.step(noise_multiplier=dp.noise_multiplier, sample_rate=self.privacy.q)
+            accountant.step(noise_multiplier=self.privacy.accounted_noise_multiplier, sample_rate=self.privacy.q)
         return dp.clip if dp.enabled and dp.adaptive else self.clip

@@ -4,7 +4,8 @@
 directory, trains with `gym_train.train` (LoRA, merged dense delta) on its shard of the built-in task,
 BitDelta-encodes the delta (`zoo_gym.codec`) and replies `{"delta": ArrayRecord({"payload": uint8})}`.
 `SampledSoupStrategy`: samples each node with probability q per round (Poisson), decodes the payloads and
-merges them with `DeltaSoupStrategy` (default trimmed mean; DP when the config's z > 0, q = m / N).
+merges them with `DeltaSoupStrategy` (default trimmed mean; DP, the fixed-m mean only, when the config's z > 0;
+accounted as `dp_participation` says).
 `server_app(config, ...)`: a `ServerApp` running it from the tiny base. Settings travel in the train
 `ConfigRecord` (`TRAIN_DEFAULTS`). Needs flwr (extra `flower`; simulation: extra `simulation`).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import hmac
 import io
 import os
 import pathlib
@@ -37,6 +39,7 @@ except ModuleNotFoundError as exc:
 from ..codec import decode, encode
 from .config import SoupConfig
 from .flower import DeltaSoupStrategy
+from .privacy import accounted_step, secure_generator
 
 # train-config keys the client reads (the server may override any of them per run)
 TRAIN_DEFAULTS = {"task": "default", "steps": 1, "batch-size": 4, "learning-rate": 1e-2, "seed": 0,
@@ -149,19 +152,23 @@ def client_app() -> ClientApp:
 class SampledSoupStrategy(DeltaSoupStrategy):
     """`DeltaSoupStrategy` over BitDelta replies, each node sampled with probability `sample_rate`.
 
-    `seed` fixes the sampling draws (the same cohorts for runs with the same seed). `population`
+    The sampling draws come from the OS's entropy (`random.SystemRandom`) unless the operator passes a secret
+    `seed`: then the same cohorts come again for whoever holds it, and for nobody else (`seed_from_secret`).
+    A public seed (a constant in a script) lets anyone recompute who was sampled and void the amplification
+    the accountant assumes. `population`
     (default: the nodes connected) is N of q = m / N; the first round waits up to `wait_s` seconds
     for N nodes. Under DP every round the sampler ran is accounted as one sampled-Gaussian step (z, q),
     also one that sampled nobody or whose cohort the rule refused (it publishes nothing).
     """
 
-    def __init__(self, config: SoupConfig, *, sample_rate: float, seed: int = 0, wait_s: float = 120.0,
+    def __init__(self, config: SoupConfig, *, sample_rate: float, seed: bytes | None = None, wait_s: float = 120.0,
                  **kwargs) -> None:
         kwargs.setdefault("fraction_evaluate", 0.0)
         super().__init__(config, **kwargs)
         if not 0 < sample_rate <= 1:
             raise ValueError(f"`sample_rate` must be in (0, 1], got {sample_rate}")
-        self.sample_rate, self._rng, self.wait_s = sample_rate, random.Random(seed), wait_s
+        rng = random.SystemRandom() if seed is None else random.Random(seed_from_secret(seed, "sampling"))
+        self.sample_rate, self._rng, self.wait_s = sample_rate, rng, wait_s
         self.cohorts: list[int] = []
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -187,7 +194,7 @@ class SampledSoupStrategy(DeltaSoupStrategy):
         out = super().aggregate_train(server_round, replies)
         config = self.soup.config
         if len(self.reports) == published and self.stopped is None and config.dp_enabled:
-            z, q = config.dp_noise_multiplier, self.sample_rate
+            z, q = accounted_step(config.dp_noise_multiplier, self.sample_rate, participation=config.dp_participation)
             target = config.dp_target_epsilon
             if target is not None and self.accountant.epsilon_if_step(
                     noise_multiplier=z, sample_rate=q, delta=config.dp_delta) > target:
@@ -199,6 +206,14 @@ class SampledSoupStrategy(DeltaSoupStrategy):
     def reply_delta(self, msg: Message, base: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         payload = msg.content["delta"]["payload"].numpy().tobytes()
         return {k: v.float().reshape(-1) for k, v in decode(payload).items()}
+
+
+def seed_from_secret(secret: bytes, purpose: str) -> int:
+    """64 bits of HMAC-SHA256(secret, purpose): the sampling and the noise never share a stream."""
+    if not isinstance(secret, bytes) or len(secret) < 16:
+        raise ValueError("a seed for the Flower apps is an operator-held secret of at least 16 bytes "
+                         "(os.urandom(32)); omit it to draw from the OS's entropy")
+    return int.from_bytes(hmac.new(secret, b"zoo-gym/flower/" + purpose.encode(), hashlib.sha256).digest()[:8], "big")
 
 
 def heldout_evaluate_fn(examples: list[dict], losses: list[float] | None = None):
@@ -222,15 +237,18 @@ def heldout_evaluate_fn(examples: list[dict], losses: list[float] | None = None)
 
 
 def server_app(config: SoupConfig, *, sample_rate: float, num_rounds: int, train_config: dict | None = None,
-               population: int | None = None, seed: int = 0, evaluate_fn=None, results: list | None = None) -> ServerApp:
+               population: int | None = None, seed: bytes | None = None, evaluate_fn=None,
+               results: list | None = None) -> ServerApp:
     """A `ServerApp` running `SampledSoupStrategy` for `num_rounds` from the tiny base; appends
-    (strategy, final ArrayRecord) to `results` when given (simulation)."""
+    (strategy, final ArrayRecord) to `results` when given (simulation). Sampling and noise draw from the OS's
+    entropy, or from the operator's secret `seed` (reproducible only for whoever holds it)."""
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         strategy = SampledSoupStrategy(config, sample_rate=sample_rate, seed=seed, population=population,
-                                       generator=torch.Generator().manual_seed(seed))
+                                       generator=secure_generator() if seed is None else
+                                       torch.Generator().manual_seed(seed_from_secret(seed, "noise")))
         result = strategy.start(grid=grid, initial_arrays=tiny_arrays(), num_rounds=num_rounds,
                                 train_config=ConfigRecord({**TRAIN_DEFAULTS, **(train_config or {})}),
                                 evaluate_fn=evaluate_fn)

@@ -14,6 +14,7 @@ are not private. What it covers and assumes: docs/design/privacy.md.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -75,9 +76,16 @@ def prv_epsilon(history: Iterable[tuple[float, float, int]], *, delta: float) ->
 
 def epsilon(history: Iterable[tuple[float, float, int]], *, delta: float) -> float:
     """The reported epsilon: the smaller of the PRV and RDP bounds (both sound; PRV is the tighter)."""
-    rows = list(history)
-    rdp = rdp_epsilon(rows, delta=delta)
-    return min(prv_epsilon(rows, delta=delta), rdp) if rows else 0.0
+    return _epsilon(tuple((float(z), float(q), int(s)) for z, q, s in history), float(delta))
+
+
+@functools.lru_cache(maxsize=256)
+def _epsilon(rows: tuple[tuple[float, float, int], ...], delta: float) -> float:
+    """`epsilon` for a hashable history: PRV's numerical analysis takes ~0.1 s, and a round asks for the same
+    histories again (before, after, this round alone)."""
+    if not rows:
+        return 0.0
+    return min(prv_epsilon(rows, delta=delta), rdp_epsilon(rows, delta=delta))
 
 
 class PrivacyAccountant:
@@ -127,8 +135,32 @@ class PrivacyReport:
     noise_multiplier: float
     clip: float
     expected_contributors: int
-    covers_aggregator: bool  # True only for the mean: see the module docstring
+    mechanism: str                     # the rule and the fixed denominator that ran
+    participation: str                 # "public" (replace-one, q = 1) or "private" (add/remove, q as sampled)
+    accounted_noise_multiplier: float  # z over the adjacency's sensitivity in units of C/m (z / 2 when public)
     epsilon_total_rdp: float | None = None  # RDP's figure for the same history (>= epsilon_total)
+
+
+def accounted_step(noise_multiplier: float, sample_rate: float, *, participation: str) -> tuple[float, float]:
+    """(z, q) as the accountant must charge one release of the fixed-denominator mean with noise std z C / m.
+
+    private: only the noised aggregate is released, so neighbours differ by adding or removing one person
+    (sensitivity C / m) and sampling that nobody can observe amplifies (q as sampled).
+    public: who took part is known (the ledger names whom each round paid), so what is protected is the content
+    of a contribution: neighbours replace one person's delta (sensitivity 2 C / m, i.e. z / 2 in units of it),
+    and no sampling is hidden (q = 1). Every published round is charged to everyone: the largest of the
+    per-contributor figures, and an upper bound on each."""
+    if participation == "private":
+        return float(noise_multiplier), float(sample_rate)
+    if participation == "public":
+        return float(noise_multiplier) / 2.0, 1.0
+    raise SoupConfigError(f"`dp_participation` must be public or private, got {participation!r}")
+
+
+def accounted_history(rows: Iterable[tuple[float, float | None]], *, participation: str
+                      ) -> list[tuple[float, float, int]]:
+    """The accountant's history from the published rounds' stored (noise multiplier, sample rate) rows."""
+    return [(*accounted_step(z, q or 1.0, participation=participation), 1) for z, q in rows]
 
 
 def secure_generator() -> torch.Generator:

@@ -10,6 +10,7 @@ frozen (its delta is exactly zero). Why this loop and not TRL's trainer: docs/de
 
 from __future__ import annotations
 
+import os
 import pathlib
 import time
 
@@ -73,6 +74,11 @@ def _private_steps(dp_model, dp_opt, dp_loader, sched, engine, config: TrainConf
     return steps, examples_seen, tokens_seen
 
 
+def _entropy_generator(device) -> torch.Generator:
+    """A generator seeded with 64 bits from os.urandom (Opacus's own secure mode needs torchcsprng, not on PyPI)."""
+    return torch.Generator(device=device).manual_seed(int.from_bytes(os.urandom(8), "little"))
+
+
 def train_dp(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_examples=None,
              progress: bool = False):
     from opacus import PrivacyEngine
@@ -104,12 +110,15 @@ def train_dp(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_
     else:
         noise = float(config.dp_noise_multiplier)
 
-    gen = torch.Generator().manual_seed(config.seed)
-    loader = DataLoader(TensorDataset(ids, mask, labels), batch_size=config.batch_size, generator=gen)
+    # The Poisson batches (Opacus draws them from the loader's generator) and the noise come from the OS's entropy,
+    # never from `config.seed`: the client sends its settings, seed included, with every upload, and a noise the
+    # server could regenerate would be subtracted from the delta and protect nothing.
+    loader = DataLoader(TensorDataset(ids, mask, labels), batch_size=config.batch_size,
+                        generator=_entropy_generator("cpu"))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
     engine = PrivacyEngine(accountant="rdp")
-    noise_gen = torch.Generator(device=device).manual_seed(config.seed + 1)  # opacus draws noise on the grads' device
+    noise_gen = _entropy_generator(device)  # opacus draws noise on the grads' device
     dp_model, dp_opt, dp_loader = engine.make_private(
         module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=noise,
         max_grad_norm=config.dp_max_grad_norm, poisson_sampling=True, grad_sample_mode="hooks",

@@ -185,6 +185,10 @@ class ServerConfig:
         if not 0 < self.sample_rate <= 1:
             raise ConfigError(f"`sample_rate` must be in (0, 1] (1 = every contributor, no sampling), "
                               f"got {self.sample_rate}")
+        if self.soup.dp_enabled and self.soup.dp_participation != "public":
+            raise ConfigError("`dp_participation` must be public on gym-server: its ledger (StreamLedger), GetRound and "
+                              "the dashboard name each round's paid contributors, so participation is not hidden and "
+                              "the epsilon is accounted for replace-one neighbours at q = 1 (docs/design/privacy.md)")
         if self.admission not in ("open", "invite"):
             raise ConfigError(f"`admission` must be open or invite, got {self.admission!r}")
         for name in ("register_rate_per_peer", "register_rate_global"):

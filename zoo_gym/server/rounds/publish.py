@@ -23,6 +23,7 @@ from sqlmodel import func, select
 
 from zoo_gym import codec
 from zoo_gym.aggregation import DeltaSoup, NotRobustConfigError, PrivacyAccountant, PrivacyBudgetExceeded, SoupConfig
+from zoo_gym.aggregation.privacy import accounted_history
 from zoo_gym.server.rounds import async_rounds, sampling
 from zoo_gym.server.store import master_weights
 from zoo_gym.safetensors_reader import SafetensorsReader
@@ -292,11 +293,11 @@ def load(state: ServerState, config: ServerConfig, policy, rnd: Round, subs: lis
     inputs = _round_inputs(state, config, policy, rnd, contributors)
     flush = async_rounds.flush_for(inputs.staleness_json)  # as recorded: a sync round adjusts nothing
     with state.session() as s:
-        # Each round is accounted with the rate its people were sampled at: q = 1 unless the server sampled
-        # them (sampling.py, recorded in dp_sample_rate); contributors choosing to submit earns no amplification.
-        history = [(r.dp_noise_multiplier, r.dp_sample_rate or 1.0, 1) for r in s.exec(
+        # Each published round charged as the participation mode says (privacy.accounted_step): with the ledger
+        # public, replace-one at q = 1 whatever the sampling; rows stored by earlier versions are charged the same.
+        history = accounted_history([(r.dp_noise_multiplier, r.dp_sample_rate) for r in s.exec(
             select(Round).where(Round.dp_noise_multiplier.is_not(None), Round.state == RoundState.PUBLISHED,
-                                Round.id < rnd.id).order_by(Round.id))]
+                                Round.id < rnd.id).order_by(Round.id))], participation=config.soup.dp_participation)
         parent = s.get(Checkpoint, rnd.base_sha256)
         parent_measured = parent is None or parent.heldout_loss is not None
         ancestors = _ancestors(s, parent)

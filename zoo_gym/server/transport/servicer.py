@@ -99,7 +99,8 @@ class GymServicer(gym_pb2_grpc.GymServicer):
         handlers.check_contributor_id(request.contributor_id, required=False)
         v = handlers.round_view(state=self.state, contributor_id=request.contributor_id, nonce=request.nonce,
                                 signed_at_unix=request.signed_at_unix, signature=request.signature,
-                                sample_rate=self.config.sample_rate, dp_delta=self.config.soup.dp_delta)
+                                sample_rate=self.config.sample_rate, dp_delta=self.config.soup.dp_delta,
+                                dp_participation=self.config.soup.dp_participation)
         cfg = self.config
         sampled = {} if cfg.sample_rate >= 1.0 else {"sample_rate": cfg.sample_rate,
                                                        "selected_count": v.selected_count, "selected": v.selected}
