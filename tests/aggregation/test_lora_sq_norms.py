@@ -121,7 +121,8 @@ def test_soup_with_fast_path_publishes_the_same_bytes(config):
 def test_soup_under_dp_decodes_for_the_norms():
     fast = StoredDeltas(_payloads(), ["x", "y"], SHAPES)
     fast.sq_norms = lambda name: pytest.fail("sq_norms must not be used under DP")
-    cfg = SoupConfig.from_mapping({"aggregator": "mean", "dp_clip": 1.0, "dp_noise_multiplier": 1.0})
+    cfg = SoupConfig.from_mapping({"aggregator": "mean", "dp_clip": 1.0, "dp_noise_multiplier": 1.0,
+                                   "dp_expected_contributors": 3})
     DeltaSoup(cfg).run(fast, lambda k, v: None, generator=torch.Generator().manual_seed(0))
 
 

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from zoo_gym.aggregation.config import DP_AGGREGATORS
 from zoo_gym.aggregation import (AGGREGATORS, RULES, Bulyan, CenteredClip, GeometricMedian, Krum, Mean,
                                  Median, MultiKrum, SoupConfig, TrimmedMean, create_rule)
 from zoo_gym.aggregation.errors import AggregationError, NotRobustConfigError
@@ -72,3 +73,6 @@ def test_what_each_rule_needs():
                      "bulyan": (True, False, False, False, False),
                      "geometric-median": (True, True, True, False, False),
                      "centered-clip": (True, True, True, False, False)}
+    # the rules a DP config may name are exactly those with a proven influence bound (config.DP_AGGREGATORS,
+    # spelled out so that reading a config imports no torch)
+    assert DP_AGGREGATORS == tuple(name for name, cls in RULES.items() if cls.dp_exact)

@@ -74,7 +74,8 @@ def test_packed_inputs_select_the_same_as_decoded():
 
 def test_dp_mean_fixed_denominator_noise_and_accounting():
     deltas = [{"w": torch.full((50_000,), 0.01 * (i + 1))} for i in range(4)]
-    cfg = SoupConfig(aggregator="mean", dp_noise_multiplier=1.0, dp_clip=1.0, dp_expected_contributors=8)
+    cfg = SoupConfig(aggregator="mean", dp_noise_multiplier=1.0, dp_clip=1.0, dp_expected_contributors=8,
+                     dp_participation="private")
     acct = PrivacyAccountant()
     out, report = _run(cfg, deltas, generator=torch.Generator().manual_seed(0),
                        accountant=acct, population=80)
@@ -83,9 +84,22 @@ def test_dp_mean_fixed_denominator_noise_and_accounting():
     assert report.noise_std == pytest.approx(1.0 * 1.0 / 8)
     assert out["w"].mean().item() == pytest.approx(clipped_sum / 8, abs=3 * 0.125 / 50_000 ** 0.5)
     assert out["w"].std().item() == pytest.approx(0.125, rel=0.02)
-    assert report.privacy.q == 0.1 and report.privacy.covers_aggregator
+    assert report.privacy.q == 0.1 and report.privacy.mechanism == "mean / fixed m=8"
     assert acct.history == [(1.0, 0.1, 1)]
     assert report.privacy.epsilon_total == acct.epsilon(delta=1e-5)
+
+
+def test_dp_with_public_participation_is_charged_replace_one_without_amplification():
+    """Who took part is public (the server's ledger): replacing one delta moves the sum by 2C, and nobody's
+    participation is hidden, so the same noise is charged as z / 2 at q = 1 whatever the sampling."""
+    deltas = [{"w": torch.full((1000,), 0.01 * (i + 1))} for i in range(4)]
+    cfg = SoupConfig(aggregator="mean", dp_noise_multiplier=1.0, dp_clip=1.0, dp_expected_contributors=8)
+    acct = PrivacyAccountant()
+    _, report = _run(cfg, deltas, generator=torch.Generator().manual_seed(0), accountant=acct, sample_rate=0.1)
+    assert cfg.dp_participation == "public" and report.noise_std == pytest.approx(1.0 / 8)
+    assert acct.history == [(0.5, 1.0, 1)] and report.privacy.q == 1.0
+    assert report.privacy.epsilon_total == pytest.approx(acct.epsilon(delta=1e-5))
+    assert report.privacy.epsilon_total > 3 * PrivacyAccountant([(1.0, 0.1, 1)]).epsilon(delta=1e-5)
 
 
 def test_default_is_robust_to_one_huge_delta_and_refuses_it_by_norm():
@@ -127,7 +141,8 @@ def test_norm_ratio_uses_the_lower_median_and_can_be_disabled():
     _, report = _run(SoupConfig(aggregator="mean"), [a, b, broken, zero, zero])
     assert [r.accepted for r in report.contributors] == [True, False, False, False, False]
     # under DP the clip bounds every delta; a refusal depending on others' norms is not applied
-    _, report = _run(SoupConfig(aggregator="mean", dp_noise_multiplier=1.0, dp_clip=1.0), [a, b],
+    _, report = _run(SoupConfig(aggregator="mean", dp_noise_multiplier=1.0, dp_clip=1.0,
+                                dp_expected_contributors=2), [a, b],
                      generator=torch.Generator().manual_seed(0))
     assert [r.accepted for r in report.contributors] == [True, True]
     with pytest.raises(SoupConfigError, match="`max_norm_ratio`"):
@@ -136,7 +151,8 @@ def test_norm_ratio_uses_the_lower_median_and_can_be_disabled():
 
 def test_budget_exceeded_before_any_output():
     deltas = _round()
-    cfg = SoupConfig(dp_noise_multiplier=0.5, dp_clip=1.0, dp_target_epsilon=1.0)
+    cfg = SoupConfig(aggregator="mean", dp_noise_multiplier=0.5, dp_clip=1.0, dp_expected_contributors=7,
+                     dp_target_epsilon=1.0)
     calls = []
     with pytest.raises(PrivacyBudgetExceeded, match="stops publishing"):
         DeltaSoup(cfg).run(DictDeltaSource([f"c{i}" for i in range(7)], deltas),
@@ -146,12 +162,12 @@ def test_budget_exceeded_before_any_output():
 
 
 def test_config_from_mapping_and_field_checks():
-    cfg = SoupConfig.from_mapping({"aggregator": "multi-krum", "byzantine-f": 2,
+    cfg = SoupConfig.from_mapping({"aggregator": "mean", "byzantine-f": 2, "dp-expected-contributors": 5,
                                    "dp-noise-multiplier": 1.0, "dp-clip": 0.5})
-    assert (cfg.byzantine_f, cfg.dp_clip) == (2, 0.5)
+    assert (cfg.byzantine_f, cfg.dp_clip, cfg.dp_expected_contributors) == (2, 0.5, 5)
     with pytest.raises(SoupConfigError, match="unknown aggregation config key 'byzantin-f'"):
         SoupConfig.from_mapping({"byzantin-f": 2})
     with pytest.raises(SoupConfigError, match="`dp_clip` is required"):
-        SoupConfig(dp_noise_multiplier=1.0)
+        SoupConfig(aggregator="mean", dp_noise_multiplier=1.0, dp_expected_contributors=5)
     with pytest.raises(SoupConfigError, match="`trim_beta`"):
         SoupConfig(trim_beta=0.5)
