@@ -15,7 +15,7 @@ from zoo_gym.server.store.models import Round
 
 def test_epsilon_spent_is_charted_against_the_target(federation_with):
     fed = federation_with(min_contributors=3, aggregator="mean", dp_noise_multiplier=1.0, dp_clip=1.0,
-                          dp_target_epsilon=1000.0)
+                          dp_expected_contributors=3, dp_target_epsilon=1000.0)
     for i in range(3):
         key, cid = fed.register()
         fed.submit(key, cid, codec.encode(fed.small_delta(seed=i), codec="fp16"))

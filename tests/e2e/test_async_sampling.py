@@ -17,7 +17,7 @@ from e2e_processes import server_cmd as _server, stop
 from zoo_gym.aggregation.privacy import epsilon
 from zoo_gym.proto.tls import make_certificates
 from zoo_gym.server.rounds import sampling
-from zoo_gym.server.store.models import Contributor, Round
+from zoo_gym.server.store.models import Contributor, Round, RoundInputs
 from zoo_gym.server.store.state import open_state
 
 Q, Z, DELTA, VERSIONS = 0.5, 1.0, 1e-5, 2
@@ -33,7 +33,7 @@ def run(tmp_path_factory):
     config = root / "fed.toml"
     config.write_text(f'mode = "async"\nbuffer-size = 2\nmax-staleness = 20\naggregator = "mean"\n'
                       f'min-quality = 0.0\nsample-rate = {Q}\nround-timeout = 10\n'
-                      f'dp-noise-multiplier = {Z}\ndp-clip = 1.0\ndp-delta = {DELTA}\n')
+                      f'dp-noise-multiplier = {Z}\ndp-clip = 1.0\ndp-delta = {DELTA}\ndp-expected-contributors = 2\n')
     port_file = root / "port"
     server = subprocess.Popen(_server("serve", "--state-dir", str(state_dir), "--port", "0", "--port-file",
                                       str(port_file), "--config", str(config), "--ssl-certfile", str(tls.cert),
@@ -75,10 +75,14 @@ def test_each_version_is_charged_its_draws_rate_and_epsilon_is_the_accountants(r
     state = open_state(run["state_dir"])
     with state.session() as s:
         draws = {r["id"]: len(sampling.cutoffs(s.get(Round, r["id"]))) for r in published}
-    rates = [r["dp_sample_rate"] for r in published]
+    with state.session() as s:
+        rates = [s.get(RoundInputs, r["id"]).sample_rate for r in published]  # what each version's draws gave
     assert rates == [pytest.approx(sampling.effective_rate(Q, draws[r["id"]])) for r in published]
     assert all(q < 1 for q in rates)
     assert draws[published[0]["id"]] >= 2  # version 1: the clients registered after its first draw
-    history = [(Z, q, 1) for q in rates]
+    # but the ledger names whom each version paid: participation is public, so each flush is charged
+    # replace-one (z / 2) at q = 1, and the sampling amplifies nothing
+    assert all(r["dp_sample_rate"] == 1.0 for r in published)
+    history = [(Z / 2, 1.0, 1) for _ in rates]
     assert published[-1]["dp_epsilon_total"] == pytest.approx(epsilon(history, delta=DELTA), rel=1e-9)
     assert run["status"]["dp_epsilon_spent"] == published[-1]["dp_epsilon_total"]

@@ -112,6 +112,24 @@ def test_dp_sgd_reports_the_rdp_epsilon(data, method):
         assert float(r.delta["model.layers.0.mlp.up_proj.weight"].abs().max()) > 0.0
 
 
+def test_dp_sgd_noise_cannot_be_regenerated_from_the_settings_the_server_receives(data):
+    """The client sends its settings (seed included) with every upload. Two runs with the same settings, data and
+    seed: without DP their deltas agree to float rounding, with DP they differ by the noise, so the server cannot
+    regenerate the noise (or the Poisson batches) from what it received and subtract it."""
+    ex, val = data
+
+    def delta(dp: bool) -> torch.Tensor:
+        extra = dict(dp_noise_multiplier=1.0, dp_max_grad_norm=0.5) if dp else {}
+        cfg = TrainConfig(method="lora", max_steps=2, batch_size=8, seed=3, **extra)
+        r = train(BASE, ex[:80], cfg, base_sha256="d", eval_examples=val[:4])
+        return torch.cat([v.merged().reshape(-1) for _, v in sorted(r.delta.items())])
+
+    plain = [delta(False) for _ in range(2)]
+    private = [delta(True) for _ in range(2)]
+    assert float((plain[0] - plain[1]).norm()) <= 1e-3 * float(plain[0].norm())
+    assert float((private[0] - private[1]).norm()) > 0.1 * float(private[0].norm())
+
+
 def test_dp_target_epsilon_is_not_overspent(data):
     ex, val = data
     cfg = TrainConfig(max_steps=2, batch_size=8, dp_target_epsilon=3.0)

@@ -50,7 +50,8 @@ def test_staleness_is_an_aggregation_weight_only_for_the_mean():
     applied = {rule: staleness_applied(SoupConfig(aggregator=rule, dp_clip=1.0)) for rule in AGGREGATORS}
     # robust rules select and trim on the weighted rows they average: no fresh row outweighs a stale one it hid among
     assert {rule for rule, how in applied.items() if how == "weights"} == {"mean"}
-    assert staleness_applied(SoupConfig(aggregator="mean", dp_noise_multiplier=1.0, dp_clip=1.0)) == "rows"
+    assert staleness_applied(SoupConfig(aggregator="mean", dp_noise_multiplier=1.0, dp_clip=1.0,
+                                        dp_expected_contributors=2)) == "rows"
     w = [1.0, 0.25, 0.25, 0.5]  # sum 2, K = 4
     assert step_scale(w, normalize=True, applied="rows") == 2.0  # K / sum w: the weighted rows' mean -> average
     assert step_scale(w, normalize=True, applied="weights") == 1.0  # the rule already averages with w
@@ -272,7 +273,7 @@ def test_each_flush_is_one_dp_release_composed_by_the_accountant(federation_with
     from zoo_gym.aggregation.privacy import epsilon as rdp_epsilon  # the reported figure (PRV, <= RDP)
 
     fed = federation_with(**{**ASYNC, "max_staleness": 2}, validation_examples=0, dp_noise_multiplier=1.0,
-                          dp_clip=0.05)
+                          dp_clip=0.05, dp_expected_contributors=2)
     (ka, ca), (kb, cb), (kc, cc) = (fed.register() for _ in range(3))
     base0 = fed.round().base_sha256
     fed.submit(ka, ca, codec.encode(fed.small_delta(seed=1), codec="fp16"), round_id=1)
@@ -282,8 +283,9 @@ def test_each_flush_is_one_dp_release_composed_by_the_accountant(federation_with
     fed.submit(ka, ca, codec.encode(fed.small_delta(seed=4), codec="fp16"), round_id=2)
     r2 = fed.wait_published(2)
     delta = fed.round().dp_delta
-    assert r1.dp_epsilon_total == pytest.approx(rdp_epsilon([(1.0, 1.0, 1)], delta=delta))
-    assert r2.dp_epsilon_total == pytest.approx(rdp_epsilon([(1.0, 1.0, 2)], delta=delta))  # two flushes, two steps
+    # participation public (the ledger): each flush charged replace-one, z / 2 at q = 1
+    assert r1.dp_epsilon_total == pytest.approx(rdp_epsilon([(0.5, 1.0, 1)], delta=delta))
+    assert r2.dp_epsilon_total == pytest.approx(rdp_epsilon([(0.5, 1.0, 2)], delta=delta))  # two flushes, two steps
     assert r2.dp_epsilon_round == pytest.approx(r1.dp_epsilon_round)
     with fed.state.session() as s:  # under DP the step is FedBuff's sum / K: the noise is calibrated for it
         recorded = json.loads(s.get(RoundInputs, 2).staleness_json)

@@ -18,17 +18,34 @@ from zoo_gym.server.transport.servicer import build_server
 
 def test_file_values_are_overridden_by_flags_and_routed(tmp_path):
     path = tmp_path / "server.toml"
-    path.write_text('min-contributors = 5\naggregator = "multi-krum"\n[privacy]\ndp-clip = 0.5\n'
-                    'dp-noise-multiplier = 1.0\n[rewards]\nreward-pool = 77\n')
+    path.write_text('min-contributors = 5\naggregator = "mean"\n[privacy]\ndp-clip = 0.5\n'
+                    'dp-noise-multiplier = 1.0\ndp-expected-contributors = 5\n[rewards]\nreward-pool = 77\n')
     cfg = build_config(read_config_file(path), min_contributors=4, byzantine_f=1)
     assert cfg.min_contributors == 4  # the flag wins
     soup = cfg.soup
-    assert (soup.aggregator, soup.dp_clip, soup.dp_noise_multiplier, soup.byzantine_f) == ("multi-krum", 0.5, 1.0, 1)
+    assert (soup.aggregator, soup.dp_clip, soup.dp_noise_multiplier, soup.byzantine_f) == ("mean", 0.5, 1.0, 1)
     assert soup.trim_beta == SoupConfig.trim_beta == 0.4  # not given anywhere: the one default
     assert cfg.rewards.reward_pool == 77
     yaml_path = tmp_path / "server.yaml"
     yaml_path.write_text("aggregator: trimmed-mean\ntrim-beta: 0.2\n")
     assert build_config(read_config_file(yaml_path)).soup.trim_beta == 0.2
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--dp-noise-multiplier", "1", "--dp-clip", "0.5", "--dp-expected-contributors", "5"],
+     "`aggregator` must be mean, got 'trimmed-mean'"),
+    (["--dp-noise-multiplier", "1", "--dp-clip", "0.5", "--aggregator", "krum", "--byzantine-f", "1",
+      "--dp-expected-contributors", "5"], "`aggregator` must be mean, got 'krum'"),
+    (["--dp-noise-multiplier", "1", "--dp-clip", "0.5", "--aggregator", "mean"], "`dp_expected_contributors` (m)"),
+    (["--dp-noise-multiplier", "1", "--dp-clip", "0.5", "--aggregator", "mean", "--dp-expected-contributors", "5",
+      "--dp-participation", "private"], "`dp_participation` must be public on gym-server"),
+])
+def test_serve_and_settings_refuse_dp_without_a_proven_bound_in_one_line(tmp_path, args, says):
+    """Nothing starts, nothing is created, and one line names what is allowed."""
+    for command in (["settings"], ["serve", "--state-dir", str(tmp_path / "fed"), "--insecure"]):
+        res = CliRunner().invoke(app, command + args)
+        assert res.exit_code != 0 and says in res.output and "Traceback" not in res.output, res.output
+    assert not (tmp_path / "fed").exists()
 
 
 def test_a_typo_is_an_error_naming_the_key(tmp_path):
@@ -51,7 +68,7 @@ def test_privacy_budget_halts_publication_before_overspending(federation):
     federation.rounds.stop()
     federation.server.stop(grace=None)
     cfg = build_config({}, port=0, insecure=True, min_contributors=2, aggregator="mean", dp_noise_multiplier=0.5, dp_clip=0.01,
-                       dp_target_epsilon=0.5, reward_pool=10)
+                       dp_expected_contributors=2, dp_target_epsilon=0.5, reward_pool=10)
     server, port, rounds = build_server(federation.state, cfg)
     server.start()
     rounds.start()
@@ -87,7 +104,7 @@ def test_dp_round_records_privacy_spent_in_round_and_manifest(federation):
     federation.rounds.stop()
     federation.server.stop(grace=None)
     cfg = build_config({}, port=0, insecure=True, min_contributors=2, aggregator="mean", dp_noise_multiplier=1.0, dp_clip=0.05,
-                       dp_target_epsilon=1000.0)
+                       dp_expected_contributors=2, dp_target_epsilon=1000.0)
     server, port, rounds = build_server(federation.state, cfg)
     server.start()
     rounds.start()

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from zoo_gym import codec
 
-DP = dict(aggregator="mean", min_contributors=2, dp_noise_multiplier=1.0, dp_clip=0.05, dp_target_epsilon=1000.0)
+DP = dict(aggregator="mean", min_contributors=2, dp_noise_multiplier=1.0, dp_clip=0.05, dp_target_epsilon=1000.0,
+          dp_expected_contributors=2)
 
 
 def _published_weights(fed) -> dict[str, torch.Tensor]:

@@ -17,6 +17,7 @@ from zoo_gym.client.upload import register_request
 from zoo_gym.server.store.models import Round
 
 DP = dict(aggregator="mean", min_contributors=2, dp_noise_multiplier=1.0, dp_clip=0.05, dp_target_epsilon=1000.0,
+          dp_expected_contributors=2,
           register_burst_per_peer=2000, register_burst_global=2000)
 
 
@@ -45,8 +46,9 @@ def test_a_thousand_extra_registrations_leave_the_reported_epsilon_unchanged(fed
 
     assert eps_sybils == eps_honest  # was 4.73 with 2 registered and ~0.03 with 1002 (q = 2 / 1002)
     assert q_honest == q_sybils == 1.0
-    assert eps_honest == pytest.approx(epsilon([(1.0, 1.0, 1)], delta=1e-5))  # PRV (RDP said 4.7285)
-    assert eps_honest < rdp_epsilon([(1.0, 1.0, 1)], delta=1e-5) == pytest.approx(4.7285, abs=1e-4)
+    # participation public (the ledger): replace-one, z / 2 at q = 1; PRV, below RDP's figure
+    assert eps_honest == pytest.approx(epsilon([(0.5, 1.0, 1)], delta=1e-5))
+    assert eps_honest < rdp_epsilon([(0.5, 1.0, 1)], delta=1e-5)
 
 
 def test_the_issue_s_figure_is_what_ten_rounds_cost_at_q_1():

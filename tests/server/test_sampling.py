@@ -96,7 +96,8 @@ def test_a_round_is_charged_the_sample_rate_it_closed_with_whatever_the_setting_
     from zoo_gym.server.store.models import RoundInputs, RoundState, Submission
 
     z, delta = 1.0, 1e-5
-    fed = federation_with(sample_rate=Q, min_contributors=3, dp_noise_multiplier=z, dp_clip=0.05, dp_delta=delta)
+    fed = federation_with(sample_rate=Q, min_contributors=3, aggregator="mean", dp_noise_multiplier=z, dp_clip=0.05,
+                          dp_expected_contributors=2, dp_delta=delta)
     fed.rounds.stop()  # this test closes and publishes the round itself
     people = _open_after_registering(fed, 12)
     with fed.state.session() as s:
@@ -116,8 +117,10 @@ def test_a_round_is_charged_the_sample_rate_it_closed_with_whatever_the_setting_
     assert publish_round(fed.state, later, rnd, subs).startswith("published")
 
     with fed.state.session() as s:
-        assert s.get(RoundInputs, 1).sample_rate == Q
+        assert s.get(RoundInputs, 1).sample_rate == Q  # what selection used, recorded at close
         published = s.get(Round, 1)
-        assert published.dp_sample_rate == Q
-        assert published.dp_epsilon_total == pytest.approx(epsilon([(z, Q, 1)], delta=delta))
-        assert published.dp_epsilon_total < epsilon([(z, 0.9, 1)], delta=delta)
+        # the ledger names whom the round paid: participation is public, so the sampling hides nobody and
+        # amplifies nothing; the release is charged replace-one (z / 2) at q = 1, whatever --sample-rate says
+        assert published.dp_sample_rate == 1.0
+        assert published.dp_epsilon_total == pytest.approx(epsilon([(z / 2, 1.0, 1)], delta=delta))
+        assert published.dp_epsilon_total > epsilon([(z, Q, 1)], delta=delta)

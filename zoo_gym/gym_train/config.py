@@ -59,7 +59,7 @@ class TrainConfig:
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay", "group": "Training"})
     max_length: int = field(default=256, metadata={"help": "tokens per example (longer ones are cut)",
                                                    "group": "Training", "aliases": ("cutoff_len",)})
-    seed: int = field(default=0, metadata={"help": "seed of init, data order, dropout, sampling and DP noise",
+    seed: int = field(default=0, metadata={"help": "seed of init, data order, dropout and sampling (DP-SGD noise and batches draw from the OS, never from it)",
                                            "group": "Training"})
     # LoRA (PEFT), used by lora and grpo
     lora_r: int = field(default=8, metadata={"help": "LoRA rank (PEFT r)", "group": "LoRA",
