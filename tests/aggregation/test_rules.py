@@ -10,6 +10,7 @@ from zoo_gym.aggregation.config import DP_AGGREGATORS
 from zoo_gym.aggregation import (AGGREGATORS, RULES, Bulyan, CenteredClip, GeometricMedian, Krum, Mean,
                                  Median, MultiKrum, SoupConfig, TrimmedMean, create_rule)
 from zoo_gym.aggregation.errors import AggregationError, NotRobustConfigError
+from zoo_gym.aggregation.rules import TrustMean
 
 
 def test_registry_builds_each_rule_with_its_own_settings():
@@ -20,7 +21,7 @@ def test_registry_builds_each_rule_with_its_own_settings():
     assert built == {"mean": Mean(), "median": Median(), "trimmed-mean": TrimmedMean(beta=0.2),
                      "krum": Krum(f=2), "multi-krum": MultiKrum(f=2, m=4), "bulyan": Bulyan(f=2),
                      "geometric-median": GeometricMedian(eps=1e-6, max_iter=9, nu=1e-5),
-                     "centered-clip": CenteredClip(tau=0.5, iters=5)}
+                     "centered-clip": CenteredClip(tau=0.5, iters=5), "trust-mean": TrustMean()}
     assert all(rule.name == name for name, rule in built.items())
     assert cfg.rule == MultiKrum(f=2, m=4) and Krum(f=1).m == 1
 
@@ -72,7 +73,8 @@ def test_what_each_rule_needs():
                      "multi-krum": (True, False, False, False, False),
                      "bulyan": (True, False, False, False, False),
                      "geometric-median": (True, True, True, False, False),
-                     "centered-clip": (True, True, True, False, False)}
+                     "centered-clip": (True, True, True, False, False),
+                     "trust-mean": (False, False, False, False, True)}
     # the rules a DP config may name are exactly those with a proven influence bound (config.DP_AGGREGATORS,
     # spelled out so that reading a config imports no torch)
     assert DP_AGGREGATORS == tuple(name for name, cls in RULES.items() if cls.dp_exact)

@@ -20,10 +20,11 @@ if TYPE_CHECKING:
 
 # the rules' names, in the order the help text lists them (== tuple(rules.RULES); spelled out so that
 # reading a config does not import torch: tests/aggregation/test_rules.py checks they agree)
-AGGREGATORS = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan", "geometric-median", "centered-clip")
+AGGREGATORS = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan", "geometric-median", "centered-clip",
+               "trust-mean")
 # the rules whose per-contributor influence bound is proven, so DP noise can be calibrated to it (== the rules with
 # `dp_exact`; tests/aggregation/test_rules.py checks they agree). Every other rule is refused with DP on.
-DP_AGGREGATORS = ("mean",)
+DP_AGGREGATORS = ("mean", "trust-mean")
 PARTICIPATION = ("public", "private")
 
 
@@ -31,7 +32,7 @@ PARTICIPATION = ("public", "private")
 class SoupConfig:
     """Settings of validate -> clip -> robust aggregate -> noise. Every check names its field."""
 
-    aggregator: str = dataclasses.field(default="trimmed-mean", metadata={"help": "one of " + ", ".join(AGGREGATORS) + " (default trimmed-mean: robust, needs >= 3 contributors; mean is not robust)"})
+    aggregator: str = dataclasses.field(default="trimmed-mean", metadata={"help": "one of " + ", ".join(AGGREGATORS) + " (default trimmed-mean: robust, needs >= 3 contributors; mean is not robust; with DP only mean or trust-mean, the mean weighted by each delta's agreement with the operator's validation gradient)"})
     byzantine_f: int = dataclasses.field(default=0, metadata={"help": "Byzantine contributors tolerated (krum, multi-krum, bulyan)"})
     multi_krum_m: int | None = dataclasses.field(default=None, metadata={"help": "contributors Multi-Krum averages (default n - f; K // 2 per buffer in async mode)"})
     trim_beta: float = dataclasses.field(default=0.4, metadata={"help": "share trimmed from each end per coordinate, [0, 0.5) (default 0.4: near the median, which 1-bit deltas need against sign flips; docs/design/aggregation.md)"})
@@ -112,7 +113,8 @@ class SoupConfig:
         calibrated to that bound, and for any other rule the epsilon reported would not bound anything."""
         if self.aggregator not in DP_AGGREGATORS:
             raise SoupConfigError(
-                f"with DP on (`dp_noise_multiplier` > 0) `aggregator` must be {' or '.join(DP_AGGREGATORS)}, got "
+                f"with DP on (`dp_noise_multiplier` > 0) `aggregator` must be {' or '.join(DP_AGGREGATORS)} (robust under DP: "
+                "trust-mean), got "
                 f"{self.aggregator!r}: one added contributor can move its output by many times C/m (trimmed mean "
                 "4.8x, Krum 200x), so no epsilon reported for it would be a bound (docs/design/privacy.md)")
         if self.dp_expected_contributors is None:

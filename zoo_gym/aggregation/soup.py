@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .config import SoupConfig
 from .dp import DifferentialPrivacy, Release
-from .errors import NotRobustConfigError
+from .errors import NotRobustConfigError, SoupConfigError
 from .krum import duplicate_groups
 from .privacy import PrivacyAccountant, PrivacyReport
 from .rules.base import Plan, RoundView
@@ -91,18 +91,20 @@ class DeltaSoup:
             weights: Tensor | None = None, generator: torch.Generator | None = None,
             accountant: PrivacyAccountant | None = None,
             population: int | None = None, sample_rate: float | None = None,
-            lend_aggregates: bool = False) -> SoupReport:
+            lend_aggregates: bool = False, reference: Any = None) -> SoupReport:
         """Aggregate the round; `sink(name, aggregate)` receives each tensor flat (numel,) float32.
         `sample_rate`: the probability with which the caller sampled each person (accounted as q).
         `lend_aggregates`: the sink uses each aggregate before it returns and keeps no reference to it, so a
         LoRA mean is written into one buffer reused tensor after tensor (a fresh 100 MB product faults its
-        pages in every time: 3x the matmul's own time at 4B)."""
+        pages in every time: 3x the matmul's own time at 4B).
+        `reference`: the operator's direction (a mapping tensor name -> tensor, e.g. the negative gradient of its
+        validation loss) for a rule that weighs each delta by its agreement with it (trust-mean)."""
         n, names = len(source.contributors), list(source.names())
         checked = self._validate(source, names, n)
         rows = self._clip(source, names, checked)
         release = self.dp.open(submitted=n, population=population, accountant=accountant,
                                sample_rate=sample_rate)
-        view = self._view(rows, release, checked, weights=weights)
+        view = self._view(rows, release, checked, weights=weights, reference=reference)
         plan = self.rule.plan(view)
         self._publish(plan, rows, release, checked.numels, sink, generator=generator,
                       scratch=_Scratch() if lend_aggregates else None)
@@ -127,7 +129,7 @@ class DeltaSoup:
                            len(checked.reasons))
 
     def _view(self, rows: ClippedRows, release: Release, checked: Validated, *,
-              weights: Tensor | None) -> RoundView:
+              weights: Tensor | None, reference: Any = None) -> RoundView:
         """The rule's view: weights as the DP step allows, then the copies grouped, decided once."""
         acc, k = rows.acc, rows.acc.numel()
 
@@ -137,10 +139,14 @@ class DeltaSoup:
 
         w = release.weighting(k, server_weights)
         distances, groups = self._group_copies(rows)
+        if self.rule.needs_reference and reference is None:
+            raise SoupConfigError(f"aggregator {self.rule.name!r} needs the operator's reference direction "
+                                  "(DeltaSoup.run(reference=...)): none was given")
+        cos = rows.cosines_to(reference) if self.rule.needs_reference else None
         return RoundView(submitted=rows.n, weights=w.weights, weighted=w.weighted,
                          denominator=w.denominator, factored=w.factored,
                          norms=checked.norms[acc] * rows.factors, distances=distances, groups=groups,
-                         distances_to=rows.sq_distances_to)
+                         distances_to=rows.sq_distances_to, reference_cos=cos)
 
     def _group_copies(self, rows: ClippedRows) -> tuple[Tensor | None, Tensor | None]:
         """((k, k) whole-model squared distances, (k,) each row's group of copies), as the rule needs."""

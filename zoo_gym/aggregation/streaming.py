@@ -57,6 +57,25 @@ class ClippedRows:
             dist += packed_model_sq_distances(batch, scale=self.factors)
         return dist
 
+    def cosines_to(self, reference: Any) -> Tensor:
+        """One pass: (k,) float64 cosine of each clipped row with `reference` (a mapping name -> tensor; a name
+        it lacks counts as zero), 0 for a zero row or a zero reference."""
+        dots = torch.zeros(self.acc.numel(), dtype=torch.float64)
+        sq_rows = torch.zeros_like(dots)
+        sq_ref = 0.0
+        for name in self.names:
+            r = reference.get(name) if hasattr(reference, "get") else reference[name]
+            if r is None:
+                continue
+            x = self.rows(name).to(torch.float64)
+            r = r.reshape(-1).to(torch.float64)
+            dots += x @ r
+            sq_rows += (x * x).sum(1)
+            sq_ref += float(r @ r)
+        denom = sq_rows.sqrt() * sq_ref ** 0.5
+        return torch.where(denom > 0, dots / torch.where(denom > 0, denom, torch.ones_like(denom)),
+                           torch.zeros_like(dots))
+
     def sq_distances_to(self, coefficients: Tensor | None, previous: Tensor | None = None
                         ) -> tuple[Tensor, float]:
         """One pass: ((k,) squared distances of the rows to sum_j a_j x_j (None: the coordinate-wise

@@ -1,12 +1,12 @@
 """Aggregation rules as objects with a fixed keyword-only interface (see base.py), named once by
 `create_rule(config)` / `RULES`; the tensor maths stays in the pure functions of the package."""
 
-from .averaging import CenteredClip, GeometricMedian, Mean
+from .averaging import CenteredClip, GeometricMedian, Mean, TrustMean
 from .base import CoordinatewisePlan, LinearPlan, Plan, RoundView, Rule
 from .coordinatewise import Median, TrimmedMean
 from .registry import RULES, create_rule
 from .selection import Bulyan, Krum, MultiKrum
 
 __all__ = ["RULES", "Bulyan", "CenteredClip", "CoordinatewisePlan", "GeometricMedian", "Krum",
-           "LinearPlan", "Mean", "Median", "MultiKrum", "Plan", "RoundView", "Rule", "TrimmedMean",
+           "LinearPlan", "Mean", "Median", "MultiKrum", "Plan", "RoundView", "Rule", "TrimmedMean", "TrustMean",
            "create_rule"]

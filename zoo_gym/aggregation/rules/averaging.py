@@ -33,6 +33,31 @@ class Mean(Rule):
 
 
 @dataclass(frozen=True, kw_only=True)
+class TrustMean(Rule):
+    """FLTrust's trust weights (Cao et al. 2021, arXiv:2012.13995) over the fixed-denominator mean: each clipped
+    delta weighs max(0, cos(x_i, r)) in [0, 1], r the operator's reference direction (its validation data's
+    descent direction), so a delta pointing away from r counts for nothing. Under DP the weighted sum is divided by
+    the fixed m: a weight that depends only on that delta and on r keeps one person's influence within C / m
+    (privacy.md), so the mean's noise covers it. Without DP the sum is divided by the weights' sum, as FLTrust."""
+
+    name = "trust-mean"
+    dp_exact = True
+    needs_reference = True
+
+    def plan(self, view: RoundView) -> Plan:
+        if view.reference_cos is None:
+            raise AggregationError("trust-mean needs the reference direction's cosines (DeltaSoup.run(reference=))")
+        trust = view.reference_cos.clamp(min=0.0, max=1.0).to(torch.float64)
+        score = view.reference_cos.to(torch.float64)
+        if view.denominator is not None:
+            return LinearPlan(trust, total=view.denominator, score=score, selected=trust > 0)
+        total = float(trust.sum())
+        if total <= 0:  # nobody points the operator's way: nothing moves
+            return LinearPlan(torch.zeros_like(trust), total=1.0, score=score, selected=trust > 0)
+        return LinearPlan(trust, total=total, score=score, selected=trust > 0, factored=view.factored)
+
+
+@dataclass(frozen=True, kw_only=True)
 class GeometricMedian(Rule):
     """Smoothed Weiszfeld from the coordinate-wise median; copies count once (split weights)."""
 

@@ -40,6 +40,7 @@ class RoundView:
     distances: Tensor | None     # (k, k) float64 whole-model squared distances (`needs_distances`)
     groups: Tensor | None        # (k,) each row's group of copies (`counts_copies_once`)
     distances_to: DistancesTo    # one pass over the model
+    reference_cos: Tensor | None = None  # (k,) cosine of each row with the reference direction (`needs_reference`)
 
     @property
     def k(self) -> int:
@@ -143,6 +144,7 @@ class Rule:
     iterated: ClassVar[bool] = False             # one pass over the model per iteration
     staleness_as_weights: ClassVar[bool] = False  # async: w(s) may be aggregation weights (else rows are scaled)
     dp_exact: ClassVar[bool] = False             # DP-FedAvg's sensitivity argument covers it (privacy.py)
+    needs_reference: ClassVar[bool] = False      # a reference direction from the operator (DeltaSoup.run(reference=))
 
     @classmethod
     def from_config(cls, config: Any) -> Rule:

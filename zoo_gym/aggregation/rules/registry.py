@@ -7,7 +7,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from ..errors import SoupConfigError
-from .averaging import CenteredClip, GeometricMedian, Mean
+from .averaging import CenteredClip, GeometricMedian, Mean, TrustMean
 from .base import Rule
 from .coordinatewise import Median, TrimmedMean
 from .selection import Bulyan, Krum, MultiKrum
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 # read-only: the operator-facing names, in the order the help text lists them
 RULES: Mapping[str, type[Rule]] = MappingProxyType({rule.name: rule for rule in (
-    Mean, Median, TrimmedMean, Krum, MultiKrum, Bulyan, GeometricMedian, CenteredClip)})
+    Mean, Median, TrimmedMean, Krum, MultiKrum, Bulyan, GeometricMedian, CenteredClip, TrustMean)})
 
 
 def create_rule(config: SoupConfig) -> Rule:
