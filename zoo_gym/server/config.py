@@ -185,6 +185,9 @@ class ServerConfig:
         if not 0 < self.sample_rate <= 1:
             raise ConfigError(f"`sample_rate` must be in (0, 1] (1 = every contributor, no sampling), "
                               f"got {self.sample_rate}")
+        if self.soup.rule.needs_reference and self.validation_examples <= 0:
+            raise ConfigError(f"`aggregator` {self.soup.aggregator} weighs each delta by its agreement with the "
+                              "validation set's descent direction: it needs `validation_examples` > 0")
         if self.soup.dp_enabled and self.soup.dp_participation != "public":
             raise ConfigError("`dp_participation` must be public on gym-server: its ledger (StreamLedger), GetRound and "
                               "the dashboard name each round's paid contributors, so participation is not hidden and "

@@ -36,7 +36,7 @@ from zoo_gym.gym_train.memory import release_memory
 from zoo_gym.server.store.models import Checkpoint, Contributor, Round, RoundInputs, RoundState, Submission
 from zoo_gym.server.store.retention import retire_checkpoints
 from zoo_gym.server.rounds.settlement import (aggregation_weights, current_reputations, plan_rewards, record_settlement,
-                                      scoring_tap)
+                                              reference_for, scoring_tap)
 from zoo_gym.proto.model_card import public_base_name
 from zoo_gym.server.rounds.signed_state import sign_lineage
 from zoo_gym.server.store.state import ServerState
@@ -363,7 +363,8 @@ def aggregate(state: ServerState, config: ServerConfig, job: RoundJob, streams: 
             report = DeltaSoup(job.soup, dp_clip=job.inputs.dp_clip).run(
                 rows, job.flush.sink(streams.writer.sink), weights=row_weights, generator=gen,
                 accountant=job.accountant, sample_rate=_recorded_rate(config, job),
-                lend_aggregates=True)  # CheckpointWriter.sink uses each aggregate before it returns
+                lend_aggregates=True,  # CheckpointWriter.sink uses each aggregate before it returns
+                reference=reference_for(config, streams.evaluator))
         tap_s = getattr(streams.source, "seconds", None)  # a SlopeTap's share of the phase is scoring's
         if tap_s is not None:
             log.info("round %d scoring slopes taken during aggregation in %.3f s", rnd.id, tap_s)

@@ -69,6 +69,32 @@ def scoring_tap(config: ServerConfig, source, evaluator):
     return SlopeTap(source, evaluator.gradient().grad, keep_bytes=_TAP_KEEP_BYTES)
 
 
+class DescentDirection:
+    """The operator's reference direction for trust-mean: minus the gradient of its validation loss at the base,
+    read tensor by tensor from the evaluator's (possibly spilled) gradient. The operator's own data, so weighing
+    deltas by it costs no contributor's privacy (docs/design/privacy.md)."""
+
+    def __init__(self, grad) -> None:
+        self._grad = grad
+
+    def get(self, name: str):
+        try:
+            g = self._grad[name]
+        except KeyError:
+            return None
+        return -g.float()
+
+
+def reference_for(config: ServerConfig, evaluator):
+    """The reference direction the configured rule weighs deltas by (None when the rule needs none)."""
+    if not config.soup.rule.needs_reference:
+        return None
+    if evaluator is None:
+        raise ValueError(f"--aggregator {config.soup.aggregator} needs the validation set's gradient: set "
+                         "--validation-examples > 0")
+    return DescentDirection(evaluator.gradient().grad)
+
+
 def plan_rewards(state: ServerState, config: ServerConfig, rnd, source, report, evaluator, *,
                  reputations: Mapping[str, float]) -> tuple[SettlementPlan | None, dict]:
     """Score every submission of the round and plan its payouts; writes nothing.
