@@ -82,7 +82,10 @@ from benchmarks import attacks  # noqa: E402
 ATTACKS = ("none", "sign_flip", "scaling", "gaussian", "alie", "ipm", "free_rider_zero",
            "free_rider_random", "label_flip")
 AGGREGATORS = ("mean", "multi-krum", "trimmed-mean", "median", "krum", "geometric-median",
-               "centered-clip")
+               "centered-clip", "trust-mean", "trust-mean-dp")
+# trust-mean-dp: the mechanism DP runs (trust weights over the fixed m = n, every delta clipped to the round's
+# median norm) with its noise left out, so the cell shows what the weighting and clip keep against each attack
+DP_PATH = {"trust-mean-dp": "trust-mean"}
 TARGET_ROBUST = ("multi-krum", "trimmed-mean")
 TARGET_BROKEN = ("sign_flip", "scaling")
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -228,21 +231,27 @@ def poison(attack: str, honest: torch.Tensor, *, f: int, cfg: BenchConfig,
 
 # ---- one round of one trajectory ---------------------------------------------------------------
 def aggregate(stack: torch.Tensor, *, aggregator: str, cfg: BenchConfig, names: list[str],
-              shapes: dict[str, torch.Size]) -> tuple[dict[str, torch.Tensor], float, int]:
-    """DeltaSoup over the (n, d) submissions; returns (aggregate, Byzantine weight, f used)."""
+              shapes: dict[str, torch.Size], reference: dict[str, torch.Tensor] | None = None
+              ) -> tuple[dict[str, torch.Tensor], float, int]:
+    """DeltaSoup over the (n, d) submissions; returns (aggregate, Byzantine weight, f used). `reference`: the
+    operator's descent direction, for trust-mean."""
     n = stack.shape[0]
     ids = [f"c{i}" for i in range(n)]
     deltas = [unflatten(stack[i], names, shapes) for i in range(n)]
     norms = stack.norm(dim=1)  # (n,)
     refused = int((norms == 0).sum() + (~torch.isfinite(stack).all(dim=1)).sum())
     tau = max(float(norms.median()), 1e-12)
+    # the DP path: noise 1e-12 x C / n (nothing, in float32) so the fixed-m weighting and the clip run as under DP
+    dp = (dict(dp_noise_multiplier=1e-12, dp_clip=tau, dp_expected_contributors=n, dp_participation="private")
+          if aggregator in DP_PATH else {})
     for f_used in (cfg.f, max(cfg.f - refused, 0)):
-        soup = DeltaSoup(SoupConfig(aggregator=aggregator, byzantine_f=f_used,
-                                    trim_beta=cfg.trim_beta, cc_tau=tau))
+        soup = DeltaSoup(SoupConfig(aggregator=DP_PATH.get(aggregator, aggregator), byzantine_f=f_used,
+                                    trim_beta=cfg.trim_beta, cc_tau=tau, **dp))
         out: dict[str, torch.Tensor] = {}
         try:
             report = soup.run(DictDeltaSource(ids, deltas),
-                              lambda name, t: out.__setitem__(name, t.reshape(shapes[name])))
+                              lambda name, t: out.__setitem__(name, t.reshape(shapes[name])),
+                              generator=torch.Generator().manual_seed(0), reference=reference)
         except NotRobustConfigError:
             if refused == 0 or f_used != cfg.f:
                 raise
@@ -250,6 +259,15 @@ def aggregate(stack: torch.Tensor, *, aggregator: str, cfg: BenchConfig, names: 
         byz = sum(r.weight for r in report.contributors[n - cfg.f:])
         return out, float(byz), f_used
     raise AssertionError("unreachable")
+
+
+def descent_direction(root: Evaluator, cum: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+    """Minus the gradient of the root set's loss at base + `cum` (the trajectory's current model)."""
+    from zoo_gym.rewards import base_gradient
+
+    with root.applied(root.model, cum or None):
+        grad = base_gradient(root.model, root._batches).grad  # noqa: SLF001
+        return {k: -grad[k].detach().float().clone() for k in names if k in grad}
 
 
 def _init_worker() -> None:
@@ -283,6 +301,9 @@ def run(cfg: BenchConfig, *, workers: int = 1, log=print) -> dict:
     base0 = load_file(str(tiny_model_dir() / "model.safetensors"))
     evaluator = Evaluator(tiny_model_dir(), default_validation_examples(cfg.validation_examples))
     base_loss = evaluator.loss()
+    # the operator's root set for trust-mean (FLTrust): examples of the task it holds itself, apart from the
+    # held-out set every loss is measured on
+    root = Evaluator(tiny_model_dir(), builtin_examples("default", n=64, seed=4242))
     trajs = [Trajectory(a, k) for a in cfg.aggregators for k in cfg.attacks]
     n_honest = cfg.n - cfg.f
     trainings, distinct, train_seconds = 0, [], 0.0
@@ -322,6 +343,8 @@ def run(cfg: BenchConfig, *, workers: int = 1, log=print) -> dict:
                     for k in names:
                         d.setdefault(k, torch.zeros(shapes[k]))
                 honest = flatten([trained[(i, False)] for i in range(n_honest)], names)  # (n-f, d)
+                reference = (descent_direction(root, members[0].cum, names)
+                             if any(t.aggregator in ("trust-mean", "trust-mean-dp") for t in members) else None)
                 for t in members:
                     gen = torch.Generator().manual_seed(cfg.seed * 7919 + 31 * r + ATTACKS.index(t.attack))
                     if t.attack == "none":
@@ -332,7 +355,7 @@ def run(cfg: BenchConfig, *, workers: int = 1, log=print) -> dict:
                         byz = poison(t.attack, honest, f=cfg.f, cfg=cfg, generator=gen)
                     try:
                         agg, w, f_used = aggregate(torch.cat([honest, byz]), aggregator=t.aggregator,
-                                                   cfg=cfg, names=names, shapes=shapes)
+                                                   cfg=cfg, names=names, shapes=shapes, reference=reference)
                     except NotRobustConfigError as exc:
                         t.error = str(exc)
                         continue

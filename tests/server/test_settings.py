@@ -33,6 +33,7 @@ SPECIAL = {
     "aggregator": ("median", {}),
     "multi_krum_m": (2, {}),
     "trim_beta": (0.25, {}),
+    "trust_ramp": (0.25, {}),
     "dp_noise_multiplier": (0.5, {"dp_clip": 1.0, "aggregator": "mean", "dp_expected_contributors": 3}),
     "dp_adaptive_clip": (True, {"dp_clip": 1.0}),
     "dp_target_quantile": (0.25, {}),

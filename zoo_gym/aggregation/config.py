@@ -36,6 +36,7 @@ class SoupConfig:
     byzantine_f: int = dataclasses.field(default=0, metadata={"help": "Byzantine contributors tolerated (krum, multi-krum, bulyan)"})
     multi_krum_m: int | None = dataclasses.field(default=None, metadata={"help": "contributors Multi-Krum averages (default n - f; K // 2 per buffer in async mode)"})
     trim_beta: float = dataclasses.field(default=0.4, metadata={"help": "share trimmed from each end per coordinate, [0, 0.5) (default 0.4: near the median, which 1-bit deltas need against sign flips; docs/design/aggregation.md)"})
+    trust_ramp: float = dataclasses.field(default=0.0, metadata={"help": "trust-mean: a delta whose cosine with the operator's descent direction reaches this counts fully, below it in proportion, at or below 0 not at all (0: any positive cosine counts fully)"})
     cc_tau: float = dataclasses.field(default=1.0, metadata={"help": "centered-clipping radius (whole-delta L2)"})
     cc_iters: int = dataclasses.field(default=3, metadata={"help": "centered-clipping iterations"})
     gm_eps: float = dataclasses.field(default=1e-8, metadata={"help": "geometric median: stop once the iterate moves less than this x the median distance to it"})
@@ -67,6 +68,8 @@ class SoupConfig:
             raise SoupConfigError(f"`multi_krum_m` must be >= 1 or None, got {self.multi_krum_m}")
         if not 0.0 <= self.trim_beta < 0.5:
             raise SoupConfigError(f"`trim_beta` must be in [0, 0.5), got {self.trim_beta}")
+        if not 0.0 <= self.trust_ramp <= 1.0:
+            raise SoupConfigError(f"`trust_ramp` must be in [0, 1], got {self.trust_ramp}")
         if not self.cc_tau > 0 or self.cc_iters < 1:
             raise SoupConfigError(f"`cc_tau` must be > 0 and `cc_iters` >= 1, got {self.cc_tau}, "
                                   f"{self.cc_iters}")

@@ -42,9 +42,11 @@ class DeltaSoupStrategy(FedAvg):
 
     def __init__(self, config: SoupConfig, *, generator: torch.Generator | None = None,
                  accountant: PrivacyAccountant | None = None, population: int | None = None,
-                 **fedavg_kwargs) -> None:
+                 reference_fn=None, **fedavg_kwargs) -> None:
         super().__init__(**fedavg_kwargs)
         self.soup = DeltaSoup(config)
+        # (current arrays: name -> ndarray) -> the operator's reference direction, for trust-mean
+        self.reference_fn = reference_fn
         self.generator = generator
         self.accountant = accountant if accountant is not None else PrivacyAccountant()
         self.population = population
@@ -79,9 +81,11 @@ class DeltaSoupStrategy(FedAvg):
         source = DictDeltaSource(ids, [self.reply_delta(msg, base) for msg in valid])
         out: dict[str, torch.Tensor] = {}
         try:
+            reference = self.reference_fn(base) if self.reference_fn is not None else None
             report = self.soup.run(source, lambda name, t: out.__setitem__(name, t),
                                    generator=self.generator, accountant=self.accountant,
-                                   population=self.population or self._seen_nodes, sample_rate=self.sample_rate)
+                                   population=self.population or self._seen_nodes, sample_rate=self.sample_rate,
+                                   reference=reference)
         except PrivacyBudgetExceeded as exc:
             self.stopped = str(exc)
             return None, None

@@ -236,6 +236,27 @@ def heldout_evaluate_fn(examples: list[dict], losses: list[float] | None = None)
     return evaluate
 
 
+def descent_reference_fn(examples: list[dict]):
+    """A `reference_fn` for trust-mean: minus the gradient of the completion loss on the operator's own `examples`
+    (FLTrust's root set) at the current global arrays of the tiny base."""
+    from safetensors.torch import load_file
+
+    from ..gym_train import Evaluator, tiny_model_dir
+    from ..rewards.gradient import base_gradient
+
+    base = load_file(str(tiny_model_dir() / "model.safetensors"))
+    root = Evaluator(tiny_model_dir(), examples)
+
+    def reference(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        delta = {k: torch.from_numpy(np.asarray(v, dtype=np.float32)).reshape(base[k].shape) - base[k]
+                 for k, v in arrays.items() if k in base}
+        with root.applied(root.model, delta):
+            grad = base_gradient(root.model, root._batches).grad  # noqa: SLF001
+            return {k: -grad[k].detach().float().reshape(-1).clone() for k in delta if k in grad}
+
+    return reference
+
+
 def server_app(config: SoupConfig, *, sample_rate: float, num_rounds: int, train_config: dict | None = None,
                population: int | None = None, seed: bytes | None = None, evaluate_fn=None,
                results: list | None = None) -> ServerApp:

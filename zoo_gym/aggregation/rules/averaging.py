@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from ..centered_clip import centered_clip_iterate
 from ..errors import AggregationError
@@ -34,27 +35,50 @@ class Mean(Rule):
 
 @dataclass(frozen=True, kw_only=True)
 class TrustMean(Rule):
-    """FLTrust's trust weights (Cao et al. 2021, arXiv:2012.13995) over the fixed-denominator mean: each clipped
-    delta weighs max(0, cos(x_i, r)) in [0, 1], r the operator's reference direction (its validation data's
-    descent direction), so a delta pointing away from r counts for nothing. Under DP the weighted sum is divided by
-    the fixed m: a weight that depends only on that delta and on r keeps one person's influence within C / m
-    (privacy.md), so the mean's noise covers it. Without DP the sum is divided by the weights' sum, as FLTrust."""
+    """FLTrust's trust (Cao et al. 2021, arXiv:2012.13995) over the fixed-denominator mean. Each delta's trust is
+    t_i = clamp(cos(x_i, r) / ramp, 0, 1), r the operator's reference direction (its validation data's descent
+    direction): a delta pointing away from r counts for nothing, one within the ramp counts fully (ramp 0: a gate,
+    t_i = 1 when cos > 0). In high dimension honest deltas meet r at small angles' cosines (0.05-0.2), so FLTrust's
+    weights cos_i themselves would shrink the step by that much under a fixed denominator.
+    Under DP: sum_i t_i clip(x_i) / m with the fixed m. t_i depends only on x_i and r, so one person moves the
+    release by at most C / m (add/remove) or 2C / m (replace): the mean's bound, which the noise covers (privacy.md).
+    Without DP: sum_i t_i s_i x_i / sum_i t_i, each delta first scaled down to the round's median norm
+    (s_i = min(1, median / |x_i|)), as FLTrust scales to the reference's norm: a boosted delta along r gains nothing."""
 
     name = "trust-mean"
     dp_exact = True
     needs_reference = True
+    ramp: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ramp <= 1.0:
+            raise AggregationError(f"TrustMean needs 0 <= ramp <= 1; got {self.ramp}")
+
+    @classmethod
+    def from_config(cls, config: Any) -> TrustMean:
+        return cls(ramp=config.trust_ramp)
+
+    def trust(self, cos: Tensor) -> Tensor:
+        """(k,) float64 trust in [0, 1] from (k,) cosines with the reference."""
+        cos = cos.to(torch.float64)
+        if self.ramp == 0.0:
+            return (cos > 0).to(torch.float64)
+        return (cos / self.ramp).clamp(min=0.0, max=1.0)
 
     def plan(self, view: RoundView) -> Plan:
         if view.reference_cos is None:
             raise AggregationError("trust-mean needs the reference direction's cosines (DeltaSoup.run(reference=))")
-        trust = view.reference_cos.clamp(min=0.0, max=1.0).to(torch.float64)
-        score = view.reference_cos.to(torch.float64)
+        trust, score = self.trust(view.reference_cos), view.reference_cos.to(torch.float64)
         if view.denominator is not None:
             return LinearPlan(trust, total=view.denominator, score=score, selected=trust > 0)
         total = float(trust.sum())
         if total <= 0:  # nobody points the operator's way: nothing moves
             return LinearPlan(torch.zeros_like(trust), total=1.0, score=score, selected=trust > 0)
-        return LinearPlan(trust, total=total, score=score, selected=trust > 0, factored=view.factored)
+        norms = view.norms.to(torch.float64)
+        median = float(norms.median())
+        scale = torch.where(norms > median, median / torch.where(norms > 0, norms, torch.ones_like(norms)),
+                            torch.ones_like(norms))
+        return LinearPlan(trust * scale, total=total, score=score, selected=trust > 0, factored=view.factored)
 
 
 @dataclass(frozen=True, kw_only=True)
