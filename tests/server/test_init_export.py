@@ -113,21 +113,37 @@ def test_export_refuses_a_non_empty_target_and_unknown_rounds_and_exports_the_ge
 def test_model_card_from_manifests():
     genesis = round_summary({"round": 0, "base_model": "Qwen/Qwen3-0.6B"}, sha256="a" * 64, heldout_loss=5.5)
     r1 = round_summary({"round": 1, "parent_sha256": "a" * 64, "contributors": ["c1", "c2", "c3"],
-                        "accepted": ["c1", "c2"], "aggregator": "trimmed-mean",
-                        "privacy": {"epsilon_round": 0.5, "epsilon_total": 0.5, "delta": 1e-5},
+                        "accepted": ["c1", "c2"], "aggregator": "trust-mean",
+                        "privacy": {"epsilon_round": 0.5, "epsilon_total": 0.5, "delta": 1e-5,
+                                    "mechanism": "trust-mean / fixed m=3", "participation": "public"},
                         "submissions": [{"contributor": "c1", "method": "lora"}, {"contributor": "c2", "method": "sft"}]},
                        sha256="b" * 64, heldout_loss=2.25)
     r2 = round_summary({"round": 2, "parent_sha256": "b" * 64, "contributors": ["c1", "c4"], "accepted": ["c1", "c4"],
-                        "aggregator": "trimmed-mean", "privacy": {"epsilon_round": 0.5, "epsilon_total": 0.8,
-                                                                 "delta": 1e-5}, "heldout_loss": 2.0},
+                        "aggregator": "trust-mean", "privacy": {"epsilon_round": 0.5, "epsilon_total": 0.8,
+                                                               "delta": 1e-5, "mechanism": "trust-mean / fixed m=3",
+                                                               "participation": "public"}, "heldout_loss": 2.0},
                        sha256="c" * 64)
     card = model_card([r2, genesis, r1], base_model="Qwen/Qwen3-0.6B")
     head = card.split("---")[1]
     assert "base_model: Qwen/Qwen3-0.6B" in head and "library_name: transformers" in head
     assert "- differential-privacy" in head and "- lora" in head and "- sft" in head
     assert "rounds: 2; contributors: 4" in card
-    assert "ε = 0.800 spent in total at δ = 1e-05" in card
-    assert "| 1 | `bbbbbbbbbbbb` | `aaaaaaaaaaaa` | 3 | 2 | trimmed-mean | 0.500 | 0.500 | 2.2500 |" in card
+    assert "ε = 0.800 at δ = 1e-05 spent in total, for the published weights (trust-mean / fixed m=3; " in card
+    assert "not whether it took part; the ledger's per-contributor scores and pay are not covered)" in card
+    assert "| 1 | `bbbbbbbbbbbb` | `aaaaaaaaaaaa` | 3 | 2 | trust-mean | 0.500 | 0.500 | 2.2500 |" in card
     assert card.index("| 0 |") < card.index("| 1 |") < card.index("| 2 |")
     with pytest.raises(ValueError):
         model_card([], base_model="x")
+
+
+def test_a_card_claims_no_privacy_for_a_round_whose_rule_the_noise_did_not_bound():
+    """Before issue 46 a server ran robust rules with the mean's noise and recorded the mean's ε for them
+    (`covers_aggregator` false): a card must not turn that figure into a claim."""
+    genesis = round_summary({"round": 0, "base_model": "tiny"}, sha256="a" * 64)
+    old = round_summary({"round": 1, "parent_sha256": "a" * 64, "contributors": ["c1"], "accepted": ["c1"],
+                         "aggregator": "trimmed-mean", "privacy": {"epsilon_round": 4.4, "epsilon_total": 4.4,
+                                                                  "delta": 1e-5, "covers_aggregator": False}},
+                        sha256="b" * 64)
+    card = model_card([genesis, old], base_model="tiny")
+    assert "differential-privacy" not in card.split("---")[1]
+    assert "differential privacy: none claimed: round(s) 1 added noise" in card

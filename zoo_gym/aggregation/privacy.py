@@ -3,13 +3,12 @@
 DP-FedAvg (McMahan et al. 2018, arXiv:1710.06963), accounted for the sampled Gaussian mechanism with
 Opacus's PRV accountant (Gopi, Lee, Wutschitz 2021, arXiv:2106.02848; an upper bound including its
 error) and, as a cross-check, Renyi DP (Mironov, Talwar, Zhang 2019); the reported figure is the smaller
-of the two sound bounds (PRV in practice). Each whole
-delta is clipped to L2 norm <= C, weights are ignored, the sum of the clipped deltas gets N(0, (z C)^2)
-per coordinate and is divided by the FIXED ``dp_expected_contributors`` m. One round (or async flush) is
-one step with sampling rate q = 1 unless a caller passes ``sample_rate`` (or ``population``). The guarantee: user-level
-(epsilon, delta)-DP of the published aggregates, exact for ``aggregator="mean"``; for robust rules the
-same noise is added but ``SoupReport.privacy.covers_aggregator`` is False. Per-contributor diagnostics
-are not private. What it covers and assumes: docs/design/privacy.md.
+of the two sound bounds (PRV in practice). Each whole delta is clipped to L2 norm <= C, server weights are
+ignored, the (trust-weighted) sum of the clipped deltas gets N(0, (z C)^2) per coordinate and is divided by the
+FIXED ``dp_expected_contributors`` m. Only rules whose influence bound is proven run with DP (config.DP_AGGREGATORS).
+`accounted_step` turns (z, q) into what the accountant charges: participation public (the server's ledger names
+the participants) is replace-one at q = 1, i.e. (z / 2, 1); participation private is add/remove at q as sampled.
+Per-contributor diagnostics are not private. The threat model and every surface: docs/design/privacy.md.
 """
 
 from __future__ import annotations

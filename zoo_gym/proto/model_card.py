@@ -20,6 +20,23 @@ CARD = "README.md"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+def _privacy_line(eps: list[float], unbounded: list, last: dict) -> str:
+    """The card's privacy line: the ε spent and what it covers, or why no guarantee is claimed."""
+    if not eps:
+        return "* differential privacy: none"
+    if unbounded:
+        return (f"* differential privacy: none claimed: round(s) {', '.join(map(str, unbounded))} added noise "
+                "calibrated to the mean's influence but ran a rule whose influence it does not bound, so the ε "
+                "those rounds reported is not a bound (docs/design/privacy.md)")
+    delta = f" at δ = {last.get('dp_delta')}" if last.get("dp_delta") is not None else ""
+    public = last.get("dp_participation") in (None, "public")
+    return (f"* differential privacy: ε = {_num(max(eps), '{:.3f}')}{delta} spent in total, for the published "
+            f"weights ({last.get('dp_mechanism') or 'mean'}; "
+            + ("participation public, so it protects what a contributor's delta contains, not whether it took part; "
+               if public else "participation private; ")
+            + "the ledger's per-contributor scores and pay are not covered)")
+
+
 def round_summary(manifest: dict, *, sha256: str | None = None, heldout_loss: float | None = None,
                   created_at: str | None = None) -> dict:
     """One lineage manifest as a card row: round, sha256, parent, contributors, accepted, methods,
@@ -43,6 +60,11 @@ def round_summary(manifest: dict, *, sha256: str | None = None, heldout_loss: fl
         "dp_delta": privacy.get("delta"),
         "dp_sample_rate": privacy.get("q"),  # the rate people were sampled at (1: everyone)
         "epsilon_total_rdp": privacy.get("epsilon_total_rdp"),  # the RDP cross-check of epsilon_total (PRV)
+        "dp_mechanism": privacy.get("mechanism"),
+        "dp_participation": privacy.get("participation"),
+        # a bound only for a mechanism whose influence the noise covers: recorded since issue 46 (`mechanism`), or
+        # an earlier release's mean (`covers_aggregator`); an earlier robust rule with the mean's noise: no bound
+        "dp_bound": bool(privacy.get("mechanism") or privacy.get("covers_aggregator")) if privacy else None,
         "heldout_loss": loss,
         "created_at": created_at or manifest.get("published_at") or manifest.get("created_at"),
     }
@@ -100,8 +122,10 @@ def model_card(rows: list[dict], *, base_model: str, title: str | None = None, l
     everyone = {c for r in trained for c in r.get("contributors") or ()}
     methods = sorted({m for r in trained for m in r.get("methods") or ()})
     eps = [r["epsilon_total"] for r in trained if isinstance(r.get("epsilon_total"), (int, float))]
+    unbounded = [r.get("round") for r in trained if isinstance(r.get("epsilon_total"), (int, float))
+                 and r.get("dp_bound") is False]
     tags = (["zoo-gym", "federated-learning", "bitdelta"] + (["gguf"] if gguf else []) + methods
-            + (["differential-privacy"] if eps else []))
+            + (["differential-privacy"] if eps and not unbounded else []))
     hub, base_model = hub_id(base_model, model_dir), public_base_name(base_model, model_dir)
     title = title or f"{base_model}, Zoo Gym round {last.get('round')}"
     data = _card_data(rows, title=title, base=hub, license=license, tags=list(dict.fromkeys(tags)),
@@ -127,9 +151,7 @@ def model_card(rows: list[dict], *, base_model: str, title: str | None = None, l
         f"* rounds: {len(trained)}; contributors: {n_contrib}"
         + (f"; methods: {', '.join(methods)}" if methods else ""),
         f"* aggregator: {', '.join(sorted({str(r['aggregator']) for r in trained if r.get('aggregator')})) or '-'}",
-        f"* differential privacy: ε = {_num(max(eps), '{:.3f}')} spent in total"
-        + (f" at δ = {last.get('dp_delta')}" if last.get("dp_delta") is not None else "") if eps else
-        "* differential privacy: none",
+        _privacy_line(eps, unbounded, last),
         "",
         "| round | checkpoint | parent | contributors | accepted | aggregator | ε round | ε total | held-out loss |",
         "|---:|---|---|---:|---:|---|---:|---:|---:|",
