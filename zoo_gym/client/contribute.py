@@ -122,8 +122,10 @@ def contribute(info: gym_pb2.RoundInfo, *, contributor: Contributor, opts, caden
     """Train on `info`'s base (a verified RoundInfo) and submit the delta; None when the server did not take it."""
     c = contributor
     try:  # the sha256 comes from the signed RoundInfo; the lineage's own signature is checked after unpacking
+        # (a lineage from before signing only through `info`, which names the sha256: server_signatures.py)
         model_dir = fetch_checkpoint(c.stub, info.base_sha256, info.base_size, opts.workdir, progress=opts.progress,
-                                     retry=lambda fn: c.retry(fn, "download"), server_key=c.server_key)
+                                     retry=lambda fn: c.retry(fn, "download"), server_key=c.server_key,
+                                     round_info=info, say=c.say)
     except DownloadError as exc:
         raise JoinError(f"{cadence.label(info)}: refusing the base checkpoint: {exc}") from None
     c.say(f"{cadence.training(info)}: training ({c.trainer.config.label}) on base {info.base_sha256[:12]}")

@@ -17,18 +17,21 @@ class DownloadError(RuntimeError):
 
 
 def fetch_checkpoint(stub, sha256: str, size: int, workdir: Path, *, progress: bool = True,
-                     retry: Callable | None = None, server_key: bytes | None = None) -> Path:
+                     retry: Callable | None = None, server_key: bytes | None = None, round_info=None,
+                     say: Callable[[str], None] | None = None) -> Path:
     """Return the unpacked model directory of checkpoint `sha256`, downloading what is missing.
 
     Bytes land in `<workdir>/downloads/<sha>.partial`; an interrupted download resumes from its size.
     The archive is verified against `sha256` before it is unpacked to `<workdir>/checkpoints/<sha>/`:
     pass the sha256 of a RoundInfo whose server signature was verified. With `server_key` (the pinned
     server key) the unpacked lineage manifest's server signature is checked too; a checkpoint that fails
-    is removed and DownloadError raised.
+    is removed and DownloadError raised. A manifest published before lineages were signed (the first release,
+    0.1.0) passes only with `round_info`, the server-signed RoundInfo naming `sha256`, when the directory
+    packs back to that sha256; `say` is told so in one line (server_signatures.verify_lineage).
     """
     model_dir = workdir / "checkpoints" / sha256
     if (model_dir / archive.WEIGHTS).is_file():
-        return _checked_lineage(model_dir, server_key)
+        return _checked_lineage(model_dir, server_key, round_info, say)
     downloads = workdir / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
     partial = downloads / f"{sha256}.partial"
@@ -69,18 +72,21 @@ def fetch_checkpoint(stub, sha256: str, size: int, workdir: Path, *, progress: b
                             "run again to download it afresh")
     archive.unpack(partial, model_dir)
     partial.unlink()
-    return _checked_lineage(model_dir, server_key)
+    return _checked_lineage(model_dir, server_key, round_info, say)
 
 
-def _checked_lineage(model_dir: Path, server_key: bytes | None) -> Path:
+def _checked_lineage(model_dir: Path, server_key: bytes | None, round_info,
+                     say: Callable[[str], None] | None) -> Path:
     if server_key is None:
         return model_dir
     from zoo_gym.client.known_servers import UntrustedServer
     from zoo_gym.client.server_signatures import verify_lineage
 
     try:
-        verify_lineage(model_dir, server_key=server_key)
+        checked = verify_lineage(model_dir, server_key=server_key, round_info=round_info)
     except UntrustedServer as exc:
         shutil.rmtree(model_dir, ignore_errors=True)
         raise DownloadError(f"checkpoint {model_dir.name[:12]}: {exc}; it was discarded") from None
+    if checked.note is not None and say is not None:
+        say(checked.note)
     return model_dir

@@ -3,9 +3,11 @@
 The download is the join loop's own (resumable, sha256-verified before it is unpacked, cached under the
 work directory), and checked the same way: the RoundInfo that names the checkpoint must carry the signature
 of the server key pinned for that address (`known_servers` in the work directory; trusted on first use),
-and the unpacked lineage manifest the same key's signature. The result is copied to OUT with a model card (README.md) built from the checkpoint's
-lineage manifest, so `AutoModelForCausalLM.from_pretrained(OUT)` loads it; with ``fmt="gguf"`` OUT holds
-one .gguf file for llama.cpp (zoo_gym.proto.gguf_export) and the card instead. OUT is readable by others.
+and the unpacked lineage manifest the same key's signature (one published before lineages were signed: that
+RoundInfo naming its sha256, said in one line). The result is copied to OUT with a model card (README.md)
+built from the checkpoint's lineage manifest, so `AutoModelForCausalLM.from_pretrained(OUT)` loads it; with
+``fmt="gguf"`` OUT holds one .gguf file for llama.cpp (zoo_gym.proto.gguf_export) and the card instead. OUT
+is readable by others.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def pull(server: str, out: Path, *, workdir: Path, progress: bool = False, root_
                             "published yet")
         model_dir = fetch_checkpoint(stub, info.base_sha256, info.base_size, Path(workdir), progress=progress,
                                      retry=lambda call: with_retries(call, what="download", say=say),
-                                     server_key=server_key)
+                                     server_key=server_key, round_info=info, say=say)
     finally:
         channel.close()
     card = _write_out(model_dir, out, sha256=info.base_sha256, fmt=fmt, quantization=quantization)

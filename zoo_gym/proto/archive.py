@@ -8,6 +8,7 @@ archive cannot write outside the target directory.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -45,6 +46,23 @@ def pack(model_dir: Path, out: BinaryIO) -> None:
             info.uname = info.gname = ""
             with open(path, "rb") as f:
                 tar.addfile(info, f)
+
+
+def packed_sha256(model_dir: Path) -> str:
+    """The sha256 of the archive `pack` writes for `model_dir`, computed without writing it: a directory
+    unpacked from an archive packs back to that archive's bytes (the client checks a checkpoint whose
+    lineage carries no server signature this way, zoo_gym/client/server_signatures.py)."""
+    class _Digest:
+        def __init__(self) -> None:
+            self.h = hashlib.sha256()
+
+        def write(self, data) -> int:
+            self.h.update(data)
+            return len(data)
+
+    sink = _Digest()
+    pack(model_dir, sink)  # type: ignore[arg-type]
+    return sink.h.hexdigest()
 
 
 class TarStream:
