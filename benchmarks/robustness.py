@@ -36,7 +36,11 @@ Protocol (also written into the JSON under "protocol"):
   * Aggregator settings: byzantine_f = f for krum and multi-krum (m = n - f), trim_beta = 0.3
     (0.2 in --quick), centered-clip tau = the median whole-delta L2 norm of the round's
     submissions (a robust scale the server can compute; 3 iterations from the zero delta).
-    Bulyan needs n >= 4f + 3 (15 at f = 3) and is reported as impossible. Contributions that
+    Bulyan needs n >= 4f + 3 (15 at f = 3) and is reported as impossible. trust-mean weighs each delta by a
+    gate on its cosine with the operator's descent direction: minus the gradient of the loss on 64 examples of
+    the task it holds itself (`builtin_examples("default", n=64, seed=4242)`, apart from the held-out set) at
+    the trajectory's current base. trust-mean-dp is the mechanism DP runs (the same gate over the fixed
+    m = n, every delta clipped to the round's median norm) without its noise: what DP's robustness keeps. Contributions that
     validation refuses (the zero free riders) leave the round; the rule then runs with
     f - refused (they were Byzantine and are gone), recorded per cell as byzantine_f_used.
   * Attack parameters: sign flip -s * honest mean (s = 4, a boosted reversed update: at s = 1
