@@ -129,7 +129,7 @@ def test_model_card_from_manifests():
     assert "- differential-privacy" in head and "- lora" in head and "- sft" in head
     assert "rounds: 2; contributors: 4" in card
     assert "ε = 0.800 at δ = 1e-05 spent in total, for the published weights (trust-mean / fixed m=3; " in card
-    assert "not whether it took part; the ledger's per-contributor scores and pay are not covered)" in card
+    assert "not whether it took part; per-contributor scores and pay are outside it and shown to their owner only)" in card
     assert "| 1 | `bbbbbbbbbbbb` | `aaaaaaaaaaaa` | 3 | 2 | trust-mean | 0.500 | 0.500 | 2.2500 |" in card
     assert card.index("| 0 |") < card.index("| 1 |") < card.index("| 2 |")
     with pytest.raises(ValueError):

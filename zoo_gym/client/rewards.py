@@ -21,6 +21,7 @@ from zoo_gym.client import known_servers
 from zoo_gym.client.connection import TransportMismatch, open_stub, transport_mismatch
 from zoo_gym.client.known_servers import UntrustedServer
 from zoo_gym.client.server_signatures import verify_ledger_head
+from zoo_gym.client.upload import query_signature
 from zoo_gym.proto import gym_pb2, signing
 from zoo_gym.rewards import verify_entries
 
@@ -37,7 +38,7 @@ def legacy_pin_path(key_path: Path) -> Path:
 def _row(e) -> dict:
     return {"seq": e.seq, "round_id": e.round_id, "contributor": e.contributor_id, "kind": e.kind,
             "amount": e.amount, "score": e.score, "reputation_after": e.reputation_after, "reason": e.reason,
-            "prev_hash": e.prev_hash, "entry_hash": e.entry_hash, "signature": e.signature}
+            "prev_hash": e.prev_hash, "entry_hash": e.entry_hash, "signature": e.signature, "redacted": e.redacted}
 
 
 def _stderr(message: str) -> None:
@@ -47,11 +48,16 @@ def _stderr(message: str) -> None:
 def fetch_rewards(server: str, *, key_path: Path, contributor: str | None, limit: int, verify: bool,
                   root_certificates: str | None = None, insecure: bool = False,
                   say: Callable[[str], None] = _stderr) -> dict:
-    if contributor is None:
-        if not Path(key_path).exists():
-            raise RewardsError(f"no key at {key_path}: pass --contributor ID or --key PATH")
+    key = None
+    if Path(key_path).exists():  # signs the queries, so a server with DP shows this contributor its own figures
         key, _ = signing.load_or_create_key(key_path)
-        contributor = signing.contributor_id(signing.public_bytes(key))
+    elif contributor is None:
+        raise RewardsError(f"no key at {key_path}: pass --contributor ID or --key PATH")
+    own = signing.contributor_id(signing.public_bytes(key)) if key is not None else None
+    contributor = contributor or own
+    def asked(method: str) -> dict:  # noqa: E306 - signed only for the key's own contributor
+        return query_signature(method, key, contributor) if key is not None and own == contributor else \
+            {"contributor_id": contributor}
     known = known_servers.for_key(Path(key_path))
     try:
         pinned = known.get(server) if verify else None
@@ -61,14 +67,16 @@ def fetch_rewards(server: str, *, key_path: Path, contributor: str | None, limit
     try:
         info = stub.GetRound(gym_pb2.GetRoundRequest(), timeout=30)
         head = stub.GetLedgerHead(gym_pb2.LedgerHeadRequest(), timeout=30) if verify else None
-        balance = stub.GetBalance(gym_pb2.BalanceRequest(contributor_id=contributor), timeout=30)
-        entries = [e for e in stub.StreamLedger(gym_pb2.LedgerRequest(contributor_id=contributor), timeout=60)]
+        balance = stub.GetBalance(gym_pb2.BalanceRequest(**asked("GetBalance")), timeout=30)
+        entries = [e for e in stub.StreamLedger(gym_pb2.LedgerRequest(**asked("StreamLedger")), timeout=60)]
         segment = None
         if head is not None:
             since = pinned.head_entries if pinned is not None and pinned.head_entries else 0
             since = max(0, min(since, head.entries) - 1)  # from the remembered head itself, to compare it
             want = head.entries - since
-            segment = [_row(e) for e in stub.StreamLedger(gym_pb2.LedgerRequest(since_seq=since, limit=want),
+            whole = asked("StreamLedger")
+            whole = {**whole, "whole_ledger": True} if "signature" in whole else {}
+            segment = [_row(e) for e in stub.StreamLedger(gym_pb2.LedgerRequest(since_seq=since, limit=want, **whole),
                                                           timeout=60)] if want > 0 else []
     except grpc.RpcError as exc:
         problem = transport_mismatch(exc)
@@ -128,6 +136,10 @@ def _verify(rows: list[dict], head, segment: list[dict], *, server_key: bytes, p
         return _failed("the last entry streamed is not the one the signed head names", checked=chain.checked,
                        first_bad_seq=head.entries)
     by_seq = {r["seq"]: r["entry_hash"] for r in segment}
+    withheld = [r["seq"] for r in rows if r.get("redacted")]
+    if withheld:  # a redacted entry is checked on its signature only: its owner must get it whole
+        return _failed(f"the server withheld the figures of your own entries (seq {withheld[0]}): only their owner "
+                       "can recompute their hashes, so this client must get them whole", first_bad_seq=withheld[0])
     mine = verify_entries(rows, server_key)
     if not mine.ok:
         return asdict(mine)

@@ -51,13 +51,19 @@ def register_request(key: Ed25519PrivateKey, display_name: str, *, invite: str =
                                    signature=signing.sign(key, message), invite=invite)
 
 
+def query_signature(method: str, key: Ed25519PrivateKey, contributor_id: str, *,
+                    now: float | None = None) -> dict:
+    """The fields that say who asks a read-only query (`signing.QUERIES`): contributor_id, nonce, signed_at_unix
+    and signature. Build them fresh per call: the server accepts them only within a few minutes of `now`."""
+    signed_at = int(time.time() if now is None else now)
+    nonce = signing.new_nonce()
+    message = signing.query_bytes(method, contributor=contributor_id, signed_at_unix=signed_at, nonce=nonce)
+    return {"contributor_id": contributor_id, "nonce": nonce, "signed_at_unix": signed_at,
+            "signature": signing.sign(key, message)}
+
+
 def get_round_request(key: Ed25519PrivateKey, contributor_id: str, *,
                       now: float | None = None) -> gym_pb2.GetRoundRequest:
     """A GetRoundRequest signed by `key`, so the server answers you_submitted for this contributor only
-    (an unsigned one gets you_submitted=false). Build a fresh one per call: the server accepts it only
-    within a few minutes of `now`."""
-    signed_at = int(time.time() if now is None else now)
-    nonce = signing.new_nonce()
-    message = signing.get_round_bytes(contributor=contributor_id, signed_at_unix=signed_at, nonce=nonce)
-    return gym_pb2.GetRoundRequest(contributor_id=contributor_id, nonce=nonce, signed_at_unix=signed_at,
-                                   signature=signing.sign(key, message))
+    (an unsigned one gets you_submitted=false)."""
+    return gym_pb2.GetRoundRequest(**query_signature("GetRound", key, contributor_id, now=now))

@@ -203,10 +203,16 @@ class SubmitResponse(_message.Message):
     def __init__(self, submission_id: _Optional[int] = ..., round_id: _Optional[int] = ..., payload_sha256: _Optional[str] = ..., submissions: _Optional[int] = ...) -> None: ...
 
 class BalanceRequest(_message.Message):
-    __slots__ = ("contributor_id",)
+    __slots__ = ("contributor_id", "nonce", "signed_at_unix", "signature")
     CONTRIBUTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    SIGNED_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     contributor_id: str
-    def __init__(self, contributor_id: _Optional[str] = ...) -> None: ...
+    nonce: bytes
+    signed_at_unix: int
+    signature: bytes
+    def __init__(self, contributor_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., signed_at_unix: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class Balance(_message.Message):
     __slots__ = ("contributor_id", "balance", "reputation", "entries", "last_seq")
@@ -223,17 +229,25 @@ class Balance(_message.Message):
     def __init__(self, contributor_id: _Optional[str] = ..., balance: _Optional[int] = ..., reputation: _Optional[float] = ..., entries: _Optional[int] = ..., last_seq: _Optional[int] = ...) -> None: ...
 
 class LedgerRequest(_message.Message):
-    __slots__ = ("contributor_id", "since_seq", "limit")
+    __slots__ = ("contributor_id", "since_seq", "limit", "nonce", "signed_at_unix", "signature", "whole_ledger")
     CONTRIBUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     SINCE_SEQ_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    SIGNED_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_LEDGER_FIELD_NUMBER: _ClassVar[int]
     contributor_id: str
     since_seq: int
     limit: int
-    def __init__(self, contributor_id: _Optional[str] = ..., since_seq: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+    nonce: bytes
+    signed_at_unix: int
+    signature: bytes
+    whole_ledger: bool
+    def __init__(self, contributor_id: _Optional[str] = ..., since_seq: _Optional[int] = ..., limit: _Optional[int] = ..., nonce: _Optional[bytes] = ..., signed_at_unix: _Optional[int] = ..., signature: _Optional[bytes] = ..., whole_ledger: _Optional[bool] = ...) -> None: ...
 
 class LedgerEntry(_message.Message):
-    __slots__ = ("seq", "round_id", "contributor_id", "kind", "amount", "score", "reputation_after", "reason", "prev_hash", "entry_hash", "signature")
+    __slots__ = ("seq", "round_id", "contributor_id", "kind", "amount", "score", "reputation_after", "reason", "prev_hash", "entry_hash", "signature", "redacted")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTOR_ID_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +259,7 @@ class LedgerEntry(_message.Message):
     PREV_HASH_FIELD_NUMBER: _ClassVar[int]
     ENTRY_HASH_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    REDACTED_FIELD_NUMBER: _ClassVar[int]
     seq: int
     round_id: int
     contributor_id: str
@@ -256,7 +271,8 @@ class LedgerEntry(_message.Message):
     prev_hash: str
     entry_hash: str
     signature: str
-    def __init__(self, seq: _Optional[int] = ..., round_id: _Optional[int] = ..., contributor_id: _Optional[str] = ..., kind: _Optional[str] = ..., amount: _Optional[int] = ..., score: _Optional[float] = ..., reputation_after: _Optional[float] = ..., reason: _Optional[str] = ..., prev_hash: _Optional[str] = ..., entry_hash: _Optional[str] = ..., signature: _Optional[str] = ...) -> None: ...
+    redacted: bool
+    def __init__(self, seq: _Optional[int] = ..., round_id: _Optional[int] = ..., contributor_id: _Optional[str] = ..., kind: _Optional[str] = ..., amount: _Optional[int] = ..., score: _Optional[float] = ..., reputation_after: _Optional[float] = ..., reason: _Optional[str] = ..., prev_hash: _Optional[str] = ..., entry_hash: _Optional[str] = ..., signature: _Optional[str] = ..., redacted: _Optional[bool] = ...) -> None: ...
 
 class LedgerHeadRequest(_message.Message):
     __slots__ = ()

@@ -34,7 +34,7 @@ def _privacy_line(eps: list[float], unbounded: list, last: dict) -> str:
             f"weights ({last.get('dp_mechanism') or 'mean'}; "
             + ("participation public, so it protects what a contributor's delta contains, not whether it took part; "
                if public else "participation private; ")
-            + "the ledger's per-contributor scores and pay are not covered)")
+            + "per-contributor scores and pay are outside it and shown to their owner only)")
 
 
 def round_summary(manifest: dict, *, sha256: str | None = None, heldout_loss: float | None = None,

@@ -26,7 +26,8 @@ DOMAIN = b"zoo-gym/v1\n"
 NONCE_BYTES = 16
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _ID = re.compile(r"^[0-9a-f]{32}$")
-METHODS = ("Register", "SubmitDelta", "GetRound")
+METHODS = ("Register", "SubmitDelta", "GetRound", "GetBalance", "StreamLedger")
+QUERIES = ("GetRound", "GetBalance", "StreamLedger")  # read-only calls a contributor may sign to say who asks
 
 
 class SignatureError(ValueError):
@@ -60,11 +61,18 @@ def canonical_bytes(
     return DOMAIN + "\n".join(fields).encode()
 
 
-def get_round_bytes(*, contributor: str, signed_at_unix: int, nonce: bytes) -> bytes:
-    """What a contributor signs to learn RoundInfo.you_submitted: the GetRound canonical bytes, whose
+def query_bytes(method: str, *, contributor: str, signed_at_unix: int, nonce: bytes) -> bytes:
+    """What a contributor signs to say who asks a read-only `method` (QUERIES): its canonical bytes, whose
     payload is sha256(str(signed_at_unix)) (the server accepts a small clock skew only)."""
-    return canonical_bytes(method="GetRound", contributor=contributor, round_id=0, nonce=nonce,
+    if method not in QUERIES:
+        raise SignatureError(f"{method!r} is not a signed query; expected one of {QUERIES}")
+    return canonical_bytes(method=method, contributor=contributor, round_id=0, nonce=nonce,
                            payload_sha256=hashlib.sha256(str(int(signed_at_unix)).encode()).hexdigest())
+
+
+def get_round_bytes(*, contributor: str, signed_at_unix: int, nonce: bytes) -> bytes:
+    """What a contributor signs to learn RoundInfo.you_submitted (`query_bytes` of GetRound)."""
+    return query_bytes("GetRound", contributor=contributor, signed_at_unix=signed_at_unix, nonce=nonce)
 
 
 ROUND_INFO_DOMAIN = b"zoo-gym/round-info/v1\n"

@@ -5,7 +5,9 @@ entry (``GENESIS_HASH`` for seq 1), ``entry_hash`` is sha256 of `canonical_entry
 ``signature`` is the server's Ed25519 signature of `signing_message(entry_hash)`; it stops at the first
 bad entry and names its seq. ``expected_head=(seq, hash)`` also catches the deletion of the newest.
 `verify_entries` checks a client's own entries: hash, signature, increasing seqs, and the link where two
-are adjacent; it cannot see a deletion among other contributors' entries.
+are adjacent; it cannot see a deletion among other contributors' entries. A ``redacted`` entry (another
+contributor's, streamed by a server with DP on: its figures withheld) is checked on what it keeps: its place
+in the chain and the server's signature over its entry_hash; only its owner can recompute that hash.
 Details: docs/design/rewards-settlement.md.
 """
 
@@ -44,13 +46,17 @@ def load_public_key(key: Ed25519PublicKey | bytes | str) -> Ed25519PublicKey:
     return Ed25519PublicKey.from_public_bytes(raw)
 
 
+def _redacted(entry: Any) -> bool:
+    return bool(entry.get("redacted", False) if isinstance(entry, dict) else getattr(entry, "redacted", False))
+
+
 def _check_entry(entry: Any, key: Ed25519PublicKey) -> str | None:
-    """Problem with the entry's own hash or signature, or None."""
+    """Problem with the entry's own hash or signature, or None (a redacted entry: its signature only)."""
+    stored = str(entry_field(entry, "entry_hash"))
     try:
-        recomputed = compute_entry_hash(entry)
+        recomputed = stored if _redacted(entry) else compute_entry_hash(entry)
     except (LedgerError, ValueError, TypeError, KeyError, AttributeError) as exc:
         return f"entry cannot be encoded: {exc}"
-    stored = str(entry_field(entry, "entry_hash"))
     if recomputed != stored:
         return (f"entry_hash mismatch: the fields hash to {recomputed[:16]}..., the entry says "
                 f"{stored[:16]}... (a field was edited)")

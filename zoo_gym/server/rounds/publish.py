@@ -435,14 +435,17 @@ def _lineage(state: ServerState, job: RoundJob, report, privacy, parent_loss: fl
     rnd, contributors = job.rnd, job.contributors
     accepted = [bool(c.accepted) for c in report.contributors]
     ancestors = job.ancestors
+    # Under DP who took part is public (the threat model) but whether validation accepted a delta depends on its
+    # content (finite, within max_delta_norm): a per-person bit outside the ε, so the public lineage omits it.
+    private = job.soup.dp_enabled
     return {
         "round": rnd.id,
         "base_model": public_base_name(state.base_model),
         "parent_sha256": rnd.base_sha256,
         "contributors": contributors,
-        "accepted": [c for c, ok in zip(contributors, accepted) if ok],
-        "submissions": [{"contributor": sub.contributor_id, "method": _method(sub), "accepted": ok}
-                        for sub, ok in zip(job.subs, accepted)],
+        **({} if private else {"accepted": [c for c, ok in zip(contributors, accepted) if ok]}),
+        "submissions": [{"contributor": sub.contributor_id, "method": _method(sub),
+                         **({} if private else {"accepted": ok})} for sub, ok in zip(job.subs, accepted)],
         "aggregator": job.soup.aggregator,
         **job.flush.lineage(),
         "privacy": _jsonable(privacy),

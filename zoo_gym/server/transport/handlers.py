@@ -160,8 +160,10 @@ def _selection(s, state: ServerState, rnd: Round, contributor_id: str, q: float)
 GET_ROUND_SKEW_S = 300  # a signed GetRound is accepted this many seconds either side of the server's clock
 
 
-def _signed_asker(s, *, contributor_id: str, nonce: bytes, signed_at_unix: int, signature: bytes) -> str:
-    """The contributor whose you_submitted a GetRound may learn: "" when the request is unsigned.
+def signed_asker(s, *, contributor_id: str, nonce: bytes, signed_at_unix: int, signature: bytes,
+                 method: str = "GetRound") -> str:
+    """The contributor who signed a read-only query (`method`: GetRound, GetBalance, StreamLedger): "" when the
+    request is unsigned. What the asker may then learn: its own you_submitted, balance, ledger entries whole.
 
     Raises Unauthenticated for a signature that does not verify against the registered key, an unknown
     contributor, or a signed_at_unix outside the clock-skew window. GetRound writes nothing, so its nonce
@@ -171,7 +173,7 @@ def _signed_asker(s, *, contributor_id: str, nonce: bytes, signed_at_unix: int, 
     if not signature:
         return ""
     if not contributor_id:
-        raise InvalidArgument("a signed GetRound must name its contributor_id")
+        raise InvalidArgument(f"a signed {method} must name its contributor_id")
     if len(nonce) != signing.NONCE_BYTES:
         raise InvalidArgument(f"nonce must be {signing.NONCE_BYTES} random bytes")
     skew = signed_at_unix - int(time.time())
@@ -181,21 +183,31 @@ def _signed_asker(s, *, contributor_id: str, nonce: bytes, signed_at_unix: int, 
     contributor = s.get(Contributor, contributor_id)
     if contributor is None:
         raise Unauthenticated(f"contributor {contributor_id} is not registered; call Register first")
-    message = signing.get_round_bytes(contributor=contributor_id, signed_at_unix=signed_at_unix, nonce=nonce)
+    message = signing.query_bytes(method, contributor=contributor_id, signed_at_unix=signed_at_unix, nonce=nonce)
     try:
         signing.verify(bytes.fromhex(contributor.public_key), signature, message)
     except signing.SignatureError as exc:
-        raise Unauthenticated(f"GetRound signature: {exc}") from exc
+        raise Unauthenticated(f"{method} signature: {exc}") from exc
     return contributor_id
+
+
+# What a ledger entry of someone else shows under DP: the fields that let the chain verify (links, the server's
+# signature over entry_hash), none computed from the un-noised delta (kind, amount, score, reputation, reason).
+_WITHHELD = {"kind": "", "amount": 0, "score": 0.0, "reputation_after": 0.0, "reason": ""}
+
+
+def private_ledger_view(entries: list[dict], *, asker: str) -> list[dict]:
+    """Entries as a stranger may see them with DP on: the asker's own whole, everyone else's redacted."""
+    return [e if asker and e["contributor_id"] == asker else {**e, **_WITHHELD, "redacted": True} for e in entries]
 
 
 def round_view(*, state: ServerState, contributor_id: str = "", nonce: bytes = b"", signed_at_unix: int = 0,
                signature: bytes = b"", sample_rate: float = 1.0, dp_delta: float = 1e-5,
                dp_participation: str = "public") -> RoundView:
-    """The current round; you_submitted only for a contributor who signed the request (see _signed_asker)."""
+    """The current round; you_submitted only for a contributor who signed the request (see signed_asker)."""
     with state.session() as s:
-        contributor_id = _signed_asker(s, contributor_id=contributor_id, nonce=nonce,
-                                       signed_at_unix=signed_at_unix, signature=signature)
+        contributor_id = signed_asker(s, contributor_id=contributor_id, nonce=nonce,
+                                      signed_at_unix=signed_at_unix, signature=signature)
         rnd = state.current_round(s)
         if rnd is None:
             raise FailedPrecondition("the server has no round; initialise it with `gym-server init`")

@@ -20,7 +20,7 @@ from zoo_gym.server.transport import handlers
 from zoo_gym.server.transport.admission import Admission
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.transport.download_slots import DownloadSlots
-from zoo_gym.server.errors import GymError, InvalidArgument
+from zoo_gym.server.errors import GymError, InvalidArgument, PermissionDenied
 from zoo_gym.server.store.models import RoundState
 from zoo_gym.server.rounds.manager import RoundManager
 from zoo_gym.server.rounds.signed_state import ledger_head, sign_round_info
@@ -158,6 +158,14 @@ class GymServicer(gym_pb2_grpc.GymServicer):
         from zoo_gym.server.rounds.settlement import balance_of
 
         handlers.check_contributor_id(request.contributor_id)
+        if self.config.soup.dp_enabled:  # a balance is a per-person figure outside the ε: its owner's only
+            with self.state.session() as s:
+                asker = handlers.signed_asker(s, contributor_id=request.contributor_id, nonce=request.nonce,
+                                              signed_at_unix=request.signed_at_unix, signature=request.signature,
+                                              method="GetBalance")
+            if asker != request.contributor_id:
+                raise PermissionDenied("this server runs with differential privacy: a balance is shown only to its "
+                                       "owner; sign the request with the contributor's key (gym-client rewards does)")
         b = balance_of(self.state, request.contributor_id)
         return gym_pb2.Balance(contributor_id=request.contributor_id, balance=b["balance"],
                                reputation=b["reputation"], entries=b["entries"], last_seq=b["last_seq"])
@@ -167,8 +175,17 @@ class GymServicer(gym_pb2_grpc.GymServicer):
         from zoo_gym.server.rounds.settlement import ledger_entries
 
         handlers.check_ledger_query(contributor_id=request.contributor_id, since_seq=request.since_seq)
-        entries = ledger_entries(self.state, contributor=request.contributor_id or None,
+        with self.state.session() as s:
+            asker = handlers.signed_asker(s, contributor_id=request.contributor_id, nonce=request.nonce,
+                                          signed_at_unix=request.signed_at_unix, signature=request.signature,
+                                          method="StreamLedger")
+        if request.whole_ledger and not asker:
+            raise InvalidArgument("whole_ledger is for a signed request (contributor_id is then the asker); "
+                                  "unsigned, leave contributor_id empty to stream the whole ledger")
+        entries = ledger_entries(self.state, contributor=None if request.whole_ledger else request.contributor_id or None,
                                  since_seq=request.since_seq, limit=request.limit or None)
+        if self.config.soup.dp_enabled:  # scores, pay and reasons come from un-noised deltas: their owner's only
+            entries = handlers.private_ledger_view(entries, asker=asker)
         for e in self.download_slots.stream(context, iter(entries), what="ledger stream"):
             yield gym_pb2.LedgerEntry(**e)
 
