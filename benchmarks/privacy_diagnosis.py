@@ -65,11 +65,11 @@ def main() -> None:
     rows = [{"run": "base", "loss": base_loss, "accuracy": base_acc}, {"run": "non-private", **merged(SoupConfig())}]
     clips, zs = [float(c) for c in args.clips.split(",")], [float(z) for z in args.z.split(",")]
     for c in clips:
-        rows.append({"run": "clip only", "clip": c, **merged(SoupConfig(
-            dp_noise_multiplier=1e-9, dp_clip=c, dp_expected_contributors=m))})
+        rows.append({"run": "clip only", "clip": c, **merged(SoupConfig(  # DP runs the fixed-m mean (issue 46)
+            aggregator="mean", dp_noise_multiplier=1e-9, dp_clip=c, dp_expected_contributors=m))})
     for z in zs:
         row = {"run": "dp", "clip": clips[-1], "z": z, **merged(SoupConfig(
-            dp_noise_multiplier=z, dp_clip=clips[-1], dp_expected_contributors=m))}
+            aggregator="mean", dp_noise_multiplier=z, dp_clip=clips[-1], dp_expected_contributors=m))}
         g = torch.Generator().manual_seed(2)
         noise = {k: torch.normal(0.0, row["noise_std"], s, generator=g) for k, s in shapes.items()}
         row["noise_only_loss"], row["noise_only_accuracy"], _ = loss_and_accuracy(ev, examples, noise)

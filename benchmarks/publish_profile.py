@@ -101,7 +101,7 @@ def main() -> None:
         base_sha = w.commit()
     soup = {"aggregator": "mean"}
     if args.dp_noise_multiplier:
-        soup.update(dp_noise_multiplier=args.dp_noise_multiplier, dp_clip=1.0)
+        soup.update(dp_noise_multiplier=args.dp_noise_multiplier, dp_clip=1.0, dp_expected_contributors=len(shas))
     res: dict = {"torch_threads": torch.get_num_threads(), "soup": soup, "rounds": []}
     master = None
     prof = cProfile.Profile() if args.profile else None
