@@ -33,12 +33,12 @@ def test_file_values_are_overridden_by_flags_and_routed(tmp_path):
 
 @pytest.mark.parametrize("args, says", [
     (["--dp-noise-multiplier", "1", "--dp-clip", "0.5", "--dp-expected-contributors", "5"],
-     "`aggregator` must be mean, got 'trimmed-mean'"),
+     "`aggregator` must be mean or trust-mean (the robust one), got 'trimmed-mean'"),
     (["--dp-noise-multiplier", "1", "--dp-clip", "0.5", "--aggregator", "krum", "--byzantine-f", "1",
-      "--dp-expected-contributors", "5"], "`aggregator` must be mean, got 'krum'"),
+      "--dp-expected-contributors", "5"], "`aggregator` must be mean or trust-mean (the robust one), got 'krum'"),
     (["--dp-noise-multiplier", "1", "--dp-clip", "0.5", "--aggregator", "mean"], "`dp_expected_contributors` (m)"),
     (["--dp-noise-multiplier", "1", "--dp-clip", "0.5", "--aggregator", "mean", "--dp-expected-contributors", "5",
-      "--dp-participation", "private"], "`dp_participation` must be public on gym-server"),
+      "--dp-participation", "hidden"], "`dp_participation` must be public or private"),
 ])
 def test_serve_and_settings_refuse_dp_without_a_proven_bound_in_one_line(tmp_path, args, says):
     """Nothing starts, nothing is created, and one line names what is allowed."""

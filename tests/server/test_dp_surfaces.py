@@ -123,3 +123,55 @@ def test_gym_client_rewards_verifies_a_dp_ledger_with_its_own_figures(dp_round, 
     assert doc["contributor_id"] == cid and doc["verification"]["ok"], doc["verification"]
     assert doc["recent"] and all(not r["redacted"] and r["contributor_id"] == cid for r in doc["recent"])
     assert doc["balance"] == doc["sum_of_entries"]
+
+
+@pytest.fixture(scope="module")
+def private_round(tmp_path_factory):
+    """The same round with participation private: nothing public may say who took part."""
+    from tests.server.conftest import start_federation
+
+    fed = start_federation(tmp_path_factory.mktemp("dp-private") / "state", aggregator="mean", min_contributors=3,
+                           dp_noise_multiplier=1.0, dp_clip=0.05, dp_expected_contributors=3,
+                           dp_participation="private", dp_target_epsilon=1000.0, reward_pool=1000)
+    people = []
+    for seed in range(3):
+        key, cid = fed.register()
+        fed.submit(key, cid, codec.encode(fed.small_delta(seed=seed), codec="fp16"))
+        people.append((key, cid))
+    fed.wait_published(1)
+    yield fed, people
+    fed.stop()
+
+
+def test_with_participation_private_no_surface_names_who_took_part(private_round):
+    from zoo_gym.aggregation.privacy import epsilon
+    from zoo_gym.server.rounds.privacy_history import published_history
+
+    fed, people = private_round
+    info = fed.round()
+    ids = {cid for _, cid in people}
+    entries = _ledger(fed)
+    assert entries and all(e.redacted and e.contributor_id == "" for e in entries) and _verifies(fed, entries)
+    lineage = (fed.state.checkpoint_dir(info.base_sha256) / archive.LINEAGE).read_text()
+    assert not any(cid in lineage for cid in ids) and "contributors" not in json.loads(lineage)
+    with pytest.raises(grpc.RpcError) as err:  # asking for someone's entries would tell whether they exist
+        _ledger(fed, contributor_id=people[0][1])
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    key, cid = people[0]
+    mine = _ledger(fed, **query_signature("StreamLedger", key, cid))
+    assert mine and all(e.contributor_id == cid and not e.redacted for e in mine)
+    # add/remove neighbours at the sampling rate (1 here): z itself, not z / 2
+    assert info.dp_epsilon_spent == pytest.approx(epsilon([(1.0, 1.0, 1)], delta=1e-5))
+    with fed.state.session() as s:
+        assert published_history(s) == [(1.0, 1.0, 1)]
+    card = model_card([round_summary({"round": 0}, sha256="a" * 64),
+                       round_summary(json.loads(lineage), sha256=info.base_sha256)], base_model="tiny")
+    assert "contributors: not published (participation private)" in card and "participation private" in card
+
+
+def test_each_round_is_charged_as_it_was_published(dp_round):
+    from zoo_gym.server.rounds.privacy_history import published_history
+
+    fed, _, _ = dp_round
+    with fed.state.session() as s:
+        assert published_history(s) == [(0.5, 1.0, 1)]  # public: replace-one, z / 2 at q = 1

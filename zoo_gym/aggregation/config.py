@@ -116,8 +116,8 @@ class SoupConfig:
         calibrated to that bound, and for any other rule the epsilon reported would not bound anything."""
         if self.aggregator not in DP_AGGREGATORS:
             raise SoupConfigError(
-                f"with DP on (`dp_noise_multiplier` > 0) `aggregator` must be {' or '.join(DP_AGGREGATORS)} (robust under DP: "
-                "trust-mean), got "
+                f"with DP on (`dp_noise_multiplier` > 0) `aggregator` must be {' or '.join(DP_AGGREGATORS)} (the robust "
+                "one), got "
                 f"{self.aggregator!r}: one added contributor can move its output by many times C/m (trimmed mean "
                 "4.8x, Krum 200x), so no epsilon reported for it would be a bound (docs/design/privacy.md)")
         if self.dp_expected_contributors is None:

@@ -156,12 +156,6 @@ def accounted_step(noise_multiplier: float, sample_rate: float, *, participation
     raise SoupConfigError(f"`dp_participation` must be public or private, got {participation!r}")
 
 
-def accounted_history(rows: Iterable[tuple[float, float | None]], *, participation: str
-                      ) -> list[tuple[float, float, int]]:
-    """The accountant's history from the published rounds' stored (noise multiplier, sample rate) rows."""
-    return [(*accounted_step(z, q or 1.0, participation=participation), 1) for z, q in rows]
-
-
 def secure_generator() -> torch.Generator:
     """A fresh CPU generator seeded with 64 bits from os.urandom (unpredictable to others)."""
     g = torch.Generator()

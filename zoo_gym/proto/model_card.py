@@ -134,6 +134,8 @@ def model_card(rows: list[dict], *, base_model: str, title: str | None = None, l
              "It loads with `AutoModelForCausalLM.from_pretrained`")
     head = ["---", data.to_yaml(), "---"]
     n_contrib = len(everyone) if everyone else sum(r.get("n_contributors") or 0 for r in trained)
+    if trained and all(r.get("n_contributors") is None for r in trained):
+        n_contrib = "not published (participation private)"
     body = [
         "",
         f"# {title}",

@@ -188,10 +188,6 @@ class ServerConfig:
         if self.soup.rule.needs_reference and self.validation_examples <= 0:
             raise ConfigError(f"`aggregator` {self.soup.aggregator} weighs each delta by its agreement with the "
                               "validation set's descent direction: it needs `validation_examples` > 0")
-        if self.soup.dp_enabled and self.soup.dp_participation != "public":
-            raise ConfigError("`dp_participation` must be public on gym-server: its ledger (StreamLedger), GetRound and "
-                              "the dashboard name each round's paid contributors, so participation is not hidden and "
-                              "the epsilon is accounted for replace-one neighbours at q = 1 (docs/design/privacy.md)")
         if self.admission not in ("open", "invite"):
             raise ConfigError(f"`admission` must be open or invite, got {self.admission!r}")
         for name in ("register_rate_per_peer", "register_rate_global"):

@@ -23,7 +23,6 @@ from sqlmodel import func, select
 
 from zoo_gym import codec
 from zoo_gym.aggregation import DeltaSoup, NotRobustConfigError, PrivacyAccountant, PrivacyBudgetExceeded, SoupConfig
-from zoo_gym.aggregation.privacy import accounted_history
 from zoo_gym.server.rounds import async_rounds, sampling
 from zoo_gym.server.store import master_weights
 from zoo_gym.safetensors_reader import SafetensorsReader
@@ -31,6 +30,7 @@ from zoo_gym.server.store.checkpoint_writer import CheckpointWriter, master_path
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.rounds.evaluation import Evaluators, ServerEvaluator
 from zoo_gym.server.rounds.policy import policy_for
+from zoo_gym.server.rounds.privacy_history import published_history
 from zoo_gym.server.rounds.faults import crash_point
 from zoo_gym.gym_train.memory import release_memory
 from zoo_gym.server.store.models import Checkpoint, Contributor, Round, RoundInputs, RoundState, Submission
@@ -293,11 +293,8 @@ def load(state: ServerState, config: ServerConfig, policy, rnd: Round, subs: lis
     inputs = _round_inputs(state, config, policy, rnd, contributors)
     flush = async_rounds.flush_for(inputs.staleness_json)  # as recorded: a sync round adjusts nothing
     with state.session() as s:
-        # Each published round charged as the participation mode says (privacy.accounted_step): with the ledger
-        # public, replace-one at q = 1 whatever the sampling; rows stored by earlier versions are charged the same.
-        history = accounted_history([(r.dp_noise_multiplier, r.dp_sample_rate) for r in s.exec(
-            select(Round).where(Round.dp_noise_multiplier.is_not(None), Round.state == RoundState.PUBLISHED,
-                                Round.id < rnd.id).order_by(Round.id))], participation=config.soup.dp_participation)
+        # each published round charged as its own participation mode said (privacy_history.py)
+        history = published_history(s, before=rnd.id)
         parent = s.get(Checkpoint, rnd.base_sha256)
         parent_measured = parent is None or parent.heldout_loss is not None
         ancestors = _ancestors(s, parent)
@@ -437,17 +434,21 @@ def _lineage(state: ServerState, job: RoundJob, report, privacy, parent_loss: fl
     ancestors = job.ancestors
     # Under DP who took part is public (the threat model) but whether validation accepted a delta depends on its
     # content (finite, within max_delta_norm): a per-person bit outside the ε, so the public lineage omits it.
+    # With participation private (`dp_participation`) it names nobody: who took part is what that mode hides.
     private = job.soup.dp_enabled
-    return {
-        "round": rnd.id,
-        "base_model": public_base_name(state.base_model),
-        "parent_sha256": rnd.base_sha256,
+    hidden = private and job.soup.dp_participation == "private"
+    people = {} if hidden else {
         "contributors": contributors,
         **({} if private else {"accepted": [c for c, ok in zip(contributors, accepted) if ok]}),
         "submissions": [{"contributor": sub.contributor_id, "method": _method(sub),
                          **({} if private else {"accepted": ok})} for sub, ok in zip(job.subs, accepted)],
+        **job.flush.lineage()}
+    return {
+        "round": rnd.id,
+        "base_model": public_base_name(state.base_model),
+        "parent_sha256": rnd.base_sha256,
+        **people,
         "aggregator": job.soup.aggregator,
-        **job.flush.lineage(),
         "privacy": _jsonable(privacy),
         # earlier rounds, genesis first, so a pulled checkpoint's model card shows the whole lineage
         "history": [*ancestors[:-1], {**ancestors[-1], "heldout_loss": parent_loss}] if parent_loss is not None

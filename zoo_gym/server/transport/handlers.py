@@ -24,7 +24,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import func, select
 
 from zoo_gym import codec
-from zoo_gym.aggregation.privacy import accounted_history, rdp_epsilon
+from zoo_gym.aggregation.privacy import rdp_epsilon
 from zoo_gym.proto import signing
 from zoo_gym.server.transport.admission import Admission
 from zoo_gym.server.store.blobs import BlobError, map_file
@@ -49,6 +49,7 @@ from zoo_gym.server.store.models import (
     UsedNonce,
 )
 from zoo_gym.server.rounds import sampling
+from zoo_gym.server.rounds.privacy_history import published_history
 from zoo_gym.server.store.state import ServerState
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -134,7 +135,7 @@ class RoundView:
     selected: bool = False  # the signed asker, when sampling
 
 
-def _privacy_figures(s, delta: float, participation: str) -> tuple[float, float, float]:
+def _privacy_figures(s, delta: float) -> tuple[float, float, float]:
     """(cumulative epsilon, the last round's, RDP's cumulative cross-check) of the published rounds.
 
     Columns, not Round objects: the caller's session may already hold a round as it was before its publish
@@ -146,7 +147,7 @@ def _privacy_figures(s, delta: float, participation: str) -> tuple[float, float,
     if not rows:
         return 0.0, 0.0, 0.0
     _, _, total, last_round = rows[-1]
-    rdp = rdp_epsilon(accounted_history([(z, q) for z, q, _, _ in rows], participation=participation), delta=delta)
+    rdp = rdp_epsilon(published_history(s), delta=delta)
     return float(total or 0.0), float(last_round or 0.0), rdp
 
 
@@ -196,14 +197,15 @@ def signed_asker(s, *, contributor_id: str, nonce: bytes, signed_at_unix: int, s
 _WITHHELD = {"kind": "", "amount": 0, "score": 0.0, "reputation_after": 0.0, "reason": ""}
 
 
-def private_ledger_view(entries: list[dict], *, asker: str) -> list[dict]:
-    """Entries as a stranger may see them with DP on: the asker's own whole, everyone else's redacted."""
-    return [e if asker and e["contributor_id"] == asker else {**e, **_WITHHELD, "redacted": True} for e in entries]
+def private_ledger_view(entries: list[dict], *, asker: str, participation: str) -> list[dict]:
+    """Entries as a stranger may see them with DP on: the asker's own whole, everyone else's redacted, and with
+    participation private without whose they are either."""
+    withheld = {**_WITHHELD, "contributor_id": ""} if participation == "private" else _WITHHELD
+    return [e if asker and e["contributor_id"] == asker else {**e, **withheld, "redacted": True} for e in entries]
 
 
 def round_view(*, state: ServerState, contributor_id: str = "", nonce: bytes = b"", signed_at_unix: int = 0,
-               signature: bytes = b"", sample_rate: float = 1.0, dp_delta: float = 1e-5,
-               dp_participation: str = "public") -> RoundView:
+               signature: bytes = b"", sample_rate: float = 1.0, dp_delta: float = 1e-5) -> RoundView:
     """The current round; you_submitted only for a contributor who signed the request (see signed_asker)."""
     with state.session() as s:
         contributor_id = signed_asker(s, contributor_id=contributor_id, nonce=nonce,
@@ -215,7 +217,7 @@ def round_view(*, state: ServerState, contributor_id: str = "", nonce: bytes = b
         mine = bool(contributor_id) and s.exec(
             select(Submission.id).where(Submission.round_id == rnd.id, Submission.contributor_id == contributor_id)
         ).first() is not None
-        spent, eps_round, eps_rdp = _privacy_figures(s, dp_delta, dp_participation)
+        spent, eps_round, eps_rdp = _privacy_figures(s, dp_delta)
         ckpt = s.get(Checkpoint, rnd.base_sha256)
         selected_count, selected = _selection(s, state, rnd, contributor_id, sample_rate)
     return RoundView(rnd, ckpt.size if ckpt else 0, int(count), mine, spent, eps_round, eps_rdp,

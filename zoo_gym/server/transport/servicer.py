@@ -99,8 +99,7 @@ class GymServicer(gym_pb2_grpc.GymServicer):
         handlers.check_contributor_id(request.contributor_id, required=False)
         v = handlers.round_view(state=self.state, contributor_id=request.contributor_id, nonce=request.nonce,
                                 signed_at_unix=request.signed_at_unix, signature=request.signature,
-                                sample_rate=self.config.sample_rate, dp_delta=self.config.soup.dp_delta,
-                                dp_participation=self.config.soup.dp_participation)
+                                sample_rate=self.config.sample_rate, dp_delta=self.config.soup.dp_delta)
         cfg = self.config
         sampled = {} if cfg.sample_rate >= 1.0 else {"sample_rate": cfg.sample_rate,
                                                        "selected_count": v.selected_count, "selected": v.selected}
@@ -182,10 +181,15 @@ class GymServicer(gym_pb2_grpc.GymServicer):
         if request.whole_ledger and not asker:
             raise InvalidArgument("whole_ledger is for a signed request (contributor_id is then the asker); "
                                   "unsigned, leave contributor_id empty to stream the whole ledger")
+        soup = self.config.soup
+        if (soup.dp_enabled and soup.dp_participation == "private" and request.contributor_id
+                and not request.whole_ledger and asker != request.contributor_id):
+            raise PermissionDenied("this server keeps participation private: only a contributor may ask for its own "
+                                   "entries (sign the request with its key, as gym-client rewards does)")
         entries = ledger_entries(self.state, contributor=None if request.whole_ledger else request.contributor_id or None,
                                  since_seq=request.since_seq, limit=request.limit or None)
-        if self.config.soup.dp_enabled:  # scores, pay and reasons come from un-noised deltas: their owner's only
-            entries = handlers.private_ledger_view(entries, asker=asker)
+        if soup.dp_enabled:  # scores, pay and reasons come from un-noised deltas: their owner's only
+            entries = handlers.private_ledger_view(entries, asker=asker, participation=soup.dp_participation)
         for e in self.download_slots.stream(context, iter(entries), what="ledger stream"):
             yield gym_pb2.LedgerEntry(**e)
 
