@@ -100,7 +100,6 @@ class DifferentialPrivacy:
             accounted_noise_multiplier=z_acct, epsilon_total_rdp=trial.epsilon_rdp(delta=delta))
         return Release(self, expected=m_exp, count_stddev=count_std, z_update=z_update, privacy=privacy)
 
-
     def _fixed_denominator(self) -> int:
         """m, fixed before any submission; refuses a rule whose influence bound the noise does not match
         (SoupConfig refuses both first: this guards callers that build the step by hand)."""
