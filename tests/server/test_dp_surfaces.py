@@ -20,21 +20,25 @@ from zoo_gym.rewards import verify_chain
 PER_PERSON = ("amount", "score", "reputation_after", "reason", "kind")
 
 
-@pytest.fixture(scope="module")
-def dp_round(tmp_path_factory):
+def _one_dp_round(path, **flags):
+    """A server with DP (mean, m = 3) whose round 1 three contributors published: (federation, [(key, id)])."""
     from tests.server.conftest import start_federation
 
-    fed = start_federation(tmp_path_factory.mktemp("dp-surfaces") / "state", aggregator="mean", min_contributors=3,
-                           dp_noise_multiplier=1.0, dp_clip=0.05, dp_expected_contributors=3,
-                           dp_target_epsilon=1000.0, reward_pool=1000)
+    fed = start_federation(path, aggregator="mean", min_contributors=3, dp_noise_multiplier=1.0, dp_clip=0.05,
+                           dp_expected_contributors=3, dp_target_epsilon=1000.0, reward_pool=1000, **flags)
     people = []
     for seed in range(3):
         key, cid = fed.register()
         fed.submit(key, cid, codec.encode(fed.small_delta(seed=seed), codec="fp16"))
         people.append((key, cid))
     fed.wait_published(1)
-    stranger = fed.register(Ed25519PrivateKey.generate())
-    yield fed, people, stranger
+    return fed, people
+
+
+@pytest.fixture(scope="module")
+def dp_round(tmp_path_factory):
+    fed, people = _one_dp_round(tmp_path_factory.mktemp("dp-surfaces") / "state")
+    yield fed, people, fed.register(Ed25519PrivateKey.generate())
     fed.stop()
 
 
@@ -128,17 +132,7 @@ def test_gym_client_rewards_verifies_a_dp_ledger_with_its_own_figures(dp_round, 
 @pytest.fixture(scope="module")
 def private_round(tmp_path_factory):
     """The same round with participation private: nothing public may say who took part."""
-    from tests.server.conftest import start_federation
-
-    fed = start_federation(tmp_path_factory.mktemp("dp-private") / "state", aggregator="mean", min_contributors=3,
-                           dp_noise_multiplier=1.0, dp_clip=0.05, dp_expected_contributors=3,
-                           dp_participation="private", dp_target_epsilon=1000.0, reward_pool=1000)
-    people = []
-    for seed in range(3):
-        key, cid = fed.register()
-        fed.submit(key, cid, codec.encode(fed.small_delta(seed=seed), codec="fp16"))
-        people.append((key, cid))
-    fed.wait_published(1)
+    fed, people = _one_dp_round(tmp_path_factory.mktemp("dp-private") / "state", dp_participation="private")
     yield fed, people
     fed.stop()
 
