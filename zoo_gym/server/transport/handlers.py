@@ -182,6 +182,8 @@ def signed_asker(s, *, contributor_id: str, nonce: bytes, signed_at_unix: int, s
         raise Unauthenticated(f"signed_at_unix is {skew:+d} s from the server's clock (at most "
                               f"{GET_ROUND_SKEW_S} s either way): set this machine's clock, then sign again")
     contributor = s.get(Contributor, contributor_id)
+    if contributor is None and method != "GetRound":  # a key that never registered owns nothing: it asks as anyone
+        return ""
     if contributor is None:
         raise Unauthenticated(f"contributor {contributor_id} is not registered; call Register first")
     message = signing.query_bytes(method, contributor=contributor_id, signed_at_unix=signed_at_unix, nonce=nonce)

@@ -178,9 +178,6 @@ class GymServicer(gym_pb2_grpc.GymServicer):
             asker = handlers.signed_asker(s, contributor_id=request.contributor_id, nonce=request.nonce,
                                           signed_at_unix=request.signed_at_unix, signature=request.signature,
                                           method="StreamLedger")
-        if request.whole_ledger and not asker:
-            raise InvalidArgument("whole_ledger is for a signed request (contributor_id is then the asker); "
-                                  "unsigned, leave contributor_id empty to stream the whole ledger")
         soup = self.config.soup
         if (soup.dp_enabled and soup.dp_participation == "private" and request.contributor_id
                 and not request.whole_ledger and asker != request.contributor_id):
