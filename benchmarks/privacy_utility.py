@@ -11,7 +11,7 @@ node is sampled with probability q (Poisson, the same draws for every configurat
 seed 0, node ids seeded by `flower_sim.reproducible_node_ids`); a
 sampled contributor trains `--steps` LoRA steps of batch `--batch-size` (gym_train.train, merged dense
 delta) from the current global model and replies its BitDelta payload. The server (`SampledSoupStrategy`)
-runs DeltaSoup: without DP the default rule (SoupConfig's: the trimmed mean); for z > 0 central DP with the rule
+runs DeltaSoup: without DP `--nonprivate-aggregator` (default the server's default rule, the trimmed mean); for z > 0 central DP with the rule
 `--dp-aggregator` (default trust-mean: each clipped delta weighed by max(0, cos) with the descent direction of the
 operator's own 64 examples of the task at the current model, FLTrust's root set, apart from the held-out set),
 whole-delta clip C, and noise z C / m per coordinate with m = q N the expected cohort, fixed before the round:
@@ -186,7 +186,8 @@ def run_population(n: int, args, configs: list[dict]) -> list[dict]:
         for cfg in configs:
             t0 = time.perf_counter()
             dp = dict(aggregator=args.dp_aggregator, dp_noise_multiplier=cfg["z"], dp_clip=args.clip_value,
-                      dp_expected_contributors=cohort, dp_delta=DELTA, dp_participation="private") if cfg["z"] > 0 else {}
+                      dp_expected_contributors=cohort, dp_delta=DELTA, dp_participation="private") if cfg["z"] > 0 else \
+                {"aggregator": args.nonprivate_aggregator}
             soup = SoupConfig(**dp)
             # the same cohorts for every configuration (the benchmark's own secret, not a deployment's)
             strategy = SampledSoupStrategy(soup, sample_rate=q, seed=b"privacy-utility-cohorts", population=n,
@@ -199,7 +200,7 @@ def run_population(n: int, args, configs: list[dict]) -> list[dict]:
                            train_config=ConfigRecord(train),
                            evaluate_fn=heldout_metrics(default_validation_examples(args.val), metrics))
             losses = metrics["loss"]
-            row = {"n": n, "q": q, **cfg, "mechanism": f"{soup.aggregator}" + (f" / fixed m={cohort}" if dp else ""),
+            row = {"n": n, "q": q, **cfg, "mechanism": f"{soup.aggregator}" + (f" / fixed m={cohort}" if cfg["z"] > 0 else ""),
                    "losses": losses, "final_loss": losses[-1],
                    "accuracies": metrics["accuracy"], "final_accuracy": metrics["accuracy"][-1],
                    "calibrated_losses": metrics["calibrated"], "final_calibrated_loss": metrics["calibrated"][-1],
@@ -330,6 +331,8 @@ def main() -> None:
     ap.add_argument("--byzantine", type=float, default=0.2)
     ap.add_argument("--dp-aggregator", default="trust-mean", choices=("mean", "trust-mean"),
                     help="the rule under DP (only rules with a proven influence bound run with DP)")
+    ap.add_argument("--nonprivate-aggregator", default="trimmed-mean",
+                    help="the rule of the non-private runs the gains are measured against (default: the server's)")
     ap.add_argument("--target-z", type=float, help="z of the `targets` entry (largest N); default: the "
                     "smallest z whose epsilon is <= 8 (chosen from epsilon alone, not from the losses)")
     ap.add_argument("--val", type=int, default=64, help="held-out examples")
