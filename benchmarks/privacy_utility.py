@@ -28,7 +28,7 @@ held-out completion loss, token accuracy and calibrated loss (the loss at the on
 minimises it: what noise cannot fake by flattening a confidently wrong base) after every round;
 gain_share = (L_base - L_run) / (L_base - L_nonprivate clean run), the same for accuracy and the
 calibrated loss; `noise_only`: the base plus the run's accumulated noise alone (std noise_std x
-sqrt(published rounds), no training), a control for what the noise by itself does to this base. Simplification: identical inputs (base sha256, partition, round,
+sqrt(published rounds) x --server-lr, no training), a control for what the noise by itself does to this base. Simplification: identical inputs (base sha256, partition, round,
 training settings) reuse one training (a disk cache): every configuration of one N shares round 1's;
 nothing else is approximated.
 """
@@ -192,7 +192,8 @@ def run_population(n: int, args, configs: list[dict]) -> list[dict]:
             # the same cohorts for every configuration (the benchmark's own secret, not a deployment's)
             strategy = SampledSoupStrategy(soup, sample_rate=q, seed=b"privacy-utility-cohorts", population=n,
                                            generator=torch.Generator().manual_seed(1),
-                                           reference_fn=reference_fn if soup.rule.needs_reference else None)
+                                           reference_fn=reference_fn if soup.rule.needs_reference else None,
+                                           server_lr=args.server_lr if cfg["z"] > 0 else 1.0)
             metrics: dict[str, list[float]] = {"loss": [], "accuracy": [], "calibrated": []}
             train = {**TRAIN_DEFAULTS, "steps": args.steps, "batch-size": args.batch_size,
                      "learning-rate": args.lr, "byzantine-fraction": cfg["byzantine"], "cache-dir": cache}
@@ -215,7 +216,8 @@ def run_population(n: int, args, configs: list[dict]) -> list[dict]:
                 row["epsilon_public"] = epsilons(cfg["z"] / 2, 1.0, len(strategy.cohorts))
                 row["noise_only"] = noise_control(
                     default_validation_examples(args.val), shapes=args.shapes,
-                    std=float(strategy.reports[0].noise_std) * len(strategy.reports) ** 0.5) if strategy.reports else None
+                    std=float(strategy.reports[0].noise_std) * strategy.server_lr * len(strategy.reports) ** 0.5
+                ) if strategy.reports else None  # the noise as the model received it: x server_lr each round
                 row["epsilon"]["project_rdp"] = strategy.accountant.epsilon(delta=DELTA)
             rows.append(row)
             print(json.dumps({k: row[k] for k in ("n", "z", "byzantine", "final_loss", "seconds")}), flush=True)
@@ -331,6 +333,8 @@ def main() -> None:
     ap.add_argument("--byzantine", type=float, default=0.2)
     ap.add_argument("--dp-aggregator", default="trust-mean", choices=("mean", "trust-mean"),
                     help="the rule under DP (only rules with a proven influence bound run with DP)")
+    ap.add_argument("--server-lr", type=float, default=1.0, help="DP runs: the global model moves by this x the noised "
+                    "aggregate (post-processing: the same ε)")
     ap.add_argument("--nonprivate-aggregator", default="trimmed-mean",
                     help="the rule of the non-private runs the gains are measured against (default: the server's)")
     ap.add_argument("--target-z", type=float, help="z of the `targets` entry (largest N); default: the "

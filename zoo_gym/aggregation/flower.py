@@ -42,11 +42,14 @@ class DeltaSoupStrategy(FedAvg):
 
     def __init__(self, config: SoupConfig, *, generator: torch.Generator | None = None,
                  accountant: PrivacyAccountant | None = None, population: int | None = None,
-                 reference_fn=None, **fedavg_kwargs) -> None:
+                 reference_fn=None, server_lr: float = 1.0, **fedavg_kwargs) -> None:
         super().__init__(**fedavg_kwargs)
         self.soup = DeltaSoup(config)
         # (current arrays: name -> ndarray) -> the operator's reference direction, for trust-mean
         self.reference_fn = reference_fn
+        if not 0 < server_lr < float("inf"):
+            raise ValueError(f"`server_lr` must be a finite number > 0, got {server_lr}")
+        self.server_lr = server_lr  # global += server_lr x aggregate: post-processing of the release, free in ε
         self.generator = generator
         self.accountant = accountant if accountant is not None else PrivacyAccountant()
         self.population = population
@@ -93,9 +96,9 @@ class DeltaSoupStrategy(FedAvg):
             self.refused_rounds[server_round] = str(exc)
             return None, MetricRecord({"soup-refused-round": 1})
         self.reports.append(report)
-        new = ArrayRecord({k: Array((base[k].astype(np.float32) + out[k].numpy().reshape(base[k].shape)
-                                     ).astype(base[k].dtype)) if k in out else Array(base[k])
-                           for k in base})  # tensors no delta names (e.g. LoRA's untouched ones) stay
+        step = {k: self.server_lr * out[k].numpy().reshape(base[k].shape) for k in out}
+        new = ArrayRecord({k: Array((base[k].astype(np.float32) + step[k]).astype(base[k].dtype)) if k in step
+                           else Array(base[k]) for k in base})  # tensors no delta names (e.g. LoRA's untouched ones) stay
         metrics = MetricRecord({"soup-accepted": report.n_accepted,
                                 "soup-refused": len(report.contributors) - report.n_accepted,
                                 "soup-noise-std": float(report.noise_std)})
