@@ -287,7 +287,7 @@ def test_variants_removed_added_and_evicted(served):
 
 @pytest.mark.parametrize("args, message", [
     (["--base", "tiny", "--variants", "/no/such/dir"], "--variants"),
-    (["--base", "no/such-model-here"], "neither 'tiny'"),
+    (["--base", "no/such-model-here"], "neither a built-in base"),
     (["--base", "tiny", "--dtype", "int3"], "--dtype"),
 ])
 def test_bad_serve_options_exit_2_with_one_line(args, message):

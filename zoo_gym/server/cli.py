@@ -71,8 +71,10 @@ def _one_line_errors() -> Iterator[None]:
 @app.command()
 def init(
     state_dir: Path = StateDir,
-    base_model: str = typer.Option("tiny", help="'tiny' (built in), a local HF model directory, or a model "
-                                                "id already in the local Hugging Face cache."),
+    base_model: str = typer.Option("tiny", help="A built-in base: 'tiny' (random weights, for the mechanics) or "
+                                                "'smollm2-135m' (SmolLM2-135M-Instruct, real weights); a local HF "
+                                                "model directory; a .gguf file (dequantized once, cached); or a "
+                                                "model id already in the local Hugging Face cache."),
     db: Optional[str] = typer.Option(None, help="SQLAlchemy URL (default: SQLite in the state dir)."),
     chat_template: Optional[Path] = typer.Option(
         None, "--chat-template", help="Jinja chat-template file written into the genesis tokenizer, used by every "

@@ -32,23 +32,12 @@ from zoo_gym.server.store.state import (PRIVATE_DIR, PRIVATE_FILE, STATE_FILE, S
 
 
 def _resolve_base_model(base_model: str) -> Path:
-    if base_model == "tiny":
-        from zoo_gym.gym_train import tiny_model_dir
+    from zoo_gym.gym_train.bases import BaseModelError, resolve_base
 
-        return tiny_model_dir()
-    path = Path(base_model).expanduser()
-    if path.is_dir():
-        return path
-    # A hub id already in the user's Hugging Face cache; never downloads.
     try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(base_model, local_files_only=True))
-    except Exception as exc:  # noqa: BLE001 - any failure means "not available locally"
-        raise StateError(
-            f"--base-model {base_model!r} is neither 'tiny', a local directory, nor a model in the local "
-            "Hugging Face cache (nothing is downloaded at run time)"
-        ) from exc
+        return resolve_base(base_model)
+    except BaseModelError as exc:
+        raise StateError(f"--base-model: {exc}") from None
 
 
 def _normalised_copy(src: Path, dest: Path) -> None:

@@ -11,6 +11,7 @@ from zoo_gym.serving.batcher import Batcher
 from zoo_gym.serving.model import MultiVariantModel
 from zoo_gym.proto.model_card import base_label
 from zoo_gym.serving.registry import VariantRegistry
+from zoo_gym.gym_train.bases import BUILTIN_BASES
 from zoo_gym.serving.variant import resolve_base_dir, weights_sha256
 
 log = logging.getLogger("zoo_gym.serving")
@@ -36,7 +37,7 @@ class Service:
         self.opts = opts
         self.base_dir = resolve_base_dir(opts.base)
         self.base_sha256 = weights_sha256(self.base_dir)
-        self.base_name = opts.base_name or (opts.base if opts.base == "tiny" else self.base_dir.name)
+        self.base_name = opts.base_name or (opts.base if opts.base in BUILTIN_BASES else self.base_dir.name)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.base_dir))
         self.model = MultiVariantModel.from_dir(self.base_dir, dtype=getattr(torch, opts.dtype), device=opts.device)
         self.registry = VariantRegistry(opts.variants, base_sha256=self.base_sha256,

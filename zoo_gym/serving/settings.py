@@ -20,8 +20,8 @@ def _s(default: Any, help: str) -> Any:
 
 @dataclass(frozen=True)
 class ServeSettings:
-    base: str | None = _s(None, "The base model: a Hugging Face directory, a hub id already in your cache, or "
-                                "'tiny' (required).")
+    base: str | None = _s(None, "The base model: 'tiny' or 'smollm2-135m' (built in), a Hugging Face "
+                                "directory, a .gguf file, or a hub id already in your cache (required).")
     variants: str | None = _s(None, "Directory of NAME.zgd variants (watched: files added or removed are picked up).")
     host: str = _s("127.0.0.1", "Address to listen on.")
     port: int = _s(8000, "Port (0: a free one, printed at start).")

@@ -51,21 +51,14 @@ def weights_sha256(base_dir: str | pathlib.Path) -> str:
 
 
 def resolve_base_dir(base: str) -> pathlib.Path:
-    """'tiny', a local Hugging Face directory, or a hub id already in the local cache (never downloaded)."""
-    if base == "tiny":
-        from zoo_gym.gym_train import tiny_model_dir
+    """A built-in base, a local Hugging Face directory, a GGUF file or a hub id in the local cache
+    (zoo_gym/gym_train/bases.py; nothing is downloaded from a hub)."""
+    from zoo_gym.gym_train.bases import BaseModelError, resolve_base
 
-        return tiny_model_dir()
-    path = pathlib.Path(base).expanduser()
-    if path.is_dir():
-        return path
     try:
-        from huggingface_hub import snapshot_download
-
-        return pathlib.Path(snapshot_download(base, local_files_only=True))
-    except Exception:  # noqa: BLE001 - any failure means "not available locally"
-        raise VariantError(f"base {base!r} is neither 'tiny', a local directory, nor a model in the local "
-                           "Hugging Face cache (nothing is downloaded)") from None
+        return resolve_base(base)
+    except BaseModelError as exc:
+        raise VariantError(str(exc)) from None
 
 
 def check_name(name: str) -> str:
