@@ -122,6 +122,9 @@ def join(
     method: Optional[str] = typer.Option(None, help="Deprecated: lora = --stage sft --finetuning-type lora, "
                                          "sft = --finetuning-type full, grpo = --stage grpo.",
                                          rich_help_panel="Training"),
+    task: Optional[str] = typer.Option(None, "--task", help="Built-in task family to train on with --data builtin "
+                                       "(e.g. arithmetic, sort_words, arithmetic-pairs for the preference stages) "
+                                       "\\[default: the stage's: default, preference or grpo]."),
     rounds: int = typer.Option(1, min=1, help="Rounds to contribute to before exiting."),
     key: Optional[Path] = typer.Option(None, help="Ed25519 key (PEM); created if missing "
                                                   "\\[default: ~/.zoo-gym/contributor.pem]."),
@@ -168,7 +171,7 @@ def join(
                                           train_config_file=train_config_file, threads=threads)
     home = workdir or DEFAULT_HOME
     opts = JoinOptions(server=server, workdir=home, key_path=key or DEFAULT_HOME / "contributor.pem", rounds=rounds,
-                       data=data, codec=codec, group_size=(None if group_size == 0 else group_size),
+                       data=data, task=task, codec=codec, group_size=(None if group_size == 0 else group_size),
                        train_overrides=train_overrides, shard=shard, n_shards=n_shards, display_name=name,
                        wait_for_publish=not no_wait, progress=not quiet and sys.stderr.isatty(),
                        root_certificates=str(root_certificates) if root_certificates else None, insecure=insecure,
@@ -211,6 +214,9 @@ def personalize(
     method: Optional[str] = typer.Option(None, help="Deprecated: lora = --stage sft --finetuning-type lora, "
                                          "sft = --finetuning-type full, grpo = --stage grpo.",
                                          rich_help_panel="Training"),
+    task: Optional[str] = typer.Option(None, "--task", help="Built-in task family to train on with --data builtin "
+                                       "(e.g. arithmetic, sort_words, arithmetic-pairs for the preference stages) "
+                                       "\\[default: the stage's: default, preference or grpo]."),
     distill_steps: int = typer.Option(50, min=0, help="Scale distillation steps (BitDelta's calibration); 0 = off."),
     peft_out: Optional[Path] = typer.Option(None, help="Also write the trained LoRA factors as a PEFT adapter "
                                                        "directory (PeftModel.from_pretrained; LoRA training only)."),
@@ -227,7 +233,7 @@ def personalize(
 
     train_overrides, _ = _training(method=method, data=data, train_flags=train_flags,
                                    train_config_file=train_config_file, threads=threads)
-    opts = PersonalizeOptions(data=data, base=base, out=out, train_overrides=train_overrides,
+    opts = PersonalizeOptions(data=data, task=task, base=base, out=out, train_overrides=train_overrides,
                               distill_steps=distill_steps, progress=not quiet and sys.stderr.isatty(),
                               peft_out=peft_out)
     try:

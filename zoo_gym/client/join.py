@@ -35,6 +35,7 @@ class JoinOptions:
     key_path: Path
     rounds: int = 1
     data: str = "builtin"
+    task: str | None = None  # built-in task family for data "builtin" (None: the stage's, tasks.builtin_task)
     method: str | None = None  # deprecated: stage and finetuning_type in train_overrides
     codec: str = "auto"
     group_size: int | None = 128
@@ -76,7 +77,10 @@ def prepare(opts: JoinOptions) -> tuple[TrainConfig, list[dict] | None]:
     examples = None
     if opts.data == "builtin":
         n = min(opts.n_examples, config.max_samples or opts.n_examples)
+        _check_task(opts, config.stage, n)
     else:
+        if opts.task is not None:
+            raise JoinError("--task picks built-in data; it does not apply with --data FILE")
         examples = gym_train.load_examples(opts.data, allow_text=True)[:config.max_samples]  # None: all
         n = len(examples)
         if any("text" in ex for ex in examples) and (config.stage != "sft" or config.dp_enabled):
@@ -99,6 +103,20 @@ def prepare(opts: JoinOptions) -> tuple[TrainConfig, list[dict] | None]:
     except (RewardFuncError, RewardModelError) as exc:
         raise JoinError(str(exc)) from None
     return check_round(config, n_train=n - _held_count(n)), examples
+
+
+def _check_task(opts: JoinOptions, stage: str, n: int) -> None:
+    """A --task fits the stage and has ``n`` distinct prompts in a shard (shard 0 stands for all: they are
+    near equal), so a misfit fails before the network rather than after the first download."""
+    if opts.task is None:
+        return
+    from zoo_gym.gym_train.tasks import builtin_examples, check_task_stage
+
+    try:
+        check_task_stage(opts.task, stage)
+        builtin_examples(opts.task, shard=0, n_shards=opts.n_shards, n=n)
+    except ValueError as exc:
+        raise JoinError(f"--task: {exc}") from None
 
 
 def _data_format(path: str) -> str:
@@ -135,7 +153,7 @@ def _examples(opts: JoinOptions, config: TrainConfig, contributor_id: str, user_
         desc = f"{opts.data} ({len(examples)} examples)"
     elif opts.data == "builtin":
         shard = opts.shard if opts.shard is not None else int(contributor_id[:8], 16) % opts.n_shards
-        task = gym_train.builtin_task(config.stage)
+        task = opts.task or gym_train.builtin_task(config.stage)
         examples = gym_train.builtin_examples(task, shard=shard, n_shards=opts.n_shards,
                                               n=min(opts.n_examples, config.max_samples or opts.n_examples))
         desc = f"built-in {task} shard {shard}/{opts.n_shards}"

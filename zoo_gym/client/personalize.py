@@ -32,6 +32,7 @@ class PersonalizeOptions:
     data: str
     base: str  # a Hugging Face directory, a hub id in the local cache, or 'tiny'
     out: pathlib.Path
+    task: str | None = None  # built-in task family for data "builtin" (None: the stage's, tasks.builtin_task)
     method: str | None = None  # deprecated: stage and finetuning_type in train_overrides
     train_overrides: dict = field(default_factory=dict)  # TrainConfig keywords
     distill_steps: int = DEFAULT_DISTILL_STEPS  # 0: keep the mean-|delta| scales
@@ -88,6 +89,18 @@ def _write_peft(delta: dict, opts: PersonalizeOptions, base_dir: pathlib.Path, s
     say(f"wrote the LoRA factors as a PEFT adapter in {opts.peft_out}")
 
 
+def _builtin(task: str | None, stage: str) -> list[dict]:
+    """256 examples of the built-in ``task`` (default: the stage's), refused in one line if it does not fit the stage."""
+    from zoo_gym.gym_train.tasks import builtin_examples, builtin_task, check_task_stage
+
+    name = task or builtin_task(stage)
+    try:
+        check_task_stage(name, stage)
+    except ValueError as exc:
+        raise PersonalizeError(f"--task: {exc}") from None
+    return builtin_examples(name, shard=0, n_shards=1, n=256)
+
+
 def personalize(opts: PersonalizeOptions, *, say: Callable[[str], None] = print) -> dict:
     """Train, distil and write ``opts.out``; return a summary dict."""
     from zoo_gym import gym_train
@@ -105,7 +118,9 @@ def personalize(opts: PersonalizeOptions, *, say: Callable[[str], None] = print)
         raise PersonalizeError(f"--base: {exc}") from None
     config = gym_train.TrainConfig(**({"method": opts.method} if opts.method else {}), **opts.train_overrides)
     if opts.data == "builtin":
-        examples = gym_train.builtin_examples(gym_train.builtin_task(config.stage), shard=0, n_shards=1, n=256)
+        examples = _builtin(opts.task, config.stage)
+    elif opts.task is not None:
+        raise PersonalizeError("--task picks built-in data; it does not apply with --data FILE")
     else:
         examples = gym_train.load_examples(opts.data, allow_text=True)
     examples = examples[:config.max_samples]  # None: all

@@ -1,4 +1,5 @@
-"""Built-in generated task families for the tiny model, deterministic by seed.
+"""Built-in generated task families, deterministic by seed: for the tiny model, and for a real instruct
+base (``real_tasks.py``: ``arithmetic``, ``sort_words`` and their ``-pairs``).
 
 Every family is a function ``(rng) -> alpaca dict`` drawing from a ``random.Random``. The tiny base is
 pretrained on the ``PRETRAIN_TASKS`` mixture only; contributors' built-in shards teach families it never
@@ -14,6 +15,9 @@ import hashlib
 import random
 import string
 from collections.abc import Callable
+
+from .real_tasks import arithmetic as real_arithmetic
+from .real_tasks import sort_words, wrong_answer
 
 Example = dict[str, str]
 
@@ -73,10 +77,13 @@ TASKS: dict[str, Callable[[random.Random], Example]] = {
     "count": count,
     "reverse": reverse,
     "word_math": word_math,
+    "arithmetic": real_arithmetic,
+    "sort_words": sort_words,
 }
 PRETRAIN_TASKS = ("arith", "copy", "count")
 TASK_ALIASES = {"default": "reverse", "grpo": "word_math"}
-PAIR_TASKS = {"preference": "default"}  # pair task -> the task whose prompts and answers it pairs
+# pair task -> the task whose prompts and answers it pairs
+PAIR_TASKS = {"preference": "default", "arithmetic-pairs": "arithmetic", "sort_words-pairs": "sort_words"}
 VALIDATION_SHARE = 0.15  # share of each family's prompt space reserved for the validation split
 
 
@@ -92,7 +99,7 @@ def builtin_task(stage: str) -> str:
     return "default"
 
 
-def _bucket(ex: Example, *, salt: str) -> float:
+def prompt_bucket(ex: Example, *, salt: str) -> float:
     """A uniform number in [0, 1) fixed by the example's prompt text (stable across runs/platforms)."""
     key = f"{salt}\x00{ex['instruction']}\x00{ex['input']}".encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") / 2.0**64
@@ -122,8 +129,9 @@ def builtin_examples(
     task gives its source task's examples as ``chosen``/``rejected`` pairs (see ``as_pair``).
     """
     if task in PAIR_TASKS:
-        return [as_pair(ex) for ex in builtin_examples(PAIR_TASKS[task], shard=shard, n_shards=n_shards, n=n,
-                                                       split=split, seed=seed)]
+        source = PAIR_TASKS[task]
+        return [as_pair(ex, source) for ex in builtin_examples(source, shard=shard, n_shards=n_shards, n=n,
+                                                               split=split, seed=seed)]
     name = resolve_task(task)
     if split not in ("train", "validation"):
         raise ValueError(f"`split` must be 'train' or 'validation', got {split!r}")
@@ -141,9 +149,10 @@ def builtin_examples(
     while len(out) < n:
         tries += 1
         if tries > 200 * n + 10_000:
-            raise ValueError(f"task {name!r} has too few distinct prompts for n={n} in this shard")
+            raise ValueError(f"task {name!r} has too few distinct prompts for n={n} in one of {n_shards} "
+                             "shards: use fewer shards or fewer examples")
         ex = family(rng)
-        u = _bucket(ex, salt=name)
+        u = prompt_bucket(ex, salt=name)
         if split == "validation":
             if u >= VALIDATION_SHARE:
                 continue
@@ -161,13 +170,45 @@ def builtin_examples(
     return out
 
 
-def as_pair(ex: Example) -> Example:
-    """The prompt of ``ex`` with its answer ``chosen`` and a wrong one ``rejected``: the input copied
-    unreversed (the base's own habit), or for a palindrome the answer with its last digit moved by one."""
-    wrong = ex["input"]
-    if wrong == ex["output"]:
-        wrong = wrong[:-1] + str((int(wrong[-1]) + 1) % 10)
+def as_pair(ex: Example, task: str = "default") -> Example:
+    """The prompt of ``ex`` with its answer ``chosen`` and a wrong one ``rejected``. For digit reversal the
+    input copied unreversed (the base's own habit), or for a palindrome the answer with its last digit moved
+    by one; for a real-base family ``real_tasks.wrong_answer``."""
+    name = resolve_task(task)
+    if name != "reverse":
+        wrong = wrong_answer(name, ex)
+    else:
+        wrong = ex["input"]
+        if wrong == ex["output"]:
+            wrong = wrong[:-1] + str((int(wrong[-1]) + 1) % 10)
     return {"instruction": ex["instruction"], "input": ex["input"], "chosen": ex["output"], "rejected": wrong}
+
+
+def prompt_only_records(task: str, *, shard: int = 0, n_shards: int = 1, n: int = 256, split: str = "train",
+                        seed: int = 0) -> list[dict]:
+    """``task``'s examples as TRL's conversational prompt-only records with the ``answer`` column that
+    ``grpo.exact_answer_reward`` reads (the rows ``grpo.grpo_dataset`` builds)."""
+    from .chat import prompt_messages
+
+    if task in PAIR_TASKS:
+        raise ValueError(f"task {task!r} gives answer pairs, not prompts with one answer; use {PAIR_TASKS[task]!r}")
+    examples = builtin_examples(task, shard=shard, n_shards=n_shards, n=n, split=split, seed=seed)
+    return [{"prompt": prompt_messages(ex), "answer": ex["output"]} for ex in examples]
+
+
+def check_task_stage(task: str, stage: str) -> None:
+    """Raise ValueError (one sentence) unless built-in ``task`` exists and gives what ``stage`` trains on:
+    answer pairs for the preference stages, prompts with one answer for SFT and the RL stages."""
+    from .config import PREFERENCE_STAGES
+
+    if task not in PAIR_TASKS:
+        resolve_task(task)
+    if stage in PREFERENCE_STAGES and task not in PAIR_TASKS:
+        raise ValueError(f"task {task!r} gives one answer per prompt, stage {stage} needs answer pairs: "
+                         f"one of {sorted(PAIR_TASKS)}")
+    if stage not in PREFERENCE_STAGES and task in PAIR_TASKS:
+        raise ValueError(f"task {task!r} gives answer pairs, stage {stage} needs prompts with one answer "
+                         f"(e.g. {PAIR_TASKS[task]!r})")
 
 
 def default_validation_examples(n: int = 128) -> list[Example]:
