@@ -5,7 +5,10 @@ Declared once in ``TrainConfig`` (help, group, aliases metadata) and derived by 
 Names are TRL's and PEFT's; LLaMA-Factory's are accepted where they differ (``lora_rank``, ``cutoff_len``,
 ``per_device_train_batch_size``, ``lora_target``, ``pissa_init``). Precedence: flag > environment > file >
 default; ``max_steps``/``num_train_epochs`` and ``warmup_steps``/``warmup_ratio`` exclude each other, the higher
-source's one wins. File keys the server or client decides (``ecosystem_keys``) are set aside with a warning.
+source's one wins. File keys the server or client decides (``ecosystem_keys``) are set aside with a warning;
+TRL config keys about where and how a run executes rather than what it learns (vLLM, the Hub, trackers, logging,
+saving, evaluation, distributed training: ``_LOCAL_RUN_*``) are set aside together with one warning naming them.
+A learning rate far above the stage's usual range adds a warning (``gym_train.config.learning_rate_warning``).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any, Optional
 import typer
 
 from zoo_gym.client.ecosystem_keys import set_aside
-from zoo_gym.gym_train.config import METHODS, TrainConfig
+from zoo_gym.gym_train.config import METHODS, TrainConfig, learning_rate_warning
 from zoo_gym.settings import Leaf, SettingError, collect, leaves, typer_parameters
 from zoo_gym.settings_file import SettingsFileError, read_settings_file
 
@@ -34,6 +37,19 @@ _OWN_OPTION = ("method",)
 # settings that give one measure two ways: a higher source's one wins, both in one source are refused
 _EXCLUSIVE = (("max_steps", "num_train_epochs"), ("warmup_steps", "warmup_ratio"))
 _PARAM_PREFIX = "train__"
+# TRL config fields (GRPOConfig, RLOOConfig, SFTConfig, DPOConfig, KTOConfig and their TrainingArguments) that say
+# where and how a run executes, not what it learns: a contributor's round generates with transformers in one local
+# process, logs through report_to, saves nothing and uploads its delta to the server. Only keys TRL itself has
+# are set aside (a misspelling is still refused), and never one that is a TrainConfig setting.
+_LOCAL_RUN_KEYS = ("use_vllm", "ds3_gather_for_generation", "parallelism_config", "average_tokens_across_devices",
+                   "dataset_num_proc", "disable_tqdm", "project", "skip_memory_metrics", "log_completions",
+                   "num_completions_to_print", "log_unique_prompts", "log_multimodal", "log_level",
+                   "log_level_replica", "log_on_each_node", "load_best_model_at_end", "metric_for_best_model",
+                   "greater_is_better", "do_predict", "prediction_loss_only", "batch_eval_metrics",
+                   "bf16_full_eval", "fp16_full_eval", "include_for_metrics", "num_generations_eval",
+                   "restore_callback_states_from_checkpoint", "ignore_data_skip", "torch_empty_cache_steps")
+_LOCAL_RUN_PREFIXES = ("vllm_", "hub_", "push_to_hub", "logging_", "save_", "eval_", "dataloader_", "trackio_",
+                       "log_completions_", "torch_compile", "tpu_")
 
 
 def _panel(group: str) -> str:
@@ -121,6 +137,8 @@ def resolve(train_flags: dict[str, Any], config_file: Path | None, *, method: st
     if config_file:
         names = {a for leaf in train_leaves() for a in (leaf.key, *leaf.aliases)}
         raw, warnings = set_aside(read_train_file(config_file), names)
+        raw, local = set_aside_local_run_keys(raw, names)
+        warnings += local
         file_values = _layer(f"--config {config_file}", 0, file_values=raw)
     env_values = _layer("environment", 1, environ=environ)
     flags = _layer("flags", 2, flags=train_flags)
@@ -142,7 +160,49 @@ def resolve(train_flags: dict[str, Any], config_file: Path | None, *, method: st
     merged.pop("method", None)
     if chosen is not None:
         _apply_method(chosen, merged, warnings, given="--method" if method else "method")
+    warnings += _learning_rate_warnings(merged)
     return merged, warnings
+
+
+def _trl_config_fields() -> set[str]:
+    """Every field name of TRL's trainer configs the client's stages use (imported only when a file has keys
+    that are no setting, so a plain config costs no TRL import)."""
+    import trl
+
+    classes = (trl.GRPOConfig, trl.RLOOConfig, trl.SFTConfig, trl.DPOConfig, trl.KTOConfig)
+    return {f.name for cls in classes for f in dataclasses.fields(cls)}
+
+
+def set_aside_local_run_keys(values: dict[str, Any], settings: set[str]) -> tuple[dict[str, Any], list[str]]:
+    """(``values`` less TRL's keys about where and how a run executes, [one warning naming them all] or []).
+    A key that is a setting, or that TRL does not have, stays for the caller (a misspelling is refused there)."""
+    def local(key: str) -> bool:
+        name = key.strip().replace("-", "_")
+        return name not in settings and (name in _LOCAL_RUN_KEYS or name.startswith(_LOCAL_RUN_PREFIXES))
+
+    candidates = [k for k in values if local(k)]
+    if not candidates:
+        return dict(values), []
+    trl_fields = _trl_config_fields()
+    dropped = [k for k in candidates if k.strip().replace("-", "_") in trl_fields]
+    kept = {k: v for k, v in values.items() if k not in dropped}
+    given = [k for k in dropped if values[k] is not None]  # a null asks nothing: dropped without a word
+    if not given:
+        return kept, []
+    return kept, [f"set aside TRL settings that do not apply to a contributor's local round: "
+                  f"{', '.join(f'`{k}`' for k in given)} (generation runs in transformers in this one process, "
+                  "metrics go to report_to, nothing is saved or pushed: the delta is uploaded to the server)"]
+
+
+def _learning_rate_warnings(merged: dict[str, Any]) -> list[str]:
+    """[one line] when the round's learning rate (given or default) is far above its stage's usual range."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    values = {k: merged.get(k, defaults[k]) for k in ("stage", "finetuning_type", "learning_rate")}
+    try:
+        line = learning_rate_warning(values["stage"], values["finetuning_type"], values["learning_rate"])
+    except (TypeError, ValueError):
+        return []  # a malformed value is TrainConfig's to refuse, in its own words
+    return [line] if line else []
 
 
 def _apply_method(method: str, merged: dict[str, Any], warnings: list[str], *, given: str) -> None:

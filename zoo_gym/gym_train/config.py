@@ -410,3 +410,30 @@ def check_rl_settings(cfg: TrainConfig) -> None:
         raise TrainConfigError(f"`reward_weights` needs one weight per reward function ({n}"
                                f"{', the reward model last' if cfg.reward_model is not None else ''}), "
                                f"got {len(weights)}")
+
+
+# Where a learning rate stops looking like a choice and starts looking like a slip (a warning, never a refusal).
+# The reference is this module's own default, 3e-3, tuned for LoRA SFT rounds on the tiny model and used by the
+# RL stages' tests (up to 1e-2): 10x it is the usual ceiling. The preference stages and full fine-tuning get a
+# tenth of that ceiling: TRL 1.16's DPOConfig/KTOConfig default to 1e-6 where SFTConfig defaults to 2e-5 (a
+# preference loss is pushed ~20x more gently), and full fine-tuning's usual rates are about a tenth of LoRA's
+# (TRL's PEFT guide: 1e-4..2e-4 for LoRA against 1e-5..2e-5 in full). Not compounded: the default never warns.
+LR_WARN_FACTOR = 10.0
+LR_GENTLE_FACTOR = 0.1
+
+
+def usual_max_learning_rate(stage: str, finetuning_type: str) -> float:
+    """The highest learning rate still in ``stage``'s usual range for ``finetuning_type`` (see above)."""
+    default = TrainConfig.__dataclass_fields__["learning_rate"].default
+    gentle = stage in PREFERENCE_STAGES or finetuning_type == "full"
+    return default * LR_WARN_FACTOR * (LR_GENTLE_FACTOR if gentle else 1.0)
+
+
+def learning_rate_warning(stage: str, finetuning_type: str, learning_rate: float) -> str | None:
+    """One line when ``learning_rate`` is far above the stage's usual range, else None."""
+    ceiling = usual_max_learning_rate(stage, finetuning_type)
+    if not isinstance(learning_rate, int | float) or learning_rate <= ceiling:
+        return None
+    return (f"learning_rate {learning_rate:g} is {learning_rate / ceiling:.3g}x the top of the usual range for "
+            f"{finetuning_type} {stage} ({ceiling:g}): a round this hot can undo what the model learned before, "
+            "for every contributor; lower it unless you mean it")

@@ -3,9 +3,12 @@
 Detected per record: alpaca (``instruction``/``input``/``output``), sharegpt (``conversations``), OpenAI /
 TRL conversational (``messages``), TRL prompt-completion (``prompt``/``completion``), preference pairs (TRL
 ``prompt``/``chosen``/``rejected`` or its implicit prompt inside both, LLaMA-Factory ranking data), KTO's
-``prompt``/``completion``/``label``, plain ``text`` where the caller accepts it (``allow_text=True``). Records
-become ``{"instruction", "input", "output"}`` plus optional ``"system"``/``"history"``; a pair has ``"chosen"``/
-``"rejected"`` instead of ``"output"``; a KTO record adds ``"label": bool``; ``text`` stays ``{"text"}``.
+``prompt``/``completion``/``label``, TRL prompt-only (``prompt`` alone, a string or messages ending with a user
+turn, for the RL stages) and plain ``text`` where the caller accepts records without an answer
+(``allow_text=True``). Records become ``{"instruction", "input", "output"}`` plus optional ``"system"``/
+``"history"``; a pair has ``"chosen"``/``"rejected"`` instead of ``"output"``; a KTO record adds ``"label":
+bool``; a prompt-only record has no ``"output"`` but ``"columns"``: its other fields under their own names
+(``solution``, ``answer``, ...), which reward functions receive as TRL passes them; ``text`` stays ``{"text"}``.
 ``check_stage_data`` refuses what a stage cannot train on; sources are ``sources.py``. A malformed record is a
 :class:`DataError` naming the file, line/record/row and field (docs/design/training.md).
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import pathlib
 
-from .config import PREFERENCE_STAGES
+from .config import PREFERENCE_STAGES, RL_STAGES
 from .errors import DataError
 from .sources import iter_records
 
@@ -123,6 +126,38 @@ def _prompt_completion(rec: dict, *, file: str, where: str) -> dict:
     if not out["output"].strip():
         raise DataError(file, where, "completion", "is empty (nothing to learn from)")
     return out
+
+
+# the keyword arguments TRL's GRPOTrainer/RLOOTrainer give a reward function themselves: a dataset column of
+# one of these names would collide with them (trl/trainer/grpo_trainer.py, _calculate_rewards)
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
+                    "environments")
+
+
+def _prompt_only(rec: dict, *, file: str, where: str) -> dict:
+    """TRL's prompt-only form (GRPO/RLOO data): ``prompt`` as a string or messages ending with a user turn;
+    every other field is kept in ``"columns"`` because TRL hands reward functions each column by its name."""
+    prompt = rec["prompt"]
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise DataError(file, where, "prompt", "is empty")
+        out = {"instruction": prompt, "input": ""}
+    elif isinstance(prompt, list) and prompt:
+        last = prompt[-1]
+        role = last.get("role", last.get("from")) if isinstance(last, dict) else None
+        if not (isinstance(role, str) and role.lower() in _USER_ROLES):
+            raise DataError(file, where, f"prompt[{len(prompt) - 1}].role", "a prompt-only record must end with a "
+                            "user turn (the model writes the answer); give the answer as `completion` to train on it")
+        done = _turns(prompt + [{"role": "assistant", "content": "-"}], key="prompt", file=file, where=where)
+        out = {k: v for k, v in done.items() if k != "output"}
+    else:
+        raise DataError(file, where, "prompt", "must be a string or a non-empty list of messages")
+    columns = {k: v for k, v in rec.items() if k != "prompt"}
+    for name in columns:
+        if name in RESERVED_COLUMNS:
+            raise DataError(file, where, name, "is the name of an argument TRL gives reward functions itself; "
+                                               "rename the column")
+    return {**out, "columns": columns}
 
 
 def _answer(rec: dict, key: str, *, file: str, where: str) -> str:
@@ -245,12 +280,16 @@ def _pair(rec: dict, *, file: str, where: str) -> dict:
     return out
 
 
-def _labelled(rec: dict, *, file: str, where: str) -> dict:
+def _labelled(rec: dict, *, file: str, where: str, allow_text: bool = False) -> dict:
     """KTO's unpaired form: an instruction record plus ``label`` (TRL, with ``completion``) or LLaMA-Factory's
     ``kto_tag``, true for a desirable answer and false for an undesirable one."""
     key = "kto_tag" if "kto_tag" in rec else "label"
     if key == "label" and "completion" not in rec:  # `label` means KTO's only in TRL's prompt/completion form
-        return normalise_record({k: v for k, v in rec.items() if k != "label"}, file=file, where=where)
+        out = normalise_record({k: v for k, v in rec.items() if k != "label"}, file=file, where=where,
+                               allow_text=allow_text)
+        if "columns" in out:  # a prompt-only record: `label` is one of its reward columns
+            out["columns"]["label"] = rec["label"]
+        return out
     label = rec[key]
     if not isinstance(label, bool):
         raise DataError(file, where, key, f"must be true or false (a desirable answer or not), got {label!r}")
@@ -270,16 +309,24 @@ def _text(rec: dict, *, file: str, where: str, allow_text: bool) -> dict:
 
 def normalise_record(rec: object, *, file: str = "<memory>", where: str = "record 0",
                      allow_text: bool = False) -> dict:
-    """One record in any supported format -> the normalised dict (raises :class:`DataError`)."""
+    """One record in any supported format -> the normalised dict (raises :class:`DataError`).
+
+    ``allow_text``: the caller checks each stage's needs itself (``check_stage_data``), so records without an
+    answer (plain ``text``, TRL prompt-only) are accepted; the server's validation sets need answers."""
     if not isinstance(rec, dict):
         raise DataError(file, where, "<record>", f"must be a JSON object, got {type(rec).__name__}")
     present = {k for k, v in rec.items() if v is not None}  # table sources hold every column in every row
     if present & {"chosen", "rejected"}:
         return _pair({k: rec[k] for k in present}, file=file, where=where)
     if present & {"label", "kto_tag"}:
-        return _labelled({k: rec[k] for k in present}, file=file, where=where)
+        return _labelled({k: rec[k] for k in present}, file=file, where=where, allow_text=allow_text)
     if present & {"conversations", "messages"}:
         return _sharegpt({k: rec[k] for k in present}, file=file, where=where)
+    if "prompt" in present and "completion" not in present:
+        if not allow_text:
+            raise DataError(file, where, "completion", "missing: a prompt-only record (TRL's GRPO/RLOO data) "
+                            "trains only the client's RL stages; here every record needs an answer")
+        return _prompt_only({k: v for k, v in rec.items() if k in present}, file=file, where=where)
     if "prompt" in present or ("completion" in present and "output" not in present):
         return _prompt_completion(rec, file=file, where=where)
     if present & {"instruction", "output"}:
@@ -296,7 +343,8 @@ def normalise_record(rec: object, *, file: str = "<memory>", where: str = "recor
 def load_examples(path: str | pathlib.Path, *, allow_text: bool = False) -> list[dict]:
     """Read and normalise every record of ``path`` (a .json/.jsonl/.parquet/.csv file, a ``save_to_disk``
     directory or a dataset id in the local Hugging Face cache); alpaca dicts, plus ``{"text": ...}``
-    records when ``allow_text``. Raises :class:`DataError` naming the source, line or row, and field."""
+    and prompt-only records when ``allow_text``. Raises :class:`DataError` naming the source, line or row, and
+    field."""
     name = str(path)
     out = [normalise_record(rec, file=name, where=where, allow_text=allow_text)
            for where, rec in iter_records(path)]
@@ -306,8 +354,11 @@ def load_examples(path: str | pathlib.Path, *, allow_text: bool = False) -> list
 
 
 def record_kind(ex: dict) -> str:
-    """'text', 'pair' (chosen/rejected), 'labelled' (KTO's output + label) or 'answer' (one output)."""
-    return "text" if "text" in ex else "pair" if "chosen" in ex else "labelled" if "label" in ex else "answer"
+    """'text', 'pair' (chosen/rejected), 'labelled' (KTO's output + label), 'answer' (one output) or 'prompt'
+    (TRL prompt-only: no answer, its columns for reward functions)."""
+    if "text" in ex:
+        return "text"
+    return "pair" if "chosen" in ex else "labelled" if "label" in ex else "answer" if "output" in ex else "prompt"
 
 
 def check_stage_data(stage: str, examples: list[dict], *, source: str = "the examples") -> None:
@@ -316,6 +367,16 @@ def check_stage_data(stage: str, examples: list[dict], *, source: str = "the exa
     kinds = {record_kind(ex) for ex in examples} - {"text"}
     if not kinds:
         return
+    if stage in RL_STAGES:
+        if not kinds <= {"answer", "prompt"}:
+            raise ValueError(f"{source}: stage {stage!r} samples its own answers to one prompt per record (TRL "
+                             "prompt-only records, or one answer per prompt); these records are preference data "
+                             "(`chosen`/`rejected` or `label`): use --stage dpo, orpo, simpo or kto")
+        return
+    if "prompt" in kinds:
+        raise ValueError(f"{source}: stage {stage!r} needs an answer in every record; these records are prompt-only "
+                         "(`prompt` without `completion`, TRL's GRPO/RLOO data): use --stage grpo, rloo or gspo "
+                         "with reward functions, or give each record a `completion`")
     if stage in PREFERENCE_STAGES and stage != "kto" and kinds != {"pair"}:
         why = ("these records are unpaired (`label`/`kto_tag`): use --stage kto" if "labelled" in kinds else
                "these records have one answer each (`output`)")

@@ -28,7 +28,7 @@ from .evaluate import Evaluator, load_tokenizer
 from .finetuning import delta_of, prepare
 from .optimizers import trainer_optimizers
 from .reward_model import RewardModel
-from .rewards_loader import check_reward_funcs, reward_kwargs
+from .rewards_loader import check_reward_funcs, column_names, column_values, reward_kwargs
 
 _INT = re.compile(r"-?\d+")
 
@@ -55,14 +55,19 @@ def format_reward(completions, **_) -> list[float]:
 REWARD_FUNCS = (exact_answer_reward, format_reward)
 
 
-def grpo_dataset(examples: list[dict]):
+def grpo_dataset(examples: list[dict], columns: list[str] | None = None):
+    """TRL's conversational prompt-only dataset: ``prompt`` plus every column of the data under its own name
+    (``answer`` for records with an answer), which TRL hands each reward function as a keyword argument."""
     from datasets import Dataset
 
-    return Dataset.from_list([{"prompt": prompt_messages(ex), "answer": ex["output"]} for ex in examples])
+    names = column_names(examples) if columns is None else columns
+    values = column_values(examples, names)
+    return Dataset.from_list([{"prompt": prompt_messages(ex), **{k: values[k][i] for k in names}}
+                              for i, ex in enumerate(examples)])
 
 
 def mean_reward(model, tokenizer, examples: list[dict], *, max_new_tokens: int, reward_funcs=REWARD_FUNCS,
-                weights: list[float] | None = None, batch_size: int = 64) -> float:
+                weights: list[float] | None = None, batch_size: int = 64, columns: list[str] | None = None) -> float:
     """Mean weighted reward sum of greedy completions on ``examples`` (deterministic), rewards called as TRL does."""
     total = 0.0
     weights = weights or [1.0] * len(reward_funcs)
@@ -79,7 +84,7 @@ def mean_reward(model, tokenizer, examples: list[dict], *, max_new_tokens: int, 
                                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
             texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
             for f, w in zip(reward_funcs, weights):
-                total += w * sum(v for v in f(**reward_kwargs(chunk, texts)) if v is not None)
+                total += w * sum(v for v in f(**reward_kwargs(chunk, texts, columns)) if v is not None)
     finally:
         tokenizer.padding_side = old_side
     return total / len(examples)
@@ -106,7 +111,7 @@ def rl_loss_type(config: TrainConfig) -> str | None:
     return config.loss_type or ("grpo" if config.stage == "gspo" else "dapo")
 
 
-def _train_rl(model, tokenizer, train_ex, config: TrainConfig, funcs, weights, progress: bool):
+def _train_rl(model, tokenizer, train_ex, config: TrainConfig, funcs, weights, progress: bool, columns):
     from trl import GRPOTrainer, RLOOTrainer
 
     trainer_cls = RLOOTrainer if config.stage == "rloo" else GRPOTrainer
@@ -115,7 +120,7 @@ def _train_rl(model, tokenizer, train_ex, config: TrainConfig, funcs, weights, p
         trainer = trainer_cls(model=model, reward_funcs=[m.model if m else f for f, m in zip(funcs, models)],
                               reward_processing_classes=[m.tokenizer if m else None for m in models],
                               args=rl_args(config, tmp, progress=progress, weights=weights),
-                              train_dataset=grpo_dataset(train_ex), processing_class=tokenizer,
+                              train_dataset=grpo_dataset(train_ex, columns), processing_class=tokenizer,
                               optimizers=trainer_optimizers(model, config))
         quiet_trainer(trainer, progress)
         trainer.train()
@@ -141,20 +146,22 @@ def train_grpo(base_dir, examples, config: TrainConfig, *, base_sha256: str, eva
     tokenizer.padding_side = "left"
     model = load_training_model(base_dir, config)
     gen_len = config.max_completion_length
+    columns = column_names(train_ex + held)  # every reward call gets every column, as in TRL's one table
     score = lambda m: mean_reward(m, tokenizer, held, max_new_tokens=gen_len, reward_funcs=funcs,  # noqa: E731
-                                  weights=weights) if held else None
+                                  weights=weights, columns=columns) if held else None
+    answered = [ex for ex in held if "output" in ex]  # prompt-only records have no answer to measure a loss on
     reward_before = score(model)
-    loss_before = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
+    loss_before = Evaluator(None, answered, model=model, tokenizer=tokenizer).loss() if answered else None
 
     model, initial = prepare(model, config)
     t0 = time.perf_counter()
-    trainer = _train_rl(model, tokenizer, train_ex, config, funcs, weights, progress)
+    trainer = _train_rl(model, tokenizer, train_ex, config, funcs, weights, progress, columns)
     seconds = time.perf_counter() - t0
     model = trainer.model
     model.eval()
     reward_after = score(model)
     tokenizer.padding_side = "right"
-    loss_after = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
+    loss_after = Evaluator(None, answered, model=model, tokenizer=tokenizer).loss() if answered else None
     train_rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
 
     delta = delta_of(model, config, base_state, names, initial=initial)
