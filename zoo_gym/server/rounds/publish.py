@@ -14,7 +14,7 @@ import json
 import logging
 import math
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import asdict, dataclass, field, is_dataclass
 from datetime import datetime, timezone
 
 import torch
@@ -32,6 +32,7 @@ from zoo_gym.server.rounds.evaluation import Evaluators, ServerEvaluator
 from zoo_gym.server.rounds.policy import policy_for
 from zoo_gym.server.rounds.privacy_history import published_history
 from zoo_gym.server.rounds.faults import crash_point
+from zoo_gym.server.rounds.identical import round_notes
 from zoo_gym.gym_train.memory import release_memory
 from zoo_gym.server.store.models import Checkpoint, Contributor, Round, RoundInputs, RoundState, Submission
 from zoo_gym.server.store.retention import retire_checkpoints
@@ -218,6 +219,7 @@ class RoundJob:
     keep_master: bool
     parent_measured: bool
     ancestors: list[dict]
+    notes: list[str] = field(default_factory=list)  # warnings about the round's contributions (identical.py)
 
 
 @dataclass
@@ -365,6 +367,7 @@ def aggregate(state: ServerState, config: ServerConfig, job: RoundJob, streams: 
         tap_s = getattr(streams.source, "seconds", None)  # a SlopeTap's share of the phase is scoring's
         if tap_s is not None:
             log.info("round %d scoring slopes taken during aggregation in %.3f s", rnd.id, tap_s)
+        _note_contributions(job, streams, report)
         return report
     except NotRobustConfigError as exc:
         _reopen(state, rnd.id, len(job.subs) + 1, f"waiting for more submissions: {exc}")
@@ -377,6 +380,16 @@ def aggregate(state: ServerState, config: ServerConfig, job: RoundJob, streams: 
             s.add(r)
             s.commit()
         return f"HALTED ({exc})"
+
+
+def _note_contributions(job: RoundJob, streams: Streams, report) -> None:
+    """Warn once (log and round report) when the accepted deltas are mostly copies of one; read-only."""
+    accepted = [i for i, c in enumerate(report.contributors) if c.accepted]
+    job.notes = round_notes(streams.source, [sub.payload_sha256 for sub in job.subs], accepted,
+                            private=job.soup.dp_enabled)
+    for line in job.notes:
+        log.warning("round %d: %s", job.rnd.id, line, extra={"event": "round", "round": job.rnd.id,
+                                                             "warning": "identical-contributions"})
 
 
 def settle(state: ServerState, config: ServerConfig, job: RoundJob, streams: Streams, report):
@@ -396,7 +409,8 @@ def write(state: ServerState, job: RoundJob, streams: Streams, evaluators: Evalu
           rewards_summary) -> Written:
     """Finish the checkpoint with its signed lineage, pack it into the blob store, and measure its held-out loss."""
     rnd, evaluator = job.rnd, streams.evaluator
-    report_json = json.dumps(_jsonable({"soup": report, "rewards": rewards_summary}), sort_keys=True)
+    notes = {"warnings": job.notes} if job.notes else {}
+    report_json = json.dumps(_jsonable({"soup": report, "rewards": rewards_summary, **notes}), sort_keys=True)
     privacy = getattr(report, "privacy", None)
     parent_loss = None
     if evaluator is not None and not job.parent_measured:
