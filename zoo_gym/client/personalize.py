@@ -90,7 +90,7 @@ def _write_peft(delta: dict, opts: PersonalizeOptions, base_dir: pathlib.Path, s
 
 
 def _builtin(task: str | None, stage: str) -> list[dict]:
-    """256 examples of the built-in ``task`` (default: the stage's), refused in one line if it does not fit the stage."""
+    """256 examples of built-in ``task`` (default: the stage's), refused in one line if it does not fit the stage."""
     from zoo_gym.gym_train.tasks import builtin_examples, builtin_task, check_task_stage
 
     name = task or builtin_task(stage)
