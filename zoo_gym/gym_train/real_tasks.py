@@ -3,9 +3,9 @@
 Each asks a question in plain English with a short exact answer, so a greedy completion can be scored
 by exact match and the GRPO stage can reward it (``grpo.exact_answer_reward``): ``arithmetic``
 (two-digit sums and differences) and ``sort_words`` (three words in alphabetical order, which the base
-gets wrong mostly by its answer's form). Their wrong answers (``wrong_answer``) make the preference
-pairs: a sum off by a little, the words in their given order. Registered in ``tasks.TASKS``, so they
-share its shards and validation split; details: docs/design/training.md.
+gets wrong mostly by its answer's form: ``Daisy, needle, tunnel.``). Their wrong answers (``wrong_answer``)
+make the preference pairs: a number off by a little, the words in their given order. Registered in
+``tasks.TASKS``, so they share its hash-keyed shards and validation split.
 """
 
 from __future__ import annotations
