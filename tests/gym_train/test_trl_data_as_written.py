@@ -38,14 +38,16 @@ def _prompt_only_file(tmp_path: Path, n: int = 16) -> Path:
 def test_prompt_only_records_keep_their_columns_by_name(tmp_path):
     examples = load_examples(_prompt_only_file(tmp_path, n=4), allow_text=True)
     assert examples[0] == {"instruction": "What is 0 + 1? Answer with only the number.", "input": "",
-                           "system": "Be brief.", "columns": {"solution": "1", "level": 0}}
+                           "system": "Be brief.", "columns": {"solution": "1", "level": 0}, "where": "line 1"}
     assert examples[1] == {"instruction": "What is 1 + 2? Answer with only the number.", "input": "",
-                           "columns": {"solution": "3", "level": 1}}
+                           "columns": {"solution": "3", "level": 1}, "where": "line 2"}
     for stage in ("grpo", "rloo", "gspo"):
         check_stage_data(stage, examples)
-    with pytest.raises(ValueError, match="prompt-only") as e:
-        check_stage_data("sft", examples)
-    assert "\n" not in str(e.value)
+    for stage in ("sft", "dpo", "kto"):
+        with pytest.raises(DataError, match=f"line 1: field 'completion': missing: stage '{stage}' needs an "
+                                            "answer in every record, and this one is prompt-only") as e:
+            check_stage_data(stage, examples, source="prompts.jsonl")
+        assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("prompt, field, problem", [

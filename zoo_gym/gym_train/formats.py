@@ -8,7 +8,8 @@ turn, for the RL stages) and plain ``text`` where the caller accepts records wit
 (``allow_text=True``). Records become ``{"instruction", "input", "output"}`` plus optional ``"system"``/
 ``"history"``; a pair has ``"chosen"``/``"rejected"`` instead of ``"output"``; a KTO record adds ``"label":
 bool``; a prompt-only record has no ``"output"`` but ``"columns"``: its other fields under their own names
-(``solution``, ``answer``, ...), which reward functions receive as TRL passes them; ``text`` stays ``{"text"}``.
+(``solution``, ``answer``, ...), which reward functions receive as TRL passes them, and ``"where"`` (its line or
+row, for a stage that needs answers to name it); ``text`` stays ``{"text"}``.
 ``check_stage_data`` refuses what a stage cannot train on; sources are ``sources.py``. A malformed record is a
 :class:`DataError` naming the file, line/record/row and field (docs/design/training.md).
 """
@@ -157,7 +158,7 @@ def _prompt_only(rec: dict, *, file: str, where: str) -> dict:
         if name in RESERVED_COLUMNS:
             raise DataError(file, where, name, "is the name of an argument TRL gives reward functions itself; "
                                                "rename the column")
-    return {**out, "columns": columns}
+    return {**out, "columns": columns, "where": where}  # where: for a stage that needs answers to name it
 
 
 def _answer(rec: dict, key: str, *, file: str, where: str) -> str:
@@ -374,9 +375,11 @@ def check_stage_data(stage: str, examples: list[dict], *, source: str = "the exa
                              "(`chosen`/`rejected` or `label`): use --stage dpo, orpo, simpo or kto")
         return
     if "prompt" in kinds:
-        raise ValueError(f"{source}: stage {stage!r} needs an answer in every record; these records are prompt-only "
-                         "(`prompt` without `completion`, TRL's GRPO/RLOO data): use --stage grpo, rloo or gspo "
-                         "with reward functions, or give each record a `completion`")
+        i, first = next((i, ex) for i, ex in enumerate(examples) if record_kind(ex) == "prompt")
+        raise DataError(source, first.get("where", f"record {i}"), "completion",
+                        f"missing: stage {stage!r} needs an answer in every record, and this one is prompt-only "
+                        "(TRL's GRPO/RLOO data): use --stage grpo, rloo or gspo with reward functions, or give it "
+                        "a `completion`")
     if stage in PREFERENCE_STAGES and stage != "kto" and kinds != {"pair"}:
         why = ("these records are unpaired (`label`/`kto_tag`): use --stage kto" if "labelled" in kinds else
                "these records have one answer each (`output`)")

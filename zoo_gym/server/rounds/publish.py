@@ -384,6 +384,8 @@ def aggregate(state: ServerState, config: ServerConfig, job: RoundJob, streams: 
 
 def _note_contributions(job: RoundJob, streams: Streams, report) -> None:
     """Warn once (log and round report) when the accepted deltas are mostly copies of one; read-only."""
+    if len(report.contributors) != len(job.subs):  # rows are the submissions in order (async flushes too)
+        return
     accepted = [i for i, c in enumerate(report.contributors) if c.accepted]
     job.notes = round_notes(streams.source, [sub.payload_sha256 for sub in job.subs], accepted,
                             private=job.soup.dp_enabled)
