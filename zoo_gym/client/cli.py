@@ -208,8 +208,9 @@ def personalize(
     data: str = typer.Option(..., help="Your examples: a .json, .jsonl, .parquet or .csv file, a datasets "
                                        "save_to_disk directory or a cached Hub dataset id (the formats of join), "
                                        "or 'builtin'."),
-    base: str = typer.Option(..., help="The base: a Hugging Face directory, a hub id already in your cache, or "
-                                       "'tiny'. The variant is served only over these exact weights."),
+    base: str = typer.Option(..., help="The base: 'tiny' or 'smollm2-135m' (built in), a Hugging Face directory, "
+                                       "a .gguf file, or a hub id already in your cache. The variant is served "
+                                       "only over these exact weights."),
     out: Path = typer.Option(..., help="The variant file to write, NAME.zgd (NAME is its model id in gym-serve)."),
     method: Optional[str] = typer.Option(None, help="Deprecated: lora = --stage sft --finetuning-type lora, "
                                          "sft = --finetuning-type full, grpo = --stage grpo.",
