@@ -129,7 +129,7 @@ def test_malformed_data_fails_at_once_without_contacting_the_server(tmp_path, no
 
 def test_library_join_checks_data_before_connecting(tmp_path, no_network):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "x"}\n')
+    bad.write_text('{"prompt": "x", "completion": 3}\n')
     opts = join_module.JoinOptions(server="127.0.0.1:1", workdir=tmp_path, key_path=tmp_path / "k.pem",
                                    data=str(bad), train_overrides={"lora_r": 2})
     with pytest.raises(ValueError, match="line 1"):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .chat import CHAT_TEMPLATE, IM_END, IM_START, PAD, render_completion, render_prompt
-from .tasks import PRETRAIN_TASKS, TASKS
+from .tasks import PRETRAIN_TASKS, TASKS, TINY_TASKS
 
 
 @dataclass(frozen=True)
@@ -42,11 +42,11 @@ class TinySpec:
 
 
 def _corpus(seed: int, n: int = 3000) -> list[str]:
-    """Text the tokenizer is trained on: every family's prompts and answers (incl. the unseen ones)."""
+    """Text the tokenizer is trained on: every tiny family's prompts and answers (incl. the unseen ones)."""
     rng = random.Random(seed)
     out = []
-    for name in sorted(TASKS):
-        for _ in range(n // len(TASKS)):
+    for name in sorted(TINY_TASKS):
+        for _ in range(n // len(TINY_TASKS)):
             ex = TASKS[name](rng)
             out.append(render_prompt(ex) + render_completion(ex))
     return out

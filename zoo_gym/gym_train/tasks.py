@@ -81,6 +81,8 @@ TASKS: dict[str, Callable[[random.Random], Example]] = {
     "sort_words": sort_words,
 }
 PRETRAIN_TASKS = ("arith", "copy", "count")
+# the families the shipped tiny model's tokenizer was trained on (make_tiny.py): the real base's are not
+TINY_TASKS = ("arith", "copy", "count", "reverse", "word_math")
 TASK_ALIASES = {"default": "reverse", "grpo": "word_math"}
 # pair task -> the task whose prompts and answers it pairs
 PAIR_TASKS = {"preference": "default", "arithmetic-pairs": "arithmetic", "sort_words-pairs": "sort_words"}
