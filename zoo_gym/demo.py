@@ -2,7 +2,10 @@
 
 Each contributor trains LoRA on its own shard of the built-in data; each round the server merges the
 deltas and publishes the next checkpoint. A table per round shows who took part and the held-out loss
-of the published checkpoint, which should go down round after round.
+of the published checkpoint, which should go down round after round. With a real base
+(``--base smollm2-135m``) the contributors learn two-digit arithmetic, and after every round the demo also
+exports the checkpoint and prints its exact match on held-out questions, with a few of them answered by the
+base and by the new checkpoint side by side.
 """
 
 from __future__ import annotations
@@ -111,14 +114,64 @@ def _serve_until_interrupted(server: subprocess.Popen, dashboard_port: int) -> N
     typer.echo("stopping")
 
 
+class AnswerBoard:
+    """Exact match of each published checkpoint on held-out questions, and a few answers beside the base's."""
+
+    SHOWN = 4
+
+    def __init__(self, base_dir: Path, examples: list[dict]) -> None:
+        from zoo_gym.gym_train.exact_match import exact_match, load_for_eval
+
+        self.examples = examples
+        model, tok = load_for_eval(base_dir)
+        self.base = exact_match(model, tok, examples, max_new_tokens=8)
+
+    def after_round(self, state_dir: Path, round_id: int) -> str:
+        from zoo_gym.gym_train.exact_match import exact_match, load_for_eval
+
+        out = state_dir.parent / "exports" / f"round{round_id}"
+        if not out.exists():
+            subprocess.run(_server_cmd("export", str(out), "--round", str(round_id), "--state-dir", str(state_dir)),
+                           check=True, capture_output=True)
+        model, tok = load_for_eval(out)
+        em = exact_match(model, tok, self.examples, max_new_tokens=8)
+        lines = [f"  round {round_id}: exact match {em.accuracy:.0%} on {em.n} held-out questions "
+                 f"(base {self.base.accuracy:.0%})"]
+        for ex, before, after in list(zip(self.examples, self.base.answers, em.answers))[:self.SHOWN]:
+            mark = "right" if after.strip() == ex["output"] else f"wrong, {ex['output']}"
+            lines.append(f"    {ex['instruction']}  base: {before.strip()[:24]!r}  round {round_id}: "
+                         f"{after.strip()[:24]!r} ({mark})")
+        return "\n".join(lines)
+
+
+def _real_base_setup(base: str, root: Path) -> tuple[Path, "AnswerBoard", list[str]]:
+    """For a real base: the validation file the server scores on (the arithmetic task's held-out split), the
+    answer board, and the init arguments."""
+    from zoo_gym.gym_train import builtin_examples
+    from zoo_gym.gym_train.bases import resolve_base
+
+    base_dir = resolve_base(base)
+    held = builtin_examples(REAL_TASK, split="validation", n=64, seed=0)
+    validation = root / "validation.jsonl"
+    validation.write_text("".join(json.dumps(ex) + "\n" for ex in held))
+    typer.echo(f"base {base}: {base_dir}; contributors learn the built-in {REAL_TASK!r} task "
+               f"(e.g. {held[0]['instruction']!r})")
+    return validation, AnswerBoard(base_dir, held), ["--validation-data", str(validation)]
+
+
+REAL_TASK = "arithmetic"
+
+
 def _join_args(i: int, *, port: int, ca: Path, rounds: int, stage: str, finetuning_type: str, clients: int,
-               root: Path, max_steps: Optional[int]) -> list[str]:
+               root: Path, max_steps: Optional[int], task: Optional[str] = None) -> list[str]:
     """`gym join` arguments of demo contributor ``i``."""
     args = ["join", "--server", f"127.0.0.1:{port}", "--root-certificates", str(ca),
             "--rounds", str(rounds), "--stage", stage, "--finetuning-type", finetuning_type,
             "--shard", str(i), "--n-shards", str(max(clients, 8)), "--workdir", str(root / f"client{i}"),
             "--key", str(root / f"client{i}" / "key.pem"), "--threads", "1", "--quiet", "--json",
             "--name", f"demo-{i}"]
+    if task:
+        args += ["--task", task]
     if max_steps:
         args += ["--max-steps", str(max_steps)]
         if max_steps <= 5:  # the default warm-up (5 steps) would leave no step at a learning rate > 0
@@ -126,8 +179,10 @@ def _join_args(i: int, *, port: int, ca: Path, rounds: int, stage: str, finetuni
     return args
 
 
-def _print_rounds_as_published(state_dir: Path, rounds: int, *, procs, server, logs: Path) -> None:
-    """One table row per round as it is published; raises when a client or the server failed."""
+def _print_rounds_as_published(state_dir: Path, rounds: int, *, procs, server, logs: Path,
+                               answers: "AnswerBoard | None" = None) -> None:
+    """One table row per round as it is published (and, with a real base, its answers); raises when a client
+    or the server failed."""
     shown = 0
     while shown < rounds:
         status = _status(state_dir)
@@ -135,6 +190,8 @@ def _print_rounds_as_published(state_dir: Path, rounds: int, *, procs, server, l
         while shown < rounds and shown + 1 in published:
             shown += 1
             typer.echo(round_row(status, shown))
+            if answers is not None:
+                typer.echo(answers.after_round(state_dir, shown))
         failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
         if failed or server.poll() is not None:
             raise RuntimeError(f"a process failed (clients {failed}, server rc {server.poll()}); see {logs}")
@@ -150,19 +207,29 @@ def main(
     aggregator: Optional[str] = typer.Option(None, help="DeltaSoup aggregator (trimmed-mean, multi-krum, mean, "
                                                         "...) \\[default: the server's, trimmed-mean]."),
     workdir: Optional[Path] = typer.Option(None, help="Keep state here (default: a temporary directory)."),
-    max_steps: Optional[int] = typer.Option(None, help="Training steps per client per round."),
+    max_steps: Optional[int] = typer.Option(None, help="Training steps per client per round \\[default: the "
+                                                       "client's; 30 with a real base]."),
+    base: str = typer.Option("tiny", help="tiny (random weights: the mechanics, in seconds) or smollm2-135m (a "
+                                          "real instruct model, 538 MB once converted: real learning, minutes per "
+                                          "round on a CPU)."),
     dashboard_port: Optional[int] = typer.Option(None, help="Port of the web dashboard; 0 = off \\[default: a "
                                                             "free port]."),
     keep: bool = typer.Option(False, "--keep", help="After the last round, keep the server and its dashboard "
                                                    "running until Ctrl-C."),
 ) -> None:
-    """Run a local federation on the built-in tiny model and print a table per round."""
+    """Run a local federation on a built-in base and print a table per round."""
     root = workdir or Path(tempfile.mkdtemp(prefix="zoo-gym-demo-"))
     root.mkdir(parents=True, exist_ok=True)
     state_dir, logs = root / "server", root / "logs"
     logs.mkdir(exist_ok=True)
     started = time.monotonic()
-    subprocess.run(_server_cmd("init", "--state-dir", str(state_dir), "--base-model", "tiny"), check=True)
+    board, init_extra, task = None, [], None
+    if base != "tiny":
+        _, board, init_extra = _real_base_setup(base, root)
+        from zoo_gym.gym_train.config import PREFERENCE_STAGES
+
+        task, max_steps = REAL_TASK + ("-pairs" if stage in PREFERENCE_STAGES else ""), max_steps or 30
+    subprocess.run(_server_cmd("init", "--state-dir", str(state_dir), "--base-model", base, *init_extra), check=True)
     port_file = root / "port"
     port_file.unlink(missing_ok=True)
     from zoo_gym.proto.tls import make_certificates
@@ -192,12 +259,12 @@ def main(
                        f"/metrics; its certificate is from the demo's private CA {tls.ca}: tell the browser to "
                        "accept it)")
         for i in range(clients):
-            args = _join_args(i, port=port, ca=tls.ca, rounds=rounds, stage=stage, finetuning_type=finetuning_type, clients=clients, root=root,
-                              max_steps=max_steps)
+            args = _join_args(i, port=port, ca=tls.ca, rounds=rounds, stage=stage, finetuning_type=finetuning_type,
+                              clients=clients, root=root, max_steps=max_steps, task=task)
             procs.append(subprocess.Popen(_client_cmd(*args), stdout=subprocess.PIPE,
                                           stderr=open(logs / f"client{i}.log", "w"), env=env, text=True))
         typer.echo("\n".join(table_header()))
-        _print_rounds_as_published(state_dir, rounds, procs=procs, server=server, logs=logs)
+        _print_rounds_as_published(state_dir, rounds, procs=procs, server=server, logs=logs, answers=board)
         for p in procs:
             p.wait(timeout=600)
         status = _status(state_dir)
