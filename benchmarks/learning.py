@@ -1,0 +1,433 @@
+"""Benchmark: real weights, real learning. Federated LoRA SFT of the built-in real base (SmolLM2-135M-Instruct)
+on two-digit arithmetic, measured in held-out exact match and retention perplexity, with the attacks, the
+pay and the published precision checked on the same deltas.
+
+    python benchmarks/learning.py                      # the full run -> results/learning.json (+ .png)
+    python benchmarks/learning.py --rounds 1 --steps 4 --eval-n 40 --out /tmp/l.json   # a smoke run
+
+Protocol (also in the JSON under "protocol"):
+  * Base: `resolve_base("smollm2-135m")` (zoo_gym/gym_train/bases.py). Task: the built-in `arithmetic` family
+    ("What is 30 + 86? Answer with only the number."). Held-out: its validation split (never in a shard).
+    Retention: the shipped real-text set (`exact_match.retention_texts`, license and design prose).
+  * n contributors, non-IID: contributor i holds shard i of n, and keeps 80% additions if i is even, 80%
+    subtractions if odd. Each round it trains `steps` LoRA steps of `batch` examples from the round's
+    checkpoint with `gym_train.train` (what `gym-client join` runs), and its delta goes through the client's
+    codec (`codec.encode(..., codec="auto")`: LoRA factors) and back (`codec.decode`, as the server reads it).
+  * The server's default rule (`SoupConfig()`) merges the round; the float32 master takes the aggregate;
+    the next round trains from it. Exact match (greedy, the prompt ids TRL trains on) and retention
+    perplexity after every round. Baseline ("without the feature"): the same contributor 0 training the same
+    number of steps alone, from the base, on its own shard.
+  * Attacks (round 1, no extra training): 20% of the n submissions replaced by a crafted delta (sign flip x4,
+    ALIE, IPM, scaling x10; benchmarks/attacks.py) built from the honest ones; the default rule merges them;
+    the share of the clean round-1 gain in exact match kept (accuracy_gain_share).
+  * Pay (round 1): n honest + free riders (a zero delta, a random delta of the honest RMS, a copy of
+    contributor 0). Ground truth: each one's leave-one-out gain in exact match. Pay: the server's score
+    (`rewards.contribution` as the round settles it), Spearman against the ground truth.
+  * Published precision: the final master rounded to bf16 (what a bf16 base publishes) against the float32
+    master, in exact match. A float32 base (this one) publishes the master itself.
+Prints the JSON document; writes it unless --no-write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import pathlib
+import platform
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+
+from benchmarks import attacks  # noqa: E402
+from benchmarks.learning_pay import payload_of, server_pay  # noqa: E402
+from zoo_gym import codec  # noqa: E402
+from zoo_gym.aggregation import DeltaSoup, SoupConfig  # noqa: E402
+from zoo_gym.aggregation.sources import DictDeltaSource  # noqa: E402
+from zoo_gym.gym_train import TrainConfig, builtin_examples, train  # noqa: E402
+from zoo_gym.gym_train.bases import resolve_base  # noqa: E402
+from zoo_gym.gym_train.exact_match import exact_match, load_for_eval, perplexity, retention_texts  # noqa: E402
+
+
+@dataclass
+class Bench:
+    base: str = "smollm2-135m"
+    task: str = "arithmetic"
+    contributors: int = 4
+    rounds: int = 3
+    steps: int = 45
+    batch: int = 8
+    lr: float = 3e-3
+    lora_r: int = 16
+    eval_n: int = 100
+    retention_chunks: int = 12
+    skew: float = 0.8
+    parts: str = "sft,baseline,attacks,pay,publish,grpo,dpo"
+    rl_contributors: int = 3
+    grpo_steps: int = 8
+    dpo_steps: int = 20
+    seed: int = 0
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---- data ---------------------------------------------------------------------------------------
+def shard_examples(cfg: Bench, contributor: int, round_index: int) -> list[dict]:
+    """Contributor's `steps * batch` examples of the round: its shard, skewed to one operation."""
+    need = cfg.steps * cfg.batch
+    pool = builtin_examples(cfg.task, shard=contributor, n_shards=cfg.contributors, n=3 * need,
+                            seed=1000 * round_index + cfg.seed)
+    likes = "+" if contributor % 2 == 0 else "-"
+    mine = [e for e in pool if f" {likes} " in e["instruction"]]
+    other = [e for e in pool if f" {likes} " not in e["instruction"]]
+    k = min(len(mine), round(cfg.skew * need))
+    out = mine[:k] + other[:need - k]
+    random.Random(f"{contributor}/{round_index}").shuffle(out)
+    return out
+
+
+# ---- model state -------------------------------------------------------------------------------
+class Checkpoints:
+    """The float32 master as a dict, written as a HF directory for the contributors of a round."""
+
+    def __init__(self, base_dir: pathlib.Path, work: pathlib.Path) -> None:
+        from safetensors.torch import load_file
+
+        self.base_dir, self.work = base_dir, work
+        self.base = {k: v.float() for k, v in load_file(str(next(base_dir.glob("*.safetensors")))).items()}
+
+    def write(self, state: dict[str, torch.Tensor], name: str) -> pathlib.Path:
+        from safetensors.torch import save_file
+
+        out = self.work / name
+        if out.exists():
+            return out
+        shutil.copytree(self.base_dir, out, ignore=shutil.ignore_patterns("*.safetensors", "*.gguf"))
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
+        return out
+
+
+class Judge:
+    """One loaded model whose weights are swapped in for each measurement."""
+
+    def __init__(self, base_dir: pathlib.Path, cfg: Bench) -> None:
+        self.model, self.tok = load_for_eval(base_dir)
+        self.heldout = builtin_examples(cfg.task, split="validation", n=cfg.eval_n, seed=0)
+        self.retention = retention_texts()[:cfg.retention_chunks]
+        self.keys = set(self.model.state_dict())
+
+    def _load(self, state: dict[str, torch.Tensor]) -> None:
+        sd = {k: v for k, v in state.items() if k in self.keys}
+        missing = self.model.load_state_dict(sd, strict=False).missing_keys
+        # tied embeddings: lm_head shares embed_tokens, so only it may be missing
+        assert all(k.endswith("lm_head.weight") for k in missing), missing
+
+    def accuracy(self, state: dict[str, torch.Tensor]) -> tuple[float, list[str]]:
+        self._load(state)
+        em = exact_match(self.model, self.tok, self.heldout, max_new_tokens=6)
+        return em.accuracy, em.answers
+
+    def measure(self, state: dict[str, torch.Tensor]) -> dict:
+        acc, answers = self.accuracy(state)
+        ppl = perplexity(self.model, self.tok, self.retention)
+        return {"exact_match": acc, "retention_ppl": ppl, "answers_first": answers[:5]}
+
+
+# ---- contributors and the round ----------------------------------------------------------------
+def contributor_upload(ckpt_dir: pathlib.Path, examples: list[dict], cfg: Bench
+                       ) -> tuple[bytes, dict[str, torch.Tensor]]:
+    """Train as `gym-client join` does; the payload it uploads (codec auto: LoRA factors) and the delta the
+    server decodes from it."""
+    tc = TrainConfig(max_steps=cfg.steps, batch_size=cfg.batch, learning_rate=cfg.lr, warmup_steps=2,
+                     lora_r=cfg.lora_r, lora_alpha=2.0 * cfg.lora_r, seed=cfg.seed)
+    with contextlib.redirect_stdout(io.StringIO()):
+        result = train(ckpt_dir, examples, tc, base_sha256="0" * 64, eval_examples=[], progress=False)
+    payload = payload_of(result.delta)
+    return payload, codec.decode(payload)
+
+
+def contributor_delta(ckpt_dir: pathlib.Path, examples: list[dict], cfg: Bench) -> dict[str, torch.Tensor]:
+    return contributor_upload(ckpt_dir, examples, cfg)[1]
+
+
+def aggregate(deltas: list[dict[str, torch.Tensor]], soup: SoupConfig | None = None) -> dict[str, torch.Tensor]:
+    names = sorted(deltas[0])
+    shapes = {k: deltas[0][k].shape for k in names}
+    out: dict[str, torch.Tensor] = {}
+    DeltaSoup(soup or SoupConfig()).run(DictDeltaSource([f"c{i}" for i in range(len(deltas))], deltas),
+                                        lambda name, t: out.__setitem__(name, t.reshape(shapes[name]).clone()),
+                                        generator=torch.Generator().manual_seed(0))
+    return out
+
+
+def plus(state: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: (v + delta[k].to(v.dtype) if k in delta else v) for k, v in state.items()}
+
+
+def flat(deltas: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, list[str]]:
+    names = sorted(deltas[0])
+    return torch.stack([torch.cat([d[k].reshape(-1).float() for k in names]) for d in deltas]), names
+
+
+def unflat(row: torch.Tensor, like: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+    out, pos = {}, 0
+    for k in names:
+        n = like[k].numel()
+        out[k] = row[pos:pos + n].reshape(like[k].shape).clone()
+        pos += n
+    return out
+
+
+# ---- parts -------------------------------------------------------------------------------------
+def run_sft(cfg: Bench, ck: Checkpoints, judge: Judge) -> tuple[dict, list[dict]]:
+    state, rounds, first_deltas = dict(ck.base), [], []
+    t0 = time.time()
+    before = judge.measure(state)
+    log(f"base: exact match {before['exact_match']:.3f}, retention ppl {before['retention_ppl']:.2f}")
+    for r in range(1, cfg.rounds + 1):
+        ckpt = ck.write(state, f"round{r - 1}")
+        deltas, payloads = [], []
+        for i in range(cfg.contributors):
+            t = time.time()
+            payload, delta = contributor_upload(ckpt, shard_examples(cfg, i, r), cfg)
+            payloads.append(payload)
+            deltas.append(delta)
+            log(f"round {r}: contributor {i} trained in {time.time() - t:.0f} s")
+        if r == 1:
+            first_deltas = list(zip(payloads, deltas))
+        state = plus(state, aggregate(deltas))
+        m = judge.measure(state)
+        rounds.append({"round": r, **m, "minutes": (time.time() - t0) / 60})
+        log(f"round {r}: exact match {m['exact_match']:.3f}, retention ppl {m['retention_ppl']:.2f}")
+    ck.final = state
+    return {"before": before, "rounds": rounds, "minutes": (time.time() - t0) / 60}, first_deltas
+
+
+def run_baseline(cfg: Bench, ck: Checkpoints, judge: Judge) -> dict:
+    """Contributor 0 alone: the same steps per round, on its own shard only."""
+    state, out = dict(ck.base), []
+    for r in range(1, cfg.rounds + 1):
+        ckpt = ck.write(state, f"alone{r - 1}") if r > 1 else ck.write(state, "round0")
+        state = plus(state, contributor_delta(ckpt, shard_examples(cfg, 0, r), cfg))
+        acc, _ = judge.accuracy(state)
+        out.append({"round": r, "exact_match": acc})
+        log(f"alone round {r}: exact match {acc:.3f}")
+    return {"rounds": out}
+
+
+def run_attacks(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple], base_acc: float) -> dict:
+    deltas = [d for _, d in uploads]
+    stack, names = flat(deltas)
+    f = max(1, round(0.2 * len(deltas)))
+    honest = stack[:len(deltas) - f]
+    clean_acc, _ = judge.accuracy(plus(ck.base, aggregate(deltas)))
+    crafted = {"sign_flip": attacks.sign_flip(honest, n_byzantine=f, scale=4.0),
+               "alie": attacks.alie(honest, n_byzantine=f),
+               "ipm": attacks.ipm(honest, n_byzantine=f, epsilon=0.5),
+               "scaling": attacks.scaling(honest, n_byzantine=f, boost=10.0)}
+    gain = clean_acc - base_acc
+    out = {"attackers": f, "of": len(deltas), "clean_exact_match": clean_acc, "attacks": {}}
+    for name, bad in crafted.items():
+        rows = [unflat(r, deltas[0], names) for r in torch.cat([honest, bad])]
+        acc, _ = judge.accuracy(plus(ck.base, aggregate(rows)))
+        share = (acc - base_acc) / gain if gain > 0 else float("nan")
+        out["attacks"][name] = {"exact_match": acc, "accuracy_gain_share": share}
+        log(f"attack {name}: exact match {acc:.3f} (gain share {share:.2f})")
+    shares = [a["accuracy_gain_share"] for a in out["attacks"].values()]
+    out["min_gain_share"] = min(shares) if shares else float("nan")
+    return out
+
+
+def run_pay(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple], work: pathlib.Path) -> dict:
+    """Round 1 again, on a real server: the honest uploads, two with partly wrong labels, three free riders."""
+    from zoo_gym.gym_train.real_tasks import wrong_answer
+
+    ckpt = ck.write(ck.base, "round0")
+    kinds = ["honest"] * len(uploads)
+    uploads = list(uploads)
+    for j, noise in enumerate((0.5, 1.0)):
+        exs = shard_examples(cfg, j, 100 + j)
+        k = round(noise * len(exs))
+        exs = [dict(e, output=wrong_answer(cfg.task, e)) if i < k else e for i, e in enumerate(exs)]
+        uploads.append(contributor_upload(ckpt, exs, cfg))
+        kinds.append(f"wrong_labels_{int(noise * 100)}pct")
+        log(f"pay: contributor with {noise:.0%} wrong labels trained")
+    like = uploads[0][1]
+    rms = float(torch.cat([d.reshape(-1) for d in like.values()]).pow(2).mean().sqrt())
+    gen = torch.Generator().manual_seed(cfg.seed + 7)
+    for kind, delta in (("free_rider_zero", {k: torch.zeros_like(v) for k, v in like.items()}),
+                        ("free_rider_random", {k: torch.randn(v.shape, generator=gen) * rms for k, v in like.items()})):
+        payload = payload_of(delta)
+        uploads.append((payload, codec.decode(payload)))
+        kinds.append(kind)
+    uploads.append(uploads[0])
+    kinds.append("free_rider_copy")
+    deltas = [d for _, d in uploads]
+    acc_all, _ = judge.accuracy(plus(ck.base, aggregate(deltas)))
+    loo = []
+    for i in range(len(deltas)):
+        acc, _ = judge.accuracy(plus(ck.base, aggregate(deltas[:i] + deltas[i + 1:])))
+        loo.append(acc_all - acc)
+        log(f"pay: leave-one-out {kinds[i]} {i}: gain {loo[-1]:+.3f}")
+    t = time.time()
+    amounts, scores, refused = server_pay(ck.base_dir, work / "pay", judge.heldout, [p for p, _ in uploads])
+    log(f"pay: the server's round published in {time.time() - t:.0f} s; amounts {amounts}")
+    riders = [a for a, k in zip(amounts, kinds) if k.startswith("free_rider")]
+    return {"contributors": [{"kind": k, "loo_exact_match_gain": g, "paid": a, "score": s.get("score"),
+                              "reason": s.get("reason") or r} for k, g, a, s, r in zip(kinds, loo, amounts, scores, refused)],
+            "exact_match_all": acc_all, "spearman": spearman(loo, [float(a) for a in amounts]),
+            "free_rider_pay_max": max(riders), "server_round_s": time.time() - t}
+
+
+def run_after_sft(cfg: Bench, ck: Checkpoints, judge: Judge, stage: str) -> dict:
+    """One round of `stage` from the final SFT checkpoint (rl_contributors, the default rule), against that
+    checkpoint itself (the same run without the round). grpo: TRL prompt-only records of the task with the
+    built-in exact-answer reward; dpo: the task's pairs (a plausible wrong answer rejected)."""
+    from zoo_gym.gym_train.formats import normalise_record
+    from zoo_gym.gym_train.tasks import prompt_only_records
+
+    ckpt = ck.write(ck.final, "sft_final")
+    before, _ = judge.accuracy(ck.final)
+    steps = cfg.grpo_steps if stage == "grpo" else cfg.dpo_steps
+    deltas, t0 = [], time.time()
+    for i in range(cfg.rl_contributors):
+        if stage == "grpo":
+            recs = prompt_only_records(cfg.task, shard=i, n_shards=cfg.rl_contributors, n=steps * 2, seed=50)
+            exs = [normalise_record(r, where=f"record {j}", allow_text=True) for j, r in enumerate(recs)]
+            tc = TrainConfig(stage="grpo", max_steps=steps, batch_size=8, num_generations=4, learning_rate=cfg.lr,
+                             warmup_steps=0, lora_r=cfg.lora_r, lora_alpha=2.0 * cfg.lora_r, seed=cfg.seed)
+        else:
+            exs = builtin_examples(f"{cfg.task}-pairs", shard=i, n_shards=cfg.rl_contributors, n=steps * cfg.batch,
+                                   seed=50)
+            tc = TrainConfig(stage="dpo", max_steps=steps, batch_size=cfg.batch, learning_rate=cfg.lr / 10,
+                             warmup_steps=2, lora_r=cfg.lora_r, lora_alpha=2.0 * cfg.lora_r, seed=cfg.seed)
+        with contextlib.redirect_stdout(io.StringIO()):
+            result = train(ckpt, exs, tc, base_sha256="0" * 64, eval_examples=[], progress=False)
+        deltas.append(codec.decode(payload_of(result.delta)))
+        log(f"{stage}: contributor {i} trained in {time.time() - t0:.0f} s")
+    after, answers = judge.accuracy(plus(ck.final, aggregate(deltas)))
+    log(f"{stage}: exact match {before:.3f} -> {after:.3f}")
+    return {"exact_match_sft": before, "exact_match_after": after, "steps": steps,
+            "learning_rate": tc.learning_rate, "minutes": (time.time() - t0) / 60, "answers_first": answers[:5]}
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(x):
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        i = 0
+        while i < len(order):  # average ranks of ties
+            j = i
+            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    den = math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
+    return cov / den if den else float("nan")
+
+
+def _finite(x):
+    """NaN and infinities as null: the JSON stays standard."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return x
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for f, default in asdict(Bench()).items():
+        ap.add_argument(f"--{f.replace('_', '-')}", type=type(default), default=default)
+    ap.add_argument("--out", type=pathlib.Path, default=ROOT / "results" / "learning.json")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    cfg = Bench(**{f: getattr(args, f) for f in asdict(Bench())})
+    parts = set(cfg.parts.split(","))
+    torch.manual_seed(cfg.seed)
+    t0 = time.time()
+    base_dir = resolve_base(cfg.base)
+    doc: dict = {"benchmark": "learning", "config": asdict(cfg), "machine": {
+        "cpu_count": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__},
+        "protocol": __doc__.split("Protocol (also in the JSON under \"protocol\"):\n")[1].split("\nPrints")[0]}
+    with tempfile.TemporaryDirectory(prefix="zoo-learning-") as tmp:
+        ck = Checkpoints(base_dir, pathlib.Path(tmp))
+        judge = Judge(base_dir, cfg)
+        sft, first = run_sft(cfg, ck, judge)
+        doc["sft"] = sft
+        base_acc = sft["before"]["exact_match"]
+        if "baseline" in parts:
+            doc["alone"] = run_baseline(cfg, ck, judge)
+        if "attacks" in parts:
+            doc["attacks"] = run_attacks(cfg, ck, judge, first, base_acc)
+        if "pay" in parts:
+            doc["pay"] = run_pay(cfg, ck, judge, first, pathlib.Path(tmp))
+        if "publish" in parts:
+            master_acc, _ = judge.accuracy(ck.final)
+            bf16_acc, _ = judge.accuracy({k: v.to(torch.bfloat16).float() for k, v in ck.final.items()})
+            doc["publish"] = {"master_exact_match": master_acc, "bf16_exact_match": bf16_acc,
+                              "float32_base_publishes": "the master itself"}
+            log(f"publish: master {master_acc:.3f}, bf16 {bf16_acc:.3f}")
+        for stage in ("grpo", "dpo"):
+            if stage in parts:
+                try:
+                    doc[stage] = run_after_sft(cfg, ck, judge, stage)
+                except Exception as exc:  # noqa: BLE001 - recorded: the other parts' figures still stand
+                    doc[stage] = {"error": f"{type(exc).__name__}: {exc}"}
+                    log(f"{stage}: failed: {exc}")
+    last = sft["rounds"][-1]
+    doc["minutes_total"] = (time.time() - t0) / 60
+    doc["targets"] = {
+        "exact_match_before": base_acc,
+        "exact_match_after": last["exact_match"],
+        "rounds": cfg.rounds,
+        "minutes": sft["minutes"],
+        "retention_ppl_change": last["retention_ppl"] / sft["before"]["retention_ppl"] - 1,
+        "attack_gain_share": doc.get("attacks", {}).get("min_gain_share"),
+        "pay_spearman": doc.get("pay", {}).get("spearman"),
+        "free_rider_pay_max": doc.get("pay", {}).get("free_rider_pay_max"),
+        "published_minus_master_accuracy": (doc["publish"]["bf16_exact_match"] - doc["publish"]["master_exact_match"]
+                                            if "publish" in doc else None),
+    }
+    t = doc["targets"]
+    doc["targets"]["met"] = {
+        "exact_match_60_in_3_rounds": t["exact_match_after"] >= 0.6 and cfg.rounds <= 3,
+        "retention_within_10pct": t["retention_ppl_change"] <= 0.10,
+        "within_30_minutes": t["minutes"] <= 30,
+        "attack_gain_share_90": t["attack_gain_share"] is not None and t["attack_gain_share"] >= 0.9,
+        "pay_spearman_0.7": t["pay_spearman"] is not None and t["pay_spearman"] >= 0.7,
+        "free_riders_paid_0": t["free_rider_pay_max"] == 0,
+        "published_within_1_point": t["published_minus_master_accuracy"] is not None
+        and abs(t["published_minus_master_accuracy"]) <= 0.01,
+    }
+    text = json.dumps(_finite(doc), indent=2)
+    print(text)
+    if not args.no_write:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return doc
+
+
+if __name__ == "__main__":
+    main()
