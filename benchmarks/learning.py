@@ -63,6 +63,7 @@ from zoo_gym.gym_train.exact_match import exact_match, load_for_eval, perplexity
 class Bench:
     base: str = "smollm2-135m"
     task: str = "arithmetic"
+    aggregator: str = ""  # the rule of every merge; "" = the server's default (SoupConfig())
     contributors: int = 4
     rounds: int = 3
     steps: int = 45
@@ -163,11 +164,14 @@ def contributor_delta(ckpt_dir: pathlib.Path, examples: list[dict], cfg: Bench) 
     return contributor_upload(ckpt_dir, examples, cfg)[1]
 
 
+RULE: dict = {}  # SoupConfig overrides for every merge (--aggregator); empty: the server's default rule
+
+
 def aggregate(deltas: list[dict[str, torch.Tensor]], soup: SoupConfig | None = None) -> dict[str, torch.Tensor]:
     names = sorted(deltas[0])
     shapes = {k: deltas[0][k].shape for k in names}
     out: dict[str, torch.Tensor] = {}
-    DeltaSoup(soup or SoupConfig()).run(DictDeltaSource([f"c{i}" for i in range(len(deltas))], deltas),
+    DeltaSoup(soup or SoupConfig(**RULE)).run(DictDeltaSource([f"c{i}" for i in range(len(deltas))], deltas),
                                         lambda name, t: out.__setitem__(name, t.reshape(shapes[name]).clone()),
                                         generator=torch.Generator().manual_seed(0))
     return out
@@ -365,10 +369,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     cfg = Bench(**{f: getattr(args, f) for f in asdict(Bench())})
     parts = set(cfg.parts.split(","))
+    if cfg.aggregator:
+        RULE["aggregator"] = cfg.aggregator
     torch.manual_seed(cfg.seed)
     t0 = time.time()
     base_dir = resolve_base(cfg.base)
-    doc: dict = {"benchmark": "learning", "config": asdict(cfg), "machine": {
+    doc: dict = {"benchmark": "learning", "config": asdict(cfg), "rule": SoupConfig(**RULE).aggregator, "machine": {
         "cpu_count": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__},
         "protocol": __doc__.split("Protocol (also in the JSON under \"protocol\"):\n")[1].split("\nPrints")[0]}
     with tempfile.TemporaryDirectory(prefix="zoo-learning-") as tmp:
