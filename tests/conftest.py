@@ -122,3 +122,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "real_model" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """`gym-client join` in this test must fail before it contacts a server or touches a key."""
+    from zoo_gym.client import join as join_module
+
+    def refuse(*a, **k):
+        raise AssertionError("the server was contacted")
+
+    monkeypatch.setattr(join_module, "open_stub", refuse)
+    monkeypatch.setattr(join_module.signing, "load_or_create_key", refuse)

@@ -33,15 +33,6 @@ def captured(monkeypatch):
     return seen
 
 
-@pytest.fixture
-def no_network(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("the server was contacted")
-
-    monkeypatch.setattr(join_module, "open_stub", refuse)
-    monkeypatch.setattr(join_module.signing, "load_or_create_key", refuse)
-
-
 def test_every_train_config_field_is_a_flag_in_help():
     res = CliRunner().invoke(app, ["join", "--help"], env={"COLUMNS": "200"})
     assert res.exit_code == 0

@@ -8,7 +8,6 @@ import re
 import pytest
 from typer.testing import CliRunner
 
-from zoo_gym.client import join as join_module
 from zoo_gym.client.cli import app
 from zoo_gym.gym_train.grpo import exact_answer_reward, format_reward
 from zoo_gym.gym_train.tasks import (PAIR_TASKS, builtin_examples, builtin_task, check_task_stage,
@@ -106,15 +105,6 @@ def test_a_task_that_does_not_fit_the_stage_is_refused(task, stage, message):
                                          ("arithmetic-pairs", "dpo"), ("preference", "kto")])
 def test_a_task_that_fits_the_stage_passes(task, stage):
     check_task_stage(task, stage)
-
-
-@pytest.fixture
-def no_network(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("the server was contacted")
-
-    monkeypatch.setattr(join_module, "open_stub", refuse)
-    monkeypatch.setattr(join_module.signing, "load_or_create_key", refuse)
 
 
 @pytest.mark.parametrize("args, message", [
