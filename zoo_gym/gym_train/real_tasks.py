@@ -10,6 +10,7 @@ make the preference pairs: a number off by a little, the words in their given or
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 Example = dict[str, str]
@@ -51,11 +52,16 @@ def _given_words(ex: Example) -> str:
     return ex["instruction"].split(": ", 1)[1].split(". ", 1)[0]
 
 
+def prompt_bucket(ex: Example, *, salt: str) -> float:
+    """A uniform number in [0, 1) fixed by the example's prompt text (stable across runs/platforms); tasks.py
+    splits every family into shards and validation by it (here, at the leaf, so the two modules form no cycle)."""
+    key = f"{salt}\x00{ex['instruction']}\x00{ex['input']}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") / 2.0**64
+
+
 def wrong_answer(task: str, ex: Example) -> str:
     """A plausible wrong answer to ``ex``, fixed by its prompt: a number off by 1 to 3 (never negative),
     or the words as given (reversed when they were given sorted)."""
-    from .tasks import prompt_bucket
-
     if task == "arithmetic":
         ans = int(ex["output"])
         step = 1 + int(prompt_bucket(ex, salt="wrong") * 3)

@@ -11,13 +11,12 @@ Details: docs/design/training.md.
 
 from __future__ import annotations
 
-import hashlib
 import random
 import string
 from collections.abc import Callable
 
 from .real_tasks import arithmetic as real_arithmetic
-from .real_tasks import sort_words, wrong_answer
+from .real_tasks import prompt_bucket, sort_words, wrong_answer
 
 Example = dict[str, str]
 
@@ -99,12 +98,6 @@ def builtin_task(stage: str) -> str:
     if stage in PREFERENCE_STAGES:
         return "preference"
     return "default"
-
-
-def prompt_bucket(ex: Example, *, salt: str) -> float:
-    """A uniform number in [0, 1) fixed by the example's prompt text (stable across runs/platforms)."""
-    key = f"{salt}\x00{ex['instruction']}\x00{ex['input']}".encode()
-    return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") / 2.0**64
 
 
 def resolve_task(task: str) -> str:
