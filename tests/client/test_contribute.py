@@ -81,6 +81,15 @@ def test_a_sync_round_submits_once_and_keeps_the_variant(tmp_path, monkeypatch):
                     f"round 3: submitted {len(PAYLOAD)} bytes; local held-out loss 2.0000 -> 1.5000"]
 
 
+def test_the_training_line_names_the_servers_epsilon_and_participation_mode(tmp_path, monkeypatch):
+    c, opts, said, _ = _setup(tmp_path, monkeypatch, [_ok(3)])
+    info = _info(3, dp_epsilon_spent=2.25, dp_delta=1e-5, dp_participation="public")
+    contribute(info, contributor=c, opts=opts, cadence=Rounds(opts))
+    assert said[0] == (f"round 3: training (sft+lora) on base {'0' * 12}; server DP: ε 2.250 spent at δ 1e-05 "
+                       "(participation public: the ledger names who took part; the ε covers what each delta "
+                       "contains)")
+
+
 def test_a_sync_round_that_closed_first_is_not_taken_and_leaves_no_variant(tmp_path, monkeypatch):
     c, opts, said, kept = _setup(tmp_path, monkeypatch, [Refused(grpc.StatusCode.FAILED_PRECONDITION)])
     assert contribute(_info(3), contributor=c, opts=opts, cadence=Rounds(opts)) is None

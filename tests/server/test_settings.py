@@ -30,6 +30,8 @@ SPECIAL = {
     "evaluation_dtype": ("bfloat16", {}),
     "log_level": ("DEBUG", {}),
     "log_format": ("json", {}),
+    "dashboard_host": ("0.0.0.0", {}),
+    "dashboard_token_file": ("dashboard.token", {}),  # read only when the dashboard runs (dashboard_port > 0)
     "aggregator": ("median", {}),
     "multi_krum_m": (2, {}),
     "trim_beta": (0.25, {}),

@@ -33,6 +33,18 @@ def not_selected(info) -> bool:
     return 0.0 < float(info.sample_rate) < 1.0 and not info.selected
 
 
+def server_dp_note(info) -> str:
+    """What a signed RoundInfo says of the server's DP, for the training line ("" without server DP): the ε spent
+    and the participation mode, which decides what that ε protects (docs/design/privacy.md)."""
+    mode = str(info.dp_participation)
+    if not mode and not float(info.dp_epsilon_spent):
+        return ""
+    what = {"public": "the ledger names who took part; the ε covers what each delta contains",
+            "private": "no public surface names who took part"}.get(mode, "not stated by this server")
+    return (f"; server DP: ε {float(info.dp_epsilon_spent):.3f} spent at δ {float(info.dp_delta):g} "
+            f"(participation {mode or 'unknown'}: {what})")
+
+
 class JoinError(RuntimeError):
     """The contributor cannot go on; the message says why and what to do."""
 
@@ -128,7 +140,8 @@ def contribute(info: gym_pb2.RoundInfo, *, contributor: Contributor, opts, caden
                                      round_info=info, say=c.say)
     except DownloadError as exc:
         raise JoinError(f"{cadence.label(info)}: refusing the base checkpoint: {exc}") from None
-    c.say(f"{cadence.training(info)}: training ({c.trainer.config.label}) on base {info.base_sha256[:12]}")
+    c.say(f"{cadence.training(info)}: training ({c.trainer.config.label}) on base {info.base_sha256[:12]}"
+          f"{server_dp_note(info)}")
     payload, metadata, kept = c.trainer.train(model_dir, info.base_sha256)  # kept: made a variant once taken
     resp = None
     try:

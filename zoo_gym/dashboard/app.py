@@ -5,11 +5,14 @@ nothing loads from a CDN, and the pages work without JavaScript. The page refres
 refresh) while a round is open or aggregating. Every query parameter is bounded (422, never a database
 error); every response, an internal error's 500 too (``{"detail": "internal error"}``, no traceback), carries a
 strict CSP (no inline script or style), nosniff, no-referrer, no framing, and HSTS over TLS. No Swagger UI
-(it loads from a CDN): the schema is at /api/openapi.json.
+(it loads from a CDN): the schema is at /api/openapi.json. Given a token, every route (pages, API, /metrics,
+static files) answers 401 unless the request carries ``Authorization: Bearer <token>``.
 """
 
 from __future__ import annotations
 
+import hmac
+import json
 import re
 import time
 from pathlib import Path
@@ -53,12 +56,45 @@ class SecurityHeaders:
         return await self.app(scope, receive, send_with_headers)
 
 
+class BearerAuth:
+    """ASGI middleware: 401 with a one-line JSON error unless ``Authorization: Bearer <token>`` carries `token`
+    (compared in constant time)."""
+
+    def __init__(self, app, token: str) -> None:
+        self.app = app
+        self._token = token.encode()
+
+    def _refusal(self, scope) -> str | None:
+        given = dict(scope.get("headers") or ()).get(b"authorization")
+        if given is None:
+            return "this dashboard needs the header 'Authorization: Bearer <token>' (its --dashboard-token-file)"
+        scheme, _, token = given.strip().partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._token):
+            return "the bearer token does not match the server's --dashboard-token-file"
+        return None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "lifespan" and (why := self._refusal(scope)) is not None:
+            if scope["type"] != "http":  # a websocket: refused before it is accepted
+                return await send({"type": "websocket.close", "code": 1008})
+            body = json.dumps({"detail": why}).encode()
+            await send({"type": "http.response.start", "status": 401, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                (b"www-authenticate", b'Bearer realm="zoo-gym dashboard"'), (b"cache-control", b"no-store")]})
+            return await send({"type": "http.response.body", "body": body})
+        return await self.app(scope, receive, send)
+
+
 class _Dashboard(FastAPI):
     """FastAPI with SecurityHeaders outside Starlette's ServerErrorMiddleware, which answers an uncaught
-    exception's 500 itself, outside every middleware added with ``add_middleware``."""
+    exception's 500 itself, outside every middleware added with ``add_middleware``; and, given a
+    `bearer_token`, BearerAuth inside SecurityHeaders (a 401 carries the headers too)."""
+
+    bearer_token: str | None = None
 
     def build_middleware_stack(self):
-        return SecurityHeaders(super().build_middleware_stack())
+        stack = super().build_middleware_stack()
+        return SecurityHeaders(BearerAuth(stack, self.bearer_token) if self.bearer_token else stack)
 
 
 async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
@@ -89,10 +125,13 @@ def _index_context(state, check, dp_target_epsilon: float | None, refresh_second
         "refresh": refresh_seconds if summary["current_state"] in ("open", "aggregating") else None}
 
 
-def create_app(state, *, registry=None, dp_target_epsilon: float | None = None, refresh_seconds: int = 5) -> FastAPI:
-    """The dashboard over `state` (a ServerState; only read); /metrics serves `registry` when given."""
+def create_app(state, *, registry=None, dp_target_epsilon: float | None = None, refresh_seconds: int = 5,
+               token: str | None = None) -> FastAPI:
+    """The dashboard over `state` (a ServerState; only read); /metrics serves `registry` when given; every
+    route needs `token` as a bearer token when given."""
     app = _Dashboard(title="Zoo Gym federation", docs_url=None, redoc_url=None, openapi_url="/api/openapi.json",
                      exception_handlers={Exception: _internal_error})
+    app.bearer_token = token
     templates = _templates()
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
     if registry is not None:

@@ -89,7 +89,7 @@ def round_info_bytes(info) -> bytes:
     """The exact bytes the server signs for a RoundInfo (any object with its fields; docs/design/signing.md).
 
     you_submitted (it differs per asker) and signature are left out; everything else is covered. Fields added
-    later (async, sampling, per-round epsilon) are covered only when set, so older answers keep their bytes."""
+    later (async, sampling, per-round epsilon, DP participation) are covered only when set, so older answers keep their bytes."""
     lim = info.limits
     obj = {
         "round_id": int(info.round_id), "state": int(info.state), "base_checkpoint_id": int(info.base_checkpoint_id),
@@ -115,6 +115,9 @@ def round_info_bytes(info) -> bytes:
     for name in ("dp_epsilon_round", "dp_epsilon_spent_rdp"):  # left out when 0, as before they existed
         if float(getattr(info, name, 0.0) or 0.0):
             obj[name] = float(getattr(info, name)).hex()
+    participation = str(getattr(info, "dp_participation", "") or "")
+    if participation:  # with server DP on only ("public" or "private"); without DP the bytes are as before
+        obj["dp_participation"] = participation
     return ROUND_INFO_DOMAIN + _canonical_json(obj)
 
 

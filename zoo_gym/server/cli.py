@@ -149,14 +149,7 @@ def serve(
         from zoo_gym.server.transport.servicer import build_server
 
         server, bound, rounds = build_server(state, cfg)  # refuses a port another process listens on
-        dashboard = None
-        if cfg.dashboard_port:
-            from zoo_gym.dashboard import DashboardServer, create_app
-
-            dashboard = DashboardServer(create_app(state, registry=rounds.metrics.registry,
-                                                   dp_target_epsilon=cfg.soup.dp_target_epsilon),
-                                        host=cfg.host, port=cfg.dashboard_port, ssl_certfile=cfg.ssl_certfile,
-                                        ssl_keyfile=cfg.ssl_keyfile)
+        dashboard = _dashboard(state, cfg, registry=rounds.metrics.registry) if cfg.dashboard_port else None
     from zoo_gym.aggregation.packed_kernels import warm_up
     from zoo_gym.server.store import master_kernel
 
@@ -170,7 +163,8 @@ def serve(
     announce(f"gym-server listening on {cfg.host}:{bound} (state {state_dir})", port=bound)
     if dashboard is not None:
         dashboard.start()
-        announce(f"dashboard at {dashboard.url} (metrics at {dashboard.url}metrics)", url=dashboard.url)
+        guarded = " (bearer token required)" if cfg.dashboard_token_file else ""
+        announce(f"dashboard at {dashboard.url} (metrics at {dashboard.url}metrics){guarded}", url=dashboard.url)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
@@ -184,6 +178,16 @@ def serve(
     server.stop(grace=5).wait()
     rounds.stop()
     state.lock.release()
+
+
+def _dashboard(state, cfg: ServerConfig, *, registry):
+    """The dashboard server (not started yet) on cfg.dashboard_host, behind its bearer token when one is set."""
+    from zoo_gym.dashboard import DashboardServer, create_app
+
+    return DashboardServer(create_app(state, registry=registry, dp_target_epsilon=cfg.soup.dp_target_epsilon,
+                                      token=cfg.dashboard_token()),
+                           host=cfg.dashboard_host, port=cfg.dashboard_port, ssl_certfile=cfg.ssl_certfile,
+                           ssl_keyfile=cfg.ssl_keyfile)
 
 
 @app.command("settings")

@@ -10,7 +10,9 @@ error naming the closest valid one, so a typo never silently falls back to a def
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +24,19 @@ from zoo_gym.settings import SettingError, norm_key, resolve
 from zoo_gym.settings_file import SettingsFileError, read_settings_file
 
 MiB = 1 << 20
+MIN_TOKEN_CHARS = 16  # a dashboard bearer token's shortest length
+TOKEN_CHARS = re.compile(r"^[!-~]+$")  # printable ASCII, no spaces: what an Authorization header carries as is
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address, [v6] bracketed or not, or "localhost") is reachable from this machine only."""
+    bare = host.strip().strip("[]")
+    if bare.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(bare).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
 
 
 class ConfigError(SettingError):
@@ -146,8 +161,16 @@ class ServerConfig:
     log_format: str = field(default="text", metadata={
         "help": "text, or json (one object a line, with the event's fields)", "section": "Output"})
     dashboard_port: int = field(default=0, metadata={
-        "help": "serve the read-only web dashboard, its JSON API and /metrics on this port of the same host (over "
-                "TLS when serving TLS); 0 = off", "section": "Output"})
+        "help": "serve the read-only web dashboard, its JSON API and /metrics on this port of dashboard_host "
+                "(over TLS when serving TLS); 0 = off", "section": "Output"})
+    dashboard_host: str = field(default="127.0.0.1", metadata={
+        "help": "address the dashboard binds, loopback by default whatever --host is: its pages show "
+                "per-contributor figures (pay, scores, reputations) that the DP epsilon does not cover. With "
+                "server DP on, another address needs dashboard_token_file", "section": "Output"})
+    dashboard_token_file: str | None = field(default=None, metadata={
+        "help": "file holding a bearer token (at least 16 characters): every dashboard page, API call and "
+                "/metrics then needs the header `Authorization: Bearer TOKEN` (401 otherwise)",
+        "section": "Output"})
     # SoupConfig's own `min_contributors` (its refusal floor) stays at its default: the server's is above
     soup: SoupConfig = field(default_factory=SoupConfig, metadata={"section": "Aggregation and privacy",
                                                                    "exclude": ("min_contributors",)})
@@ -217,8 +240,41 @@ class ServerConfig:
             raise ConfigError(f"`log_level` must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"`log_format` must be text or json, got {self.log_format!r}")
+        self._check_dashboard()
+
+    def _check_dashboard(self) -> None:
+        """Port in range; with the dashboard on, a readable token when one is named, and with server DP on no
+        per-person figures on a non-loopback address without one (docs/design/privacy.md: the operator's own
+        surfaces)."""
         if not 0 <= self.dashboard_port <= 65535:
             raise ConfigError("`dashboard_port` must be in [0, 65535] (0: no dashboard)")
+        if not self.dashboard_host.strip():
+            raise ConfigError("`dashboard_host` must be an address to bind, e.g. 127.0.0.1 (the default)")
+        if self.dashboard_port:  # the token is read only for a dashboard that runs
+            self.dashboard_token()
+        if (self.dashboard_port and self.soup.dp_enabled and not is_loopback(self.dashboard_host)
+                and self.dashboard_token_file is None):
+            raise ConfigError(
+                f"with server DP on, the dashboard on {self.dashboard_host} would publish per-contributor figures "
+                "the epsilon does not cover: bind it to loopback (--dashboard-host 127.0.0.1, the default) or "
+                "require a bearer token (--dashboard-token-file FILE, at least 16 characters)")
+
+    def dashboard_token(self) -> str | None:
+        """The bearer token in `dashboard_token_file` (whitespace around it stripped), None without one."""
+        if self.dashboard_token_file is None:
+            return None
+        path = Path(self.dashboard_token_file).expanduser()
+        try:
+            token = path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise ConfigError(f"`dashboard_token_file` {path}: cannot read it ({why}); write a token of at least "
+                              f"{MIN_TOKEN_CHARS} characters into it") from None
+        if len(token) < MIN_TOKEN_CHARS or not TOKEN_CHARS.match(token):
+            raise ConfigError(f"`dashboard_token_file` {path} must hold one token of at least {MIN_TOKEN_CHARS} "
+                              f"printable ASCII characters without spaces (it holds {len(token)}), e.g. "
+                              "`python -c 'import secrets; print(secrets.token_urlsafe(32))' > FILE`")
+        return token
 
     @property
     def effective_quorum(self) -> int:
