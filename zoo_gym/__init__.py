@@ -1,10 +1,11 @@
 """Zoo Gym: federated community delta learning.
 
-Parts (see DESIGN.md): proto (wire contract), codec (delta <-> bytes), gym_train (local training),
-aggregation (DeltaSoup), rewards (scores, reputation, ledger), server, client.
+Parts (see docs/design/ARCHITECTURE.md): proto (wire contract), codec (delta <-> bytes), gym_train
+(local training), aggregation (DeltaSoup), rewards (scores, reputation, ledger), server, client,
+serving (gym-serve), dashboard.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 import logging as _logging
 

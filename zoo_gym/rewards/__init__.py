@@ -1,8 +1,9 @@
 """Rewards: contribution scores, reputation, the integer pool split and the signed ledger.
 
-No gRPC and no I/O of its own: the database comes in as an SQLModel ``Session`` factory, the
-losses as floats and callables from the server. Formulas: see each module's docstring and
-``zoo_gym/rewards/README.md``.
+No gRPC: the ledger's database comes in as an SQLModel ``Session`` factory and the losses as floats
+and callables from the server. The server's streamed evaluation reads the model's weights from its
+files (``streamed_model.py``) and spills the scoring gradient to an unlinked temporary file
+(``spill.py``). Formulas: see each module's docstring and ``zoo_gym/rewards/README.md``.
 """
 
 from __future__ import annotations
