@@ -108,6 +108,8 @@ def round_info_bytes(info) -> bytes:
         obj.update({"mode": mode, "buffer_size": int(info.buffer_size), "max_staleness": int(info.max_staleness),
                     "staleness_exponent": float(info.staleness_exponent).hex(),
                     "server_lr": float(info.server_lr).hex()})
+    elif float(getattr(info, "server_lr", 0.0) or 0.0) not in (0.0, 1.0):  # sync with --server-lr other than 1
+        obj["server_lr"] = float(info.server_lr).hex()
     q = float(getattr(info, "sample_rate", 0.0) or 0.0)
     if q not in (0.0, 1.0):  # sampling: who is selected (per asker, so signed per answer) and how many
         obj.update({"sample_rate": q.hex(), "selected_count": int(info.selected_count),

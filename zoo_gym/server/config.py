@@ -129,7 +129,9 @@ class ServerConfig:
     max_staleness: int = field(default=4, metadata={
         "help": "async: a delta may be against any of the last max_staleness published bases (versions)"})
     server_lr: float = field(default=1.0, metadata={
-        "help": "async: the server learning rate eta; a flush adds eta x the aggregate to the current base"})
+        "help": "the server learning rate eta: each round (or async flush) adds eta x the aggregate to the base. "
+                "Post-processing of the release, so free in epsilon; > 1 extrapolates a small averaged step "
+                "(FedOpt, Reddi et al. 2021). Recorded when a round closes and signed into RoundInfo"})
     staleness_exponent: float = field(default=3.0, metadata={
         "help": "async: a delta s versions old is weighted (1 + s) ** -staleness_exponent (0: no discount)"})
     staleness_normalize: bool = field(default=True, metadata={

@@ -123,7 +123,7 @@ def recorded_mode(session) -> dict:
         return {"mode": None, "as_of_round": None}
     recorded = json.loads(inputs.staleness_json) if inputs.staleness_json else None
     if recorded is None:
-        return {"mode": "sync", "as_of_round": inputs.round_id}
+        return {"mode": "sync", "as_of_round": inputs.round_id, "server_lr": inputs.server_lr}
     keys = ("buffer_size", "max_staleness", "server_lr", "staleness_exponent")
     return {"mode": "async", "as_of_round": inputs.round_id, **{k: recorded.get(k) for k in keys}}
 
@@ -134,7 +134,8 @@ def describe_mode(mode: dict) -> str:
         return "mode: not recorded yet (a round records the serve mode when it closes)"
     when = f"as round {mode['as_of_round']} closed"
     if mode["mode"] == "sync":
-        return f"mode: sync ({when})"
+        lr = mode.get("server_lr")
+        return f"mode: sync ({when})" if lr in (None, 1.0) else f"mode: sync, server lr {lr:g} ({when})"
     shown = lambda v: "not recorded" if v is None else f"{v:g}"  # noqa: E731
     return (f"mode: async, buffer size {shown(mode['buffer_size'])}, max staleness {shown(mode['max_staleness'])}, "
             f"server lr {shown(mode['server_lr'])}, staleness weight (1+s)^-{shown(mode['staleness_exponent'])} "
@@ -211,9 +212,12 @@ class Staleness:
 
 
 class SyncFlush:
-    """A synchronous round: nothing to adjust."""
+    """A synchronous round: the rule and the pay as configured; the aggregate x the recorded server lr."""
 
     adjusts_pay = False
+
+    def __init__(self, server_lr: float | None = None) -> None:
+        self.server_lr = 1.0 if server_lr is None else float(server_lr)  # None: closed before it was recorded
 
     def soup(self, soup: SoupConfig) -> SoupConfig:
         return soup
@@ -222,13 +226,14 @@ class SyncFlush:
         return source, weights
 
     def sink(self, sink: Callable[[str, torch.Tensor], None]):
-        return sink
+        lr = self.server_lr
+        return sink if lr == 1.0 else (lambda name, agg: sink(name, agg * lr))
 
     def payouts(self, plan, *, pool: int):
         return plan
 
     def lineage(self) -> dict:
-        return {}
+        return {} if self.server_lr == 1.0 else {"server_lr": self.server_lr}
 
 
 class StalenessFlush:
@@ -284,7 +289,8 @@ class StalenessFlush:
         return {"async": self.staleness.recorded}
 
 
-def flush_for(staleness_json: str | None) -> SyncFlush | StalenessFlush:
-    """The adjustments of a round as recorded when it closed (no staleness recorded: a synchronous round)."""
+def flush_for(staleness_json: str | None, *, server_lr: float | None = None) -> SyncFlush | StalenessFlush:
+    """The adjustments of a round as recorded when it closed (no staleness recorded: a synchronous round, whose
+    aggregate is multiplied by the recorded `server_lr`; an async flush has its own in the staleness)."""
     staleness = Staleness.parse(staleness_json)
-    return SyncFlush() if staleness is None else StalenessFlush(staleness)
+    return SyncFlush(server_lr) if staleness is None else StalenessFlush(staleness)

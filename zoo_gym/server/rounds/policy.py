@@ -60,7 +60,8 @@ class SyncRounds:
         return None
 
     def round_info(self) -> dict:
-        return {}
+        """A server lr other than 1 is shown (and signed) in RoundInfo; at 1 the fields are as before it existed."""
+        return {} if self.config.server_lr == 1.0 else {"server_lr": self.config.server_lr}
 
     def check_size(self) -> None:
         check_round_size(self.config.soup, self.config.min_contributors)

@@ -102,6 +102,9 @@ class RoundInputs(SQLModel, table=True):
     # --sample-rate and the round's draws) as it was at close, 1.0 without sampling; the accountant charges it.
     # None: closed by a version that did not record it.
     sample_rate: float | None = None
+    # The server learning rate (--server-lr) at close: a synchronous round publishes base + server_lr x aggregate.
+    # None: closed by a version that did not record it (a sync round then steps by 1; async reads staleness_json).
+    server_lr: float | None = None
 
 
 class Submission(SQLModel, table=True):
