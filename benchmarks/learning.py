@@ -13,7 +13,8 @@ Protocol (also in the JSON under "protocol"):
     subtractions if odd. Each round it trains `steps` LoRA steps of `batch` examples from the round's
     checkpoint with `gym_train.train` (what `gym-client join` runs), and its delta goes through the client's
     codec (`codec.encode(..., codec="auto")`: LoRA factors) and back (`codec.decode`, as the server reads it).
-  * The server's default rule (`SoupConfig()`) merges the round; the float32 master takes the aggregate;
+  * The server's default rule (`SoupConfig()`, or --aggregator) merges the round; the float32 master takes
+    server_lr x the aggregate (--server-lr, as `gym-server serve --server-lr`; 1 by default);
     the next round trains from it. Exact match (greedy, the prompt ids TRL trains on) and retention
     perplexity after every round. Baseline ("without the feature"): the same contributor 0 training the same
     number of steps alone, from the base, on its own shard.
@@ -21,8 +22,9 @@ Protocol (also in the JSON under "protocol"):
     ALIE, IPM, scaling x10; benchmarks/attacks.py) built from the honest ones; the default rule merges them;
     the share of the clean round-1 gain in exact match kept (accuracy_gain_share).
   * Pay (round 1): n honest + free riders (a zero delta, a random delta of the honest RMS, a copy of
-    contributor 0). Ground truth: each one's leave-one-out gain in exact match. Pay: the server's score
-    (`rewards.contribution` as the round settles it), Spearman against the ground truth.
+    contributor 0). Ground truth: each one's leave-one-out gain in exact match on --pay-eval-n other held-out
+    items (and in answer loss); a delta's content leaves with its byte copies, a copy owns none. Pay: what a
+    real gym-server pays (its report's scores and method), Spearman against the ground truth.
   * Published precision: the final master rounded to bf16 (what a bf16 base publishes) against the float32
     master, in exact match. A float32 base (this one) publishes the master itself.
 Prints the JSON document; writes it unless --no-write.
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import io
 import json
 import math
@@ -56,7 +59,8 @@ from zoo_gym.aggregation import DeltaSoup, SoupConfig  # noqa: E402
 from zoo_gym.aggregation.sources import DictDeltaSource  # noqa: E402
 from zoo_gym.gym_train import TrainConfig, builtin_examples, train  # noqa: E402
 from zoo_gym.gym_train.bases import resolve_base  # noqa: E402
-from zoo_gym.gym_train.exact_match import exact_match, load_for_eval, perplexity, retention_texts  # noqa: E402
+from zoo_gym.gym_train.exact_match import (answer_loss, exact_match, load_for_eval, perplexity,  # noqa: E402
+                                           retention_texts)
 
 
 @dataclass
@@ -64,6 +68,7 @@ class Bench:
     base: str = "smollm2-135m"
     task: str = "arithmetic"
     aggregator: str = ""  # the rule of every merge; "" = the server's default (SoupConfig())
+    server_lr: float = 1.0  # each round adds server_lr x the aggregate (gym-server --server-lr)
     contributors: int = 4
     rounds: int = 3
     steps: int = 45
@@ -71,6 +76,7 @@ class Bench:
     lr: float = 3e-3
     lora_r: int = 16
     eval_n: int = 100
+    pay_eval_n: int = 300  # held-out items of the pay part's leave-one-out ground truth
     retention_chunks: int = 12
     skew: float = 0.8
     parts: str = "sft,baseline,attacks,pay,publish,grpo,dpo"
@@ -136,10 +142,14 @@ class Judge:
         # tied embeddings: lm_head shares embed_tokens, so only it may be missing
         assert all(k.endswith("lm_head.weight") for k in missing), missing
 
-    def accuracy(self, state: dict[str, torch.Tensor]) -> tuple[float, list[str]]:
+    def accuracy(self, state: dict[str, torch.Tensor], examples: list[dict] | None = None) -> tuple[float, list[str]]:
         self._load(state)
-        em = exact_match(self.model, self.tok, self.heldout, max_new_tokens=6)
+        em = exact_match(self.model, self.tok, self.heldout if examples is None else examples, max_new_tokens=6)
         return em.accuracy, em.answers
+
+    def answer_loss(self, state: dict[str, torch.Tensor], examples: list[dict]) -> float:
+        self._load(state)
+        return answer_loss(self.model, self.tok, examples)
 
     def measure(self, state: dict[str, torch.Tensor]) -> dict:
         acc, answers = self.accuracy(state)
@@ -177,6 +187,15 @@ def aggregate(deltas: list[dict[str, torch.Tensor]], soup: SoupConfig | None = N
     return out
 
 
+def step(deltas: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """What a round adds to its base: server_lr x the rule's aggregate (SERVER_LR[0], from --server-lr)."""
+    agg = aggregate(deltas)
+    return agg if SERVER_LR[0] == 1.0 else {k: v * SERVER_LR[0] for k, v in agg.items()}
+
+
+SERVER_LR = [1.0]
+
+
 def plus(state: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: (v + delta[k].to(v.dtype) if k in delta else v) for k, v in state.items()}
 
@@ -212,7 +231,7 @@ def run_sft(cfg: Bench, ck: Checkpoints, judge: Judge) -> tuple[dict, list[dict]
             log(f"round {r}: contributor {i} trained in {time.time() - t:.0f} s")
         if r == 1:
             first_deltas = list(zip(payloads, deltas))
-        state = plus(state, aggregate(deltas))
+        state = plus(state, step(deltas))
         m = judge.measure(state)
         rounds.append({"round": r, **m, "minutes": (time.time() - t0) / 60})
         log(f"round {r}: exact match {m['exact_match']:.3f}, retention ppl {m['retention_ppl']:.2f}")
@@ -237,7 +256,7 @@ def run_attacks(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple],
     stack, names = flat(deltas)
     f = max(1, round(0.2 * len(deltas)))
     honest = stack[:len(deltas) - f]
-    clean_acc, _ = judge.accuracy(plus(ck.base, aggregate(deltas)))
+    clean_acc, _ = judge.accuracy(plus(ck.base, step(deltas)))
     crafted = {"sign_flip": attacks.sign_flip(honest, n_byzantine=f, scale=4.0),
                "alie": attacks.alie(honest, n_byzantine=f),
                "ipm": attacks.ipm(honest, n_byzantine=f, epsilon=0.5),
@@ -246,7 +265,7 @@ def run_attacks(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple],
     out = {"attackers": f, "of": len(deltas), "clean_exact_match": clean_acc, "attacks": {}}
     for name, bad in crafted.items():
         rows = [unflat(r, deltas[0], names) for r in torch.cat([honest, bad])]
-        acc, _ = judge.accuracy(plus(ck.base, aggregate(rows)))
+        acc, _ = judge.accuracy(plus(ck.base, step(rows)))
         share = (acc - base_acc) / gain if gain > 0 else float("nan")
         out["attacks"][name] = {"exact_match": acc, "accuracy_gain_share": share}
         log(f"attack {name}: exact match {acc:.3f} (gain share {share:.2f})")
@@ -279,21 +298,42 @@ def run_pay(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple], wor
         kinds.append(kind)
     uploads.append(uploads[0])
     kinds.append("free_rider_copy")
-    deltas = [d for _, d in uploads]
-    acc_all, _ = judge.accuracy(plus(ck.base, aggregate(deltas)))
-    loo = []
-    for i in range(len(deltas)):
-        acc, _ = judge.accuracy(plus(ck.base, aggregate(deltas[:i] + deltas[i + 1:])))
-        loo.append(acc_all - acc)
-        log(f"pay: leave-one-out {kinds[i]} {i}: gain {loo[-1]:+.3f}")
+    loo, loo_loss, acc_all = leave_one_out(cfg, ck, judge, uploads, kinds)
     t = time.time()
-    amounts, scores, refused = server_pay(ck.base_dir, work / "pay", judge.heldout, [p for p, _ in uploads])
+    amounts, scores, refused, method = server_pay(ck.base_dir, work / "pay", judge.heldout, [p for p, _ in uploads])
     log(f"pay: the server's round published in {time.time() - t:.0f} s; amounts {amounts}")
     riders = [a for a, k in zip(amounts, kinds) if k.startswith("free_rider")]
-    return {"contributors": [{"kind": k, "loo_exact_match_gain": g, "paid": a, "score": s.get("score"),
-                              "reason": s.get("reason") or r} for k, g, a, s, r in zip(kinds, loo, amounts, scores, refused)],
-            "exact_match_all": acc_all, "spearman": spearman(loo, [float(a) for a in amounts]),
-            "free_rider_pay_max": max(riders), "server_round_s": time.time() - t}
+    return {"contributors": [{"kind": k, "loo_exact_match_gain": g, "loo_answer_loss_gain": gl, "paid": a,
+                              "score": s.get("score"), "reason": s.get("reason") or r}
+                             for k, g, gl, a, s, r in zip(kinds, loo, loo_loss, amounts, scores, refused)],
+            "ground_truth_items": cfg.pay_eval_n, "exact_match_all": acc_all,
+            "spearman": spearman(loo, [float(a) for a in amounts]),
+            "spearman_answer_loss": spearman(loo_loss, [float(a) for a in amounts]),
+            "scoring_method": method, "free_rider_pay_max": max(riders), "server_round_s": time.time() - t}
+
+
+def leave_one_out(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple], kinds: list[str]
+                  ) -> tuple[list[float], list[float], float]:
+    """Each submission's leave-one-out gain in exact match and in answer loss (nats a token, lower is better)
+    on `pay_eval_n` held-out items, under the default rule. A delta's content leaves with all its byte copies;
+    a copy of an earlier submission owns none of it (its gain is 0: removing it alone changes nothing)."""
+    truth = builtin_examples(cfg.task, split="validation", n=cfg.pay_eval_n, seed=1)
+    deltas = [d for _, d in uploads]
+    shas = [hashlib.sha256(p).hexdigest() for p, _ in uploads]
+    everyone = plus(ck.base, step(deltas))
+    acc_all, _ = judge.accuracy(everyone, truth)
+    loss_all = judge.answer_loss(everyone, truth)
+    loo, loo_loss = [], []
+    for i in range(len(deltas)):
+        if shas[i] in shas[:i]:
+            loo.append(0.0)
+            loo_loss.append(0.0)
+            continue
+        without = plus(ck.base, step([d for d, sha in zip(deltas, shas) if sha != shas[i]]))
+        loo.append(acc_all - judge.accuracy(without, truth)[0])
+        loo_loss.append(judge.answer_loss(without, truth) - loss_all)
+        log(f"pay: leave-one-out {kinds[i]} {i}: gain {loo[-1]:+.3f}, answer loss {loo_loss[-1]:+.4f}")
+    return loo, loo_loss, acc_all
 
 
 def run_after_sft(cfg: Bench, ck: Checkpoints, judge: Judge, stage: str) -> dict:
@@ -322,7 +362,7 @@ def run_after_sft(cfg: Bench, ck: Checkpoints, judge: Judge, stage: str) -> dict
             result = train(ckpt, exs, tc, base_sha256="0" * 64, eval_examples=[], progress=False)
         deltas.append(codec.decode(payload_of(result.delta)))
         log(f"{stage}: contributor {i} trained in {time.time() - t0:.0f} s")
-    after, answers = judge.accuracy(plus(ck.final, aggregate(deltas)))
+    after, answers = judge.accuracy(plus(ck.final, step(deltas)))
     log(f"{stage}: exact match {before:.3f} -> {after:.3f}")
     return {"exact_match_sft": before, "exact_match_after": after, "steps": steps,
             "learning_rate": tc.learning_rate, "minutes": (time.time() - t0) / 60, "answers_first": answers[:5]}
@@ -371,6 +411,7 @@ def main(argv: list[str] | None = None) -> dict:
     parts = set(cfg.parts.split(","))
     if cfg.aggregator:
         RULE["aggregator"] = cfg.aggregator
+    SERVER_LR[0] = cfg.server_lr
     torch.manual_seed(cfg.seed)
     t0 = time.time()
     base_dir = resolve_base(cfg.base)

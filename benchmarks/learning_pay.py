@@ -76,9 +76,9 @@ def _wait_report(state, round_id: int, timeout: float) -> dict:
 
 
 def server_pay(base_dir: pathlib.Path, work: pathlib.Path, validation: list[dict], payloads: list[bytes]
-               ) -> tuple[list[int], list[dict], list[str | None]]:
+               ) -> tuple[list[int], list[dict], list[str | None], str]:
     """What the real server pays each payload of one round (amounts in submission order), its scores, and
-    its refusals at upload. The round closes when every payload that is not all zeros is in (the server
+    its refusals at upload, and the scoring method its report names. The round closes when every payload that is not all zeros is in (the server
     refuses a zero delta at upload; a payload it refuses otherwise would leave the round waiting: an error)."""
     from zoo_gym import codec
 
@@ -93,7 +93,8 @@ def server_pay(base_dir: pathlib.Path, work: pathlib.Path, validation: list[dict
         state.engine.dispose()
     paid = {p["contributor"]: int(p["amount"]) for p in report["rewards"].get("payouts", [])}
     scores = {s["contributor"]: s for s in report["rewards"].get("scores", [])}
-    return [paid.get(c, 0) for c in ids], [scores.get(c, {}) for c in ids], refused
+    return ([paid.get(c, 0) for c in ids], [scores.get(c, {}) for c in ids], refused,
+            report["rewards"].get("method", ""))
 
 
 def payload_of(delta: dict[str, torch.Tensor]) -> bytes:

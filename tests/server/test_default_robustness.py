@@ -108,3 +108,35 @@ def test_one_huge_delta_is_refused_and_the_honest_round_publishes_and_pays(delta
     for cid, alone in zip(ids[:2], honest_ids):
         assert by[cid]["kind"] == "reward" and by[cid]["amount"] > 0, [by[c]["reason"] for c in ids]
         assert by[cid]["amount"] == honest_pay[alone]  # as if the huge delta had not been sent
+
+
+def _report(state) -> dict:
+    import json
+
+    with state.session() as s:
+        return json.loads(s.get(Round, 1).report_json)
+
+
+def test_a_byte_copy_of_a_delta_is_paid_nothing_and_its_author_is_paid(deltas, tmp_path):
+    with _federation(tmp_path / "copy", min_contributors=3, aggregator="mean") as (state, stub):
+        author, other, copier = (_submit(stub, d) for d in (deltas[0], deltas[1], deltas[0]))
+        _published(state)
+        entries = ledger_entries(state, contributor=None, since_seq=0, limit=None)
+    by = {e["contributor_id"]: e for e in entries}
+    assert by[author]["amount"] > 0 and by[other]["amount"] > 0, [e["reason"] for e in entries]
+    assert by[copier]["amount"] == 0
+    assert f"byte-identical copy of an earlier submission of this round (by {author})" in by[copier]["reason"]
+
+
+def test_first_order_gains_past_the_linear_regime_are_scored_exactly(deltas, tmp_path):
+    """16 LoRA steps at lr 1e-2 halve the tiny model's held-out loss: the first-order gains pass 1 (a predicted
+    loss below 0) and would all be capped alike; the round is then scored with exact held-out losses."""
+    with _federation(tmp_path / "regime", min_contributors=2, aggregator="mean") as (state, stub):
+        for d in deltas[:2]:
+            _submit(stub, d)
+        _published(state)
+        rewards = _report(state)["rewards"]
+    assert rewards["method"].startswith("exact (first order outside its linear regime: 2 of 2 first-order gains"), (
+        rewards["method"])
+    gains = [s["solo_gain"] for s in rewards["scores"]]
+    assert all(0 < g < 1 for g in gains) and gains[0] != gains[1], gains  # exact gains, not the cap

@@ -177,7 +177,8 @@ def record_round_inputs(state: ServerState, config: ServerConfig, policy, round_
     reps = current_reputations(state, config, contributors, session=session)
     inputs = RoundInputs(round_id=round_id, reputations_json=json.dumps(reps, sort_keys=True),
                          dp_clip=_last_dp_clip(session, round_id), population=max(population, 1),
-                         sample_rate=_sample_rate(config, session.get(Round, round_id)) or 1.0)
+                         sample_rate=_sample_rate(config, session.get(Round, round_id)) or 1.0,
+                         server_lr=config.server_lr)
     inputs.staleness_json = policy.record(session, round_id)  # async: each delta's staleness and weight
     session.add(inputs)
     return inputs
@@ -293,7 +294,7 @@ def load(state: ServerState, config: ServerConfig, policy, rnd: Round, subs: lis
         keep_master = master_weights.needs_master(r.infos)
     contributors = [s.contributor_id for s in subs]
     inputs = _round_inputs(state, config, policy, rnd, contributors)
-    flush = async_rounds.flush_for(inputs.staleness_json)  # as recorded: a sync round adjusts nothing
+    flush = async_rounds.flush_for(inputs.staleness_json, server_lr=inputs.server_lr)  # as recorded at close
     with state.session() as s:
         # each published round charged as its own participation mode said (privacy_history.py)
         history = published_history(s, before=rnd.id)
@@ -400,7 +401,8 @@ def settle(state: ServerState, config: ServerConfig, job: RoundJob, streams: Str
     if streams.evaluator is not None:
         streams.evaluator.release_gradient()  # the slopes are taken: keep its loss and norm, free the tensors
     plan, rewards_summary = plan_rewards(state, config, job.rnd, streams.source, report, streams.evaluator,
-                                         reputations=job.reputations)
+                                         reputations=job.reputations,
+                                         payload_sha256=[sub.payload_sha256 for sub in job.subs])
     if job.flush.adjusts_pay and plan is not None:
         plan = job.flush.payouts(plan, pool=plan.pool)
         rewards_summary["payouts"] = [asdict(p) for p in plan.payouts]

@@ -7,14 +7,15 @@ one gradient of the base's loss on a fixed 32-example scoring set, slopes <g, de
 aggregation decodes anyway (SlopeTap), the linear Shapley game, a random-direction gate and exact forward passes
 for the top 2 only. `"exact"`: 1 + n + (marginal evaluations, at most `scoring-max-evaluations`) forward passes
 of base + a subset's report-weighted aggregate (clip factor x selected x untrimmed share: exact for the mean,
-the standard linearisation for robust rules). Design: docs/design/rewards-settlement.md.
+the standard linearisation for robust rules); first order falls back to it when a gain passes 1 (past the
+linear regime). A byte-identical copy of an earlier submission is paid nothing. docs/design/rewards-settlement.md.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -96,12 +97,15 @@ def reference_for(config: ServerConfig, evaluator):
 
 
 def plan_rewards(state: ServerState, config: ServerConfig, rnd, source, report, evaluator, *,
-                 reputations: Mapping[str, float]) -> tuple[SettlementPlan | None, dict]:
+                 reputations: Mapping[str, float], payload_sha256: list[str] | None = None
+                 ) -> tuple[SettlementPlan | None, dict]:
     """Score every submission of the round and plan its payouts; writes nothing.
 
     `source` is the DeltaSource the aggregation read (a SlopeTap in first-order mode); `reputations` are
-    those recorded when the round closed. Returns the plan (None without a validation set) and a
-    JSON-able summary for the round's report. `record_settlement` writes the plan with the publish.
+    those recorded when the round closed; `payload_sha256` the submissions' payload hashes in their order
+    (a byte-identical copy of an earlier submission is paid nothing). Returns the plan (None without a
+    validation set) and a JSON-able summary for the round's report. `record_settlement` writes the plan
+    with the publish.
     """
     if evaluator is None:
         return None, {"skipped": "no validation set"}
@@ -130,16 +134,49 @@ def plan_rewards(state: ServerState, config: ServerConfig, rnd, source, report, 
             weights=weights, diagnostics=diagnostics, config=scoring,
             exact_solo_loss=lambda i: evaluator.solo_loss(source.delta_of(i), scale=scales[i]))
         scores, base_loss, method = result.scores, bg.base_loss, "first-order"
+        beyond = outside_linear_regime(slopes, base_loss=bg.base_loss, accepted=[c.accepted for c in contribs])
+        if beyond:  # the linear game says nothing here: every such gain is capped at 1 (real weights, many steps)
+            scores, base_loss = _exact_scores(ids, source, scales, used, weights, diagnostics, scoring, evaluator,
+                                              source.delta_of)
+            method = f"exact (first order outside its linear regime: {beyond})"
     else:
         scores, base_loss = _exact_scores(ids, source, scales, used, weights, diagnostics, scoring, evaluator,
                                           solo_delta)
         method = "exact"
+    scores = first_copies_only(scores, payload_sha256)
     plan = plan_settlement(round_id=rnd.id, scores=scores, reputations=reputations, pool=pool, config=settle)
     summary = {"method": method, "scoring_base_loss": base_loss, "pool": pool,
                "payouts": [asdict(p) for p in plan.payouts], "scores": [asdict(s) for s in scores]}
     if getattr(evaluator, "pairs", None):  # the scoring loss is the pairs' (rewards/preference.py)
         summary["scoring_loss"] = "preference: mean -log sigmoid(log p(chosen) - log p(rejected))"
     return plan, summary
+
+
+def outside_linear_regime(slopes, *, base_loss: float, accepted: list[bool]) -> str:
+    """Why first-order scores cannot rank this round ("" when they can): some accepted delta's first-order gain
+    -<g, delta>/L0 is at least 1, a predicted loss at or below 0. The linear game caps such gains at 1, so every
+    such contributor gets the same solo gain whatever its data (measured on SmolLM2-135M: all honest LoRA deltas,
+    a byte-copy and wrong-label data scored alike, benchmarks/results/learning.json); exact losses rank them."""
+    gains = [-float(s) / base_loss for s, ok in zip(slopes, accepted) if ok and math.isfinite(float(s))]
+    over = [g for g in gains if g >= 1.0]
+    return f"{len(over)} of {len(gains)} first-order gains >= 1, largest {max(over):.3g}" if over else ""
+
+
+def first_copies_only(scores: list, payload_sha256: list[str] | None) -> list:
+    """Scores with every byte-identical copy of an earlier submission's payload set to 0 (the earliest is scored
+    as usual). Copying a delta adds nothing to the round, so two identities sending one delta are paid once;
+    the first to arrive is the one paid, so a copier cannot take a share of its author's pay."""
+    if not payload_sha256 or len(payload_sha256) != len(scores):
+        return scores
+    first: dict[str, str] = {}
+    out = []
+    for s, sha in zip(scores, payload_sha256):
+        author = first.setdefault(sha, s.contributor)
+        if author != s.contributor and s.accepted:
+            s = replace(s, score=0.0, reason=f"a byte-identical copy of an earlier submission of this round "
+                                             f"(by {author}); only the first is paid")
+        out.append(s)
+    return out
 
 
 def record_settlement(state: ServerState, config: ServerConfig, plan: SettlementPlan | None, session) -> None:
