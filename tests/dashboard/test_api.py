@@ -31,6 +31,48 @@ def test_rounds_api_has_verdicts_and_reasons(one_round, web):
     assert web.get("/api/rounds", params={"limit": 0}).status_code == 422
 
 
+def test_rounds_table_separates_the_checkpoint_from_the_pay_as_the_ledger_does(one_round, web):
+    """Accepted into the checkpoint (the aggregation's report) is not paid (the ledger): each has its column."""
+    with one_round["fed"].state.session() as s:
+        kinds = [e.kind for e in s.exec(select(LedgerEntry).where(LedgerEntry.round_id == 1))]
+        paid_units = sum(e.amount for e in s.exec(select(LedgerEntry).where(LedgerEntry.round_id == 1)))
+    r1 = web.get("/api/rounds").json()[1]
+    assert (r1["paid"], r1["not_paid"]) == (kinds.count("reward"), kinds.count("refusal"))
+    assert r1["paid_amount"] == paid_units and r1["paid"] + r1["not_paid"] == r1["submissions"] == 3
+    assert web.get("/api/rounds").json()[0]["paid"] is None  # round 2 is open: nothing settled
+    page = web.get("/").text
+    assert "<th>in checkpoint</th><th>left out</th>" in page and "<th>paid</th><th>not paid</th>" in page
+    row = page.split('<tr data-round="1">')[1].split("</tr>")[0]
+    assert f'<td class="paid">{r1["paid"]}' in row and f'<td class="unpaid">{r1["not_paid"]}</td>' in row
+
+
+def test_a_published_round_no_longer_shows_why_it_waited(federation_with):
+    """A round that timed out with no submissions says so while it is open; once published it does not."""
+    import re
+    import time
+
+    from zoo_gym import codec
+    from zoo_gym.server.store.models import Round
+
+    fed = federation_with(min_contributors=2, round_timeout=1.0, aggregator="mean", validation_examples=0)
+    web = TestClient(create_app(fed.state))
+    deadline = time.monotonic() + 60
+    while "timed out with 0 submissions" not in web.get("/api/rounds").json()[0]["message"]:
+        assert time.monotonic() < deadline, "round 1 did not time out within 60 s"
+        time.sleep(0.2)
+    assert "reopened until" in web.get("/").text  # open: the note is what people should see
+    for seed in range(2):
+        key, cid = fed.register()
+        fed.submit(key, cid, codec.encode(fed.small_delta(seed=seed), codec="fp16"))
+    fed.wait_published(1)
+    r1 = next(r for r in web.get("/api/rounds").json() if r["id"] == 1)
+    assert r1["state"] == "published" and r1["message"] == "" and r1["published_sha256"]
+    with fed.state.session() as s:
+        assert s.get(Round, 1).message == ""  # cleared when it closed: `gym-server status` agrees
+    row = re.search(r'<tr data-round="1">.*?</tr>\s*(<tr class="message">)?', web.get("/").text, re.S)
+    assert row.group(1) is None
+
+
 def test_loss_leaderboard_ledger_lineage(one_round, web):
     state = one_round["fed"].state
     with state.session() as s:

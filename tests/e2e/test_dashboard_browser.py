@@ -143,9 +143,11 @@ def test_the_page_shows_the_round_in_chromium(served_round, tmp_path):
     rounds = {attrs["data-round"]: cells for attrs, cells in page.tables["rounds"] if "data-round" in attrs}
     assert rounds["1"][1] == "published" and rounds["1"][3] == "3"
     assert rounds["1"][4] == str(accepted) and rounds["1"][5].startswith(str(3 - accepted))
+    kinds = [e["kind"] for e in served_round["ledger"] if e["round_id"] == 1]  # paid apart from accepted
+    assert rounds["1"][6].startswith(str(kinds.count("reward"))) and rounds["1"][7] == str(kinds.count("refusal"))
     assert rounds["2"][1] == "open"
     loss = next(c["heldout_loss"] for c in status["checkpoints"] if c["round"] == 1)
-    assert rounds["1"][9] == f"{loss:.4f}"
+    assert rounds["1"][11] == f"{loss:.4f}"
 
     points = {c["data-round"]: float(c["data-value"]) for c in page.circles if "data-round" in c}
     assert set(points) == {"0", "1"} and points["1"] == pytest.approx(loss, rel=1e-5)

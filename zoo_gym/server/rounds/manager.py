@@ -126,6 +126,7 @@ class RoundManager:
             rnd = s.get(Round, round_id)
             rnd.state = RoundState.AGGREGATING
             rnd.closed_at = datetime.now(timezone.utc)
+            rnd.message = ""  # a note on why it waited (timed out, sampling) is over once it closes
             s.add(rnd)
             subs = list(s.exec(select(Submission).where(Submission.round_id == round_id).order_by(Submission.id)))
             holds = self.policy.holds(rnd)

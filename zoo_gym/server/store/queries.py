@@ -67,7 +67,9 @@ def _outcomes(report_json: str) -> tuple[int, int, list[dict]]:
 
 
 def rounds(state, *, limit: int = 50, before: int | None = None) -> list[dict]:
-    """The newest `limit` rounds (ids below `before` when given), newest first."""
+    """The newest `limit` rounds (ids below `before` when given), newest first. `accepted`/`refused`: deltas
+    the aggregation took into the checkpoint or left out (the report); `paid`/`not_paid`: the ledger's reward
+    and refusal entries of the round (a delta in the checkpoint may still go unpaid, e.g. below min quality)."""
     with state.session() as s:
         q = select(Round).order_by(Round.id.desc()).limit(limit)
         if before is not None:
@@ -78,20 +80,33 @@ def rounds(state, *, limit: int = 50, before: int | None = None) -> list[dict]:
                              .group_by(Submission.round_id)).all()) if ids else {}
         published = {c.round_id: c for c in s.exec(select(Checkpoint).where(Checkpoint.round_id.in_(ids)))} \
             if ids else {}
+        pay: dict[int, dict[str, tuple[int, int]]] = {}  # round -> kind -> (entries, amount): the ledger's verdicts
+        for rid, kind, n, amount in (s.exec(select(LedgerEntry.round_id, LedgerEntry.kind, func.count(),
+                                                   func.sum(LedgerEntry.amount))
+                                            .where(LedgerEntry.round_id.in_(ids))
+                                            .group_by(LedgerEntry.round_id, LedgerEntry.kind)).all() if ids else []):
+            pay.setdefault(rid, {})[kind] = (int(n), int(amount or 0))
     out = []
     for r in rows:
         accepted, refused, reasons = _outcomes(r.report_json)
         ckpt = published.get(r.id)
+        settled = pay.get(r.id)  # None: no ledger entry (not settled, or nothing scored)
         out.append({
             "id": r.id, "state": r.state.value, "opened_at": _iso(r.opened_at),
             "deadline_unix": r.deadline_unix or None, "closed_at": _iso(r.closed_at),
             "published_at": _iso(ckpt.created_at) if ckpt else None,
             "submissions": int(counts.get(r.id, 0)), "accepted": accepted if r.state == RoundState.PUBLISHED else None,
             "refused": refused if r.state == RoundState.PUBLISHED else None, "refusals": reasons,
+            "paid": settled.get("reward", (0, 0))[0] if settled else None,
+            "paid_amount": settled.get("reward", (0, 0))[1] if settled else None,
+            "not_paid": settled.get("refusal", (0, 0))[0] if settled else None,
             "aggregator": r.aggregator, "seconds_open": _seconds(r.opened_at, r.closed_at),
             "seconds_to_publish": _seconds(r.closed_at, ckpt.created_at) if ckpt else None,
             "heldout_loss": ckpt.heldout_loss if ckpt else None, "published_sha256": r.published_sha256,
-            "dp_epsilon_round": r.dp_epsilon_round, "dp_epsilon_total": r.dp_epsilon_total, "message": r.message,
+            "dp_epsilon_round": r.dp_epsilon_round, "dp_epsilon_total": r.dp_epsilon_total,
+            # a note on why the round waits or stopped; a closed round's outcome is its row (rounds closed
+            # before the note was cleared at close still hold a stale "timed out ... reopened until ...")
+            "message": r.message if r.state in (RoundState.OPEN, RoundState.HALTED) else "",
         })
     return out
 
