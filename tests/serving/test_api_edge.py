@@ -206,6 +206,28 @@ def test_api_key_guards_inference_and_management(inproc):
     assert http.get("/health").status_code == 200  # probes need no key
 
 
+def test_refusals_are_counted_under_their_route(inproc):
+    """A 401 (or 403, 413) answered before routing still counts under the route it was for; a path no route
+    has counts under "other", so the labels stay bounded whatever the paths asked."""
+    http = _client(inproc, api_key="s3cret", max_body_bytes=1000)
+    http.post("/v1/chat/completions", json={"model": "tiny", "messages": HI})
+    http.get("/v1/models/tiny", headers={"Authorization": "Bearer nope"})
+    http.get("/v1/models", headers={"Authorization": "Bearer nope"})
+    http.post("/v1/completions", content=b"x" * 2000, headers={"Authorization": "Bearer s3cret"})
+    for i in range(3):
+        http.get(f"/v1/no-such-route-{i}")
+    http.get("/no-such-route")
+    text = http.get("/metrics").text
+    for want in ('gym_serve_requests_total{route="/v1/chat/completions",status="401"} 1.0',
+                 'gym_serve_requests_total{route="/v1/models/{model_id:path}",status="401"} 1.0',
+                 'gym_serve_requests_total{route="/v1/models",status="401"} 1.0',
+                 'gym_serve_requests_total{route="/v1/completions",status="413"} 1.0',
+                 'gym_serve_requests_total{route="other",status="401"} 3.0',
+                 'gym_serve_requests_total{route="other",status="404"} 1.0'):
+        assert want in text, want
+    assert "no-such-route" not in text
+
+
 def test_without_api_key_management_is_local_only(inproc):
     remote = _client(inproc, client=("10.1.2.3", 5000))
     for r in (remote.post("/v1/variants", json={"name": "user1"}), remote.delete("/v1/variants/user1")):

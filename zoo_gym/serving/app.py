@@ -282,5 +282,5 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
     _add_error_handlers(app)
     _add_model_routes(app, service, metrics)
     _add_completion_routes(app, service, metrics)
-    app.add_middleware(Edge, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
+    app.add_middleware(Edge, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics, routes=app.routes)
     return app

@@ -1,7 +1,8 @@
-"""gym-serve's ASGI edge, before any route runs: counts every request in the metrics (route template and
-status), checks the API key (``Authorization: Bearer KEY`` on every /v1 route; 401) or, without one,
-refuses variant management from anyone but localhost (403), and reads the body up to ``max_body_bytes``
-(413 as soon as the Content-Length or the bytes received pass it), handing the app a body already read.
+"""gym-serve's ASGI edge, before any route runs: counts every request in the metrics (route template, a
+refusal's too, and status), checks the API key (``Authorization: Bearer KEY`` on every /v1 route; 401) or,
+without one, refuses variant management from anyone but localhost (403), and reads the body up to
+``max_body_bytes`` (413 as soon as the Content-Length or the bytes received pass it), handing the app a body
+already read.
 """
 
 from __future__ import annotations
@@ -33,9 +34,25 @@ class _Refused(Exception):
         self.status, self.message, self.code, self.type = status, message, code, type_
 
 
+def route_label(scope, routes) -> str:
+    """The metrics label of a request: its route's template (as the router set it, else matched here for a
+    request refused before routing: 401, 403, 413), or "other" for a path no route has (bounded labels)."""
+    from starlette.routing import Match
+
+    route = scope.get("route")
+    if route is None:
+        for candidate in routes:
+            match, _ = candidate.matches(scope)
+            if match != Match.NONE:  # PARTIAL: the path matched, the method did not (a 405 of that route)
+                route = candidate
+                break
+    return getattr(route, "path", None) or "other"
+
+
 class Edge:
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, metrics: Metrics) -> None:
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, metrics: Metrics, routes=()) -> None:
         self.app, self.api_key, self.max_body, self.metrics = app, api_key, max_body_bytes, metrics
+        self.routes = routes  # the app's routes: a refusal is counted under the route it was meant for
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -55,8 +72,7 @@ class Edge:
         except _Refused as exc:
             await self._refuse(counted_send, exc)
         finally:
-            route = scope.get("route")
-            self.metrics.requests.labels(getattr(route, "path", "other"), str(status[0])).inc()
+            self.metrics.requests.labels(route_label(scope, self.routes), str(status[0])).inc()
 
     def _check_access(self, scope) -> None:
         path, method = scope["path"], scope["method"]
