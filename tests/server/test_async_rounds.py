@@ -345,3 +345,32 @@ def test_every_flush_holds_exactly_buffer_size_deltas_and_the_rest_wait(federati
         assert s.get(Round, 2).state == RoundState.PUBLISHED
     assert len(second) == 3
     assert {second[c]["staleness"] for _, c in senders[3:5]} == {1} and second[cid]["staleness"] == 0
+
+
+def test_a_delta_past_a_full_buffer_is_acknowledged_with_the_buffer_it_is_stored_under(federation_with):
+    """The (K+1)-th delta of buffer r, taken before the manager closes r, waits in buffer r + 1: its
+    SubmitResponse says r + 1 (the round it is stored under), so the client reports buffer and staleness truly."""
+    from zoo_gym.client.contribute import SubmitResult
+    from zoo_gym.client.join_async import Versions
+
+    fed = federation_with(**ASYNC, validation_examples=0)  # K = 2, max staleness 1
+    fed.rounds.stop()  # as when deltas land between the manager's count and its close
+    senders = [fed.register() for _ in range(3)]
+    acks = [fed.submit(key, cid, codec.encode(fed.small_delta(seed=i), codec="fp16"), round_id=1)
+            for i, (key, cid) in enumerate(senders)]
+    assert [(a.round_id, a.submissions) for a in acks] == [(1, 1), (1, 2), (2, 1)]
+    with fed.state.session() as s:
+        stored = {sub.id: sub.round_id for sub in s.exec(select(Submission))}
+    assert [stored[a.submission_id] for a in acks] == [1, 1, 2]
+    result = SubmitResult(trained_on=1, round_id=int(acks[2].round_id), contributor=senders[2][1], payload_bytes=1,
+                          payload_sha256=acks[2].payload_sha256, submissions_in_round=acks[2].submissions,
+                          metadata={}, codecs=["fp16"])
+    said = []
+    Versions(opts=None).submitted(type("C", (), {"say": said.append})(), result)
+    assert result.staleness == 1 and "to round 2's buffer (trained on version 0, staleness 1)" in said[0]
+    RoundManager(fed.state, fed.config).step()  # the flush of buffer 1 holds the first two; nothing moves
+    with fed.state.session() as s:
+        assert s.get(Round, 1).state == RoundState.PUBLISHED
+        assert s.get(Submission, acks[2].submission_id).round_id == 2
+        assert sorted(json.loads(s.get(RoundInputs, 1).staleness_json)["contributors"]) == sorted(
+            cid for _, cid in senders[:2])

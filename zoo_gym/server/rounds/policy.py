@@ -1,8 +1,9 @@
 """Sync and async rounds as two policies, one chosen when the server starts (`policy_for(config)`).
 
-A policy says when an open round closes, how many submissions it holds, whether it has a deadline, which
-bases a submission may name, what is recorded with the round when it closes, what RoundInfo says of the mode,
-and which setting bounds the round's size for the robust rule. Nothing else in the server tests the mode.
+A policy says when an open round closes, how many submissions it holds (and so where one is stored), whether
+it has a deadline, which bases a submission may name, what is recorded with the round when it closes, what
+RoundInfo says of the mode, and which setting bounds the round's size for the robust rule. Nothing else in the
+server tests the mode.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from zoo_gym.server.config import ServerConfig, check_round_size
 from zoo_gym.server.errors import AlreadyExists, FailedPrecondition
 from zoo_gym.server.rounds import async_rounds
 from zoo_gym.server.store.models import Round, RoundState, Submission
-from sqlmodel import select
+from sqlmodel import func, select
 
 
 def deadline_passed(rnd: Round) -> bool:
@@ -45,6 +46,10 @@ class SyncRounds:
 
     def holds(self, rnd: Round) -> int | None:
         return None  # every submission stored when the round closes
+
+    def stored_under(self, s, rnd: Round) -> int:
+        """The round a submission taken now is stored under (and acknowledged with): the open one."""
+        return rnd.id
 
     def check_base(self, s, rnd: Round | None, *, round_id: int, base_sha256: str, contributor_id: str) -> None:
         if rnd is None or rnd.id != round_id or rnd.state != RoundState.OPEN:
@@ -84,6 +89,13 @@ class AsyncRounds:
 
     def holds(self, rnd: Round) -> int:
         return max(rnd.needs, self.config.buffer_size)
+
+    def stored_under(self, s, rnd: Round) -> int:
+        """The round a delta taken now is stored under (and acknowledged with): the open buffer, or the next one
+        when this one already holds its K (a delta landing between the manager's count and its close), where
+        closing the buffer would move it anyway."""
+        held = s.exec(select(func.count()).select_from(Submission).where(Submission.round_id == rnd.id)).one()
+        return rnd.id if held < self.holds(rnd) else rnd.id + 1
 
     def check_base(self, s, rnd: Round | None, *, round_id: int, base_sha256: str, contributor_id: str) -> None:
         async_rounds.check_base(s, rnd, round_id=round_id, base_sha256=base_sha256,

@@ -429,7 +429,7 @@ def submit_delta(header: SubmitHeader, chunks: Iterable[bytes], *, state: Server
                               contributor_id=header.contributor_id)
             sampling.check_may_submit(s, sampling.selection_key(state.key), rnd, header.contributor_id, q=config.sample_rate,
                                       holds=policy.holds(rnd))
-            sub.round_id = rnd.id
+            sub.round_id = policy.stored_under(s, rnd)  # async: the next buffer when this one is full
             if s.get(UsedNonce, (header.contributor_id, header.nonce.hex())) is not None:
                 raise AlreadyExists("this nonce was already used: a replayed submission is refused")
             existed = state.blobs.exists(header.payload_sha256)  # the same bytes may back another row
@@ -447,7 +447,7 @@ def submit_delta(header: SubmitHeader, chunks: Iterable[bytes], *, state: Server
                     state.blobs.remove(header.payload_sha256)
                 if isinstance(exc, IntegrityError):
                     raise AlreadyExists(f"contributor {header.contributor_id} already submitted to round "
-                                        f"{rnd.id}") from exc
+                                        f"{sub.round_id}") from exc
                 raise
             s.refresh(sub)
     return sub
