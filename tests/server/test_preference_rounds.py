@@ -103,3 +103,49 @@ def test_preference_gradient_predicts_the_loss_change(tmp_path):
     assert slope < 0 and diff == pytest.approx(slope, rel=0.1)
     assert ev.scoring.loss(None) == pytest.approx(g.base_loss, rel=1e-4)
     assert torch.isfinite(torch.tensor(g.norm))
+
+
+def test_with_pairs_the_genesis_loss_is_measured_once_and_the_log_names_what_was_prepared(
+        federation_with, tmp_path, monkeypatch, caplog):
+    """The held-out loss of a base is one pass over the records it runs on: with pairs, the genesis's was
+    measured twice by its first publish (and claimed by the "prepared while open" line, which had skipped it).
+    That line names only what it computed: round 2's base comes with its evaluator from round 1's publish."""
+    import logging
+    import threading
+    import time
+
+    from zoo_gym.server.rounds import evaluation
+
+    passes = []
+    real = evaluation._loss_sum
+
+    def counted(model, tokenizer, examples):
+        if threading.current_thread().name == "round-manager":  # not `init`'s own measurement
+            passes.append(len(examples))
+        return real(model, tokenizer, examples)
+
+    monkeypatch.setattr(evaluation, "_loss_sum", counted)
+    caplog.set_level(logging.INFO, logger="zoo_gym.server")
+    val = _validation_file(tmp_path / "val.jsonl")
+    fed = federation_with(min_contributors=2, aggregator="mean", validation_data=str(val), validation_examples=24)
+
+    def line(prefix: str) -> str:
+        deadline = time.monotonic() + 120
+        while True:
+            found = [r.getMessage() for r in caplog.records if r.getMessage().startswith(prefix)]
+            if found:
+                return found[0]
+            assert time.monotonic() < deadline, f"no log line starting {prefix!r} within 120 s"
+            time.sleep(0.1)
+
+    first = line("round 1 base ")
+    assert "prepared while open (evaluator, scoring gradient, held-out loss) in" in first
+    assert fed.rounds.evaluators.for_base(fed.round().base_sha256).has_heldout  # measured while open, kept
+    assert passes == [8]  # the 8 plain records
+    for seed in range(2):
+        key, cid = fed.register()
+        fed.submit(key, cid, codec.encode(fed.small_delta(seed=seed), codec="fp16"))
+    fed.wait_published(1)
+    assert passes == [8, 8]  # the genesis's once (while open), the published checkpoint's once
+    second = line("round 2 base ")
+    assert "prepared while open (scoring gradient) in" in second  # its evaluator and loss came with its publish

@@ -150,7 +150,7 @@ class ServerEvaluator:
         taken from the scoring gradient's forward when that was computed, else measured packed
         without gradients (no logits over the vocabulary at unscored positions)."""
         if delta is None:
-            if self._gradient is not None and not self.pairs:
+            if self._gradient is not None or self.pairs:  # with pairs: measured once, on `loss_examples`
                 return self.heldout_loss()
             with computing(self.base.model, self.dtype):
                 total, count = _loss_sum(self.base.model, self.base.tokenizer, self.loss_examples)
@@ -176,10 +176,12 @@ class ServerEvaluator:
         The scoring set's part comes from the forward pass of `gradient()` (computed and cached
         here: the held-out loss needs that forward anyway, so scoring adds only the backward);
         the other examples are evaluated without gradients. With preference pairs the scoring gradient is
-        of another loss: the held-out loss is measured on `loss_examples` alone (no gradient).
+        of another loss: the held-out loss is measured on `loss_examples` alone (no gradient). Measured once.
         """
-        if self.pairs:
-            return self.loss(None)
+        if self.pairs and self._heldout is None:
+            with computing(self.base.model, self.dtype):
+                total, count = _loss_sum(self.base.model, self.base.tokenizer, self.loss_examples)
+            self._heldout = total / max(count, 1)
         if self._heldout is None:
             g = self.gradient()
             total, count = g.base_loss * g.tokens, g.tokens
@@ -278,19 +280,22 @@ class Evaluators:
                                                              weights=weights, dtype=self.dtype)
         return self._current[base_sha256]
 
-    def prepare(self, base_sha256: str, *, heldout: bool) -> bool:
+    def prepare(self, base_sha256: str, *, heldout: bool) -> list[str]:
         """The base's evaluator and scoring gradient now, and its held-out loss when `heldout` (a base whose loss
         is not recorded yet): what the round's publish would compute first. The round manager calls it while
-        the round waits for submissions. True when it computed anything (False: all ready, or no evaluator)."""
+        the round waits for submissions. What it computed, by name (empty: all ready, or no evaluator)."""
+        known = [self._current.get(base_sha256), *self._prepared.values()]  # built before: not built now
         evaluator = self.for_base(base_sha256)
         if evaluator is None or evaluator.released:
-            return False
-        heldout = heldout and not evaluator.pairs
-        computed = not evaluator.has_gradient or (heldout and not evaluator.has_heldout)  # a new one has neither
-        evaluator.gradient()
-        if heldout:
+            return []
+        done = [] if any(evaluator is k for k in known) else ["evaluator"]
+        if not evaluator.has_gradient:
+            evaluator.gradient()
+            done.append("scoring gradient")
+        if heldout and not evaluator.has_heldout:
             evaluator.heldout_loss()
-        return computed
+            done.append("held-out loss")
+        return done
 
     def measure_published(self, evaluator: ServerEvaluator, model_dir: Path, *, weights: WeightsFile | None = None,
                           checkpoint_sha256: str | None = None) -> float:

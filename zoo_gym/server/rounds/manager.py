@@ -153,14 +153,14 @@ class RoundManager:
             heldout = base is not None and base.heldout_loss is None
         started = time.perf_counter()
         try:
-            computed = self.evaluators.prepare(rnd.base_sha256, heldout=heldout)
+            prepared = self.evaluators.prepare(rnd.base_sha256, heldout=heldout)
         except Exception as exc:  # noqa: BLE001 - see the docstring
             log.warning("round %d: preparing base %s's evaluation while open failed (%s); its publish will "
                         "try again", rnd.id, rnd.base_sha256[:12], exc)
             return
-        if computed:
-            log.info("round %d base %s prepared while open (evaluator, scoring gradient%s) in %.2f s", rnd.id,
-                     rnd.base_sha256[:12], ", held-out loss" if heldout else "", time.perf_counter() - started)
+        if prepared:  # only what was computed now: the evaluator may come from the publish that measured the base
+            log.info("round %d base %s prepared while open (%s) in %.2f s", rnd.id, rnd.base_sha256[:12],
+                     ", ".join(prepared), time.perf_counter() - started)
 
     def _ensure_deadline(self) -> None:
         if not self.policy.has_deadline:
