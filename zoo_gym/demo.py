@@ -22,7 +22,9 @@ from typing import Optional
 
 import typer
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+from zoo_gym.cli_help import Typer
+
+app = Typer(add_completion=False, pretty_exceptions_enable=False)
 
 
 def _server_cmd(*args: str) -> list[str]:

@@ -11,9 +11,10 @@ from typing import Optional
 import grpc
 import typer
 
+from zoo_gym.cli_help import Typer
 from zoo_gym.client.train_settings import with_train_options
 
-app = typer.Typer(help="Zoo Gym contributor: fine-tune the federation's model on your data and earn rewards.",
+app = Typer(help="Zoo Gym contributor: fine-tune the federation's model on your data and earn rewards.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 DEFAULT_HOME = Path(os.environ.get("ZOO_GYM_HOME", Path.home() / ".zoo-gym"))

@@ -18,14 +18,15 @@ import typer
 from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import select
 
+from zoo_gym.cli_help import Typer
 from zoo_gym.server.config import ConfigError, ServerConfig, build_config, read_config_file
 from zoo_gym.settings import with_settings
 from zoo_gym.server.store.state import StateError, open_state
 from zoo_gym.server.genesis import init_state
 
-app = typer.Typer(help="Zoo Gym server: runs federated rounds, merges deltas, publishes checkpoints.",
+app = Typer(help="Zoo Gym server: runs federated rounds, merges deltas, publishes checkpoints.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-ledger_app = typer.Typer(help="Inspect and verify the rewards ledger.", no_args_is_help=True)
+ledger_app = Typer(help="Inspect and verify the rewards ledger.", no_args_is_help=True)
 app.add_typer(ledger_app, name="ledger")
 
 

@@ -14,11 +14,12 @@ from typing import Any, Optional
 
 import typer
 
+from zoo_gym.cli_help import Typer
 from zoo_gym.serving.settings import ServeSettings
 from zoo_gym.settings import SettingError, norm_key, resolve, with_settings
 from zoo_gym.settings_file import SettingsFileError, read_settings_file
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+app = Typer(add_completion=False, pretty_exceptions_enable=False)
 log = logging.getLogger("zoo_gym.serving")
 _JSON = [False]  # --log-format json, once the settings are known
 
