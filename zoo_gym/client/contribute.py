@@ -6,7 +6,7 @@ the last round by `RoundTrainer.distil_variants`: minutes of distillation never 
 `contribute(info, contributor=..., opts=..., cadence=...)` returns a SubmitResult, or None when the server
 would not take the delta (the round closed, or the delta grew too stale); it raises JoinError (one line) when
 the contributor cannot go on. The cadence (join.py's rounds, join_async.py's versions) names the base in what
-is said and decides when the upload is sent.
+is said and decides when the upload is sent. `say_payouts` says what each settled round paid and why.
 """
 
 from __future__ import annotations
@@ -124,6 +124,31 @@ class Cadence(Protocol):
 
     def submitted(self, c: Contributor, result: SubmitResult) -> None:
         """Say that `result` was taken."""
+
+
+def say_payouts(c: Contributor, summaries: list[dict], since_seq: int, *, settled_through: int | None) -> int:
+    """Fill the "payout" of each summary still without one from this contributor's signed ledger entries after
+    `since_seq`, saying one line per round: what it was paid and why. A round up to `settled_through` (published)
+    without an entry is said unpaid; a later one waits for its entries. Returns the last seq seen. A query that
+    fails is said in one line and the join goes on: the deltas were taken."""
+    from zoo_gym.client.rewards import RewardsError, own_entries, payout
+
+    waiting = [s for s in summaries if s.get("payout") is None]
+    if not waiting:
+        return since_seq
+    try:
+        rows = c.retry(lambda: own_entries(c.stub, key=c.key, contributor_id=c.cid, server_key=c.server_key,
+                                           since_seq=since_seq), "ledger")
+    except (RewardsError, grpc.RpcError) as exc:
+        why = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
+        c.say(f"round {waiting[0]['round']}: pay not shown ({why})")
+        return since_seq
+    for s in waiting:
+        mine = [r for r in rows if r["round_id"] == s["round"]]
+        if mine or (settled_through is not None and s["round"] <= settled_through):
+            s["payout"], line = payout(s["round"], mine)
+            c.say(line)
+    return max([since_seq, *(r["seq"] for r in rows)])
 
 
 def refused(exc: grpc.RpcError) -> JoinError:

@@ -18,7 +18,7 @@ import grpc
 
 from zoo_gym.client.connection import ServerUnreachable, open_stub, with_retries
 from zoo_gym.client.contribute import (Contributor, JoinError, RoundTrainer, SubmitResult, contribute, not_selected,
-                                      refused)
+                                      refused, say_payouts)
 from zoo_gym.client.upload import register_request
 from zoo_gym.proto import gym_pb2, signing
 
@@ -253,16 +253,19 @@ class Rounds:
 
 
 def _rounds(c: Contributor, opts: JoinOptions) -> list[dict]:
-    """Synchronous rounds: wait for one open to us, contribute, wait for its publish."""
+    """Synchronous rounds: wait for one open to us, contribute, wait for its publish and say what it paid (the
+    summary's "payout"; None after the last round with --no-wait)."""
     summaries: list[dict] = []
+    seq = 0  # the ledger is asked only for entries after the last one seen
     while len(summaries) < opts.rounds:
         info = _wait_for_open_round(c, opts)
         result = contribute(info, contributor=c, opts=opts, cadence=Rounds(opts))
         if result is None:
             continue
-        summaries.append(result.summary(round=info.round_id))
+        summaries.append(result.summary(round=info.round_id, payout=None))
         if len(summaries) < opts.rounds or opts.wait_for_publish:
-            _wait_for_round_after(c, info.round_id, opts)
+            if _wait_for_round_after(c, info.round_id, opts):
+                seq = say_payouts(c, summaries, seq, settled_through=info.round_id)
     return summaries
 
 
@@ -298,14 +301,15 @@ def _wait_for_open_round(c: Contributor, opts: JoinOptions) -> gym_pb2.RoundInfo
         time.sleep(1.0)
 
 
-def _wait_for_round_after(c: Contributor, round_id: int, opts: JoinOptions) -> None:
+def _wait_for_round_after(c: Contributor, round_id: int, opts: JoinOptions) -> bool:
+    """True once round `round_id` is published; False when the server halted first."""
     deadline = time.monotonic() + opts.max_wait
     while True:
         info = c.round_info(signed=False)
         if info.round_id > round_id or info.state == gym_pb2.ROUND_STATE_HALTED:
             if info.round_id > round_id:
                 c.say(f"round {round_id} published; round {info.round_id} is open")
-            return
+            return info.round_id > round_id
         if time.monotonic() > deadline:
             raise JoinError(f"round {round_id} was not published within {opts.max_wait:.0f} s")
         time.sleep(1.0)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from zoo_gym.client.contribute import Contributor, SubmitResult, contribute, not_selected, refused
+from zoo_gym.client.contribute import Contributor, SubmitResult, contribute, not_selected, refused, say_payouts
 from zoo_gym.proto import gym_pb2
 
 __all__ = ["AsyncStop", "Contributor", "Versions", "is_async", "train_continuously"]
@@ -38,17 +38,20 @@ def _latest(c: Contributor) -> gym_pb2.RoundInfo:
 
 def train_continuously(c: Contributor, opts) -> list[dict]:
     """Run `opts.rounds` local trainings, each submitted (or dropped when too stale); one summary per
-    submitted delta, with the round it trained on, the buffer it went to and its staleness."""
+    submitted delta, with the round it trained on, the buffer it went to, its staleness and its "payout" once its
+    buffer's flush paid it (said as it is seen, between runs and at the end; None until then)."""
     summaries: list[dict] = []
-    runs, trained_round = 0, None
+    runs, trained_round, seq = 0, None, 0
     while len(summaries) < opts.rounds and runs < 4 * opts.rounds:  # bounded: a delta dropped is trained again
         runs += 1
         info = _next_version(c, opts, trained_round)
+        seq = say_payouts(c, summaries, seq, settled_through=info.round_id - 1)  # flushed: the versions before
         trained_round = info.round_id
         result = contribute(info, contributor=c, opts=opts, cadence=Versions(opts))
         if result is not None:
             summaries.append(result.summary(round=result.round_id, trained_on_round=result.trained_on,
-                                            staleness=result.staleness))
+                                            staleness=result.staleness, payout=None))
+    say_payouts(c, summaries, seq, settled_through=None)  # buffers flushed by now; the rest are not waited for
     return summaries
 
 

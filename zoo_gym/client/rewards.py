@@ -5,7 +5,8 @@ With `--verify` the server's key is pinned per server address in the known-serve
 server's signed ledger head (entry count and last hash) is checked, the ledger from the last head this
 client verified up to the new one is streamed and checked entry by entry (hash, signature, links), and
 the new head is remembered. A later answer with fewer entries than a head already verified, or another
-entry at its seq (a rewritten chain), gives ok=false with the reason.
+entry at its seq (a rewritten chain), gives ok=false with the reason. `own_entries` and `payout` give
+`gym-client join` each round's pay and its reason, from the same signed query.
 """
 
 from __future__ import annotations
@@ -155,3 +156,42 @@ def _verify(rows: list[dict], head, segment: list[dict], *, server_key: bytes, p
                   ledger_head={"entries": head.entries, "last_hash": head.last_hash,
                                "signed_at_unix": head.signed_at_unix})
     return report
+
+
+def own_entries(stub, *, key, contributor_id: str, server_key: bytes, since_seq: int = 0) -> list[dict]:
+    """This contributor's ledger entries after `since_seq`, asked with its own signature (a server with DP shows
+    an owner its figures whole) and each checked against the pinned server key; RewardsError when one comes
+    redacted or does not verify."""
+    request = gym_pb2.LedgerRequest(since_seq=since_seq, **query_signature("StreamLedger", key, contributor_id))
+    rows = [_row(e) for e in stub.StreamLedger(request, timeout=60)]
+    withheld = [r["seq"] for r in rows if r["redacted"]]
+    if withheld:
+        raise RewardsError(f"the server withheld the figures of your own ledger entry {withheld[0]}")
+    report = verify_entries(rows, server_key)
+    if not report.ok:
+        raise RewardsError(f"your ledger entry {report.first_bad_seq} does not verify against the server's pinned "
+                           f"key ({report.reason}): run `gym-client rewards --verify`")
+    return rows
+
+
+def payout(round_id: int, entries: list[dict]) -> tuple[dict, str]:
+    """(the round's JSON field, one line) for what `entries` (this contributor's of `round_id`) say it was paid
+    and why: "round 2: paid 131 of 1000: score ..." or "round 3: not paid: <reason>"."""
+    if not entries:
+        reason = "no ledger entry for this round (a server without a validation set does not score or pay)"
+        return {"paid": False, "amount": 0, "kind": None, "reason": reason, "seq": []}, \
+            f"round {round_id}: not paid: {reason}"
+    main = next((e for e in entries if e["kind"] in ("reward", "refusal")), entries[0])
+    amount = sum(int(e["amount"]) for e in entries)
+    field = {"paid": main["kind"] == "reward", "amount": amount, "kind": main["kind"], "score": main["score"],
+             "reputation_after": main["reputation_after"], "reason": main["reason"],
+             "seq": [e["seq"] for e in entries]}
+    if main["kind"] == "reward":
+        line = main["reason"] if main["reason"].startswith("paid ") else f"paid {main['amount']}: {main['reason']}"
+    elif main["kind"] == "refusal":
+        line = f"not paid: {main['reason']}"
+    else:
+        line = f"{main['kind']} {main['amount']}: {main['reason']}"
+    if len(entries) > 1:
+        line += f" ({len(entries)} entries this round, {amount} in all)"
+    return field, f"round {round_id}: {line}"
