@@ -97,13 +97,13 @@ def reference_for(config: ServerConfig, evaluator):
 
 
 def plan_rewards(state: ServerState, config: ServerConfig, rnd, source, report, evaluator, *,
-                 reputations: Mapping[str, float], payload_sha256: list[str] | None = None
+                 reputations: Mapping[str, float], payloads: list[tuple[str, str]] | None = None
                  ) -> tuple[SettlementPlan | None, dict]:
     """Score every submission of the round and plan its payouts; writes nothing.
 
     `source` is the DeltaSource the aggregation read (a SlopeTap in first-order mode); `reputations` are
-    those recorded when the round closed; `payload_sha256` the submissions' payload hashes in their order
-    (a byte-identical copy of an earlier submission is paid nothing). Returns the plan (None without a
+    those recorded when the round closed; `payloads` each submission's (base sha256, payload sha256) in their
+    order (a byte-identical copy of an earlier submission against the same base is paid nothing). Returns the plan (None without a
     validation set) and a JSON-able summary for the round's report. `record_settlement` writes the plan
     with the publish.
     """
@@ -143,7 +143,7 @@ def plan_rewards(state: ServerState, config: ServerConfig, rnd, source, report, 
         scores, base_loss = _exact_scores(ids, source, scales, used, weights, diagnostics, scoring, evaluator,
                                           solo_delta)
         method = "exact"
-    scores = first_copies_only(scores, payload_sha256)
+    scores = first_copies_only(scores, payloads)
     plan = plan_settlement(round_id=rnd.id, scores=scores, reputations=reputations, pool=pool, config=settle)
     summary = {"method": method, "scoring_base_loss": base_loss, "pool": pool,
                "payouts": [asdict(p) for p in plan.payouts], "scores": [asdict(s) for s in scores]}
@@ -162,16 +162,17 @@ def outside_linear_regime(slopes, *, base_loss: float, accepted: list[bool]) -> 
     return f"{len(over)} of {len(gains)} first-order gains >= 1, largest {max(over):.3g}" if over else ""
 
 
-def first_copies_only(scores: list, payload_sha256: list[str] | None) -> list:
-    """Scores with every byte-identical copy of an earlier submission's payload set to 0 (the earliest is scored
-    as usual). Copying a delta adds nothing to the round, so two identities sending one delta are paid once;
-    the first to arrive is the one paid, so a copier cannot take a share of its author's pay."""
-    if not payload_sha256 or len(payload_sha256) != len(scores):
+def first_copies_only(scores: list, payloads: list[tuple[str, str]] | None) -> list:
+    """Scores with every byte-identical copy of an earlier submission (the same payload against the same base)
+    set to 0; the earliest is scored as usual. Copying a delta adds nothing to the round, so two identities
+    sending one delta are paid once; the first to arrive is the one paid, so a copier cannot take a share of
+    its author's pay. The same bytes against another base (an async buffer's stale delta) are another step."""
+    if not payloads or len(payloads) != len(scores):
         return scores
-    first: dict[str, str] = {}
+    first: dict[tuple[str, str], str] = {}
     out = []
-    for s, sha in zip(scores, payload_sha256):
-        author = first.setdefault(sha, s.contributor)
+    for s, key in zip(scores, payloads):
+        author = first.setdefault(key, s.contributor)
         if author != s.contributor and s.accepted:
             s = replace(s, score=0.0, reason=f"a byte-identical copy of an earlier submission of this round "
                                              f"(by {author}); only the first is paid")
