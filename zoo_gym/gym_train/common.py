@@ -6,6 +6,8 @@ common to TRL's trainers, and loading the model to train. Nothing here imports t
 
 from __future__ import annotations
 
+import hashlib
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -136,7 +138,28 @@ def with_lora(model, config: TrainConfig):
 
     model = get_peft_model(model, lora_config(config))
     initial = capture_initial_factors(model) if config.init_lora_weights not in (True, False, "gaussian") else None
+    if config.lora_freeze_a:
+        freeze_shared_lora_a(model)
     return model, initial
+
+
+def freeze_shared_lora_a(model) -> int:
+    """FFA-LoRA: set every ``lora_A`` weight to PEFT's default init (uniform in +-1/sqrt(fan_in), as its
+    kaiming-uniform with a = sqrt(5) gives) drawn from a generator seeded by the parameter's name, so every
+    contributor of the same model holds the same A, and freeze it. B starts at 0, so the delta is still B A.
+    Written here because PEFT has no option for a shared, frozen A. Returns how many factors were frozen."""
+    frozen = 0
+    for name, p in model.named_parameters():
+        if ".lora_A." not in name:
+            continue
+        seed = int.from_bytes(hashlib.sha256(b"zoo-gym/ffa-lora-A/v1\n" + name.encode()).digest()[:8], "big")
+        g = torch.Generator().manual_seed(seed)
+        bound = 1.0 / math.sqrt(p.shape[1])
+        with torch.no_grad():
+            p.copy_(((torch.rand(p.shape, generator=g) * 2 - 1) * bound).to(p.dtype))
+        p.requires_grad_(False)
+        frozen += 1
+    return frozen
 
 
 # TRL 1.16's fused output layer (trl.trainer.utils, in every TRL trainer) projects the vocabulary in chunks of

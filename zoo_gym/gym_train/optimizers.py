@@ -41,6 +41,9 @@ def check_options(cfg, bad) -> None:
         bad("loraplus_lr_ratio", "must be > 0")
     if cfg.loraplus_lr_ratio is not None and cfg.finetuning_type != "lora":
         bad("loraplus_lr_ratio", "is LoRA+: use finetuning_type 'lora'")
+    if cfg.lora_freeze_a and (cfg.finetuning_type != "lora" or cfg.init_lora_weights is not True or cfg.use_dora
+                              or cfg.loraplus_lr_ratio is not None):
+        bad("lora_freeze_a", "(FFA-LoRA) needs finetuning_type 'lora' with the default init, no DoRA and no LoRA+")
     if cfg.loftq_bits not in (4, 8):
         bad("loftq_bits", "must be 4 or 8 (bitsandbytes' LoftQ quantizers)")
     if cfg.init_lora_weights == "loftq" and (cfg.finetuning_type != "lora" or cfg.quantization or cfg.use_dora):
