@@ -10,7 +10,8 @@ Protocol (also in the JSON under "protocol"):
     ("What is 30 + 86? Answer with only the number."). Held-out: its validation split (never in a shard).
     Retention: the shipped real-text set (`exact_match.retention_texts`, license and design prose).
   * n contributors, non-IID: contributor i holds shard i of n, and keeps 80% additions if i is even, 80%
-    subtractions if odd. Each round it trains `steps` LoRA steps of `batch` examples from the round's
+    subtractions if odd. Each round it trains `steps` LoRA steps (FFA-LoRA: A frozen at a shared init, as
+    `gym-client --lora-freeze-a`; --no-lora-freeze-a for plain LoRA) of `batch` examples from the round's
     checkpoint with `gym_train.train` (what `gym-client join` runs), and its delta goes through the client's
     codec (`codec.encode(..., codec="auto")`: LoRA factors) and back (`codec.decode`, as the server reads it).
   * The server's default rule (`SoupConfig()`, or --aggregator) merges the round; the float32 master takes
@@ -75,6 +76,7 @@ class Bench:
     batch: int = 8
     lr: float = 3e-3
     lora_r: int = 16
+    lora_freeze_a: bool = True  # FFA-LoRA (gym-client --lora-freeze-a); plain LoRA: --no-lora-freeze-a
     eval_n: int = 100
     pay_eval_n: int = 300  # held-out items of the pay part's leave-one-out ground truth
     retention_chunks: int = 12
@@ -83,6 +85,8 @@ class Bench:
     rl_contributors: int = 3
     grpo_steps: int = 8
     dpo_steps: int = 20
+    grpo_lr: float = 1e-4  # RL and preference rounds after SFT move the model gently (TRL's defaults: 1e-6 full)
+    dpo_lr: float = 1e-4
     seed: int = 0
 
 
@@ -163,7 +167,7 @@ def contributor_upload(ckpt_dir: pathlib.Path, examples: list[dict], cfg: Bench
     """Train as `gym-client join` does; the payload it uploads (codec auto: LoRA factors) and the delta the
     server decodes from it."""
     tc = TrainConfig(max_steps=cfg.steps, batch_size=cfg.batch, learning_rate=cfg.lr, warmup_steps=2,
-                     lora_r=cfg.lora_r, lora_alpha=2.0 * cfg.lora_r, seed=cfg.seed)
+                     lora_r=cfg.lora_r, lora_alpha=2.0 * cfg.lora_r, lora_freeze_a=cfg.lora_freeze_a, seed=cfg.seed)
     with contextlib.redirect_stdout(io.StringIO()):
         result = train(ckpt_dir, examples, tc, base_sha256="0" * 64, eval_examples=[], progress=False)
     payload = payload_of(result.delta)
@@ -351,12 +355,12 @@ def run_after_sft(cfg: Bench, ck: Checkpoints, judge: Judge, stage: str) -> dict
         if stage == "grpo":
             recs = prompt_only_records(cfg.task, shard=i, n_shards=cfg.rl_contributors, n=steps * 2, seed=50)
             exs = [normalise_record(r, where=f"record {j}", allow_text=True) for j, r in enumerate(recs)]
-            tc = TrainConfig(stage="grpo", max_steps=steps, batch_size=8, num_generations=4, learning_rate=cfg.lr,
+            tc = TrainConfig(stage="grpo", max_steps=steps, batch_size=8, num_generations=4, learning_rate=cfg.grpo_lr,
                              warmup_steps=0, lora_r=cfg.lora_r, lora_alpha=2.0 * cfg.lora_r, seed=cfg.seed)
         else:
             exs = builtin_examples(f"{cfg.task}-pairs", shard=i, n_shards=cfg.rl_contributors, n=steps * cfg.batch,
                                    seed=50)
-            tc = TrainConfig(stage="dpo", max_steps=steps, batch_size=cfg.batch, learning_rate=cfg.lr / 10,
+            tc = TrainConfig(stage="dpo", max_steps=steps, batch_size=cfg.batch, learning_rate=cfg.dpo_lr,
                              warmup_steps=2, lora_r=cfg.lora_r, lora_alpha=2.0 * cfg.lora_r, seed=cfg.seed)
         with contextlib.redirect_stdout(io.StringIO()):
             result = train(ckpt, exs, tc, base_sha256="0" * 64, eval_examples=[], progress=False)
@@ -403,7 +407,10 @@ def _finite(x):
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for f, default in asdict(Bench()).items():
-        ap.add_argument(f"--{f.replace('_', '-')}", type=type(default), default=default)
+        if isinstance(default, bool):
+            ap.add_argument(f"--{f.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=default)
+        else:
+            ap.add_argument(f"--{f.replace('_', '-')}", type=type(default), default=default)
     ap.add_argument("--out", type=pathlib.Path, default=ROOT / "results" / "learning.json")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)

@@ -172,8 +172,8 @@ def _join_args(i: int, *, port: int, ca: Path, rounds: int, stage: str, finetuni
             "--shard", str(i), "--n-shards", str(max(clients, 8)), "--workdir", str(root / f"client{i}"),
             "--key", str(root / f"client{i}" / "key.pem"), "--threads", "1", "--quiet", "--json",
             "--name", f"demo-{i}"]
-    if task:
-        args += ["--task", task]
+    if task:  # a real base: FFA-LoRA, whose averaged deltas keep what each contributor learned (learning.md)
+        args += ["--task", task, *(("--lora-freeze-a",) if finetuning_type == "lora" else ())]
     if max_steps:
         args += ["--max-steps", str(max_steps)]
         if max_steps <= 5:  # the default warm-up (5 steps) would leave no step at a learning rate > 0
@@ -198,6 +198,22 @@ def _print_rounds_as_published(state_dir: Path, rounds: int, *, procs, server, l
         if failed or server.poll() is not None:
             raise RuntimeError(f"a process failed (clients {failed}, server rc {server.poll()}); see {logs}")
         time.sleep(1.0)
+
+
+def _start_server(state_dir: Path, port_file: Path, tls, *, clients: int, aggregator: str | None,
+                  dashboard_port: int, log: Path, env: dict) -> subprocess.Popen:
+    """`gym-server serve` over TLS for `clients` contributors (the plain mean below 3: the robust default trims one
+    delta from each side)."""
+    if aggregator is None and clients < 3:
+        aggregator = "mean"
+        typer.echo(f"{clients} contributor(s): too few for the robust default (trimmed-mean needs 3); merging with "
+                   "the plain mean")
+    return subprocess.Popen(
+        _server_cmd("serve", "--state-dir", str(state_dir), "--port", "0", "--port-file", str(port_file),
+                    "--min-contributors", str(clients), "--round-timeout", "600",
+                    "--ssl-certfile", str(tls.cert), "--ssl-keyfile", str(tls.key),
+                    "--dashboard-port", str(dashboard_port), *(("--aggregator", aggregator) if aggregator else ())),
+        stderr=open(log, "w"), env=env)
 
 
 @app.command()
@@ -240,16 +256,8 @@ def main(
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if dashboard_port is None:
         dashboard_port = _free_port()
-    if aggregator is None and clients < 3:  # the robust default trims one delta from each side: it needs 3
-        aggregator = "mean"
-        typer.echo(f"{clients} contributor(s): too few for the robust default (trimmed-mean needs 3); merging with "
-                   "the plain mean")
-    server = subprocess.Popen(
-        _server_cmd("serve", "--state-dir", str(state_dir), "--port", "0", "--port-file", str(port_file),
-                    "--min-contributors", str(clients), "--round-timeout", "600",
-                    "--ssl-certfile", str(tls.cert), "--ssl-keyfile", str(tls.key),
-                    "--dashboard-port", str(dashboard_port), *(("--aggregator", aggregator) if aggregator else ())),
-        stderr=open(logs / "server.log", "w"), env=env)
+    server = _start_server(state_dir, port_file, tls, clients=clients, aggregator=aggregator,
+                           dashboard_port=dashboard_port, log=logs / "server.log", env=env)
     procs = []
     try:
         port = _wait_port(port_file, server, logs / "server.log")
