@@ -126,9 +126,9 @@ def serve(
         configure_logging(level=cfg.log_level, fmt=cfg.log_format)
     with _one_line_errors():
         if cfg.validation_data is not None:
-            from zoo_gym.gym_train.formats import load_examples
+            from zoo_gym.server.genesis import check_validation_file
 
-            load_examples(Path(cfg.validation_data))  # a DataError names file, line and field
+            check_validation_file(Path(cfg.validation_data))  # a DataError names file, line and field
         from zoo_gym.server.rounds.policy import policy_for
 
         policy_for(cfg).check_size()  # a round too small for the rule fails now, not when it closes
