@@ -24,7 +24,8 @@ from zoo_gym.proto import gym_pb2
 from zoo_gym.server.rounds.async_rounds import staleness_weight
 from zoo_gym.server.store.models import Round, RoundInputs, RoundState, Submission
 from zoo_gym.server.rounds.manager import RoundManager
-from zoo_gym.server.rounds.settlement import ledger_entries, verify_ledger
+from zoo_gym.server.rounds.settlement import ledger_entries
+from zoo_gym.server.store.queries import verify_ledger
 from zoo_gym.server.store.state import open_state
 
 ASYNC = dict(mode="async", buffer_size=2, max_staleness=1, aggregator="mean")

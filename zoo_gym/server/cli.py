@@ -350,7 +350,7 @@ def export(
     --format peft writes the round's update instead and prints, as JSON, each tensor's rank and error."""
     if fmt == "peft":
         with _one_line_errors():
-            from zoo_gym.server.store.peft_export import export_round_adapter
+            from zoo_gym.server.peft_export import export_round_adapter
 
             report = export_round_adapter(open_state(state_dir), out, round_id=round_id, rank=rank)
         typer.echo(json.dumps(report.as_json(out), indent=2))
@@ -372,7 +372,7 @@ def ledger_verify(state_dir: Path = StateDir, as_json: bool = typer.Option(False
     """Check the whole hash chain and every signature; name the first bad entry (exit 1)."""
     with _one_line_errors():
         state = open_state(state_dir)
-        from zoo_gym.server.rounds.settlement import verify_ledger
+        from zoo_gym.server.store.queries import verify_ledger
 
         report = verify_ledger(state)
     if as_json:

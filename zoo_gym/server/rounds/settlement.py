@@ -240,10 +240,5 @@ def ledger_entries(state: ServerState, *, contributor: str | None, since_seq: in
     return out
 
 
-def verify_ledger(state: ServerState) -> dict[str, Any]:
-    report = Ledger(_factory(state), state.key).verify()
-    return asdict(report)
-
-
 __all__ = ["aggregation_weights", "balance_of", "current_reputations", "ledger_entries", "plan_rewards",
-           "record_settlement", "scoring_tap", "verify_ledger"]
+           "record_settlement", "scoring_tap"]
