@@ -2,7 +2,7 @@
 
 On the VM this project is developed on, memory the guest has not touched for a few seconds goes back to
 the hypervisor (free page reporting), and touching it again costs about as much as a slow disk. That
-decides how a server that streams gigabytes should treat the page cache (zoo_gym/page_cache.py): every
+decides how a server that streams gigabytes should treat the page cache (zoo_gym/io/page_cache.py): every
 GB a publish adds to the cache is fresh memory.
 
     python benchmarks/fresh_memory.py [--gib 1] [--waits 0 1 3 10]

@@ -63,7 +63,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from zoo_gym.gym_train import default_validation_examples, tiny_model_dir
-    from zoo_gym.gym_train.chat import render_prompt_with
+    from zoo_gym.evaluation.chat import render_prompt_with
     from zoo_gym.proto.gguf_export import write_gguf
 
     from zoo_gym.gym_train.families import make_random_base

@@ -26,7 +26,7 @@ def main() -> None:
 
     from privacy_utility import loss_and_accuracy
     from zoo_gym.aggregation import SoupConfig
-    from zoo_gym.aggregation.flower_apps import TRAIN_DEFAULTS, local_payload, tiny_arrays
+    from zoo_gym.integrations.flower.apps import TRAIN_DEFAULTS, local_payload, tiny_arrays
     from zoo_gym.aggregation.soup import DeltaSoup
     from zoo_gym.aggregation.sources import DictDeltaSource
     from zoo_gym.codec import decode

@@ -5,7 +5,7 @@ simulation engine (ray). Held-out loss of the tiny model against epsilon (delta 
     python benchmarks/privacy_utility.py             # N=100 and 1000, z in {0.5, 1, 2, 4}, q = 0.2 (cohorts 20 and 200), 3 rounds (42 min alone on 2 cores)
     python benchmarks/privacy_utility.py --ray-address auto   # on a ray cluster (README: ray start --head / --address)
 
-Protocol (also in the JSON under "protocol"): N virtual contributors (`flower_apps.client_app`), contributor
+Protocol (also in the JSON under "protocol"): N virtual contributors (`flower.apps.client_app`), contributor
 i owns shard i mod 100 of the built-in task (beyond 100, its own draws from that shard); each round every
 node is sampled with probability q (Poisson, the same draws for every configuration of one N and every run:
 seed 0, node ids seeded by `flower_sim.reproducible_node_ids`); a
@@ -110,7 +110,7 @@ def loss_and_accuracy(evaluator, examples: list[dict], delta: dict) -> tuple[flo
     `examples`."""
     import torch
 
-    from zoo_gym.gym_train.evaluate import collate, scored_positions, tokenize_examples
+    from zoo_gym.evaluation.evaluate import collate, scored_positions, tokenize_examples
 
     pad = evaluator.tokenizer.pad_token_id or 0
     ids, mask, labels = collate(tokenize_examples(evaluator.tokenizer, examples), pad_id=pad)  # (B, T) each
@@ -142,7 +142,7 @@ def calibrate_clip(args, n: int = 8) -> dict:
     settings, on the public pretraining tasks (no contributor's data: it costs no privacy)."""
     import statistics
 
-    from zoo_gym.aggregation.flower_apps import TRAIN_DEFAULTS, local_payload, tiny_arrays
+    from zoo_gym.integrations.flower.apps import TRAIN_DEFAULTS, local_payload, tiny_arrays
     from zoo_gym.codec import decode
     from zoo_gym.gym_train.tasks import PRETRAIN_TASKS
 
@@ -168,10 +168,10 @@ def run_population(n: int, args, configs: list[dict]) -> list[dict]:
     from flwr.simulation import run_simulation
 
     from zoo_gym.aggregation import SoupConfig
-    from zoo_gym.aggregation.flower_apps import TRAIN_DEFAULTS, SampledSoupStrategy, client_app, tiny_arrays
+    from zoo_gym.integrations.flower.apps import TRAIN_DEFAULTS, SampledSoupStrategy, client_app, tiny_arrays
     from zoo_gym.gym_train import default_validation_examples
 
-    from zoo_gym.aggregation.flower_apps import descent_reference_fn
+    from zoo_gym.integrations.flower.apps import descent_reference_fn
     from zoo_gym.gym_train import builtin_examples
 
     reference_fn = descent_reference_fn(builtin_examples("default", n=64, seed=4242))

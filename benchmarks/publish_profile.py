@@ -35,7 +35,7 @@ from zoo_gym.aggregation import DeltaSoup, SoupConfig  # noqa: E402
 from zoo_gym.proto import archive  # noqa: E402
 from zoo_gym.server.store.blobs import BlobStore  # noqa: E402
 from zoo_gym.server.store import master_weights  # noqa: E402
-from zoo_gym.safetensors_reader import SafetensorsReader  # noqa: E402
+from zoo_gym.io.safetensors_reader import SafetensorsReader  # noqa: E402
 from zoo_gym.server.store.checkpoint_writer import CheckpointWriter, threads_beside_writers  # noqa: E402
 from zoo_gym.server.rounds.publish import StoredDeltas  # noqa: E402
 

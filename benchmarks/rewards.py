@@ -25,10 +25,10 @@ through the server's own ``StoredDeltas`` source.
     first_order_32_cached  the same with the base gradient computed before the round (it depends
                       only on the base and the scoring set): the cost left at settlement;
     first_order_32_tap     THE SERVER'S DEFAULT PATH and the target row: everything scoring adds
-                      to a round. The base gradient on the packed scoring set (zoo_gym.rewards.
+                      to a round. The base gradient on the packed scoring set (zoo_gym.evaluation.
                       packing: shared chat prefix once per row, no padding) is computed when the
                       base is published, in the same pass as the base's held-out loss
-                      (server/evaluation.py: the held-out loss needs the forward over the scoring
+                      (evaluation/server_evaluator.py: the held-out loss needs the forward over the scoring
                       set anyway), so it is charged its measured fwd+bwd time minus a forward-only
                       pass over the same packed set, timed back to back in each repeat
                       (shared_forward_s); plus the SlopeTap's own seconds inside the aggregation
@@ -72,11 +72,11 @@ from safetensors.torch import load_file
 from zoo_gym import codec
 from zoo_gym.aggregation import DeltaSoup, SoupConfig
 from zoo_gym.gym_train import Evaluator, builtin_examples, default_validation_examples, tiny_model_dir
-from zoo_gym.gym_train.evaluate import collate, tokenize_examples
+from zoo_gym.evaluation.evaluate import collate, tokenize_examples
 from zoo_gym.rewards import (ContributionDiagnostics, FirstOrderConfig, ScoringConfig, SlopeTap,
                              accept_by_quality, base_gradient, score_round_detailed,
                              score_round_first_order, streamed_slopes)
-from zoo_gym.rewards.packing import PackedScoringSet
+from zoo_gym.evaluation.packing import PackedScoringSet
 from zoo_gym.server.rounds.publish import StoredDeltas
 
 SCORING_EXAMPLES = 32  # the scoring set: the first 32 of the server's validation examples

@@ -612,7 +612,7 @@ def read_write_seconds(model_file: Path, work: Path, *, cold: bool = False) -> f
     pages dropped from the page cache first, as a publish finds its base (written past the cache, O_DIRECT)."""
     from safetensors.torch import load_file, save_file
 
-    from zoo_gym.page_cache import drop_file_cache
+    from zoo_gym.io.page_cache import drop_file_cache
 
     best = float("inf")
     for _ in range(2):
@@ -637,8 +637,8 @@ def forward_backward_seconds(model_dir: Path, scoring_examples: int = 32,
     The first pass runs as the server's scoring pass does, once, on memory the process has not touched
     yet (on this VM, 2.3-2.4 s/GiB: benchmarks/fresh_memory.py); the best is the warm figure."""
     from zoo_gym import gym_train
-    from zoo_gym.gym_train.evaluate import load_model, load_tokenizer, tokenize_examples
-    from zoo_gym.rewards.packed_batch import pack_shared_prefix, packed_loss_sum
+    from zoo_gym.evaluation.evaluate import load_model, load_tokenizer, tokenize_examples
+    from zoo_gym.evaluation.packed_batch import pack_shared_prefix, packed_loss_sum
 
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir, dtype=dtype, attn_implementation="sdpa")
@@ -672,7 +672,7 @@ def bf16_kept(state: Path, payloads: list[bytes]) -> dict:
     published bf16 checkpoint holds, and with the server's float32 master (if there is one) what published
     + carried holds."""
     from zoo_gym import codec
-    from zoo_gym.safetensors_reader import SafetensorsReader
+    from zoo_gym.io.safetensors_reader import SafetensorsReader
     from zoo_gym.server.store.checkpoint_writer import master_path
     from zoo_gym.server.store.master_weights import master_of
     from zoo_gym.server.store.models import Round

@@ -29,9 +29,9 @@ from scale import lora_deltas  # noqa: E402
 from zoo_gym import codec  # noqa: E402
 from zoo_gym.aggregation import DeltaSoup, SoupConfig  # noqa: E402
 from zoo_gym.rewards.first_order import SlopeTap  # noqa: E402
-from zoo_gym.rewards.spill import SpilledTensors  # noqa: E402
+from zoo_gym.evaluation.spill import SpilledTensors  # noqa: E402
 from zoo_gym.server.rounds.publish import StoredDeltas  # noqa: E402
-from zoo_gym.safetensors_reader import SafetensorsReader  # noqa: E402
+from zoo_gym.io.safetensors_reader import SafetensorsReader  # noqa: E402
 
 
 def spilled_gradient(shapes: dict[str, tuple[int, ...]], directory: Path) -> SpilledTensors:

@@ -58,8 +58,8 @@ def main() -> None:
     import torch
 
     from zoo_gym import gym_train
-    from zoo_gym.rewards.streamed_model import stream_of
-    from zoo_gym.server.rounds.evaluation import ServerEvaluator
+    from zoo_gym.evaluation.streamed_model import stream_of
+    from zoo_gym.evaluation.server_evaluator import ServerEvaluator
 
     torch.set_num_threads(2)
     with open(args.model_dir / "config.json") as f:

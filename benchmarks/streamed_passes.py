@@ -1,5 +1,5 @@
 """Benchmark: the server's streamed evaluation and scoring passes against the plain whole-model ones, with the
-layer reader thread on and off (zoo_gym/rewards/streamed_model.py).
+layer reader thread on and off (zoo_gym/evaluation/streamed_model.py).
 
     python benchmarks/streamed_passes.py --size 0.6b --work /tmp/sp-0.6b
     python benchmarks/streamed_passes.py --size 1.7b --work /tmp/sp-1.7b --out benchmarks/results/streamed_passes-1.7b.json
@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _batches(model_dir: Path):
     from zoo_gym import gym_train
-    from zoo_gym.gym_train.evaluate import load_tokenizer, tokenize_examples
-    from zoo_gym.rewards.packed_batch import pack_shared_prefix
+    from zoo_gym.evaluation.evaluate import load_tokenizer, tokenize_examples
+    from zoo_gym.evaluation.packed_batch import pack_shared_prefix
 
     tok = load_tokenizer(model_dir)
     pad = tok.pad_token_id or 0
@@ -54,10 +54,10 @@ def streamed_pass(model_dir: Path, kind: str, prefetch: bool, dtype: str = "auto
     (warm); seconds and layer-load counts."""
     import torch
 
-    from zoo_gym.page_cache import drop_file_cache
-    from zoo_gym.rewards.packed_batch import packed_loss_sum
-    from zoo_gym.rewards.packing import PackedScoringSet
-    from zoo_gym.rewards.streamed_model import compute_dtype, load_streamed, stream_of
+    from zoo_gym.io.page_cache import drop_file_cache
+    from zoo_gym.evaluation.packed_batch import packed_loss_sum
+    from zoo_gym.evaluation.packing import PackedScoringSet
+    from zoo_gym.evaluation.streamed_model import compute_dtype, load_streamed, stream_of
 
     _, pad, scoring_pairs, rest = _batches(model_dir)
     model = load_streamed(model_dir)

@@ -23,7 +23,7 @@ from packaging.requirements import Requirement
 pytest.importorskip("setuptools")  # the build backend, run without isolation (offline)
 
 REPO = Path(__file__).resolve().parent.parent
-MESSAGE = "zoo_gym.aggregation.flower needs Flower: pip install 'zoo-gym[flower]'"
+MESSAGE = "zoo_gym.integrations.flower.strategy needs Flower: pip install 'zoo-gym[flower]'"
 
 WALK = textwrap.dedent("""
     import importlib, importlib.util, json, pkgutil, sys, traceback
@@ -123,7 +123,7 @@ def test_installs_and_imports_without_flwr(tmp_path):
         assert base[name].specifier.contains("1.82.0"), base[name]
 
     # the adapter and the apps fail with one line naming the extra, nothing chained
-    for module in ("zoo_gym.aggregation.flower", "zoo_gym.aggregation.flower_apps"):
+    for module in ("zoo_gym.integrations.flower.strategy", "zoo_gym.integrations.flower.apps"):
         flower = out["failed"].pop(module, "")
         assert flower.rstrip().splitlines()[-1] == f"ImportError: {MESSAGE.replace(MESSAGE.split()[0], module)}", flower
         assert "During handling" not in flower and "direct cause" not in flower, flower

@@ -32,3 +32,16 @@ def test_the_package_table_names_every_shadowed_export():
 
     names = {name for module, names in _LAZY.items() for name in names.split() if name == module}
     assert names == set(SHADOWED["zoo_gym.aggregation"])
+
+
+def test_names_that_moved_to_evaluation_stay_importable_from_rewards():
+    # issue 49: the streaming engine moved from zoo_gym.rewards to zoo_gym.evaluation; the rewards table names
+    # their new modules, so `from zoo_gym.rewards import BaseGradient` keeps working and gives the same object
+    import zoo_gym.evaluation as evaluation
+    import zoo_gym.rewards as rewards
+
+    moved = [name for module, names in rewards._LAZY.items() if module.startswith("zoo_gym.evaluation.")
+             for name in names.split()]
+    assert {"BaseGradient", "base_gradient", "PackedScoringSet", "pack_shared_prefix"} <= set(moved)
+    for name in moved:
+        assert getattr(rewards, name) is getattr(evaluation, name), name

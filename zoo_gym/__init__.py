@@ -1,8 +1,9 @@
 """Zoo Gym: federated community delta learning.
 
-Parts (see docs/design/ARCHITECTURE.md): proto (wire contract), codec (delta <-> bytes), gym_train
-(local training), aggregation (DeltaSoup), rewards (scores, reputation, ledger), server, client,
-serving (gym-serve), dashboard.
+Parts, in layers (docs/design/ARCHITECTURE.md): proto (wire contract), io (big-file reads and writes),
+codec (delta <-> bytes), aggregation (DeltaSoup), evaluation (held-out loss and gradients), gym_train
+(local training), rewards (scores, reputation, ledger), serving (gym-serve), server, dashboard, client,
+integrations (Flower).
 """
 
 __version__ = "0.2.0"

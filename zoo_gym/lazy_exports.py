@@ -6,6 +6,8 @@ needs no torch (`gym-server status`) does not import it. A name that is also its
 (`median` in `median.py`) stays the function: importing the submodule would otherwise bind the package
 attribute to the module (the import system's `setattr(package, "median", module)`), and
 `from zoo_gym.aggregation import median` would then return a module, depending on what was imported first.
+A key may also be a whole module path (`"zoo_gym.evaluation.gradient"`): a name that moved to another package
+stays importable from the one it was imported from before.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ def lazy_exports(package: str, namespace: dict, table: Mapping[str, str]) -> tup
     def __getattr__(name: str):
         if name not in where:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(f".{where[name]}", package), name)
+        module = where[name]  # a submodule of `package`, or a module path of zoo_gym's (a name that moved)
+        value = getattr(importlib.import_module(module if module.startswith("zoo_gym.") else f".{module}", package),
+                        name)
         namespace[name] = value
         return value
 

@@ -15,7 +15,7 @@ from flwr.serverapp import Grid, ServerApp  # noqa: E402
 from flwr.simulation import run_simulation  # noqa: E402
 
 from zoo_gym.aggregation import SoupConfig  # noqa: E402
-from zoo_gym.aggregation.flower import DeltaSoupStrategy  # noqa: E402
+from zoo_gym.integrations.flower.strategy import DeltaSoupStrategy  # noqa: E402
 
 N_CLIENTS, N_ATTACKERS, D = 12, 3, 64
 HONEST_MU = np.linspace(-1.0, 1.0, D).astype(np.float32) * 0.1  # every honest client's mean step

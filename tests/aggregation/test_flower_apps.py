@@ -14,7 +14,7 @@ pytest.importorskip("ray", reason="Flower's simulation engine needs ray (extra `
 from flwr.simulation import run_simulation  # noqa: E402
 
 from zoo_gym.aggregation import SoupConfig  # noqa: E402
-from zoo_gym.aggregation.flower_apps import (SampledSoupStrategy, client_app, heldout_evaluate_fn,  # noqa: E402
+from zoo_gym.integrations.flower.apps import (SampledSoupStrategy, client_app, heldout_evaluate_fn,  # noqa: E402
                                              seed_from_secret, server_app, tiny_arrays)
 from zoo_gym.gym_train import default_validation_examples  # noqa: E402
 

@@ -149,7 +149,7 @@ def test_first_order_slopes_of_a_factored_mean_equal_the_rows_slopes(monkeypatch
     slopes equal the decoded rows'; spilled (bfloat16, read ahead), they equal the rounded gradient's."""
     from zoo_gym.rewards import first_order
     from zoo_gym.rewards.first_order import SlopeTap, streamed_slopes
-    from zoo_gym.rewards.spill import SpilledTensors
+    from zoo_gym.evaluation.spill import SpilledTensors
 
     calls = []
     gram = LoraFactors.merged_sq_norm

@@ -102,7 +102,8 @@ def _submit_all(port: int, payloads: list[bytes]) -> None:
 def _run(root: Path, fault: str | None, payloads: list[bytes]) -> dict:
     """One federation: 3 submissions to round 1, killed at `fault` (if any), restarted, round 1 published."""
     from zoo_gym.server.store.models import Checkpoint, Round, Submission
-    from zoo_gym.server.rounds.settlement import ledger_entries, verify_ledger
+    from zoo_gym.server.rounds.settlement import ledger_entries
+    from zoo_gym.server.store.queries import verify_ledger
     from zoo_gym.server.store.state import open_state
     from zoo_gym.server.genesis import init_state
 

@@ -43,7 +43,7 @@ def test_liger_kernels_train_on_cuda(record_property):
     record_property("liger_tiny_loss", f"{r.metadata['loss_before']:.4f} -> {r.metadata['loss_after']:.4f}")
     # Liger patched transformers for the whole process; train() puts it back, so a CPU model still runs
     from zoo_gym.gym_train import tiny_model_dir
-    from zoo_gym.gym_train.evaluate import load_model
+    from zoo_gym.evaluation.evaluate import load_model
 
     load_model(tiny_model_dir())(input_ids=torch.tensor([[5, 9, 11, 40]]))
 

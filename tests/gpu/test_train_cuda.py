@@ -75,7 +75,7 @@ def test_qlora_gradient_on_cuda_equals_the_dequantized_reference(record_property
     from transformers import AutoModelForCausalLM
 
     from zoo_gym.gym_train import builtin_examples, tiny_model_dir
-    from zoo_gym.gym_train.evaluate import collate, load_tokenizer, tokenize_examples
+    from zoo_gym.evaluation.evaluate import collate, load_tokenizer, tokenize_examples
     from zoo_gym.gym_train.qlora import GRAD_RTOL, dequantized_reference, load_4bit_model
 
     base = tiny_model_dir()

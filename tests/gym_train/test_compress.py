@@ -9,7 +9,7 @@ from zoo_gym import codec
 from zoo_gym.codec import LoraFactors
 from zoo_gym.gym_train import ErrorFeedback, builtin_examples, distill_bitdelta_scales, tiny_model_dir
 from zoo_gym.gym_train.distill import group_mean_abs
-from zoo_gym.gym_train.evaluate import collate, load_model, load_tokenizer, tokenize_examples
+from zoo_gym.evaluation.evaluate import collate, load_model, load_tokenizer, tokenize_examples
 
 BASE = tiny_model_dir()
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from zoo_gym.gym_train import (DataError, builtin_examples, default_validation_examples, load_examples,
                                tiny_model_dir)
-from zoo_gym.gym_train.chat import render_completion, render_prompt
+from zoo_gym.evaluation.chat import render_completion, render_prompt
 from zoo_gym.gym_train.make_tiny import TinySpec, build_config, build_tokenizer, pretrain
 
 

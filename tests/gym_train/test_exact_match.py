@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from zoo_gym.gym_train import tiny_model_dir
-from zoo_gym.gym_train.chat import render_completion, render_prompt, render_prompt_with
+from zoo_gym.evaluation.chat import render_completion, render_prompt, render_prompt_with
 from zoo_gym.gym_train.exact_match import (RETENTION_FILES, exact_match, generation_prompt_ids, load_for_eval,
                                            perplexity, retention_texts)
 from zoo_gym.gym_train.tasks import builtin_examples

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from zoo_gym.gym_train.chat import PLAIN_TEMPLATE, check_template, render_pair
+from zoo_gym.evaluation.chat import PLAIN_TEMPLATE, check_template, render_pair
 from zoo_gym.gym_train.delta import load_base_state, lora_factors, merged_lora_delta
-from zoo_gym.gym_train.evaluate import load_model, load_tokenizer, tokenize_examples
+from zoo_gym.evaluation.evaluate import load_model, load_tokenizer, tokenize_examples
 from zoo_gym.gym_train.families import make_random_base
 
 
@@ -49,7 +49,7 @@ def test_a_base_without_template_gets_the_plain_format(tmp_path):
 
 def test_a_shipped_template_is_used_as_is(tmp_path):
     from zoo_gym.gym_train import tiny_model_dir
-    from zoo_gym.gym_train.chat import render_completion, render_prompt
+    from zoo_gym.evaluation.chat import render_completion, render_prompt
 
     tok = load_tokenizer(tiny_model_dir())
     ex = {"instruction": "Compute.", "input": "2+3", "output": "5"}

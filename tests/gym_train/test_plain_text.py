@@ -9,7 +9,7 @@ import json
 import pytest
 
 from zoo_gym.gym_train import TrainConfig, load_examples, tiny_model_dir, train
-from zoo_gym.gym_train.evaluate import load_tokenizer, tokenize_examples
+from zoo_gym.evaluation.evaluate import load_tokenizer, tokenize_examples
 
 
 def _corpus(n: int = 64) -> list[dict]:

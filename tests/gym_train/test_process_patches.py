@@ -8,7 +8,7 @@ import torch
 from transformers.models.qwen3 import modeling_qwen3
 
 from zoo_gym.gym_train import tiny_model_dir
-from zoo_gym.gym_train.evaluate import load_model
+from zoo_gym.evaluation.evaluate import load_model
 from zoo_gym.gym_train.process_patches import restored_modeling_module
 
 

@@ -14,7 +14,7 @@ from zoo_gym.codec import LoraFactors
 from zoo_gym.gym_train import TrainConfig, TrainConfigError, builtin_examples, tiny_model_dir, train
 from zoo_gym.gym_train import grpo
 from zoo_gym.gym_train.config import GRPO_LOSS_TYPES
-from zoo_gym.gym_train.evaluate import load_tokenizer
+from zoo_gym.evaluation.evaluate import load_tokenizer
 from zoo_gym.gym_train.reward_model import RewardModel, RewardModelError
 from zoo_gym.gym_train.rewards_loader import RewardFuncError, check_reward_funcs
 

@@ -24,7 +24,8 @@ from zoo_gym.proto import gym_pb2
 from zoo_gym.server.rounds.async_rounds import staleness_weight
 from zoo_gym.server.store.models import Round, RoundInputs, RoundState, Submission
 from zoo_gym.server.rounds.manager import RoundManager
-from zoo_gym.server.rounds.settlement import ledger_entries, verify_ledger
+from zoo_gym.server.rounds.settlement import ledger_entries
+from zoo_gym.server.store.queries import verify_ledger
 from zoo_gym.server.store.state import open_state
 
 ASYNC = dict(mode="async", buffer_size=2, max_staleness=1, aggregator="mean")
@@ -189,7 +190,7 @@ def test_async_multi_krum_averages_half_the_buffer_by_default_so_attackers_past_
 def _helpful_delta(fed, sha: str, names: int = 4) -> dict[str, torch.Tensor]:
     """Minus a small multiple of the held-out loss's gradient at `sha`: a delta the scoring pays for."""
     from zoo_gym.gym_train import default_validation_examples
-    from zoo_gym.server.rounds.evaluation import ServerEvaluator
+    from zoo_gym.evaluation.server_evaluator import ServerEvaluator
 
     grad = ServerEvaluator(fed.state.checkpoint_dir(sha), default_validation_examples(n=32)).gradient().grad
     chosen = [k for k, g in grad.items() if g.dim() == 2 and "embed" not in k][:names]

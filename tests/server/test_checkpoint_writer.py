@@ -15,7 +15,7 @@ from sqlmodel import select
 
 from zoo_gym import codec
 from zoo_gym.proto import archive
-from zoo_gym.safetensors_reader import SafetensorsReader, tensor_bytes
+from zoo_gym.io.safetensors_reader import SafetensorsReader, tensor_bytes
 from zoo_gym.server.store.checkpoint_writer import CheckpointWriter, SafetensorsLayout, master_path
 from zoo_gym.server.store.master_weights import join_low16, master_of, needs_master, split_low16
 from zoo_gym.server.config import build_config

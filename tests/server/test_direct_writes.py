@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from zoo_gym import direct_writes, page_cache
-from zoo_gym.direct_writes import DirectWriter
+from zoo_gym.io import direct_writes, page_cache
+from zoo_gym.io.direct_writes import DirectWriter
 from zoo_gym.server.store.blobs import BlobStore
-from zoo_gym.safetensors_reader import tensor_bytes
+from zoo_gym.io.safetensors_reader import tensor_bytes
 
 
 def _pieces(seed: int) -> list[bytes]:
@@ -110,7 +110,7 @@ def test_a_discarded_streamed_blob_leaves_nothing(tmp_path: Path, small_buffers)
 _FULL_DISK_SCRIPT = """
 import errno, os, resource, signal, sys
 from pathlib import Path
-from zoo_gym import direct_writes
+from zoo_gym.io import direct_writes
 from zoo_gym.server.store.blobs import BlobStore
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG, as ENOSPC on a full disk
 resource.setrlimit(resource.RLIMIT_FSIZE, (direct_writes.BUFFER + 4096, resource.RLIM_INFINITY))
@@ -144,7 +144,7 @@ def test_queued_writes_keep_the_order_bound_what_waits_and_surface_a_failure(tmp
     (one piece may exceed it alone), and a failed write is raised in the caller's thread, not lost."""
     import threading
 
-    from zoo_gym.direct_writes import QueuedWrites
+    from zoo_gym.io.direct_writes import QueuedWrites
 
     path = tmp_path / "f"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)

@@ -11,9 +11,9 @@ import pytest
 from zoo_gym import codec
 from zoo_gym.gym_train import default_validation_examples
 from zoo_gym.proto import archive
-from zoo_gym.rewards.streamed_model import compute_dtype, load_streamed
-from zoo_gym.safetensors_reader import SafetensorsReader, WeightsFile
-from zoo_gym.server.rounds.evaluation import ServerEvaluator
+from zoo_gym.evaluation.streamed_model import compute_dtype, load_streamed
+from zoo_gym.io.safetensors_reader import SafetensorsReader, WeightsFile
+from zoo_gym.evaluation.server_evaluator import ServerEvaluator
 from zoo_gym.server.store.models import Checkpoint
 
 

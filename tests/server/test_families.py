@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from zoo_gym import codec
 from zoo_gym.client.upload import build_header, register_request, request_stream
 from zoo_gym.gym_train import TrainConfig, builtin_examples, train
-from zoo_gym.gym_train.chat import PLAIN_TEMPLATE
+from zoo_gym.evaluation.chat import PLAIN_TEMPLATE
 from zoo_gym.gym_train.families import make_random_base
 from zoo_gym.proto import archive, gym_pb2, gym_pb2_grpc
 from zoo_gym.server.cli import app

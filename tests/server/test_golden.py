@@ -53,7 +53,7 @@ def _direction(fed, role: str, names: int = 4) -> dict:
     if not _recording():
         return {k.split("/", 1)[1]: v for k, v in load_file(DIRECTIONS).items() if k.startswith(role + "/")}
     from zoo_gym.gym_train import default_validation_examples
-    from zoo_gym.server.rounds.evaluation import ServerEvaluator
+    from zoo_gym.evaluation.server_evaluator import ServerEvaluator
 
     sha = fed.round().base_sha256
     grad = ServerEvaluator(fed.state.checkpoint_dir(sha), default_validation_examples(n=32)).gradient().grad

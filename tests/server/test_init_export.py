@@ -77,7 +77,7 @@ def test_a_chat_template_without_the_answer_is_refused(tmp_path):
 
 
 def test_an_operator_template_is_written_into_the_genesis(tmp_path):
-    from zoo_gym.gym_train.evaluate import load_tokenizer
+    from zoo_gym.evaluation.evaluate import load_tokenizer
 
     base = make_random_base("qwen3", tmp_path / "base", chat_template=False)
     tpl = tmp_path / "t.jinja"

@@ -8,9 +8,9 @@ import hashlib
 import pytest
 import torch
 
-from zoo_gym import page_cache
+from zoo_gym.io import page_cache
 from zoo_gym.server.store.blobs import BlobStore
-from zoo_gym.safetensors_reader import SafetensorsReader
+from zoo_gym.io.safetensors_reader import SafetensorsReader
 from zoo_gym.server.store.checkpoint_writer import threads_beside_writers
 from zoo_gym.server.store.master_kernel import add_to_bf16_master
 from zoo_gym.server.store.master_weights import join_low16, split_low16

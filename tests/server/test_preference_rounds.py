@@ -29,9 +29,9 @@ def _validation_file(path):
 
 def _preference_step(fed, names: int = 4) -> dict:
     """The unit descent direction of the pairs' Bradley-Terry loss at the current base, on a few matrices."""
-    from zoo_gym.gym_train.evaluate import load_model, load_tokenizer
-    from zoo_gym.rewards.preference import PreferenceScoringSet
-    from zoo_gym.server.rounds.evaluation import load_validation
+    from zoo_gym.evaluation.evaluate import load_model, load_tokenizer
+    from zoo_gym.evaluation.preference_scoring import PreferenceScoringSet
+    from zoo_gym.gym_train.formats import load_validation
 
     ckpt = fed.state.checkpoint_dir(fed.round().base_sha256)
     pairs = [r for r in load_validation(fed.config.validation_data) if "chosen" in r]
@@ -41,7 +41,8 @@ def _preference_step(fed, names: int = 4) -> dict:
 
 
 def test_loader_reads_pairs_and_plain_records(tmp_path):
-    from zoo_gym.server.rounds.evaluation import load_validation, loss_and_pairs
+    from zoo_gym.evaluation.server_evaluator import loss_and_pairs
+    from zoo_gym.gym_train.formats import load_validation
 
     recs = load_validation(_validation_file(tmp_path / "val.jsonl"))
     pairs, rest = loss_and_pairs(recs)
@@ -89,7 +90,8 @@ def test_preference_gradient_predicts_the_loss_change(tmp_path):
     import torch
 
     from zoo_gym.gym_train import tiny_model_dir
-    from zoo_gym.server.rounds.evaluation import ServerEvaluator, load_validation
+    from zoo_gym.evaluation.server_evaluator import ServerEvaluator
+    from zoo_gym.gym_train.formats import load_validation
 
     pairs = [r for r in load_validation(_validation_file(tmp_path / "val.jsonl")) if "chosen" in r][:6]
     ev = ServerEvaluator(tiny_model_dir(), pairs)
@@ -114,17 +116,17 @@ def test_with_pairs_the_genesis_loss_is_measured_once_and_the_log_names_what_was
     import threading
     import time
 
-    from zoo_gym.server.rounds import evaluation
+    from zoo_gym.evaluation import server_evaluator
 
     passes = []
-    real = evaluation._loss_sum
+    real = server_evaluator._loss_sum
 
     def counted(model, tokenizer, examples):
         if threading.current_thread().name == "round-manager":  # not `init`'s own measurement
             passes.append(len(examples))
         return real(model, tokenizer, examples)
 
-    monkeypatch.setattr(evaluation, "_loss_sum", counted)
+    monkeypatch.setattr(server_evaluator, "_loss_sum", counted)
     caplog.set_level(logging.INFO, logger="zoo_gym.server")
     val = _validation_file(tmp_path / "val.jsonl")
     fed = federation_with(min_contributors=2, aggregator="mean", validation_data=str(val), validation_examples=24)

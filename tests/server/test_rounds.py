@@ -32,7 +32,8 @@ def test_round_publishes_at_quorum_with_lineage_and_ledger(federation, tmp_path)
     model_dir = archive.unpack(federation.state.blobs.path(ckpt.sha256), tmp_path / "published")
     assert AutoModelForCausalLM.from_pretrained(model_dir).num_parameters() > 0
     assert ckpt.heldout_loss is not None
-    from zoo_gym.server.rounds.settlement import ledger_entries, verify_ledger
+    from zoo_gym.server.rounds.settlement import ledger_entries
+    from zoo_gym.server.store.queries import verify_ledger
 
     entries = ledger_entries(federation.state, contributor=None, since_seq=0, limit=None)
     assert sorted(e["contributor_id"] for e in entries) == sorted(submitted)

@@ -12,8 +12,8 @@ from zoo_gym.gym_train import Evaluator, default_validation_examples, tiny_model
 from zoo_gym.rewards import (ContributionDiagnostics, FirstOrderConfig, ScoringConfig,
                              SettlementConfig, base_gradient, directional_slopes,
                              plan_settlement, score_round_first_order)
-from zoo_gym.rewards.packing import PackedScoringSet
-from zoo_gym.server.rounds.evaluation import ServerEvaluator
+from zoo_gym.evaluation.packing import PackedScoringSet
+from zoo_gym.evaluation.server_evaluator import ServerEvaluator
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def test_scoring_set_is_packed_and_equals_the_padded_evaluator(server_eval):
     assert ev.gradient() is g  # once per base
     ref = base_gradient(padded.model, padded._batches)  # noqa: SLF001 (its padded batches)
     assert g.base_loss == pytest.approx(ref.base_loss, rel=1e-5)  # float32 sums in another order: ~1e-7 here, CPU-dependent
-    # the server's gradient is spilled in bfloat16 (rewards/spill.py): compare with the padded one rounded alike
+    # the server's gradient is spilled in bfloat16 (evaluation/spill.py): compare with the padded one rounded alike
     # (an element whose float32 sums differ across a rounding boundary moves by one bf16 step, 2^-8 of it: 1.2e-4
     # of the norm here, against 2e-3 for the rounding itself)
     num = sum(float((g.grad[k] - v.to(torch.bfloat16).float()).norm() ** 2) for k, v in ref.grad.items()) ** 0.5

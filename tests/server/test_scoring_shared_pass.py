@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from zoo_gym.gym_train import heldout_loss
 from zoo_gym.proto import archive
 from zoo_gym.server.config import build_config
-from zoo_gym.server.rounds.evaluation import Evaluators, ServerEvaluator
+from zoo_gym.evaluation.server_evaluator import ServerEvaluator
+from zoo_gym.server.rounds.evaluation import Evaluators
 from zoo_gym.server.genesis import init_state
 
 

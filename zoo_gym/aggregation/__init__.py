@@ -3,7 +3,7 @@
 Aggregators take a stacked (n, d) tensor and return an `AggregateResult` (aggregate + per-
 contributor diagnostics). `DeltaSoup` chains validate -> clip -> group copies -> rule -> noise over
 a streamed `DeltaSource`; rules are objects named once (`create_rule`, `SoupConfig.rule`) and DP is
-a step around any of them (`DifferentialPrivacy`). The Flower adapter lives in `zoo_gym.aggregation.flower` (imports flwr).
+a step around any of them (`DifferentialPrivacy`). The Flower adapter is `zoo_gym.integrations.flower`.
 """
 
 from __future__ import annotations

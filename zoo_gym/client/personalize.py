@@ -50,7 +50,7 @@ def save_variant(base_dir: pathlib.Path, delta: dict, out: pathlib.Path, *, cali
                  distill_steps: int, info: dict) -> dict:
     """Distil the scales (when ``distill_steps``) and write the variant; return its summary."""
     from zoo_gym.gym_train.distill import distill_bitdelta_scales
-    from zoo_gym.gym_train.evaluate import dense_delta
+    from zoo_gym.evaluation.evaluate import dense_delta
 
     t0 = time.perf_counter()
     if distill_steps > 0:

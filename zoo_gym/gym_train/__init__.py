@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pathlib
 
+from zoo_gym.evaluation.evaluate import Evaluator, heldout_loss
+
 from .common import TrainResult
 from .config import TrainConfig, TrainConfigError
-from .evaluate import Evaluator, heldout_loss
 from .errors import DataError, HardwareError
 from .formats import check_stage_data, load_examples
 from .tasks import builtin_examples, builtin_task, default_validation_examples

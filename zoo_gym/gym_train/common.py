@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zoo_gym.evaluation.evaluate import load_model
+
 from .config import TrainConfig
 from .delta import capture_initial_factors
-from .evaluate import load_model
 from .hardware import torch_device
 from .optimizers import training_args as optimizer_training_args
 

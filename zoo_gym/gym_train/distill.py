@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .evaluate import collate, dense_delta, load_model, load_tokenizer, tokenize_examples
+from zoo_gym.evaluation.evaluate import collate, dense_delta, load_model, load_tokenizer, tokenize_examples
 
 
 def _view2d(t: torch.Tensor) -> torch.Tensor:

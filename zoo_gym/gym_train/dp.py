@@ -16,12 +16,13 @@ import time
 
 import torch
 
+from zoo_gym.evaluation.evaluate import Evaluator, collate, load_model, load_tokenizer, tokenize_examples
+
 from .common import TrainResult, quiet_libraries, round_metadata, split_heldout
 from .config import TrainConfig
 from .delta import load_base_state
 from .finetuning import delta_of, prepare
 from .hardware import torch_device
-from .evaluate import Evaluator, collate, load_model, load_tokenizer, tokenize_examples
 
 
 def noise_for_epsilon(*, target_epsilon: float, delta: float, sample_rate: float, steps: int) -> float:

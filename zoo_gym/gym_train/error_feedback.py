@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .evaluate import dense_delta
+from zoo_gym.evaluation.evaluate import dense_delta
 
 
 class ErrorFeedback:

@@ -17,7 +17,7 @@ from importlib import resources
 
 import torch
 
-from .chat import ensure_chat_template, prompt_messages
+from zoo_gym.evaluation.chat import ensure_chat_template, prompt_messages
 
 RETENTION_FILES = ("apache-2.0.txt", "training.md", "architecture.md")
 # Paragraph-aligned chunks of about 1 KB: 58-371 tokens (median 198) for SmolLM2's tokenizer, a text-only
@@ -36,7 +36,7 @@ class ExactMatch:
 
 def load_for_eval(model_dir: str | pathlib.Path):
     """(model, tokenizer) of a checkpoint in float32, eval mode, on the CPU: measurements comparable anywhere."""
-    from .evaluate import load_model, load_tokenizer
+    from zoo_gym.evaluation.evaluate import load_model, load_tokenizer
 
     model = load_model(model_dir, dtype=torch.float32)
     model.to("cpu").eval()
@@ -112,7 +112,7 @@ def retention_texts() -> list[str]:
 def perplexity(model, tokenizer, texts: list[str], *, max_length: int = 256, batch_size: int = 8) -> float:
     """exp of the token-weighted mean next-token loss over ``texts``, each cut to ``max_length`` tokens
     (every token after the first is scored: ``evaluate``'s loss of a plain ``text`` record)."""
-    from .evaluate import collate, completion_loss_sum
+    from zoo_gym.evaluation.evaluate import collate, completion_loss_sum
 
     if not texts:
         raise ValueError("`texts` must not be empty: there is nothing to score")
@@ -129,7 +129,7 @@ def answer_loss(model, tokenizer, examples: list[dict], *, batch_size: int = 16)
     """Mean next-token loss (nats a token) of the gold answers given their prompts, as the trainer tokenizes
     them (``evaluate.tokenize_examples``): a continuous companion to exact match, far less noisy on a few hundred
     items, for comparisons such as leave-one-out gains."""
-    from .evaluate import collate, completion_loss_sum, tokenize_examples
+    from zoo_gym.evaluation.evaluate import collate, completion_loss_sum, tokenize_examples
 
     if not examples:
         raise ValueError("`examples` must not be empty: there is nothing to score")

@@ -350,6 +350,29 @@ def load_examples(path: str | pathlib.Path, *, allow_text: bool = False) -> list
     return out
 
 
+def load_validation(path: pathlib.Path) -> list[dict]:
+    """The server's validation file's records, normalised as `load_examples` does, plus preference pairs:
+    a record with `chosen` and `rejected` strings beside alpaca (`instruction`/`input`) or `prompt` fields
+    becomes the normalised prompt fields with `chosen` and `rejected` (no `output`)."""
+    out = []
+    for where, rec in iter_records(path):
+        if isinstance(rec, dict) and rec.get("chosen") is not None and rec.get("rejected") is not None:
+            answers = {k: rec[k] for k in ("chosen", "rejected")}
+            for k, v in answers.items():
+                if not isinstance(v, str) or not v.strip():
+                    raise DataError(str(path), where, k, "must be a non-empty string (a preference pair's answer)")
+            prompt = {k: v for k, v in rec.items() if k not in ("chosen", "rejected", "output", "completion")}
+            ex = normalise_record({**prompt, "completion" if "prompt" in prompt else "output": answers["chosen"]},
+                                  file=str(path), where=where)
+            ex.pop("output", None)
+            out.append({**ex, **answers})
+        else:
+            out.append(normalise_record(rec, file=str(path), where=where))
+    if not out:
+        raise DataError(str(path), "line 1", "<file>", "holds no records")
+    return out
+
+
 def record_kind(ex: dict) -> str:
     """'text', 'pair' (chosen/rejected), 'labelled' (KTO's output + label), 'answer' (one output) or 'prompt'
     (TRL prompt-only: no answer, its columns for reward functions)."""

@@ -19,12 +19,13 @@ import time
 
 import torch
 
-from .chat import prompt_messages, render_prompt_with
+from zoo_gym.evaluation.chat import prompt_messages, render_prompt_with
+from zoo_gym.evaluation.evaluate import Evaluator, load_tokenizer
+
 from .common import (TrainResult, common_training_args, load_training_model, quiet_libraries, quiet_trainer,
                      round_metadata, split_heldout)
 from .config import TrainConfig, reward_weight_values
 from .delta import load_base_state
-from .evaluate import Evaluator, load_tokenizer
 from .finetuning import delta_of, prepare
 from .optimizers import trainer_optimizers
 from .reward_model import RewardModel

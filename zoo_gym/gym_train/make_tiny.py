@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .chat import CHAT_TEMPLATE, IM_END, IM_START, PAD, render_completion, render_prompt
+from zoo_gym.evaluation.chat import CHAT_TEMPLATE, IM_END, IM_START, PAD, render_completion, render_prompt
+
 from .tasks import PRETRAIN_TASKS, TASKS, TINY_TASKS
 
 

@@ -16,16 +16,17 @@ import pathlib
 import tempfile
 import time
 
-from .chat import prompt_messages
+from zoo_gym.evaluation.chat import prompt_messages
+from zoo_gym.evaluation.evaluate import Evaluator, load_tokenizer
+from zoo_gym.evaluation.preference_eval import preference_report
+
 from .common import (TrainResult, common_training_args, load_training_model, quiet_libraries, quiet_trainer,
                      round_metadata, split_heldout)
 from .config import TrainConfig
 from .delta import load_base_state
-from .evaluate import Evaluator, load_tokenizer
 from .finetuning import delta_of, prepare
 from .formats import check_stage_data
 from .optimizers import trainer_optimizers
-from .preference_eval import preference_report
 from .preference_losses import loss_types
 
 

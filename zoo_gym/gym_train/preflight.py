@@ -27,8 +27,8 @@ def _first_line(exc: BaseException) -> str:
 
 def check_template(model_dir: str | pathlib.Path) -> None:
     """PreflightError unless the checkpoint's tokenizer renders prompt/completion pairs."""
-    from .chat import ChatTemplateError, check_template as check
-    from .evaluate import load_tokenizer
+    from zoo_gym.evaluation.chat import ChatTemplateError, check_template as check
+    from zoo_gym.evaluation.evaluate import load_tokenizer
 
     try:
         check(load_tokenizer(model_dir))
@@ -42,7 +42,7 @@ def check_vocabulary(model_dir: pathlib.Path, examples: list[dict]) -> None:
     """PreflightError when the tokenizer gives ids past the model's embedding table."""
     from transformers import AutoConfig
 
-    from .evaluate import load_tokenizer, tokenize_examples
+    from zoo_gym.evaluation.evaluate import load_tokenizer, tokenize_examples
 
     try:
         vocab = AutoConfig.from_pretrained(str(model_dir)).get_text_config().vocab_size
@@ -60,7 +60,7 @@ def check_trainable(model_dir: str | pathlib.Path, examples: list[dict], *, bf16
     PreflightError when it cannot run or its delta does not fit the base."""
     from .config import TrainConfig
     from .delta import base_parameter_names
-    from .evaluate import dense_delta
+    from zoo_gym.evaluation.evaluate import dense_delta
     from .train import train
 
     model_dir = pathlib.Path(model_dir)

@@ -67,7 +67,7 @@ def lora_gradient_mismatch(base_dir) -> float:
     pass would offer QLoRA and training would silently compute wrong gradients."""
     from peft import LoraConfig, get_peft_model
 
-    from .evaluate import collate, load_tokenizer, tokenize_examples
+    from zoo_gym.evaluation.evaluate import collate, load_tokenizer, tokenize_examples
     from .tasks import builtin_examples
 
     tok = load_tokenizer(base_dir)

@@ -17,7 +17,8 @@ import numbers
 import pathlib
 import sys
 
-from .chat import prompt_messages
+from zoo_gym.evaluation.chat import prompt_messages
+
 from .config import RL_STAGES, TrainConfig, reward_func_specs
 
 

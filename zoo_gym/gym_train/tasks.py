@@ -183,7 +183,7 @@ def prompt_only_records(task: str, *, shard: int = 0, n_shards: int = 1, n: int 
                         seed: int = 0) -> list[dict]:
     """``task``'s examples as TRL's conversational prompt-only records with the ``answer`` column that
     ``grpo.exact_answer_reward`` reads (the rows ``grpo.grpo_dataset`` builds)."""
-    from .chat import prompt_messages
+    from zoo_gym.evaluation.chat import prompt_messages
 
     if task in PAIR_TASKS:
         raise ValueError(f"task {task!r} gives answer pairs, not prompts with one answer; use {PAIR_TASKS[task]!r}")

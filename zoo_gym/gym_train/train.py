@@ -12,12 +12,13 @@ import pathlib
 import tempfile
 import time
 
-from .chat import prompt_messages
+from zoo_gym.evaluation.chat import prompt_messages
+from zoo_gym.evaluation.evaluate import Evaluator, load_tokenizer
+
 from .common import (TrainResult, common_training_args, load_training_model, quiet_libraries, quiet_trainer,
                      round_metadata, split_heldout)
 from .config import PREFERENCE_STAGES, RL_STAGES, TrainConfig
 from .delta import load_base_state
-from .evaluate import Evaluator, load_tokenizer
 from .finetuning import delta_of, prepare
 from .formats import check_stage_data
 from .hardware import check_hardware

@@ -1,9 +1,9 @@
 """Rewards: contribution scores, reputation, the integer pool split and the signed ledger.
 
-No gRPC: the ledger's database comes in as an SQLModel ``Session`` factory and the losses as floats
-and callables from the server. The server's streamed evaluation reads the model's weights from its
-files (``streamed_model.py``) and spills the scoring gradient to an unlinked temporary file
-(``spill.py``). Formulas: see each module's docstring and ``zoo_gym/rewards/README.md``.
+No gRPC and no file I/O: the ledger's database comes in as an SQLModel ``Session`` factory, the losses as
+floats and callables, the base gradient from ``zoo_gym.evaluation`` (which reads the checkpoints and spills
+the gradient). ``BaseGradient``, ``PackedScoringSet`` and the packing helpers moved there; they stay
+importable from here. Formulas: see each module's docstring and ``zoo_gym/rewards/README.md``.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ _LAZY = {
               "ScoringInputError SplitError",
     "first_order": "SlopeTap directional_slopes linear_losses linear_shapley streamed_slopes",
     "first_order_scoring": "FirstOrderConfig score_round_first_order",
-    "gradient": "BaseGradient base_gradient",
+    "zoo_gym.evaluation.gradient": "BaseGradient base_gradient",
     "entry_hash": "GENESIS_HASH canonical_entry_bytes compute_entry_hash signing_message",
     "ledger": "LEDGER_KINDS Ledger LedgerEntry LedgerEntryBase LedgerEntryPublic NewEntry "
               "create_ledger_tables",
     "marginal": "MarginalEstimate",
-    "packed_batch": "PackedBatch pack_shared_prefix packed_loss_sum supports_packing",
-    "packing": "PackedScoringSet",
+    "zoo_gym.evaluation.packed_batch": "PackedBatch pack_shared_prefix packed_loss_sum supports_packing",
+    "zoo_gym.evaluation.packing": "PackedScoringSet",
     "reputation": "Reputation ReputationBase ReputationBook ReputationConfig ReputationPublic "
                   "aggregation_weights next_reputation",
     "scoring": "ContributionDiagnostics ContributionScore RoundScoring ScoringConfig combine_scores "

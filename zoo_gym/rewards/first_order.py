@@ -20,8 +20,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from zoo_gym.evaluation.spill import SpilledTensors, read_ahead
+
 from .errors import ScoringInputError
-from .spill import SpilledTensors, read_ahead
 
 
 def directional_slopes(grad: Mapping[str, Tensor],

@@ -126,9 +126,9 @@ def serve(
         configure_logging(level=cfg.log_level, fmt=cfg.log_format)
     with _one_line_errors():
         if cfg.validation_data is not None:
-            from zoo_gym.gym_train.formats import load_examples
+            from zoo_gym.server.genesis import check_validation_file
 
-            load_examples(Path(cfg.validation_data))  # a DataError names file, line and field
+            check_validation_file(Path(cfg.validation_data))  # a DataError names file, line and field
         from zoo_gym.server.rounds.policy import policy_for
 
         policy_for(cfg).check_size()  # a round too small for the rule fails now, not when it closes
@@ -350,7 +350,7 @@ def export(
     --format peft writes the round's update instead and prints, as JSON, each tensor's rank and error."""
     if fmt == "peft":
         with _one_line_errors():
-            from zoo_gym.server.store.peft_export import export_round_adapter
+            from zoo_gym.server.peft_export import export_round_adapter
 
             report = export_round_adapter(open_state(state_dir), out, round_id=round_id, rank=rank)
         typer.echo(json.dumps(report.as_json(out), indent=2))
@@ -372,7 +372,7 @@ def ledger_verify(state_dir: Path = StateDir, as_json: bool = typer.Option(False
     """Check the whole hash chain and every signature; name the first bad entry (exit 1)."""
     with _one_line_errors():
         state = open_state(state_dir)
-        from zoo_gym.server.rounds.settlement import verify_ledger
+        from zoo_gym.server.store.queries import verify_ledger
 
         report = verify_ledger(state)
     if as_json:

@@ -2,10 +2,11 @@
 
 It refuses, in one line and before creating anything, a base the federation could not use: the genesis
 tokenizer must render prompt/completion pairs (a base without a chat template gets
-`zoo_gym.gym_train.chat.PLAIN_TEMPLATE`, or the operator's `--chat-template FILE`), one LoRA step of the
+`zoo_gym.evaluation.chat.PLAIN_TEMPLATE`, or the operator's `--chat-template FILE`), one LoRA step of the
 client's `train()` must run on its first decoder layers (zoo_gym/server/short_base.py) and give a delta in
 the base's shapes, and the server's evaluator, reading one layer at a time, must load the
-genesis checkpoint and give a finite held-out loss.
+genesis checkpoint and give a finite held-out loss. This module is the server's one door to gym_train: the base
+(`resolve_base`), init's training step, and the validation set every round reads (`validation_examples`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import shutil
 import tempfile
 import threading
+from functools import lru_cache
 from pathlib import Path
 
 from sqlalchemy import inspect
@@ -62,7 +64,7 @@ def _set_chat_template(genesis: Path, template: str | None) -> str:
     base that needs nothing keeps its files byte for byte."""
     from transformers import AutoTokenizer
 
-    from zoo_gym.gym_train.chat import PLAIN_TEMPLATE
+    from zoo_gym.evaluation.chat import PLAIN_TEMPLATE
 
     try:
         tok = AutoTokenizer.from_pretrained(str(genesis))
@@ -136,8 +138,8 @@ def _check_evaluator(model_dir: Path, examples: list[dict]) -> None:
     import math
 
     try:
-        from zoo_gym.server.rounds.evaluation import ServerEvaluator
-        from zoo_gym.gym_train.memory import release_memory
+        from zoo_gym.evaluation.server_evaluator import ServerEvaluator
+        from zoo_gym.evaluation.memory import release_memory
 
         loss = ServerEvaluator(model_dir, list(examples[:2]), scoring_examples=2).loss()  # no gradient needed
     except Exception as exc:  # noqa: BLE001 - whatever breaks the evaluator breaks every round
@@ -154,7 +156,27 @@ def _validation_examples(validation_file: Path | None) -> list[dict]:
 
     if validation_file is None:
         return gym_train.default_validation_examples(n=2)
-    return gym_train.load_examples(validation_file)  # DataError (a ValueError) names file, line and field
+    return check_validation_file(validation_file)
+
+
+def check_validation_file(path: Path) -> list[dict]:
+    """The examples of a validation file as a contributor's training would read them (`init` and `serve` check
+    it at start): DataError (a ValueError) names file, line and field."""
+    from zoo_gym.gym_train.formats import load_examples
+
+    return load_examples(path)
+
+
+@lru_cache(maxsize=4)
+def validation_examples(validation_file: str | None, n: int) -> tuple:
+    """The first `n` examples every round's held-out loss and scoring run on: the validation file's records
+    (preference pairs kept as pairs: `gym_train.formats.load_validation`), else the built-in task's."""
+    from zoo_gym.gym_train import default_validation_examples
+    from zoo_gym.gym_train.formats import load_validation
+
+    if validation_file:
+        return tuple(load_validation(Path(validation_file))[:n])
+    return tuple(default_validation_examples(n=n))
 
 
 def init_state(state_dir: Path, *, base_model: str = "tiny", db_url: str | None = None,
@@ -211,8 +233,8 @@ def _create(root: Path, engine: Engine, src: Path, *, base_model: str, db_url: s
         _normalised_copy(src, genesis)
         template_source = _set_chat_template(genesis, template)
         try:
-            from zoo_gym.gym_train.chat import ChatTemplateError, check_template
-            from zoo_gym.gym_train.evaluate import load_tokenizer
+            from zoo_gym.evaluation.chat import ChatTemplateError, check_template
+            from zoo_gym.evaluation.evaluate import load_tokenizer
 
             check_template(load_tokenizer(genesis))
         except ChatTemplateError as exc:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ..errors import SoupConfigError
 from .averaging import CenteredClip, GeometricMedian, Mean, TrustMean
@@ -12,16 +12,13 @@ from .base import Rule
 from .coordinatewise import Median, TrimmedMean
 from .selection import Bulyan, Krum, MultiKrum
 
-if TYPE_CHECKING:
-    from ..config import SoupConfig
-
 # read-only: the operator-facing names, in the order the help text lists them
 RULES: Mapping[str, type[Rule]] = MappingProxyType({rule.name: rule for rule in (
     Mean, Median, TrimmedMean, Krum, MultiKrum, Bulyan, GeometricMedian, CenteredClip, TrustMean)})
 
 
-def create_rule(config: SoupConfig) -> Rule:
-    """The rule `config.aggregator` names, with its settings from the config's flat fields."""
+def create_rule(config: Any) -> Rule:
+    """The rule `config.aggregator` names, with its settings from the config's (a `SoupConfig`'s) flat fields."""
     try:
         cls = RULES[config.aggregator]
     except KeyError:

@@ -25,15 +25,16 @@ from zoo_gym import codec
 from zoo_gym.aggregation import DeltaSoup, NotRobustConfigError, PrivacyAccountant, PrivacyBudgetExceeded, SoupConfig
 from zoo_gym.server.rounds import async_rounds, sampling
 from zoo_gym.server.store import master_weights
-from zoo_gym.safetensors_reader import SafetensorsReader
+from zoo_gym.io.safetensors_reader import SafetensorsReader
 from zoo_gym.server.store.checkpoint_writer import CheckpointWriter, master_path, threads_beside_writers
 from zoo_gym.server.config import ServerConfig
-from zoo_gym.server.rounds.evaluation import Evaluators, ServerEvaluator
+from zoo_gym.evaluation.server_evaluator import ServerEvaluator
+from zoo_gym.server.rounds.evaluation import Evaluators
 from zoo_gym.server.rounds.policy import policy_for
 from zoo_gym.server.rounds.privacy_history import published_history
 from zoo_gym.server.rounds.faults import crash_point
 from zoo_gym.server.rounds.identical import round_notes
-from zoo_gym.gym_train.memory import release_memory
+from zoo_gym.evaluation.memory import release_memory
 from zoo_gym.server.store.models import Checkpoint, Contributor, Round, RoundInputs, RoundState, Submission
 from zoo_gym.server.store.retention import retire_checkpoints
 from zoo_gym.server.rounds.settlement import (aggregation_weights, current_reputations, plan_rewards, record_settlement,

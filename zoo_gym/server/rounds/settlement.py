@@ -1,7 +1,7 @@
 """The server's side of rewards: score a round, settle it on the ledger, answer balance/ledger queries.
 
 zoo_gym.rewards holds the formulas and the ledger; this module feeds it the server's numbers: held-out losses
-on the validation set (its pairs' Bradley-Terry loss when it holds preference pairs: rewards/preference.py)
+on the validation set (its pairs' Bradley-Terry loss when it holds preference pairs: evaluation/preference_scoring.py)
 and the round's DeltaSoup report. `scoring-method = "first-order"` (the default, rewards/first_order_scoring.py):
 one gradient of the base's loss on a fixed 32-example scoring set, slopes <g, delta_i> from the rows the
 aggregation decodes anyway (SlopeTap), the linear Shapley game, a random-direction gate and exact forward passes
@@ -147,7 +147,7 @@ def plan_rewards(state: ServerState, config: ServerConfig, rnd, source, report, 
     plan = plan_settlement(round_id=rnd.id, scores=scores, reputations=reputations, pool=pool, config=settle)
     summary = {"method": method, "scoring_base_loss": base_loss, "pool": pool,
                "payouts": [asdict(p) for p in plan.payouts], "scores": [asdict(s) for s in scores]}
-    if getattr(evaluator, "pairs", None):  # the scoring loss is the pairs' (rewards/preference.py)
+    if getattr(evaluator, "pairs", None):  # the scoring loss is the pairs' (evaluation/preference_scoring.py)
         summary["scoring_loss"] = "preference: mean -log sigmoid(log p(chosen) - log p(rejected))"
     return plan, summary
 
@@ -240,10 +240,5 @@ def ledger_entries(state: ServerState, *, contributor: str | None, since_seq: in
     return out
 
 
-def verify_ledger(state: ServerState) -> dict[str, Any]:
-    report = Ledger(_factory(state), state.key).verify()
-    return asdict(report)
-
-
 __all__ = ["aggregation_weights", "balance_of", "current_reputations", "ledger_entries", "plan_rewards",
-           "record_settlement", "scoring_tap", "verify_ledger"]
+           "record_settlement", "scoring_tap"]

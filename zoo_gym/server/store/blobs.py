@@ -16,8 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from zoo_gym.direct_writes import DirectWriter
-from zoo_gym.page_cache import StreamedRanges
+from zoo_gym.io.direct_writes import DirectWriter
+from zoo_gym.io.page_cache import StreamedRanges
 
 
 @contextmanager
@@ -54,8 +54,8 @@ class BlobWriter:
 
     `streamed=True` is for blobs of gigabytes that nobody reads back soon (a published checkpoint's master low
     halves, read by the next publish; a checkpoint when the server does not evaluate it): they bypass the page
-    cache (O_DIRECT, zoo_gym/direct_writes.py), or where the file system refuses that, their pages leave it as
-    the writes go (zoo_gym/page_cache.py says why). A checkpoint its held-out evaluation reads back at once
+    cache (O_DIRECT, zoo_gym/io/direct_writes.py), or where the file system refuses that, their pages leave it as
+    the writes go (zoo_gym/io/page_cache.py says why). A checkpoint its held-out evaluation reads back at once
     stays in the page cache (docs/design/checkpoint-publishing.md)."""
 
     def __init__(self, store: "BlobStore", *, streamed: bool = False) -> None:

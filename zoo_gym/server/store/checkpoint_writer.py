@@ -26,8 +26,8 @@ import torch
 from zoo_gym.proto import archive
 from zoo_gym.server.store import master_kernel
 from zoo_gym.server.store import master_weights
-from zoo_gym.read_ahead import ReadAhead
-from zoo_gym.safetensors_reader import DTYPES, CheckpointFormatError, SafetensorsReader, tensor_bytes
+from zoo_gym.io.read_ahead import ReadAhead
+from zoo_gym.io.safetensors_reader import DTYPES, CheckpointFormatError, SafetensorsReader, tensor_bytes
 
 _CHUNK = 16 << 20  # bytes copied at a time for tensors the round does not change
 _WRITER_THREADS = 2  # the archive's and the master's (CheckpointWriter)
@@ -186,7 +186,7 @@ class CheckpointWriter:
             self.master_layout = SafetensorsLayout(m_order, metadata={"format": "pt"})
             self._threads.append(_Background([master_blob.write], name="publish-master"))
             self._master_out = _Sequential(self.master_layout, [self._threads[1]])
-        # the next changed tensor's base (and low half) is read while this one is added (zoo_gym/read_ahead.py)
+        # the next changed tensor's base (and low half) is read while this one is added (zoo_gym/io/read_ahead.py)
         self._inputs = ReadAhead(self._read_inputs, list(changed), size=self._input_bytes)
 
     def sink(self, name: str, agg: torch.Tensor) -> None:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import asdict
 from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import distinct
 from sqlmodel import func, select
 
-from zoo_gym.rewards.ledger import LedgerEntry
+from zoo_gym.rewards.ledger import Ledger, LedgerEntry
 from zoo_gym.rewards.reputation import Reputation
 from zoo_gym.server.store.models import Checkpoint, Contributor, Round, RoundState, Submission
 
@@ -165,6 +166,14 @@ def ledger(state, *, limit: int = 50, contributor: str | None = None) -> list[di
         return [_entry(e) for e in s.exec(q)]
 
 
+def verify_ledger(state) -> dict[str, Any]:
+    """`gym-server ledger verify`: the whole hash chain and every signature (`rewards.verify.VerifyReport` as a
+    dict: ok, checked, first_bad_seq, reason)."""
+    from sqlmodel import Session
+
+    return asdict(Ledger(lambda: Session(state.engine, expire_on_commit=False), state.key).verify())
+
+
 class LedgerCheck:
     """`gym-server ledger verify` (the whole chain and every signature) for the page.
 
@@ -188,8 +197,6 @@ class LedgerCheck:
         return (*key, head)
 
     def _run(self, key: tuple) -> None:
-        from zoo_gym.server.rounds.settlement import verify_ledger
-
         report = verify_ledger(self.state)
         with self._lock:
             self._report, self._key, self._at, self._refreshing = report, key, time.monotonic(), False

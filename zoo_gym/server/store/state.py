@@ -36,7 +36,7 @@ from zoo_gym.server.store.engine import make_engine
 from zoo_gym.server.store.models import Round, Submission
 
 if TYPE_CHECKING:
-    from zoo_gym.safetensors_reader import WeightsFile
+    from zoo_gym.io.safetensors_reader import WeightsFile
 
 STATE_FILE = "state.json"
 DB_FILE = "server.db"
@@ -226,7 +226,7 @@ class ServerState:
     def checkpoint_files(self, sha256: str) -> tuple[Path, WeightsFile]:
         """A stored checkpoint's directory without its weights (config, tokenizer, lineage: cached under
         work/) and its weights in place in the archive blob: what the evaluator reads, no model-sized copy."""
-        from zoo_gym.safetensors_reader import WeightsFile  # torch: status and ledger stay light (test_light_commands)
+        from zoo_gym.io.safetensors_reader import WeightsFile  # torch: status and ledger stay light (test_light_commands)
 
         return self._unpacked(sha256, weights=False), WeightsFile.in_archive(self.blobs.path(sha256))
 

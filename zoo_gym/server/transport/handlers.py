@@ -28,7 +28,7 @@ from zoo_gym.aggregation.privacy import rdp_epsilon
 from zoo_gym.proto import signing
 from zoo_gym.server.transport.admission import Admission
 from zoo_gym.server.store.blobs import BlobError, map_file
-from zoo_gym.safetensors_reader import SafetensorsReader
+from zoo_gym.io.safetensors_reader import SafetensorsReader
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.errors import (
     AlreadyExists,

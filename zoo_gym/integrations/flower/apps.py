@@ -36,10 +36,11 @@ except ModuleNotFoundError as exc:
         raise
     raise ImportError(f"{__name__} needs Flower: pip install 'zoo-gym[flower]'", name="flwr") from None
 
-from ..codec import decode, encode
-from .config import SoupConfig
-from .flower import DeltaSoupStrategy
-from .privacy import accounted_step, secure_generator
+from zoo_gym.aggregation.config import SoupConfig
+from zoo_gym.aggregation.privacy import accounted_step, secure_generator
+from zoo_gym.codec import decode, encode
+
+from .strategy import DeltaSoupStrategy
 
 # train-config keys the client reads (the server may override any of them per run)
 TRAIN_DEFAULTS = {"task": "default", "steps": 1, "batch-size": 4, "learning-rate": 1e-2, "seed": 0,
@@ -50,7 +51,7 @@ def tiny_arrays() -> ArrayRecord:
     """The built-in tiny base model's tensors (name -> float32 array) as the initial global model."""
     from safetensors.numpy import load_file
 
-    from ..gym_train import tiny_model_dir
+    from zoo_gym.gym_train import tiny_model_dir
 
     return ArrayRecord({k: Array(v) for k, v in load_file(str(tiny_model_dir() / "model.safetensors")).items()})
 
@@ -60,7 +61,7 @@ def _model_dir(arrays: ArrayRecord) -> tuple[pathlib.Path, str]:
     one per process and base: rewritten only when the base changes."""
     from safetensors.numpy import save_file
 
-    from ..gym_train import tiny_model_dir
+    from zoo_gym.gym_train import tiny_model_dir
 
     out = pathlib.Path(tempfile.gettempdir()) / f"zoo-gym-flower-{os.getpid()}"
     if not out.exists():
@@ -105,8 +106,8 @@ def local_payload(arrays: ArrayRecord, *, partition: int, partitions: int, serve
 
 def _honest_payload(base_dir: pathlib.Path, sha: str, *, partition: int, partitions: int, server_round: int,
                     settings: dict) -> bytes:
-    from ..gym_train import TrainConfig, builtin_examples, train
-    from ..gym_train.evaluate import dense_delta
+    from zoo_gym.gym_train import TrainConfig, builtin_examples, train
+    from zoo_gym.evaluation.evaluate import dense_delta
 
     steps, batch = int(settings["steps"]), int(settings["batch-size"])
     shards = min(partitions, int(settings["data-shards"]))  # the tasks hold enough prompts for ~100 shards
@@ -221,7 +222,7 @@ def heldout_evaluate_fn(examples: list[dict], losses: list[float] | None = None)
     (the tiny base plus the arrays' difference to it); each loss is appended to `losses` when given."""
     from safetensors.torch import load_file
 
-    from ..gym_train import Evaluator, tiny_model_dir
+    from zoo_gym.gym_train import Evaluator, tiny_model_dir
 
     base = load_file(str(tiny_model_dir() / "model.safetensors"))
     evaluator = Evaluator(tiny_model_dir(), examples)
@@ -241,8 +242,8 @@ def descent_reference_fn(examples: list[dict]):
     (FLTrust's root set) at the current global arrays of the tiny base."""
     from safetensors.torch import load_file
 
-    from ..gym_train import Evaluator, tiny_model_dir
-    from ..rewards.gradient import base_gradient
+    from zoo_gym.gym_train import Evaluator, tiny_model_dir
+    from zoo_gym.evaluation.gradient import base_gradient
 
     base = load_file(str(tiny_model_dir() / "model.safetensors"))
     root = Evaluator(tiny_model_dir(), examples)

@@ -1,5 +1,5 @@
 """The spilled gradient reads back what was put, whatever the sizes, across the O_DIRECT writer's buffers
-(zoo_gym/direct_writes.py) and after reads have begun: exactly without narrowing, and float32 rounded to
+(zoo_gym/io/direct_writes.py) and after reads have begun: exactly without narrowing, and float32 rounded to
 bfloat16 by default (half the disk). ReadAhead hands out the same tensors, in or out of its order."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zoo_gym import direct_writes
-from zoo_gym.rewards.spill import SpilledTensors, read_ahead
+from zoo_gym.io import direct_writes
+from zoo_gym.evaluation.spill import SpilledTensors, read_ahead
 
 
 def _expected(t: torch.Tensor, stored: torch.dtype | None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The output layer only at scored positions, in chunks (``gym_train.evaluate.head_loss_sum``): the
+"""The output layer only at scored positions, in chunks (``evaluation.evaluate.head_loss_sum``): the
 loss, padded and packed, and the gradient equal the full-logits reference on the tiny model and on
 small random GPT-2 / Llama / Qwen3 / Gemma / Phi-3 bases; chunks never hold every position's
 logits; ``SlopeTap.delta_of`` builds one tensor per read."""
@@ -11,11 +11,12 @@ import torch
 from zoo_gym.aggregation import DeltaSoup, SoupConfig
 from zoo_gym.aggregation.sources import DictDeltaSource
 from zoo_gym.gym_train import default_validation_examples, tiny_model_dir
-from zoo_gym.gym_train import evaluate as ev
-from zoo_gym.gym_train.evaluate import collate, completion_loss_sum, load_model, load_tokenizer, tokenize_examples
+from zoo_gym.evaluation import evaluate as ev
+from zoo_gym.evaluation.evaluate import collate, completion_loss_sum, load_model, load_tokenizer, tokenize_examples
 from zoo_gym.gym_train.families import make_random_base
-from zoo_gym.rewards import SlopeTap, base_gradient
-from zoo_gym.rewards.packed_batch import pack_shared_prefix, packed_loss_sum
+from zoo_gym.evaluation import base_gradient
+from zoo_gym.rewards import SlopeTap
+from zoo_gym.evaluation.packed_batch import pack_shared_prefix, packed_loss_sum
 
 BASES = ("tiny", "gpt2", "llama", "qwen3", "gemma", "phi3")
 

@@ -3,7 +3,7 @@
 Flower clients send back full model arrays; the strategy turns each reply into a delta against
 the arrays it sent out, runs `DeltaSoup` (validate -> clip -> robust aggregate -> DP noise) and
 publishes `global + aggregate`. Weights are never taken from the clients' `num-examples`
-(kept only for metric averaging). It and `flower_apps` are the only modules of zoo_gym that
+(kept only for metric averaging). It and `apps` beside it are the only modules of zoo_gym that
 import flwr (the `flower` extra). Use it in a ServerApp: `DeltaSoupStrategy(SoupConfig(...)).start(grid=..., ...)`.
 """
 
@@ -23,11 +23,11 @@ except ModuleNotFoundError as exc:
     raise ImportError(f"{__name__} needs Flower: pip install 'zoo-gym[flower]'",
                       name="flwr") from None
 
-from .config import SoupConfig
-from .errors import AggregationError, PrivacyBudgetExceeded
-from .privacy import PrivacyAccountant
-from .soup import DeltaSoup, SoupReport
-from .sources import DictDeltaSource
+from zoo_gym.aggregation.config import SoupConfig
+from zoo_gym.aggregation.errors import AggregationError, PrivacyBudgetExceeded
+from zoo_gym.aggregation.privacy import PrivacyAccountant
+from zoo_gym.aggregation.soup import DeltaSoup, SoupReport
+from zoo_gym.aggregation.sources import DictDeltaSource
 
 
 class DeltaSoupStrategy(FedAvg):
@@ -69,7 +69,7 @@ class DeltaSoupStrategy(FedAvg):
 
     def reply_delta(self, msg: Message, base: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """One reply's delta (name -> flat float32 tensor): its full arrays minus `base` (override
-        for replies that carry the delta itself, e.g. `flower_apps`' BitDelta payloads)."""
+        for replies that carry the delta itself, e.g. `apps`' BitDelta payloads)."""
         record = next(iter(msg.content.array_records.values()))
         return {k: torch.from_numpy(np.asarray(v.numpy(), dtype=np.float32)
                                     - base[k].astype(np.float32)).reshape(-1) for k, v in record.items()}

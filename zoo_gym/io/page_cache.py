@@ -3,7 +3,7 @@
 `drop_cached` asks the kernel to drop a range's clean pages (and start writing back its dirty ones), for
 files read once. `StreamedRanges` does it for a file written front to back: every `step` bytes it hands
 the new pages to writeback and drops the previous step's (clean by then), so at most two steps stay
-cached. Writes bypass the cache altogether where the file system allows (zoo_gym/direct_writes.py); this
+cached. Writes bypass the cache altogether where the file system allows (zoo_gym/io/direct_writes.py); this
 module serves the reads, and the writes where O_DIRECT is refused. With `keep_cached` a file read back soon
 (a published checkpoint) has its pages handed to writeback as they come and kept cached. All of it is
 a hint: nothing happens without posix_fadvise (sync_file_range). Why: docs/design/checkpoint-publishing.md.

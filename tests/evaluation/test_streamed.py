@@ -1,4 +1,4 @@
-"""Streamed evaluation and scoring (zoo_gym/rewards/streamed_model.py) give the whole-model numbers with one
+"""Streamed evaluation and scoring (zoo_gym/evaluation/streamed_model.py) give the whole-model numbers with one
 decoder layer resident at a time (and the next one read ahead): held-out loss, loss of base + delta, the scoring
 gradient and the order of first-order scores, on the tiny model and random small bases of several families."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from zoo_gym.gym_train import Evaluator, default_validation_examples, tiny_model_dir
-from zoo_gym.gym_train.evaluate import load_model, tokenize_examples
+from zoo_gym.evaluation.evaluate import load_model, tokenize_examples
 from zoo_gym.gym_train.families import make_random_base
-from zoo_gym.rewards.packing import PackedScoringSet, supports_packing
-from zoo_gym.rewards.streamed_model import load_streamed, stream_of
+from zoo_gym.evaluation.packing import PackedScoringSet, supports_packing
+from zoo_gym.evaluation.streamed_model import load_streamed, stream_of
 
 EXAMPLES = default_validation_examples(n=12)
 
@@ -100,7 +100,7 @@ def test_spilled_gradient_and_one_layer_during_backward(tmp_path):
     ps = PackedScoringSet(model, tokenize_examples(tok, EXAMPLES), pad_id=tok.pad_token_id)
     spilled, kept = ps.gradient(spill_dir=tmp_path), ps.gradient()
     assert len(seen) == 4 * len(stream.layers) and max(seen) == 1  # forward + recompute, twice
-    for name in kept.grad:  # spilled in bfloat16 (rewards/spill.py), read back as float32
+    for name in kept.grad:  # spilled in bfloat16 (evaluation/spill.py), read back as float32
         assert torch.equal(spilled.grad[name], kept.grad[name].to(torch.bfloat16).float())
 
 
@@ -122,7 +122,7 @@ def test_reading_ahead_changes_no_number_and_off_holds_one_layer():
 
 
 def test_server_evaluator_streams():
-    from zoo_gym.server.rounds.evaluation import ServerEvaluator
+    from zoo_gym.evaluation.server_evaluator import ServerEvaluator
 
     ev = ServerEvaluator(tiny_model_dir(), default_validation_examples(n=40), scoring_examples=32)
     assert stream_of(ev.base.model) is not None and isinstance(ev.scoring, PackedScoringSet)
@@ -136,7 +136,7 @@ def test_a_bf16_evaluators_exact_check_measures_the_float32_change():
     """The first-order exact check compares base + delta with the gradient's base loss: in bf16 that loss is a
     bf16 rounding away from float32's, so `solo_loss` carries the delta's float32 change onto it; the gain the
     check sees is float32's, not the rounding."""
-    from zoo_gym.server.rounds.evaluation import ServerEvaluator
+    from zoo_gym.evaluation.server_evaluator import ServerEvaluator
 
     examples = default_validation_examples(n=40)
     ev16, ev32 = (ServerEvaluator(tiny_model_dir(), examples, scoring_examples=32, dtype=d)
@@ -165,7 +165,7 @@ def test_vocabulary_weights_stay_bf16_and_give_the_whole_model_numbers(bf16_dir,
     """The embedding / output layer stay in the checkpoint's bf16 and are used a vocabulary block at a time; the loss,
     the loss with a delta on the embedding, the gradient (in memory, spilled) and the slopes' order are the float32
     whole model's."""
-    from zoo_gym.rewards import vocab_blocks
+    from zoo_gym.evaluation import vocab_blocks
 
     if block_rows is not None:
         monkeypatch.setattr(vocab_blocks, "BLOCK_ROWS", block_rows)
@@ -203,8 +203,8 @@ def test_vocabulary_weights_stay_bf16_and_give_the_whole_model_numbers(bf16_dir,
 def test_vocabulary_gradient_is_handed_out_in_blocks(bf16_dir, monkeypatch):
     """Each backward leaves factors only; `finish` hands out the (vocab, hidden) gradient BLOCK_ROWS rows at a time, and
     the blocks make up the whole model's gradient of the embedding / output layer."""
-    from zoo_gym.rewards import vocab_blocks
-    from zoo_gym.rewards.packed_batch import pack_shared_prefix, packed_loss_sum
+    from zoo_gym.evaluation import vocab_blocks
+    from zoo_gym.evaluation.packed_batch import pack_shared_prefix, packed_loss_sum
 
     monkeypatch.setattr(vocab_blocks, "BLOCK_ROWS", 50)
     whole, streamed = load_model(bf16_dir), load_streamed(bf16_dir)
@@ -230,8 +230,8 @@ def test_vocabulary_gradient_is_handed_out_in_blocks(bf16_dir, monkeypatch):
 
 def test_gradient_in_parts_gathers_every_backward(bf16_dir, monkeypatch):
     """`rows_per_backward` runs one backward per part: the vocabulary gradient sums the factors of all of them."""
-    from zoo_gym.rewards import base_gradient, vocab_blocks
-    from zoo_gym.rewards.packed_batch import pack_shared_prefix
+    from zoo_gym.evaluation import base_gradient, vocab_blocks
+    from zoo_gym.evaluation.packed_batch import pack_shared_prefix
 
     monkeypatch.setattr(vocab_blocks, "BLOCK_ROWS", 64)
     whole, streamed = load_model(bf16_dir), load_streamed(bf16_dir)
@@ -248,7 +248,7 @@ def test_gradient_in_parts_gathers_every_backward(bf16_dir, monkeypatch):
 def test_bfloat16_passes_keep_the_float32_numbers(model_dir):
     """In bf16 (the layers' matrices as bf16, float32 accumulation, issue 29) the held-out loss is within 1e-3 of
     float32's, the gradient ranks deltas as float32's does, and base + delta still computes in float32, bit for bit."""
-    from zoo_gym.rewards.packed_batch import pack_shared_prefix, packed_loss_sum
+    from zoo_gym.evaluation.packed_batch import pack_shared_prefix, packed_loss_sum
 
     streamed = load_streamed(model_dir)
     if not supports_packing(streamed):
@@ -281,7 +281,7 @@ def test_bf16_layers_are_used_where_they_lie_in_the_file(bf16_dir):
     no copy), and every layer's pages leave the process again when it is dropped."""
     import numpy as np
 
-    from zoo_gym.rewards.packed_batch import pack_shared_prefix, packed_loss_sum
+    from zoo_gym.evaluation.packed_batch import pack_shared_prefix, packed_loss_sum
 
     model = load_streamed(bf16_dir)
     stream = stream_of(model)

@@ -2,7 +2,7 @@
 
 The server reads multi-gigabyte checkpoints without a whole-file map or a whole-model dict: the publish
 reads its base in place from the checkpoint archive's blob (server/store/checkpoint_writer.py), the
-evaluator reads one decoder layer at a time the same way (rewards/streamed_model.py). Written here
+evaluator reads one decoder layer at a time the same way (evaluation/streamed_model.py). Written here
 because `safetensors.safe_open` needs a file of its own: it cannot read the weights member of a tar.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from zoo_gym.page_cache import drop_cached
+from zoo_gym.io.page_cache import drop_cached
 from zoo_gym.proto import archive
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -50,7 +50,7 @@ class SafetensorsReader:
 
     `offset`/`length` read one stored inside another file: a checkpoint archive's weights member is
     read in place (`in_archive`), so the server never needs an unpacked copy to publish from.
-    `streamed=True` drops what was read from the page cache (zoo_gym/page_cache.py): a publish reads the
+    `streamed=True` drops what was read from the page cache (zoo_gym/io/page_cache.py): a publish reads the
     base and its master once, and their pages are better reused by the blobs it writes."""
 
     def __init__(self, path: Path, *, offset: int = 0, length: int | None = None, streamed: bool = False) -> None:
@@ -183,3 +183,16 @@ class WeightsFile:
 
     def open(self, *, streamed: bool = False) -> SafetensorsReader:
         return SafetensorsReader(self.path, offset=self.offset, length=self.length, streamed=streamed)
+
+    def sha256(self) -> str:
+        """sha256 of these bytes: recognises a published checkpoint's weights after its archive round trip."""
+        import hashlib
+
+        h = hashlib.sha256()
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            left = self.length if self.length is not None else float("inf")
+            while left > 0 and (chunk := f.read(int(min(1 << 20, left)))):
+                h.update(chunk)
+                left -= len(chunk)
+        return h.hexdigest()

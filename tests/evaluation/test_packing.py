@@ -12,10 +12,11 @@ from hypothesis import strategies as st
 from zoo_gym.aggregation import DeltaSoup, SoupConfig
 from zoo_gym.aggregation.sources import DictDeltaSource
 from zoo_gym.gym_train import Evaluator, default_validation_examples, tiny_model_dir
-from zoo_gym.gym_train.evaluate import collate, completion_loss_sum, tokenize_examples
-from zoo_gym.rewards import ScoringInputError, SlopeTap, base_gradient
-from zoo_gym.rewards.packed_batch import pack_shared_prefix, supports_packing
-from zoo_gym.rewards.packing import PackedScoringSet
+from zoo_gym.evaluation.evaluate import collate, completion_loss_sum, tokenize_examples
+from zoo_gym.evaluation import EvaluationInputError, base_gradient
+from zoo_gym.rewards import ScoringInputError, SlopeTap
+from zoo_gym.evaluation.packed_batch import pack_shared_prefix, supports_packing
+from zoo_gym.evaluation.packing import PackedScoringSet
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +105,7 @@ def test_eager_attention_takes_the_additive_mask(tiny):
 def test_packed_loss_equals_padded_loss_on_random_examples(tiny, prefix, examples, row_tokens):
     pairs = [(prefix + p, c) for p, c in examples]
     if all(len(p) + len(c) < 2 for p, c in pairs):
-        with pytest.raises(ScoringInputError, match="no example has a completion token"):
+        with pytest.raises(EvaluationInputError, match="no example has a completion token"):
             pack_shared_prefix(pairs, pad_id=0, row_tokens=row_tokens)
         return
     ps = PackedScoringSet(tiny.model, pairs, pad_id=0, row_tokens=row_tokens)
@@ -112,27 +113,27 @@ def test_packed_loss_equals_padded_loss_on_random_examples(tiny, prefix, example
 
 
 def test_errors_name_what_to_change(tiny):
-    with pytest.raises(ScoringInputError, match="`pairs` is empty"):
+    with pytest.raises(EvaluationInputError, match="`pairs` is empty"):
         pack_shared_prefix([], pad_id=0)
-    with pytest.raises(ScoringInputError, match="`row_tokens`"):
+    with pytest.raises(EvaluationInputError, match="`row_tokens`"):
         pack_shared_prefix([([1], [2])], pad_id=0, row_tokens=1)
-    with pytest.raises(ScoringInputError, match="no example has a completion token"):
+    with pytest.raises(EvaluationInputError, match="no example has a completion token"):
         pack_shared_prefix([([1, 2], [])], pad_id=0)
     ps = PackedScoringSet(tiny.model, [([1, 2, 3], [4, 5])], pad_id=0)
-    with pytest.raises(ScoringInputError, match="not a parameter"):
+    with pytest.raises(EvaluationInputError, match="not a parameter"):
         ps.loss({"nope.weight": torch.zeros(3)})
     name = "model.norm.weight"
-    with pytest.raises(ScoringInputError, match="shape"):
+    with pytest.raises(EvaluationInputError, match="shape"):
         ps.loss({name: torch.zeros(3)})
     emb = tiny.model.get_input_embeddings().weight
     before = emb.detach().clone()
-    with pytest.raises(ScoringInputError, match="tied parameter"):
+    with pytest.raises(EvaluationInputError, match="tied parameter"):
         ps.loss({"model.embed_tokens.weight": torch.ones_like(emb), "lm_head.weight": torch.ones_like(emb)})
     assert torch.equal(emb, before)  # restored after the refusal
     tiny.model.config._attn_implementation = "flash_attention_2"  # noqa: SLF001 (only the name)
     try:
         assert not supports_packing(tiny.model)
-        with pytest.raises(ScoringInputError, match="sdpa"):
+        with pytest.raises(EvaluationInputError, match="sdpa"):
             PackedScoringSet(tiny.model, [([1, 2, 3], [4, 5])], pad_id=0)
     finally:
         tiny.model.config._attn_implementation = "sdpa"  # noqa: SLF001

@@ -1,5 +1,5 @@
 """``PackedScoringSet``: the exact loss (with or without a delta) and the base gradient of a scoring set
-packed by ``packed_batch.pack_shared_prefix``, the same quantities as ``gym_train.Evaluator`` computes."""
+packed by ``packed_batch.pack_shared_prefix``, the same quantities as ``evaluate.Evaluator`` computes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from .errors import ScoringInputError
+from .errors import EvaluationInputError
 from .gradient import base_gradient
 from .packed_batch import pack_shared_prefix, packed_loss_sum, supports_packing
 from .streamed_model import computing
@@ -21,7 +21,7 @@ class PackedScoringSet:
     """Exact mean completion loss of ``model`` (+ an optional delta) on packed examples.
 
     ``loss(delta, scale=c)`` evaluates with ``c * delta`` added to the weights, one module at a
-    time (the weights themselves are never written), like ``gym_train.Evaluator.loss``; it equals
+    time (the weights themselves are never written), like ``evaluate.Evaluator.loss``; it equals
     that loss up to float rounding. ``gradient()`` is
     ``base_gradient`` on the same packed batch.
     """
@@ -29,7 +29,7 @@ class PackedScoringSet:
     def __init__(self, model: torch.nn.Module, pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
                  *, pad_id: int, row_tokens: int = 128) -> None:
         if not supports_packing(model):
-            raise ScoringInputError("packed scoring needs attention 'sdpa' or 'eager'; use "
+            raise EvaluationInputError("packed scoring needs attention 'sdpa' or 'eager'; use "
                                     "gym_train.Evaluator (padded batches) for this model")
         self.model = model
         self.batch = pack_shared_prefix(pairs, pad_id=pad_id, row_tokens=row_tokens)
@@ -50,10 +50,10 @@ class PackedScoringSet:
         for name in delta.keys():
             p = self._params.get(name)
             if p is None:
-                raise ScoringInputError(f"delta names {name!r}, which is not a parameter "
+                raise EvaluationInputError(f"delta names {name!r}, which is not a parameter "
                                         "of the model: score against the round's base")
             if id(p) in patches:
-                raise ScoringInputError(f"delta names the tied parameter {name!r} twice "
+                raise EvaluationInputError(f"delta names the tied parameter {name!r} twice "
                                         "(under two aliases): send it once")
             patches[id(p)] = (name, p)
         owners: dict[torch.nn.Module, list[tuple[str, torch.nn.Parameter]]] = {}
@@ -68,7 +68,7 @@ class PackedScoringSet:
             d = delta[name]
             if not isinstance(d, Tensor) or tuple(d.shape) != tuple(p.shape):
                 shape = tuple(d.shape) if isinstance(d, Tensor) else type(d).__name__
-                raise ScoringInputError(f"delta {name!r} has shape {shape}, the model's "
+                raise EvaluationInputError(f"delta {name!r} has shape {shape}, the model's "
                                         f"is {tuple(p.shape)}")
             applied.add(id(p))
             return torch.add(p.data, d.to(device=p.device, dtype=p.dtype), alpha=scale)

@@ -2,7 +2,7 @@
 
 The server reads gigabytes a tensor at a time in an order it knows beforehand: the base checkpoint and its
 master's low halves as a publish adds the aggregate (server/store/checkpoint_writer.py), the spilled scoring
-gradient as the slope tap takes its slopes (rewards/spill.py). `os.preadv` releases the GIL, so the disk
+gradient as the slope tap takes its slopes (evaluation/spill.py). `os.preadv` releases the GIL, so the disk
 works beside the arithmetic. Written here because the standard library's executors would keep a thread per
 reader alive past its last read; this starts one short thread per item and holds at most one read.
 """

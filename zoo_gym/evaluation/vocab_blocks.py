@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from zoo_gym.gym_train.evaluate import hidden_at
-from zoo_gym.safetensors_reader import WeightsFile
+from zoo_gym.evaluation.evaluate import hidden_at
+from zoo_gym.io.safetensors_reader import WeightsFile
 
 BLOCK_ROWS = 8192  # vocabulary rows per block: (rows, hidden) float32 weights, (K, rows) logits
 
@@ -74,7 +74,7 @@ def _capped(z: Tensor, cap: float | None) -> Tensor:
 def _dlogits(vocab: "VocabWeights", h: Tensor, w: Tensor, v0: int, v1: int, lse: Tensor, targets: Tensor,
              cap: float | None, scale: Tensor) -> Tensor:
     """d(sum CE)/d(logits) of vocabulary rows v0:v1, times ``scale``: (K, Vb) float32. A vocabulary of one
-    block takes ``softmax`` itself: the very operations of ``gym_train.head_loss``, bit for bit."""
+    block takes ``softmax`` itself: the very operations of ``evaluation.head_loss``, bit for bit."""
     logits = _capped(_mm(vocab, h, _rows(vocab, w, v0, v1).T), cap)      # (K, Vb)
     whole = v0 == 0 and v1 == w.shape[0]
     d = torch.softmax(logits, dim=-1) if whole else torch.exp(logits - lse[:, None])  # softmax rows v0:v1
@@ -163,7 +163,7 @@ class VocabWeights:
     def _gradient(self) -> VocabGradient:
         if self.grad is None:
             raise RuntimeError("a streamed model's embedding and output layer take gradients only inside "
-                               "VocabWeights.gathering() (rewards.gradient.base_gradient opens it)")
+                               "VocabWeights.gathering() (evaluation.gradient.base_gradient opens it)")
         return self.grad
 
 
@@ -231,7 +231,7 @@ class _CrossEntropySum(torch.autograd.Function):
         for v0 in range(0, w.shape[0], BLOCK_ROWS):
             v1 = min(w.shape[0], v0 + BLOCK_ROWS)
             logits = _capped(_mm(vocab, hf, _rows(vocab, w, v0, v1).T), cap)  # (K, Vb)
-            if v1 - v0 == w.shape[0]:  # one block: the plain cross-entropy (gym_train.head_loss's numbers)
+            if v1 - v0 == w.shape[0]:  # one block: the plain cross-entropy (evaluation.head_loss's numbers)
                 total = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
                 break
             lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=1))
@@ -284,7 +284,7 @@ def vocab_of(model: torch.nn.Module) -> VocabWeights | None:
 
 
 def head_loss_sum(model: torch.nn.Module, inputs: dict, *, at: Tensor, targets: Tensor) -> Tensor:
-    """``gym_train.evaluate.head_loss_sum`` for an installed model: the decoder body on ``inputs``, then the
+    """``evaluation.evaluate.head_loss_sum`` for an installed model: the decoder body on ``inputs``, then the
     summed cross-entropy of ``targets`` at flat positions ``at`` through one call of the output layer (so
     forward hooks on it, such as ``PackedScoringSet``'s delta swap, see the computation)."""
     head = model.get_output_embeddings()

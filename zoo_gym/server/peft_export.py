@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from zoo_gym.proto import archive
-from zoo_gym.safetensors_reader import SafetensorsReader
+from zoo_gym.io.safetensors_reader import SafetensorsReader
 from zoo_gym.server.store.checkpoint_writer import master_path, master_sha256
 from zoo_gym.server.store.master_weights import master_of
 from zoo_gym.server.store.models import Checkpoint, Round, RoundState

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from zoo_gym.gym_train.evaluate import head_loss_sum
+from zoo_gym.evaluation.evaluate import head_loss_sum
 
-from .errors import ScoringInputError
+from .errors import EvaluationInputError
 from .vocab_blocks import head_loss_sum as blocked_head_loss_sum
 from .vocab_blocks import vocab_of
 
@@ -68,7 +68,7 @@ def pack_shared_prefix(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, 
                        row_tokens: int = 128) -> PackedBatch:
     """Pack ``(prompt ids, completion ids)`` pairs into rows of about ``row_tokens`` positions.
 
-    The loss runs over the completion tokens exactly as ``gym_train.evaluate.collate`` labels
+    The loss runs over the completion tokens exactly as ``evaluation.evaluate.collate`` labels
     them: token ``j`` of ``prompt + completion`` is predicted at position ``j - 1`` for every
     ``j >= max(len(prompt), 1)``. Each example's last token is left out of the input (it is only
     a target, nothing scored depends on it). The longest prefix that all examples share (and that ends
@@ -78,13 +78,13 @@ def pack_shared_prefix(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, 
     length. Deterministic: ties go to the lower row, examples keep their given order among equals.
     """
     if not pairs:
-        raise ScoringInputError("`pairs` is empty: there is nothing to compute a loss on")
+        raise EvaluationInputError("`pairs` is empty: there is nothing to compute a loss on")
     if row_tokens < 2:
-        raise ScoringInputError(f"`row_tokens` must be >= 2, got {row_tokens}")
+        raise EvaluationInputError(f"`row_tokens` must be >= 2, got {row_tokens}")
     full = [list(p) + list(c) for p, c in pairs]
     first_scored = [max(len(p), 1) - 1 for p, _ in pairs]  # first position that predicts a target
     if sum(max(len(s) - 1 - f, 0) for s, f in zip(full, first_scored)) == 0:
-        raise ScoringInputError("no example has a completion token: nothing to compute a loss on")
+        raise EvaluationInputError("no example has a completion token: nothing to compute a loss on")
     # An example's last token is only ever a target: no position of its own example comes after
     # it, so it is never an input anything scored depends on. Dropped (exact; 1 position each).
     seqs = [s[:-1] for s in full]
@@ -139,10 +139,10 @@ def packed_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> tuple[Tensor,
     """``(sum of completion-token cross-entropies, their count)``; differentiable when grad is on.
 
     The decoder body runs on the packed rows; the output layer only at ``predict_at``, a chunk of
-    positions at a time (``gym_train.evaluate.head_loss_sum``): no ``(R, T, vocab)`` logits."""
+    positions at a time (``evaluation.evaluate.head_loss_sum``): no ``(R, T, vocab)`` logits."""
     impl = getattr(model.config, "_attn_implementation", None)
     if impl not in _PACKABLE_ATTENTION:
-        raise ScoringInputError(f"packed scoring needs attention 'sdpa' or 'eager' (a 4D mask); "
+        raise EvaluationInputError(f"packed scoring needs attention 'sdpa' or 'eager' (a 4D mask); "
                                 f"the model uses {impl!r}: load it with attn_implementation='sdpa'")
     device = next(model.parameters()).device
     dtype = torch.float32 if vocab_of(model) is not None else next(model.parameters()).dtype  # bf16 embedding

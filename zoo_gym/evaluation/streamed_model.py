@@ -24,8 +24,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from zoo_gym.gym_train.memory import trim_heap
-from zoo_gym.safetensors_reader import SafetensorsReader, WeightsFile
+from zoo_gym.evaluation.memory import trim_heap
+from zoo_gym.io.safetensors_reader import SafetensorsReader, WeightsFile
 
 from .activation_budget import decoder_layers
 from .vocab_blocks import install
@@ -282,7 +282,7 @@ class LayerStream:
 
 
 def _dense(value) -> torch.Tensor:
-    from zoo_gym.gym_train.evaluate import dense_delta
+    from zoo_gym.evaluation.evaluate import dense_delta
 
     return dense_delta(value)
 

@@ -130,7 +130,7 @@ def head_loss_sum(model, inputs: dict, *, at: torch.Tensor, targets: torch.Tenso
     step = max(1, _HEAD_CHUNK_ELEMENTS // max(vocab, 1))
     grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
     if grad and type(head) is torch.nn.Linear:  # one weight-gradient buffer for all chunks (head_loss.py)
-        from zoo_gym.gym_train.head_loss import linear_cross_entropy_sum
+        from zoo_gym.evaluation.head_loss import linear_cross_entropy_sum
 
         return linear_cross_entropy_sum(hidden, head, targets, step=step, cap=cap)
     total = hidden.new_zeros((), dtype=torch.float32)
@@ -195,7 +195,7 @@ class Evaluator:
     @contextlib.contextmanager
     def applied(model, delta: Mapping[str, torch.Tensor] | None, *, scale: float = 1.0):
         """Within the block, ``model``'s weights are base + ``scale * delta``; restored bit for bit after.
-        A model whose layers stream from disk (``zoo_gym.rewards.streamed_model``) adds it as it loads them."""
+        A model whose layers stream from disk (``zoo_gym.evaluation.streamed_model``) adds it as it loads them."""
         stream = getattr(model, "zoo_stream", None)
         if stream is not None:
             with stream.applied(delta, scale=scale):

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from zoo_gym import gym_train
-from zoo_gym.gym_train.evaluate import load_model, load_tokenizer, tokenize_examples
-from zoo_gym.gym_train.head_loss import linear_cross_entropy_sum
-from zoo_gym.rewards import base_gradient
-from zoo_gym.rewards.activation_budget import checkpoint_beyond, decoder_layers
-from zoo_gym.rewards.packed_batch import pack_shared_prefix, packed_loss_sum
-from zoo_gym.rewards.spill import SpilledTensors
+from zoo_gym.evaluation.evaluate import load_model, load_tokenizer, tokenize_examples
+from zoo_gym.evaluation.head_loss import linear_cross_entropy_sum
+from zoo_gym.evaluation import base_gradient
+from zoo_gym.evaluation.activation_budget import checkpoint_beyond, decoder_layers
+from zoo_gym.evaluation.packed_batch import pack_shared_prefix, packed_loss_sum
+from zoo_gym.evaluation.spill import SpilledTensors
 
 
 @pytest.mark.parametrize("cap", [None, 30.0])
@@ -74,7 +74,7 @@ def test_spilled_and_checkpointed_gradient_equals_the_plain_one(tiny_batch, tmp_
     assert spilled.numel == plain.numel
     assert set(spilled.grad) == set(plain.grad)
     for name, want in plain.grad.items():
-        # spilled in bfloat16 (rewards/spill.py): 2^-9 relative, 2^-8 with the recompute's float32 differences
+        # spilled in bfloat16 (evaluation/spill.py): 2^-9 relative, 2^-8 with the recompute's float32 differences
         torch.testing.assert_close(spilled.grad[name], want, rtol=4e-3, atol=1e-7 * plain.norm)
 
     released = spilled.release()
@@ -99,8 +99,8 @@ def test_layers_past_the_budget_are_checkpointed_and_the_rest_are_not(tiny_batch
 _PEAK = textwrap.dedent("""
     import json, sys, torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    from zoo_gym.rewards import base_gradient
-    from zoo_gym.rewards.packed_batch import pack_shared_prefix
+    from zoo_gym.evaluation import base_gradient
+    from zoo_gym.evaluation.packed_batch import pack_shared_prefix
     torch.manual_seed(0)
     torch.set_num_threads(1)
     cfg = Qwen3Config(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
@@ -147,7 +147,7 @@ def test_the_bounded_gradient_adds_far_less_to_the_peak_than_holding_it(tmp_path
 def test_a_bf16_gradients_norm_is_its_float32_copys_to_the_bit(shape):
     """The gradient's norm of a bf16 gradient (computed blockwise, without a float32 copy of it) is the norm of
     its float32 copy, bit for bit: the same float32 row norms summed in float64."""
-    from zoo_gym.rewards.gradient import _sq_norm
+    from zoo_gym.evaluation.gradient import _sq_norm
 
     g = torch.randn(shape, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     assert float(_sq_norm(g)) == float(_sq_norm(g.float()))

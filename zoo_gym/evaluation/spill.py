@@ -5,9 +5,9 @@ with ``pread`` when asked for: nothing of it is resident, and the file disappear
 Float32 tensors are stored rounded to bfloat16 (half the disk and the reads; the slopes it serves move by
 at most 2^-9 sum_i |g_i delta_i|, typically ~1e-3 / sqrt(d) of |g| |delta|). ``read_ahead`` reads the next
 tensor on a thread while one is used.
-Writes go around the page cache (O_DIRECT, ``zoo_gym/direct_writes.py``) on a thread of their own (``put``
+Writes go around the page cache (O_DIRECT, ``zoo_gym/io/direct_writes.py``) on a thread of their own (``put``
 returns once its bytes are queued, up to ``queued_bytes`` waiting) and read pages leave the cache
-(``zoo_gym/page_cache.py``). Why, and why not safetensors or memmap: docs/design/rewards-scoring.md.
+(``zoo_gym/io/page_cache.py``). Why, and why not safetensors or memmap: docs/design/rewards-scoring.md.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from zoo_gym.direct_writes import DirectWriter, QueuedWrites
-from zoo_gym.read_ahead import ReadAhead
-from zoo_gym.page_cache import drop_cached
+from zoo_gym.io.direct_writes import DirectWriter, QueuedWrites
+from zoo_gym.io.read_ahead import ReadAhead
+from zoo_gym.io.page_cache import drop_cached
 
 
 class SpilledTensors(Mapping[str, Tensor]):
@@ -164,7 +164,7 @@ class SpilledTensors(Mapping[str, Tensor]):
 
 def read_ahead(spill: SpilledTensors, order: Sequence[str], *, max_bytes: int = 256 << 20) -> ReadAhead[Tensor]:
     """``get(name)``: ``spill.stored(name)``, the next name of ``order`` read on a thread meanwhile
-    (zoo_gym/read_ahead.py); tensors over ``max_bytes`` (a vocabulary matrix) are read when asked for."""
+    (zoo_gym/io/read_ahead.py); tensors over ``max_bytes`` (a vocabulary matrix) are read when asked for."""
     return ReadAhead(spill.stored, order, size=spill.stored_nbytes, max_bytes=max_bytes)
 
 

@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-from zoo_gym.page_cache import StreamedRanges, drop_cached
+from zoo_gym.io.page_cache import StreamedRanges, drop_cached
 
 BUFFER = 8 << 20  # bytes per aligned buffer: a multiple of any block size (<= 64 KiB)
 

@@ -1,7 +1,7 @@
 """``PreferenceScoringSet``: the scoring loss when the validation data holds preference pairs.
 
 The loss is the pairs' Bradley-Terry loss ``mean(-log sigmoid(m))``, ``m`` = log p(chosen) - log p(rejected)
-(``gym_train.preference_eval``): positive, differentiable, and lower when the margins rise, so the
+(``evaluation.preference_eval``): positive, differentiable, and lower when the margins rise, so the
 unchanged scoring formulas (relative gain ``(L0 - L_i) / L0``, first-order slopes ``<g, delta>``, the
 random-direction gate, the exact checks) pay a delta that raises the margin and nothing to one that
 lowers it. Same interface as ``PackedScoringSet``: ``loss(delta, scale=c)`` and ``gradient()``.
@@ -15,9 +15,9 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from zoo_gym.gym_train.preference_eval import PreferenceEvaluator, completion_logprobs
+from zoo_gym.evaluation.preference_eval import PreferenceEvaluator, completion_logprobs
 
-from .errors import ScoringInputError
+from .errors import EvaluationInputError
 from .gradient import BaseGradient
 from .spill import SpilledTensors
 from .vocab_blocks import vocab_of
@@ -56,7 +56,7 @@ class PreferenceScoringSet:
                 lp = completion_logprobs(model, self.evaluator._batches, device=device)  # noqa: SLF001
                 loss = preference_loss(lp[0::2] - lp[1::2])
                 if not loss.requires_grad:
-                    raise ScoringInputError("the preference loss does not depend on the model's weights")
+                    raise EvaluationInputError("the preference loss does not depend on the model's weights")
                 loss.backward()
                 grads = {id(p): (p.grad.detach().clone() if p.grad is not None
                                  else torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32)))

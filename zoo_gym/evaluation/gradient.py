@@ -1,7 +1,7 @@
 """The server's root gradient: loss and gradient of the validation loss at the base checkpoint.
 
 ``g = dL/dtheta`` at the round's base, ``L`` the mean completion-token cross-entropy that
-``gym_train.Evaluator.loss`` computes (token-weighted, labels ``-100`` outside completions). It depends
+``evaluate.Evaluator.loss`` computes (token-weighted, labels ``-100`` outside completions). It depends
 only on the base and the validation set, so ``BaseGradient`` caches it from publish to scoring (FLTrust,
 Cao, Fang, Liu, Gong, NDSS 2021: the server's root update). One forward and one backward over the
 examples, decoder layers beyond the activation budget checkpointed (``activation_budget.py``); the
@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from zoo_gym.gym_train.evaluate import head_loss_sum, scored_positions
+from zoo_gym.evaluation.evaluate import head_loss_sum, scored_positions
 
 from .activation_budget import checkpoint_beyond, decoder_layers
-from .errors import ScoringInputError
+from .errors import EvaluationInputError
 from .packed_batch import PackedBatch, packed_loss_sum
 from .spill import SpilledTensors
 from .streamed_model import stream_of
@@ -157,7 +157,7 @@ def _backward_parts(batches, rows_per_backward: int | None) -> tuple[list, int, 
     tokens = sum(k for _, k, _ in parts)
     examples = sum(b for _, _, b in parts)
     if tokens == 0:
-        raise ScoringInputError("`batches` hold no completion tokens (every label is -100 "
+        raise EvaluationInputError("`batches` hold no completion tokens (every label is -100 "
                                 "or there is no batch): nothing to take a gradient of")
     return parts, tokens, examples
 
@@ -225,7 +225,7 @@ def base_gradient(model: torch.nn.Module,
     """Mean completion loss of ``model`` over ``batches`` and its gradient.
 
     ``batches`` yields ``(input_ids, attention_mask, labels)``, each ``(B, T)``, labels ``-100``
-    where no loss is taken (``gym_train.evaluate.collate`` makes them), or ``PackedBatch`` es
+    where no loss is taken (``evaluation.evaluate.collate`` makes them), or ``PackedBatch`` es
     (``packed_batch.pack_shared_prefix``: the same loss on fewer positions). The model's parameters and
     their ``.grad`` are left as they were (``.grad`` is reset to None before and after).
 
@@ -245,7 +245,7 @@ def base_gradient(model: torch.nn.Module,
     # remove_duplicate=False: a tied weight (lm_head.weight = embed_tokens.weight) appears under
     # both names with the same gradient, so a delta naming either gets the right slope.
     if rows_per_backward is not None and rows_per_backward < 1:
-        raise ScoringInputError(f"`rows_per_backward` must be >= 1, got {rows_per_backward}")
+        raise EvaluationInputError(f"`rows_per_backward` must be >= 1, got {rows_per_backward}")
     params = dict(model.named_parameters(remove_duplicate=False))
     parts, tokens, examples = _backward_parts(batches, rows_per_backward)
     stream = stream_of(model)
