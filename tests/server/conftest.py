@@ -1,8 +1,11 @@
-"""An in-process gym-server (the real service and state, on 127.0.0.1 and a free port) for service tests."""
+"""An in-process gym-server (the real service and state, on 127.0.0.1 and a free port) for service tests.
+Tests that run it as a process share server_processes.py (this folder goes on the path: --import-mode=importlib)."""
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -15,6 +18,8 @@ from zoo_gym.proto import gym_pb2, gym_pb2_grpc, signing
 from zoo_gym.server.config import build_config
 from zoo_gym.server.transport.servicer import build_server
 from zoo_gym.server.genesis import init_state
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 class Federation:

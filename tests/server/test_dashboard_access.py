@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from typer.testing import CliRunner
 from zoo_gym.proto import gym_pb2, gym_pb2_grpc, signing
 from zoo_gym.server.cli import app
 from zoo_gym.server.genesis import init_state
+from server_processes import stop
 
 DP = ["--aggregator", "mean", "--dp-noise-multiplier", "1", "--dp-clip", "0.05", "--dp-expected-contributors", "3"]
 TOKEN = "s3cret-dashboard-token-0123456789"
@@ -122,12 +122,7 @@ def dp_server(tmp_path_factory):
             time.sleep(0.2)
         yield {"port": int(port_file.read_text()), "dash_port": dash_port, "base": base, "log": log_path}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+        stop(proc)
 
 
 def _poll(base: str) -> int | None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from typer.testing import CliRunner
 
 from zoo_gym.server.cli import app
 from zoo_gym.server.genesis import init_state
+from server_processes import stop
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -92,12 +92,7 @@ def running(tmp_path_factory):
             time.sleep(0.2)
         yield proc, int(port_file.read_text()), state_dir
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+        stop(proc)
         log.close()
 
 

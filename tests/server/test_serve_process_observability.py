@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from zoo_gym.server.genesis import init_state
+from server_processes import stop
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "FORCE_COLOR": "1",
        "PYTHONPATH": f"{Path(__file__).resolve().parents[2]}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -64,12 +64,7 @@ def test_json_log_lines_and_metrics_of_a_real_server(tmp_path):
                 assert time.monotonic() < deadline and proc.poll() is None, log_path.read_text()[-2000:]
                 time.sleep(0.2)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+        stop(proc)
 
     assert m[("process_cpu_seconds_total", ())] > 0 and m[("process_resident_memory_bytes", ())] > 0
     assert any(name == "python_info" for name, _ in m)
