@@ -196,7 +196,8 @@ def test_out_of_range_capacity_settings_are_refused_naming_the_setting(setting, 
 
 
 def test_pending_headers_are_bounded_and_a_stalled_header_is_dropped_after_the_header_timeout(federation_with):
-    fed = federation_with(header_timeout=1.5, upload_idle_timeout=60.0, max_pending_headers=3)
+    # 5 s: far above what the fourth call below takes to arrive on a loaded CI machine.
+    fed = federation_with(header_timeout=5.0, upload_idle_timeout=60.0, max_pending_headers=3)
     stop = threading.Event()
     t = time.perf_counter()
     silent = [fed.stub.SubmitDelta.future(_stalled(stop), timeout=60) for _ in range(3)]  # 3 per address
@@ -205,12 +206,12 @@ def test_pending_headers_are_bounded_and_a_stalled_header_is_dropped_after_the_h
         with pytest.raises(grpc.RpcError) as info:
             fed.stub.SubmitDelta(_stalled(stop), timeout=60)
         assert is_busy(info.value), info.value.details()
-        for f in silent:  # dropped by the server after 1.5 s, long before their own 60 s
+        for f in silent:  # dropped by the server after 5 s, long before their own 60 s
             with pytest.raises(grpc.RpcError) as dropped:
                 f.result(timeout=30)
             assert dropped.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert "signed header" in dropped.value.details() and "1.5 s" in dropped.value.details()
-        assert time.perf_counter() - t < 15
+            assert "signed header" in dropped.value.details() and "5 s" in dropped.value.details()
+        assert time.perf_counter() - t < 40
     finally:
         stop.set()
         for f in silent:
