@@ -84,8 +84,8 @@ class TrainConfig:
     lora_freeze_a: bool = field(default=False, metadata={
         "help": "FFA-LoRA (Sun et al., ICLR 2024): every A factor is fixed at an init that all contributors share "
                 "(drawn from the module's name) and only B trains, so a round's deltas B_i A lie in one subspace "
-                "and their average is an average of B. On SmolLM2-135M round 1 kept 3x the exact match of plain "
-                "LoRA under the default rule (docs/measurements/learning.md)", "group": "LoRA"})
+                "and their average is an average of B, which a robust rule keeps (docs/measurements/learning.md)",
+        "group": "LoRA"})
     loftq_bits: int = field(default=4, metadata={
         "help": "init_lora_weights=loftq: bits of LoftQ's quantized base (PEFT LoftQConfig; bitsandbytes)",
         "group": "LoRA"})
