@@ -10,28 +10,15 @@ included; uvicorn's ANSI `color_message` is dropped.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 import threading
-from datetime import datetime, timezone
 
-_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "color_message"}  # uvicorn's ANSI
+from zoo_gym.log_format import JsonFormatter  # gym-server's defaults: upper-case levels, extra fields, "exception"
+
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _format = "text"  # as configure_logging chose: how `announce` writes
-
-
-class JsonFormatter(logging.Formatter):
-    """{"time", "level", "logger", "message", ...extra fields, "exception"} on one line."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        doc = {"time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
-               "level": record.levelname, "logger": record.name, "message": record.getMessage()}
-        doc.update({k: v for k, v in vars(record).items() if k not in _STANDARD and not k.startswith("_")})
-        if record.exc_info:
-            doc["exception"] = self.formatException(record.exc_info)
-        return json.dumps(doc, default=str)
 
 
 def configure_logging(*, level: str = "INFO", fmt: str = "text") -> None:

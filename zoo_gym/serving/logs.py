@@ -5,35 +5,26 @@ warnings, uncaught exceptions with their traceback in ``exc``; never ANSI colour
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import threading
-from datetime import datetime, timezone
 
-_ACCESS_FIELDS = ("client", "method", "path", "http_version", "status")
+from zoo_gym.log_format import JsonFormatter
 
 
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        out = {"time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
-               "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage()}
-        if record.name == "uvicorn.access" and isinstance(record.args, tuple) and len(record.args) == 5:
-            out.update(zip(_ACCESS_FIELDS, record.args))
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
+def _json_formatter() -> JsonFormatter:
+    """gym-serve's lines: lower-case levels, uvicorn's access fields, the traceback under "exc"."""
+    return JsonFormatter(lower_level=True, extra_fields=False, access_fields=True, exception_key="exc")
 
 
 def json_line(message: str, level: str = "error", logger: str = "zoo_gym.serving") -> str:
     """One record as a JSON line, for messages written before logging is set up."""
-    now = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
-    return json.dumps({"time": now, "level": level, "logger": logger, "message": message})
+    return _json_formatter().format(logging.makeLogRecord({"name": logger, "levelname": level, "msg": message}))
 
 
 def setup(fmt: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter("gym-serve: %(message)s"))
+    handler.setFormatter(_json_formatter() if fmt == "json" else logging.Formatter("gym-serve: %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
     from transformers.utils import logging as hf_logging
 
