@@ -159,6 +159,31 @@ def unpack(archive: Path, dest: Path, *, skip: frozenset[str] = frozenset()) -> 
     return dest
 
 
+def unpack_member(archive: Path, dest: Path, name: str) -> Path:
+    """Add one member of the archive to an unpacked directory `dest` (its weights, after an unpack that skipped
+    them): written beside it and renamed into place, so a reader of `dest`'s other files never sees it change
+    (replacing the whole directory would remove them for a moment under a concurrent reader)."""
+    offset, size = members(archive)[name]
+    fd, tmp = tempfile.mkstemp(dir=dest, prefix=f".{name}.unpacking-")
+    try:
+        with open(archive, "rb") as src, open(fd, "wb") as out:
+            src.seek(offset)
+            left = size
+            while left:
+                block = src.read(min(left, 1 << 20))
+                if not block:
+                    raise CheckpointError(f"cannot unpack checkpoint {archive}: {name} is truncated")
+                out.write(block)
+                left -= len(block)
+        os.replace(tmp, dest / name)
+    except OSError as exc:
+        raise CheckpointError(f"cannot unpack checkpoint {archive}: {exc}") from exc
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return dest / name
+
+
 def members(archive: Path) -> dict[str, tuple[int, int]]:
     """name -> (byte offset of its data in the archive file, size), in archive order: a member is read in
     place (`os.pread`) instead of unpacking the archive. Refuses what `unpack` refuses."""

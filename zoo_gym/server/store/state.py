@@ -235,7 +235,9 @@ class ServerState:
         done = (dest / archive.WEIGHTS).is_file if weights else dest.is_dir  # unpack replaces dest atomically
         if not done():
             with _UNPACK_LOCK:
-                if not done():
+                if not done() and weights and dest.is_dir():  # unpacked without its weights (the evaluator's)
+                    archive.unpack_member(self.blobs.path(sha256), dest, archive.WEIGHTS)  # others keep reading
+                elif not done():
                     skip = frozenset() if weights else frozenset({archive.WEIGHTS})
                     archive.unpack(self.blobs.path(sha256), dest, skip=skip)
                     os.chmod(dest.parent, PRIVATE_DIR)
