@@ -129,8 +129,8 @@ class GymServicer(gym_pb2_grpc.GymServicer):
         cfg = self.config
         # A pending-header slot first, taken without waiting (RESOURCE_EXHAUSTED "server busy" if none);
         # the header must arrive within header_timeout, and the upload slot and the upload's own time
-        # limits come only once it verified (admission.hold, entered by submit_delta). See upload_slots.py.
-        with self.upload_slots.admit(context.peer()) as admission:
+        # limits come only once it verified (slot.hold, entered by submit_delta). See upload_slots.py.
+        with self.upload_slots.admit(context.peer()) as slot:
             stream = BoundedStream(request_iterator, idle_timeout=cfg.upload_idle_timeout,
                                    first_timeout=cfg.header_timeout)
             try:
@@ -143,9 +143,9 @@ class GymServicer(gym_pb2_grpc.GymServicer):
                     payload_sha256=h.payload_sha256, payload_size=h.payload_size,
                     manifest=tuple((t.name, tuple(t.shape), t.dtype, t.codec) for t in h.manifest),
                     nonce=h.nonce, signature=h.signature, metadata_json=h.metadata_json)
-                admission.on_verified = lambda: stream.set_deadline(cfg.upload_deadline_s(header.payload_size))
+                slot.on_verified = lambda: stream.set_deadline(cfg.upload_deadline_s(header.payload_size))
                 sub = handlers.submit_delta(header, _chunks(stream), state=self.state, config=cfg,
-                                             policy=self.rounds.policy, gate=admission)
+                                             policy=self.rounds.policy, gate=slot)
             finally:
                 stream.close()
         self.rounds.notify()

@@ -31,19 +31,20 @@ class UploadSlots:
         self.max_uploads = max_uploads
 
     @contextmanager
-    def admit(self, peer: str) -> Iterator[Admission]:
+    def admit(self, peer: str) -> Iterator[StreamSlot]:
         """A pending slot for a new stream from `peer`, for the `with` block; ResourceExhausted if none."""
-        admission = Admission(self, self.pending.take(peer))
+        slot = StreamSlot(self, self.pending.take(peer))
         try:
-            yield admission
+            yield slot
         finally:
-            admission.release_pending()
+            slot.release_pending()
 
 
-class Admission:
-    """One stream's place: passed to `handlers.submit_delta` as its gate, whose `hold` is entered only
-    after the header verified; that is when the stream trades its pending slot for an upload slot
-    and `on_verified` runs (the servicer sets the upload's own time limits there)."""
+class StreamSlot:
+    """One SubmitDelta stream's slot (not who may register: that is admission.py's `Admission`): a pending
+    slot until its header verifies, then an upload slot. Passed to `handlers.submit_delta` as its gate,
+    whose `hold` is entered only after the header verified; that is when the stream trades its pending
+    slot for an upload slot and `on_verified` runs (the servicer sets the upload's own time limits there)."""
 
     def __init__(self, slots: UploadSlots, host: str) -> None:
         self._slots, self._host = slots, host
