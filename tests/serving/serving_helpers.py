@@ -1,8 +1,14 @@
-"""Random variants of a base and the merged models they must equal (shared by the serving tests)."""
+"""Random variants of a base and the merged models they must equal, and a real gym-serve process started
+and waited for (shared by the serving tests)."""
 
 from __future__ import annotations
 
+import os
 import pathlib
+import re
+import subprocess
+import sys
+import time
 
 import torch
 from safetensors import safe_open
@@ -65,3 +71,24 @@ def forced_logprobs(model, tokenizer, prompt: list[int], tokens: list[str], k: i
         top = row.topk(k)
         out.append((i, float(row[i]), top.indices.tolist(), top.values.tolist()))
     return out
+
+
+def start_gym_serve(*args: str, timeout: float = 120) -> tuple[subprocess.Popen, str, list[str]]:
+    """`python -m zoo_gym.serving ARGS` with its stderr piped, once it said "listening on URL": the process,
+    the URL and the stderr lines read so far (the rest stays in proc.stderr). Not started: killed, and fails."""
+    proc = subprocess.Popen([sys.executable, "-m", "zoo_gym.serving", *args], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url, lines = None, []
+    deadline = time.monotonic() + timeout
+    while url is None and time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+        url = m.group(1) if m else None
+    if url is None:
+        proc.kill()
+        proc.wait(timeout=20)
+        raise AssertionError("gym-serve did not start:\n" + "".join(lines))
+    return proc, url, lines

@@ -14,18 +14,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
-import re
 import shutil
 import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 import torch
 
-from serving_helpers import forced_logprobs, merged_model, random_variant_payload
+from serving_helpers import forced_logprobs, merged_model, random_variant_payload, start_gym_serve
 from zoo_gym.gym_train import tiny_model_dir
 from zoo_gym.gym_train.families import make_random_base
 from zoo_gym.serving.variant import write_variant
@@ -47,20 +43,8 @@ def served(tmp_path_factory):
     write_variant(vdir / "stranger.zgd", random_variant_payload(other, seed=9))
     (vdir / "broken.zgd").write_bytes(b"not a variant at all" * 50)  # skipped with a log line, not a crash
     one_variant = len(payloads["user1"])  # the packed in-memory size is close to the file's
-    proc = subprocess.Popen([sys.executable, "-m", "zoo_gym.serving", "--base", str(base), "--variants", str(vdir),
-                             "--port", "0", "--batch-window-ms", "300", "--max-variant-bytes",
-                             str(int(one_variant * 2.5))],
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url, lines = None, []
-    deadline = time.monotonic() + 120
-    while url is None and time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-        url = m.group(1) if m else None
-    assert url, "gym-serve did not start:\n" + "".join(lines)
+    proc, url, lines = start_gym_serve("--base", str(base), "--variants", str(vdir), "--port", "0",
+                                       "--batch-window-ms", "300", "--max-variant-bytes", str(int(one_variant * 2.5)))
     client = httpx.Client(base_url=url, timeout=120)
     try:
         yield {"client": client, "base": base, "payloads": payloads, "lines": lines, "vdir": vdir, "proc": proc}
@@ -84,20 +68,9 @@ def test_json_logs_and_api_key(tmp_path):
     vdir = tmp_path / "variants"
     vdir.mkdir()
     (vdir / "broken.zgd").write_bytes(b"\x00" * 300)
-    proc = subprocess.Popen([sys.executable, "-m", "zoo_gym.serving", "--base", "tiny", "--variants", str(vdir),
-                             "--port", "0", "--log-format", "json", "--api-key", "k3y", "--max-tokens", "4"],
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines, url = [], None
+    proc, url, lines = start_gym_serve("--base", "tiny", "--variants", str(vdir), "--port", "0", "--log-format",
+                                       "json", "--api-key", "k3y", "--max-tokens", "4")
     try:
-        deadline = time.monotonic() + 120
-        while url is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-            url = m.group(1) if m else None
-        assert url, "gym-serve did not start:\n" + "".join(lines)
         with httpx.Client(base_url=url, timeout=60) as client:
             assert client.get("/v1/models").status_code == 401
             r = client.post("/v1/completions", headers={"Authorization": "Bearer k3y"},
