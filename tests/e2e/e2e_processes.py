@@ -1,5 +1,6 @@
-"""Real gym-server and gym-client processes for the end-to-end tests: one way to start them, read the
-server's status and wait on a condition, so every e2e module runs the programs the same way a user does."""
+"""Real gym-server and gym-client processes for the end-to-end tests: one way to start them (a TLS server
+from a config file included), read the server's status and wait on a condition, so every e2e module runs
+the programs the same way a user does."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from zoo_gym.proto.tls import make_certificates
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -28,6 +31,29 @@ def client(root: Path, name: str, port: int, *, rounds: int, steps: int | str, s
            "--shard", str(shard), "--n-shards", "8", "--workdir", str(work), "--key", str(work / "key.pem"),
            "--max-steps", str(steps), "--threads", "1", "--quiet", "--json", "--name", name, *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(work / "client.log", "w"), env=ENV, text=True)
+
+
+def tls_server(root: Path, config: str) -> tuple[Path, subprocess.Popen, int]:
+    """`gym-server init` (tiny) in root/server, a private CA in root/tls, `config` in root/fed.toml, then
+    `gym-server serve` over TLS with it (stderr in root/server.log): (state dir, process, port) once it
+    listens. One that did not come up is stopped, and AssertionError says why."""
+    state_dir = root / "server"
+    subprocess.run(server_cmd("init", "--state-dir", str(state_dir), "--base-model", "tiny"), check=True, env=ENV,
+                   capture_output=True)
+    tls = make_certificates(root / "tls", hosts=("127.0.0.1", "localhost"))
+    (root / "fed.toml").write_text(config)
+    port_file = root / "port"
+    server = subprocess.Popen(server_cmd("serve", "--state-dir", str(state_dir), "--port", "0", "--port-file",
+                                         str(port_file), "--config", str(root / "fed.toml"), "--ssl-certfile",
+                                         str(tls.cert), "--ssl-keyfile", str(tls.key)),
+                              stderr=open(root / "server.log", "w"), env=ENV)
+    try:
+        port = wait_for(lambda: port_file.exists() and port_file.read_text().strip() and int(port_file.read_text()),
+                        timeout=120, what="the server to listen", procs=[server])
+    except BaseException:
+        stop([server])
+        raise
+    return state_dir, server, port
 
 
 def status(state_dir: Path) -> dict:

@@ -16,8 +16,7 @@ import subprocess
 import pytest
 
 from e2e_processes import ENV, client, status as _status, wait_for as _wait
-from e2e_processes import server_cmd as _server, stop
-from zoo_gym.proto.tls import make_certificates
+from e2e_processes import server_cmd as _server, stop, tls_server
 
 FAST_STEPS, SLOW_STEPS = 10, 50  # the slow client trains 5x as many steps per delta
 
@@ -25,22 +24,11 @@ FAST_STEPS, SLOW_STEPS = 10, 50  # the slow client trains 5x as many steps per d
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("async")
-    state_dir = root / "server"
-    subprocess.run(_server("init", "--state-dir", str(state_dir), "--base-model", "tiny"), check=True, env=ENV,
-                   capture_output=True)
-    tls = make_certificates(root / "tls", hosts=("127.0.0.1", "localhost"))
-    config = root / "fed.toml"
-    config.write_text('mode = "async"\nbuffer-size = 2\nmax-staleness = 20\nstaleness-exponent = 0.5\n'
-                      'server-lr = 1.0\naggregator = "median"\nmin-quality = 0.0\n')
-    port_file = root / "port"
-    server = subprocess.Popen(_server("serve", "--state-dir", str(state_dir), "--port", "0", "--port-file",
-                                      str(port_file), "--config", str(config), "--ssl-certfile", str(tls.cert),
-                                      "--ssl-keyfile", str(tls.key)),
-                              stderr=open(root / "server.log", "w"), env=ENV)
+    state_dir, server, port = tls_server(root, 'mode = "async"\nbuffer-size = 2\nmax-staleness = 20\n'
+                                         'staleness-exponent = 0.5\nserver-lr = 1.0\naggregator = "median"\n'
+                                         'min-quality = 0.0\n')
     clients = []
     try:
-        port = _wait(lambda: port_file.exists() and port_file.read_text().strip() and int(port_file.read_text()),
-                     timeout=120, what="the server to listen", procs=[server])
         slow = client(root, "slow", port, rounds=1, steps=SLOW_STEPS, shard=2)
         fast = [client(root, name, port, rounds=50, steps=FAST_STEPS, shard=i) for i, name in enumerate("AB")]
         clients = [slow, *fast]

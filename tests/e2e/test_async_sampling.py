@@ -8,14 +8,10 @@ draws gave each person, and the epsilon reported is the accountant's for exactly
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
-from e2e_processes import ENV, client, status as _status, wait_for as _wait
-from e2e_processes import server_cmd as _server, stop
+from e2e_processes import client, status as _status, stop, tls_server, wait_for as _wait
 from zoo_gym.aggregation.privacy import epsilon
-from zoo_gym.proto.tls import make_certificates
 from zoo_gym.server.rounds import sampling
 from zoo_gym.server.store.models import Contributor, Round, RoundInputs
 from zoo_gym.server.store.state import open_state
@@ -26,23 +22,12 @@ Q, Z, DELTA, VERSIONS = 0.5, 1.0, 1e-5, 2
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("async-sampling")
-    state_dir = root / "server"
-    subprocess.run(_server("init", "--state-dir", str(state_dir), "--base-model", "tiny"), check=True, env=ENV,
-                   capture_output=True)
-    tls = make_certificates(root / "tls", hosts=("127.0.0.1", "localhost"))
-    config = root / "fed.toml"
-    config.write_text(f'mode = "async"\nbuffer-size = 2\nmax-staleness = 20\naggregator = "mean"\n'
-                      f'min-quality = 0.0\nsample-rate = {Q}\nround-timeout = 10\n'
-                      f'dp-noise-multiplier = {Z}\ndp-clip = 1.0\ndp-delta = {DELTA}\ndp-expected-contributors = 2\n')
-    port_file = root / "port"
-    server = subprocess.Popen(_server("serve", "--state-dir", str(state_dir), "--port", "0", "--port-file",
-                                      str(port_file), "--config", str(config), "--ssl-certfile", str(tls.cert),
-                                      "--ssl-keyfile", str(tls.key)),
-                              stderr=open(root / "server.log", "w"), env=ENV)
+    state_dir, server, port = tls_server(
+        root, f'mode = "async"\nbuffer-size = 2\nmax-staleness = 20\naggregator = "mean"\n'
+              f'min-quality = 0.0\nsample-rate = {Q}\nround-timeout = 10\n'
+              f'dp-noise-multiplier = {Z}\ndp-clip = 1.0\ndp-delta = {DELTA}\ndp-expected-contributors = 2\n')
     clients = []
     try:
-        port = _wait(lambda: port_file.exists() and port_file.read_text().strip() and int(port_file.read_text()),
-                     timeout=120, what="the server to listen", procs=[server])
         clients = [client(root, name, port, rounds=50, steps=10, shard=i) for i, name in enumerate("ABCD")]
 
         def published():
