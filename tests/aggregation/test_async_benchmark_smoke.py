@@ -12,25 +12,12 @@ The sync round lasts 7 (D): A and B wait 6 each, C 4.5, D 0 -> 16.5 of 28 contri
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 import torch
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "async.py"
+from benchmark_loader import load_benchmark
 
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("async_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+bench = load_benchmark("async.py", "async_bench")
 # same_base="retrain": the clocks above, where a contributor starts again on the version it just trained on
 TINY = dict(n=4, f=0, speeds=(1.0, 1.0, 2.5, 7.0), jitter=0.0, dropout=0.0, rounds=1, buffer_size=2,
             max_versions=3, staleness_exponent=0.5, steps=1, warmup_steps=0, batch_size=4, validation_examples=8,

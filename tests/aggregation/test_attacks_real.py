@@ -5,27 +5,14 @@ attacks' definitions imply exactly; and the label flip's derangement property.
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "robustness.py"
+from benchmark_loader import load_benchmark
 
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("robustness_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+bench = load_benchmark("robustness.py", "robustness_bench")
 
 
 @settings(max_examples=50, deadline=None)
