@@ -162,6 +162,8 @@ def serve(
         with _one_line_errors():
             port_file.write_text(f"{bound}\n")
     announce(f"gym-server listening on {cfg.host}:{bound} (state {state_dir})", port=bound)
+    if cfg.mirrors:
+        announce(_mirrors_line(cfg.mirrors), mirrors=cfg.mirrors)
     if dashboard is not None:
         dashboard.start()
         guarded = " (bearer token required)" if cfg.dashboard_token_file else ""
@@ -179,6 +181,14 @@ def serve(
     server.stop(grace=5).wait()
     rounds.stop()
     state.lock.release()
+
+
+def _mirrors_line(mirrors: list[str]) -> str:
+    plain = [m for m in mirrors if m.startswith("http://")]
+    note = (f"; {len(plain)} over plain http, which is fine: clients keep only bytes that hash to the sha256 this "
+            "server signs" if plain else "")
+    return (f"checkpoint mirrors, tried in this order by clients: {', '.join(mirrors)} (fill each with "
+            f"`gym-server mirror-sync DIR` after a publish{note})")
 
 
 def _dashboard(state, cfg: ServerConfig, *, registry):
