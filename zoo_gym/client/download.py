@@ -54,8 +54,12 @@ def fetch(stub, sha256: str, size: int, workdir: Path, *, progress: bool = True,
         mirrors = list(getattr(round_info, "mirrors", ()) or ())
     source = None
     if mirrors:
-        from zoo_gym.client.mirrors import from_mirrors
+        from zoo_gym.client.mirrors import MirrorPolicy, from_mirrors
 
+        try:
+            mirror_policy = mirror_policy or MirrorPolicy.from_env()
+        except ValueError as exc:
+            raise DownloadError(str(exc)) from None
         with tqdm(total=size, initial=partial.stat().st_size if partial.exists() else 0, unit="B", unit_scale=True,
                   desc=f"mirror {sha256[:12]}", disable=not progress, leave=False) as bar:
             source = from_mirrors(mirrors, sha256, size, partial, policy=mirror_policy, say=say, progress=bar.update)
