@@ -339,6 +339,29 @@ def status(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--js
         typer.echo(f"  round {c['round']:>3}  {c['sha256'][:12]}  {c['bytes']:>10} bytes  held-out loss {loss}")
 
 
+@app.command("mirror-sync")
+def mirror_sync(
+    out: Path = typer.Argument(..., help="Directory a web server serves as a --mirror URL (created if absent)."),
+    state_dir: Path = StateDir,
+    db: Optional[str] = typer.Option(None, help="SQLAlchemy URL overriding the one chosen at init."),
+    size_only: bool = typer.Option(False, "--size-only", help="Take a file already in OUT with the right size "
+                                   "as copied, without hashing it."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON summary."),
+) -> None:
+    """Copy every stored published checkpoint into OUT as OUT/<sha256>, the layout a checkpoint mirror serves
+    (serve --mirror URL; clients fetch URL/<sha256>). Skips those already there; atomic; runs beside a
+    serving server. Run it after each publish (e.g. from cron): a mirror without a checkpoint answers 404
+    and clients take it from the server."""
+    from zoo_gym.server.store.mirror_sync import mirror_sync as sync
+
+    with _one_line_errors():
+        report = sync(open_state(state_dir, db_url=db), out, verify=not size_only)
+    if as_json:
+        typer.echo(json.dumps(vars(report), indent=2))
+    else:
+        typer.echo(report.line())
+
+
 @app.command()
 def export(
     out: Path = typer.Argument(..., help="New (or empty) directory to write the Hugging Face model into."),
