@@ -39,7 +39,7 @@ class Mirror:
     """A real HTTP server serving the files of `root` at <url>/<name>, honouring `Range: bytes=N-`.
 
     mode: "good"; "other" (zeros of the right length); "drop" (the first answer stops half-way, later range
-    requests are served); "slow" (1 KiB every 50 ms)."""
+    requests are served); "slow" (1 KiB every 50 ms); "drop norange" (as drop, but ranges are ignored)."""
 
     def __init__(self, root: Path, mode: str = "good") -> None:
         self.root, self.mode, self.requests = Path(root), mode, []
@@ -66,6 +66,8 @@ class Mirror:
                 data = path.read_bytes()
                 if mirror.mode == "other":
                     data = bytes(len(data))
+                if "norange" in mirror.mode:
+                    rng = None  # as python -m http.server: the whole file, 200
                 start = int(rng.removeprefix("bytes=").split("-")[0]) if rng else 0
                 self.send_response(206 if rng else 200)
                 if rng:
@@ -74,7 +76,7 @@ class Mirror:
                 self.end_headers()
                 body = data[start:]
                 try:
-                    if mirror.mode == "drop" and len(mirror.requests) == 1:
+                    if "drop" in mirror.mode and len(mirror.requests) == 1:
                         self.wfile.write(body[:len(body) // 2])  # then the connection closes
                     elif mirror.mode == "slow":
                         for i in range(0, len(body), 1024):
@@ -248,6 +250,18 @@ def test_a_mirror_that_stops_half_way_is_resumed_with_a_range_request(started, t
     (first, no_range), (again, rng) = mirror.requests
     assert first == again == f"/zoo/{sha}" and no_range is None
     assert rng == f"bytes={info.base_size // 2}-"  # from where the first answer stopped
+    assert archive.packed_sha256(got.model_dir) == sha
+    mirror.stop()
+
+
+def test_a_mirror_that_ignores_ranges_is_resumed_by_skipping_what_the_client_has(started, tmp_path,
+                                                                                server_downloads):
+    mirror = _mirror(tmp_path, mode="drop norange")
+    fed = started([mirror.url])
+    sha = _fill(mirror, fed)
+    info, got = _get(fed, tmp_path / "w", [])
+    assert got.source == mirror.url and server_downloads == []
+    assert [r for _, r in mirror.requests] == [None, f"bytes={info.base_size // 2}-"]
     assert archive.packed_sha256(got.model_dir) == sha
     mirror.stop()
 
