@@ -376,3 +376,24 @@ def test_the_mirror_policy_is_read_from_the_environment(tmp_path):
     assert MirrorPolicy.from_env({}) == MirrorPolicy()
     with pytest.raises(ValueError, match="ZOO_GYM_MIRROR_MIN_BYTES_PER_S='fast': must be a number"):
         MirrorPolicy.from_env({"ZOO_GYM_MIRROR_MIN_BYTES_PER_S": "fast"})
+
+
+def test_gym_client_join_trains_on_the_base_a_mirror_served(started, tmp_path, server_downloads):
+    from zoo_gym.client.join import JoinOptions, join
+
+    mirror = _mirror(tmp_path)
+    fed = started([_down_url(), mirror.url])
+    sha = _fill(mirror, fed)
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"Say {i} twice.", "input": "", "output": f"{i} {i}"}) + "\n"
+                            for i in range(12)))
+    said: list[str] = []
+    opts = JoinOptions(server=fed.address, workdir=tmp_path / "home", key_path=tmp_path / "k.pem", data=str(data),
+                       max_steps=1, insecure=True, train_overrides={"warmup_steps": 0}, wait_for_publish=False,
+                       progress=False, max_wait=60)
+    [summary] = join(opts, say=said.append)
+    assert summary["checkpoint_source"] == mirror.url and server_downloads == []
+    assert any(line.startswith(f"checkpoint {sha[:12]}: downloaded from mirror {mirror.url}") for line in said)
+    assert any(line.startswith("mirror http://127.0.0.1:") and "unreachable" in line for line in said), said
+    assert fed.round().submissions == 1
+    mirror.stop()
