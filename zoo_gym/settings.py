@@ -4,8 +4,8 @@ A leaf field's name is its key: file key ``trim_beta`` or ``trim-beta``, flag ``
 variable ``ZOO_GYM_TRIM_BETA``; its default and ``metadata["help"]`` are the only ones. A dataclass-typed
 field is a section (leaves flattened with ``metadata["prefix"]``, shown under ``metadata["section"]``).
 Precedence: flag > environment > file > default. Optional metadata: ``aliases``, ``value_aliases``,
-``alias_values``. A leaf is int, float, str or bool (or optional), or a union of str with bool and/or
-list[str]. Why not pydantic-settings: docs/design/settings.md.
+``alias_values``. A leaf is int, float, str or bool (or optional), a union of str with bool and/or
+list[str], or list[str] (a repeatable flag). Why not pydantic-settings: docs/design/settings.md.
 """
 
 from __future__ import annotations
@@ -52,6 +52,11 @@ class Leaf:
     def env(self) -> str:
         return ENV_PREFIX + self.key.upper()
 
+    @property
+    def repeatable(self) -> bool:
+        """A list[str] leaf: its flag (and its aliases' flags) repeat, its environment text is comma-separated."""
+        return self.accepts == (list,)
+
 
 def _plain(hint: Any) -> tuple[type, bool, tuple[type, ...]]:
     """(int|float|str|bool, optional, a union's types or ()) of a leaf's annotation."""
@@ -59,6 +64,8 @@ def _plain(hint: Any) -> tuple[type, bool, tuple[type, ...]]:
     wanted = [a for a in args if a is not type(None)]
     if len(wanted) == 1 and wanted[0] in _TYPE_NAMES:
         return wanted[0], type(None) in args, ()
+    if wanted == [list[str]]:
+        return str, type(None) in args, (list,)
     accepts = tuple(list if a == list[str] else a for a in wanted)
     if len(accepts) > 1 and str in accepts and set(accepts) <= {str, bool, list}:
         return str, type(None) in args, accepts
@@ -69,6 +76,8 @@ def _plain(hint: Any) -> tuple[type, bool, tuple[type, ...]]:
 def _type_name(leaf: Leaf) -> str:
     if not leaf.accepts:
         return _TYPE_NAMES[leaf.kind]
+    if leaf.repeatable:
+        return "a list of strings"
     return " or ".join(["true or false"] * (bool in leaf.accepts) + ["a string"] +
                        ["a comma-separated list of strings"] * (list in leaf.accepts))
 
@@ -133,7 +142,8 @@ def _check_union(key: str, value: Any, leaf: Leaf) -> Any:
         return parse_text(leaf, value, source=key)
     if isinstance(value, bool) and bool in leaf.accepts:
         return value
-    if isinstance(value, (list, tuple)) and list in leaf.accepts and value and all(isinstance(v, str) for v in value):
+    if (isinstance(value, (list, tuple)) and list in leaf.accepts and (value or leaf.repeatable)
+            and all(isinstance(v, str) for v in value)):
         return list(value)
     raise SettingError(f"`{key}` must be {_type_name(leaf)}{' or empty' if leaf.optional else ''}, got "
                        f"{value!r} ({type(value).__name__})")
@@ -146,7 +156,7 @@ def _parse_union(leaf: Leaf, text: str) -> Any:
         return leaf.value_aliases[text]
     if list in leaf.accepts:
         names = [v.strip() for v in text.split(",") if v.strip()]
-        return names[0] if len(names) == 1 else names
+        return names if leaf.repeatable or len(names) != 1 else names[0]
     return text
 
 
@@ -293,6 +303,8 @@ def flat_values(settings: Any) -> dict[str, Any]:
 def _default_text(leaf: Leaf) -> str:
     if leaf.default is None:
         return "unset"
+    if leaf.repeatable:
+        return ", ".join(leaf.default) or "none"
     if leaf.kind is bool:
         return leaf.flag.removeprefix("--") if leaf.default else "no-" + leaf.flag.removeprefix("--")
     return str(leaf.default)
@@ -308,9 +320,11 @@ def typer_parameters(spec: Any, *, name_prefix: str = "", alias_flags: bool = Fa
         names = [leaf.flag] + ["--" + a.replace("_", "-") for a in leaf.aliases
                                if alias_flags and len(a) > 1 and a not in leaf.alias_values]
         names = [f"{leaf.flag}/--no-{leaf.flag[2:]}"] if leaf.kind is bool else names
+        if leaf.repeatable:  # every alias is a flag too: `--mirror A --mirror B` for the key `mirrors`
+            names += ["--" + a.replace("_", "-") for a in leaf.aliases if "--" + a.replace("_", "-") not in names]
         option = typer.Option(None, *names, help=text, rich_help_panel=leaf.section, show_default=False)
         params.append(inspect.Parameter(name_prefix + leaf.key, inspect.Parameter.KEYWORD_ONLY, default=option,
-                                        annotation=Optional[leaf.kind]))
+                                        annotation=Optional[list[str] if leaf.repeatable else leaf.kind]))
     return params
 
 

@@ -14,7 +14,7 @@ from zoo_gym import codec
 from zoo_gym.client import contribute as contribute_module
 from zoo_gym.client import join_async
 from zoo_gym.client.contribute import Contributor, JoinError, contribute
-from zoo_gym.client.download import DownloadError
+from zoo_gym.client.download import DownloadError, Fetched
 from zoo_gym.client.join import Rounds
 from zoo_gym.gym_train import TrainConfig
 from zoo_gym.proto import gym_pb2
@@ -42,7 +42,7 @@ def _info(round_id, **kw):
 def _setup(tmp_path, monkeypatch, answers, rounds=(3,), keep=True):
     """A Contributor whose SubmitDelta gives `answers` in turn (an exception is raised) and whose GetRound
     gives RoundInfos for `rounds` in turn (the last repeats); the said lines and the kept delta's file."""
-    monkeypatch.setattr(contribute_module, "fetch_checkpoint", lambda *a, **k: tmp_path)
+    monkeypatch.setattr(contribute_module, "fetch", lambda *a, **k: Fetched(tmp_path, "server"))
     monkeypatch.setattr(join_async.time, "sleep", lambda s: None)
     kept = tmp_path / "kept.delta.pt"
     kept.write_bytes(b"x")
@@ -76,7 +76,8 @@ def test_a_sync_round_submits_once_and_keeps_the_variant(tmp_path, monkeypatch):
     assert r.summary(round=3) == {"round": 3, "contributor": "c" * 32, "payload_bytes": len(PAYLOAD),
                                   "payload_sha256": codec.sha256_hex(PAYLOAD), "submissions_in_round": 2,
                                   "loss_before": 2.0, "loss_after": 1.5, "codecs": ["fp16"],
-                                  "variant": str(tmp_path / "variants" / "cccccccc-round3.zgd")}
+                                  "variant": str(tmp_path / "variants" / "cccccccc-round3.zgd"),
+                                  "checkpoint_source": "server"}
     assert said == [f"round 3: training (sft+lora) on base {'0' * 12}",
                     f"round 3: submitted {len(PAYLOAD)} bytes; local held-out loss 2.0000 -> 1.5000"]
 
@@ -112,7 +113,7 @@ def test_a_base_that_does_not_verify_is_refused(tmp_path, monkeypatch, cadence, 
     def bad(*a, **k):
         raise DownloadError("sha256 mismatch")
 
-    monkeypatch.setattr(contribute_module, "fetch_checkpoint", bad)
+    monkeypatch.setattr(contribute_module, "fetch", bad)
     with pytest.raises(JoinError, match=f"^{name}: refusing the base checkpoint: sha256 mismatch$"):
         contribute(_info(3), contributor=c, opts=opts, cadence=cadence(opts))
 

@@ -13,6 +13,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from zoo_gym import codec
 from zoo_gym.client import contribute as contribute_module
 from zoo_gym.client.contribute import Contributor, RoundTrainer, contribute
+from zoo_gym.client.download import Fetched
 from zoo_gym.client.join import Rounds
 from zoo_gym.gym_train import TrainConfig
 from zoo_gym.proto import gym_pb2
@@ -42,7 +43,8 @@ def test_the_next_round_trains_before_any_variant_is_distilled(tmp_path, monkeyp
         return {"path": str(kw["out"]), "bytes": 7}
 
     monkeypatch.setattr(contribute_module, "run_in_child", child)
-    monkeypatch.setattr(contribute_module, "fetch_checkpoint", lambda stub, sha, *a, **k: tmp_path / f"base{sha[-1]}")
+    monkeypatch.setattr(contribute_module, "fetch",
+                        lambda stub, sha, *a, **k: Fetched(tmp_path / f"base{sha[-1]}", "server"))
     said: list[str] = []
     opts = SimpleNamespace(workdir=tmp_path, progress=False, max_wait=60, keep_variant=True)
     (tmp_path / "variants").mkdir()

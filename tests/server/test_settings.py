@@ -51,6 +51,7 @@ SPECIAL = {
     "reputation_alpha": (0.3, {}),
     "reputation_penalty_alpha": (0.25, {}),
     "dp_delta": (1e-6, {}),
+    "mirrors": (["http://mirror-a.example/zoo", "https://mirror-b.example"], {}),  # repeated: --mirrors A --mirrors B
 }
 LEAVES = leaves(ServerConfig)
 
@@ -71,10 +72,14 @@ def _flag_args(key, value):
     leaf = next(x for x in LEAVES if x.key == key)
     if leaf.kind is bool:
         return [leaf.flag if value else "--no-" + leaf.flag[2:]]
+    if leaf.repeatable:
+        return [a for v in value for a in (leaf.flag, v)]
     return [leaf.flag, str(value)]
 
 
 def _env_text(value):
+    if isinstance(value, list):
+        return ",".join(value)
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 

@@ -21,7 +21,7 @@ from typing import Protocol
 import grpc
 
 from zoo_gym import codec
-from zoo_gym.client.download import DownloadError, fetch_checkpoint
+from zoo_gym.client.download import DownloadError, fetch
 from zoo_gym.client.train_process import run_in_child
 from zoo_gym.client.upload import build_header, get_round_request, request_stream
 from zoo_gym.proto import gym_pb2
@@ -94,6 +94,7 @@ class SubmitResult:
     metadata: dict
     codecs: list[str]
     variant: str | None = None
+    checkpoint_source: str | None = None  # where the base came from: a mirror's URL, "server" or "cache"
 
     @property
     def staleness(self) -> int:
@@ -107,6 +108,8 @@ class SubmitResult:
                "codecs": self.codecs}
         if self.variant is not None:
             out["variant"] = self.variant
+        if self.checkpoint_source is not None:
+            out["checkpoint_source"] = self.checkpoint_source
         return out
 
 
@@ -160,9 +163,9 @@ def contribute(info: gym_pb2.RoundInfo, *, contributor: Contributor, opts, caden
     c = contributor
     try:  # the sha256 comes from the signed RoundInfo; the lineage's own signature is checked after unpacking
         # (a lineage from before signing only through `info`, which names the sha256: server_signatures.py)
-        model_dir = fetch_checkpoint(c.stub, info.base_sha256, info.base_size, opts.workdir, progress=opts.progress,
-                                     retry=lambda fn: c.retry(fn, "download"), server_key=c.server_key,
-                                     round_info=info, say=c.say)
+        fetched = fetch(c.stub, info.base_sha256, info.base_size, opts.workdir, progress=opts.progress,
+                        retry=lambda fn: c.retry(fn, "download"), server_key=c.server_key, round_info=info, say=c.say)
+        model_dir = fetched.model_dir
     except DownloadError as exc:
         raise JoinError(f"{cadence.label(info)}: refusing the base checkpoint: {exc}") from None
     c.say(f"{cadence.training(info)}: training ({c.trainer.config.label}) on base {info.base_sha256[:12]}"
@@ -179,7 +182,8 @@ def contribute(info: gym_pb2.RoundInfo, *, contributor: Contributor, opts, caden
     result = SubmitResult(trained_on=int(info.round_id), round_id=int(resp.round_id), contributor=c.cid,
                           payload_bytes=len(payload), payload_sha256=resp.payload_sha256,
                           submissions_in_round=resp.submissions, metadata=metadata,
-                          codecs=sorted({e.codec for e in codec.read_manifest(payload).entries}))
+                          codecs=sorted({e.codec for e in codec.read_manifest(payload).entries}),
+                          checkpoint_source=fetched.source)
     cadence.submitted(c, result)
     if kept is not None:
         name = f"{c.cid[:8]}-{cadence.label(info).replace(' ', '')}.zgd"

@@ -1,13 +1,13 @@
 """`gym-client pull`: the federation's latest published checkpoint as a plain Hugging Face directory.
 
-The download is the join loop's own (resumable, sha256-verified before it is unpacked, cached under the
-work directory), and checked the same way: the RoundInfo that names the checkpoint must carry the signature
-of the server key pinned for that address (`known_servers` in the work directory; trusted on first use),
-and the unpacked lineage manifest the same key's signature (one published before lineages were signed: that
-RoundInfo naming its sha256, said in one line). The result is copied to OUT with a model card (README.md)
-built from the checkpoint's lineage manifest, so `AutoModelForCausalLM.from_pretrained(OUT)` loads it; with
-``fmt="gguf"`` OUT holds one .gguf file for llama.cpp (zoo_gym.proto.gguf_export) and the card instead. OUT
-is readable by others.
+The download is the join loop's own (from the server's signed mirrors first when it names any, resumable,
+sha256-verified before it is unpacked, cached under the work directory), and checked the same way: the
+RoundInfo that names the checkpoint must carry the signature of the server key pinned for that address
+(`known_servers` in the work directory; trusted on first use), and the unpacked lineage manifest the same
+key's signature (one published before lineages were signed: that RoundInfo naming its sha256, said in one
+line). The result is copied to OUT with a model card (README.md) built from the checkpoint's lineage
+manifest, so `AutoModelForCausalLM.from_pretrained(OUT)` loads it; with ``fmt="gguf"`` OUT holds one .gguf
+file for llama.cpp (zoo_gym.proto.gguf_export) and the card instead. OUT is readable by others.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from zoo_gym.client.connection import open_stub, with_retries
 from zoo_gym.client import known_servers
-from zoo_gym.client.download import DownloadError, fetch_checkpoint
+from zoo_gym.client.download import DownloadError, fetch
 from zoo_gym.client.server_signatures import verify_round_info
 from zoo_gym.proto import archive, gym_pb2
 from zoo_gym.proto.model_card import card_inputs_from_dir, make_readable, weights_sha256, write_model_card_from_dir
@@ -51,14 +51,14 @@ def pull(server: str, out: Path, *, workdir: Path, progress: bool = False, root_
         if info.base_checkpoint_id < 1:
             raise PullError(f"round {info.round_id} still trains on the genesis checkpoint: nothing has been "
                             "published yet")
-        model_dir = fetch_checkpoint(stub, info.base_sha256, info.base_size, Path(workdir), progress=progress,
-                                     retry=lambda call: with_retries(call, what="download", say=say),
-                                     server_key=server_key, round_info=info, say=say)
+        fetched = fetch(stub, info.base_sha256, info.base_size, Path(workdir), progress=progress,
+                        retry=lambda call: with_retries(call, what="download", say=say),
+                        server_key=server_key, round_info=info, say=say)
     finally:
         channel.close()
-    card = _write_out(model_dir, out, sha256=info.base_sha256, fmt=fmt, quantization=quantization)
+    card = _write_out(fetched.model_dir, out, sha256=info.base_sha256, fmt=fmt, quantization=quantization)
     return {"round": info.base_checkpoint_id, "sha256": info.base_sha256, "out": str(out), "card": str(card),
-            "files": sorted(p.name for p in out.iterdir()), "lineage": archive.LINEAGE}
+            "files": sorted(p.name for p in out.iterdir()), "lineage": archive.LINEAGE, "source": fetched.source}
 
 
 def _write_out(model_dir: Path, out: Path, *, sha256: str, fmt: str, quantization: str) -> Path:

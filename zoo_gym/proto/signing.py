@@ -89,7 +89,8 @@ def round_info_bytes(info) -> bytes:
     """The exact bytes the server signs for a RoundInfo (any object with its fields; docs/design/signing.md).
 
     you_submitted (it differs per asker) and signature are left out; everything else is covered. Fields added
-    later (async, sampling, per-round epsilon, DP participation) are covered only when set, so older answers keep their bytes."""
+    later (async, sampling, per-round epsilon, DP participation, mirrors) are covered only when set, so older
+    answers keep their bytes."""
     lim = info.limits
     obj = {
         "round_id": int(info.round_id), "state": int(info.state), "base_checkpoint_id": int(info.base_checkpoint_id),
@@ -120,6 +121,9 @@ def round_info_bytes(info) -> bytes:
     participation = str(getattr(info, "dp_participation", "") or "")
     if participation:  # with server DP on only ("public" or "private"); without DP the bytes are as before
         obj["dp_participation"] = participation
+    mirrors = [str(m) for m in getattr(info, "mirrors", ())]
+    if mirrors:  # --mirror: where the checkpoint's bytes may also be fetched, in order; none: bytes as before
+        obj["mirrors"] = mirrors
     return ROUND_INFO_DOMAIN + _canonical_json(obj)
 
 

@@ -162,6 +162,8 @@ def serve(
         with _one_line_errors():
             port_file.write_text(f"{bound}\n")
     announce(f"gym-server listening on {cfg.host}:{bound} (state {state_dir})", port=bound)
+    if cfg.mirrors:
+        announce(_mirrors_line(cfg.mirrors), mirrors=cfg.mirrors)
     if dashboard is not None:
         dashboard.start()
         guarded = " (bearer token required)" if cfg.dashboard_token_file else ""
@@ -179,6 +181,14 @@ def serve(
     server.stop(grace=5).wait()
     rounds.stop()
     state.lock.release()
+
+
+def _mirrors_line(mirrors: list[str]) -> str:
+    plain = [m for m in mirrors if m.startswith("http://")]
+    note = (f"; {len(plain)} over plain http, which is fine: clients keep only bytes that hash to the sha256 this "
+            "server signs" if plain else "")
+    return (f"checkpoint mirrors, tried in this order by clients: {', '.join(mirrors)} (fill each with "
+            f"`gym-server mirror-sync DIR` after a publish{note})")
 
 
 def _dashboard(state, cfg: ServerConfig, *, registry):
@@ -327,6 +337,29 @@ def status(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--js
     for c in doc["checkpoints"]:
         loss = f"{c['heldout_loss']:.4f}" if c["heldout_loss"] is not None else "-"
         typer.echo(f"  round {c['round']:>3}  {c['sha256'][:12]}  {c['bytes']:>10} bytes  held-out loss {loss}")
+
+
+@app.command("mirror-sync")
+def mirror_sync(
+    out: Path = typer.Argument(..., help="Directory a web server serves as a --mirror URL (created if absent)."),
+    state_dir: Path = StateDir,
+    db: Optional[str] = typer.Option(None, help="SQLAlchemy URL overriding the one chosen at init."),
+    size_only: bool = typer.Option(False, "--size-only", help="Take a file already in OUT with the right size "
+                                   "as copied, without hashing it."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON summary."),
+) -> None:
+    """Copy every stored published checkpoint into OUT as OUT/<sha256>, the layout a checkpoint mirror serves
+    (serve --mirror URL; clients fetch URL/<sha256>). Skips those already there; atomic; runs beside a
+    serving server. Run it after each publish (e.g. from cron): a mirror without a checkpoint answers 404
+    and clients take it from the server."""
+    from zoo_gym.server.store.mirror_sync import mirror_sync as sync
+
+    with _one_line_errors():
+        report = sync(open_state(state_dir, db_url=db), out, verify=not size_only)
+    if as_json:
+        typer.echo(json.dumps(vars(report), indent=2))
+    else:
+        typer.echo(report.line())
 
 
 @app.command()

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from zoo_gym.aggregation import SoupConfig
 from zoo_gym.rewards import ScoringConfig, SettlementConfig
@@ -100,6 +101,12 @@ class ServerConfig:
         "help": "checkpoint downloads and ledger streams in progress at once (then RESOURCE_EXHAUSTED)"})
     download_idle_timeout: float = field(default=60.0, metadata={
         "help": "seconds a download's reader may take nothing before the download is cancelled"})
+    mirrors: list[str] = field(default_factory=list, metadata={
+        "help": "base URL of an HTTP(S) mirror of the published checkpoints (repeat --mirror for several; file "
+                "key mirrors = [...]): a checkpoint is fetched from URL/<sha256>, so serve a directory that "
+                "`gym-server mirror-sync DIR` fills. Signed into RoundInfo; clients try the mirrors in order, "
+                "keep only bytes hashing to the signed sha256 and fall back to this server",
+        "aliases": ("mirror",)})
     ssl_certfile: str | None = field(default=None, metadata={"help": "PEM certificate (chain) the server presents"})
     ssl_keyfile: str | None = field(default=None, metadata={"help": "PEM private key of ssl_certfile"})
     ssl_ca_certfile: str | None = field(default=None, metadata={"help": "PEM CA certificate sent with the chain"})
@@ -243,6 +250,21 @@ class ServerConfig:
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"`log_format` must be text or json, got {self.log_format!r}")
         self._check_dashboard()
+        self._check_mirrors()
+
+    def _check_mirrors(self) -> None:
+        """Each mirror an absolute http(s) URL with a host, stored without a trailing slash."""
+        cleaned = []
+        for url in self.mirrors:
+            parts = urlsplit(url.strip())
+            if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
+                raise ConfigError(f"`mirror` {url!r} must be an http:// or https:// base URL without query or "
+                                  "fragment, e.g. https://mirror.example.org/zoo-gym (a checkpoint is at "
+                                  "URL/<sha256>)")
+            cleaned.append(url.strip().rstrip("/"))
+        if len(set(cleaned)) != len(cleaned):
+            raise ConfigError(f"`mirror` names a URL twice: {cleaned}")
+        self.mirrors = cleaned
 
     def _check_dashboard(self) -> None:
         """Port in range; with the dashboard on, a readable token when one is named, and with server DP on no

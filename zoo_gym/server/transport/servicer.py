@@ -110,7 +110,7 @@ class GymServicer(gym_pb2_grpc.GymServicer):
             you_submitted=v.you_submitted, message=v.round.message, aggregator=cfg.soup.aggregator,
             dp_epsilon_spent=v.dp_epsilon_spent, dp_delta=cfg.soup.dp_delta, dp_epsilon_round=v.dp_epsilon_round,
             dp_epsilon_spent_rdp=v.dp_epsilon_spent_rdp, **sampled,
-            dp_participation=cfg.soup.dp_participation if cfg.soup.dp_enabled else "",
+            dp_participation=cfg.soup.dp_participation if cfg.soup.dp_enabled else "", mirrors=cfg.mirrors,
             server_public_key=self.state.public_key, mode=self.rounds.policy.name, **self.rounds.policy.round_info(),
             limits=gym_pb2.Limits(max_payload_bytes=cfg.max_payload_bytes, max_chunk_bytes=cfg.max_chunk_bytes,
                                   download_chunk_bytes=cfg.download_chunk_bytes,
