@@ -78,3 +78,67 @@ def test_what_each_rule_needs():
     # the rules a DP config may name are exactly those with a proven influence bound (config.DP_AGGREGATORS,
     # spelled out so that reading a config imports no torch)
     assert DP_AGGREGATORS == tuple(name for name, cls in RULES.items() if cls.dp_exact)
+
+
+@pytest.fixture
+def registered():
+    """Rules a test registers, taken out of the registry again after it (the registry is process-wide)."""
+    from zoo_gym.aggregation.rules import registry
+
+    added: list[str] = []
+    yield added
+    for name in added:
+        registry._RULES.pop(name, None)
+
+
+def test_a_registered_rule_is_a_config_name_and_aggregates_a_round(registered):
+    import torch
+
+    from zoo_gym.aggregation import DeltaSoup, register_rule
+    from zoo_gym.aggregation.rules import LinearPlan
+    from zoo_gym.aggregation.sources import DictDeltaSource
+
+    @register_rule
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class FirstOnly(Mean):
+        """The first accepted row alone (a test rule)."""
+
+        name = "first-only"
+
+        def plan(self, view):
+            coeff = torch.zeros(view.k, dtype=torch.float64)
+            coeff[0] = 1.0
+            return LinearPlan(coeff, selected=coeff > 0)
+
+    registered.append("first-only")
+    assert RULES["first-only"] is FirstOnly and "first-only" in tuple(RULES)
+    cfg = SoupConfig(aggregator="first-only")
+    assert cfg.rule == FirstOnly()
+    deltas = [{"w": torch.full((3,), float(i + 1))} for i in range(3)]
+    out = {}
+    report = DeltaSoup(cfg).run(DictDeltaSource(["a", "b", "c"], deltas), out.__setitem__)
+    assert report.aggregator == "first-only" and out["w"].tolist() == [1.0, 1.0, 1.0]
+    assert [r.selected for r in report.contributors] == [True, False, False]
+
+
+def test_registering_a_taken_name_or_a_non_rule_is_refused(registered):
+    from zoo_gym.aggregation import register_rule
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class AnotherMean(Mean):
+        name = "mean"
+
+    with pytest.raises(ValueError, match="'mean' is already registered"):
+        register_rule(AnotherMean)
+    assert RULES["mean"] is Mean
+    with pytest.raises(TypeError, match="subclass of zoo_gym.aggregation.Rule"):
+        register_rule(dict)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        RULES["x"] = Mean  # type: ignore[index]  # the view is read-only
+
+
+def test_the_aggregator_help_names_the_built_in_rules_in_registry_order():
+    # spelled out in config.py so that `gym-server --help` imports no torch; the registry is the declaration
+    builtin = [name for name, cls in RULES.items() if cls.__module__.startswith("zoo_gym.aggregation.rules.")]
+    help_text = {f.name: f for f in dataclasses.fields(SoupConfig)}["aggregator"].metadata["help"]
+    assert help_text.startswith("one of " + ", ".join(builtin) + " (default")

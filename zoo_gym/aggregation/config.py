@@ -18,13 +18,9 @@ from .errors import SoupConfigError
 if TYPE_CHECKING:
     from .rules import Rule
 
-# the rules' names, in the order the help text lists them (== tuple(rules.RULES); spelled out so that
-# reading a config does not import torch: tests/aggregation/test_rules.py checks they agree)
-AGGREGATORS = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan", "geometric-median", "centered-clip",
-               "trust-mean")
-# the rules whose per-contributor influence bound is proven, so DP noise can be calibrated to it (== the rules with
-# `dp_exact`; tests/aggregation/test_rules.py checks they agree). Every other rule is refused with DP on.
-DP_AGGREGATORS = ("mean", "trust-mean")
+# AGGREGATORS (the rules' names) and DP_AGGREGATORS (those whose per-contributor influence bound is proven, so DP
+# noise can be calibrated to it: `dp_exact`) are read from the registry, rules/registry.py, on access (module
+# __getattr__ below): reading a config imports no torch, the registry does. Every other rule is refused with DP on.
 PARTICIPATION = ("public", "private")
 
 
@@ -32,7 +28,7 @@ PARTICIPATION = ("public", "private")
 class SoupConfig:
     """Settings of validate -> clip -> robust aggregate -> noise. Every check names its field."""
 
-    aggregator: str = dataclasses.field(default="trimmed-mean", metadata={"help": "one of " + ", ".join(AGGREGATORS) + " (default trimmed-mean: robust, needs >= 3 contributors; mean is not robust; with DP only mean or trust-mean, the mean weighted by each delta's agreement with the operator's validation gradient)"})
+    aggregator: str = dataclasses.field(default="trimmed-mean", metadata={"help": "one of mean, median, trimmed-mean, krum, multi-krum, bulyan, geometric-median, centered-clip, trust-mean (default trimmed-mean: robust, needs >= 3 contributors; mean is not robust; with DP only mean or trust-mean, the mean weighted by each delta's agreement with the operator's validation gradient)"})
     byzantine_f: int = dataclasses.field(default=0, metadata={"help": "Byzantine contributors tolerated (krum, multi-krum, bulyan)"})
     multi_krum_m: int | None = dataclasses.field(default=None, metadata={"help": "contributors Multi-Krum averages (default n - f; K // 2 per buffer in async mode)"})
     trim_beta: float = dataclasses.field(default=0.4, metadata={"help": "share trimmed from each end per coordinate, [0, 0.5) (default 0.4: near the median, which 1-bit deltas need against sign flips; docs/design/aggregation.md)"})
@@ -59,9 +55,10 @@ class SoupConfig:
     dp_secure_noise: bool = dataclasses.field(default=False, metadata={"help": "draw noise from an os.urandom-seeded generator (ignore the given one)"})
 
     def __post_init__(self) -> None:
-        if self.aggregator not in AGGREGATORS:
-            raise SoupConfigError(f"`aggregator` must be one of {', '.join(AGGREGATORS)}; got "
-                                  f"{self.aggregator!r}")
+        from .rules import RULES
+
+        if self.aggregator not in RULES:
+            raise SoupConfigError(f"`aggregator` must be one of {', '.join(RULES)}; got {self.aggregator!r}")
         if not isinstance(self.byzantine_f, int) or self.byzantine_f < 0:
             raise SoupConfigError(f"`byzantine_f` must be an integer >= 0, got {self.byzantine_f!r}")
         if self.multi_krum_m is not None and self.multi_krum_m < 1:
@@ -114,9 +111,12 @@ class SoupConfig:
     def _check_dp_bound(self) -> None:
         """With DP on, only a mechanism whose per-contributor influence bound is proven may run: the noise is
         calibrated to that bound, and for any other rule the epsilon reported would not bound anything."""
-        if self.aggregator not in DP_AGGREGATORS:
+        from .rules import RULES
+
+        if not RULES[self.aggregator].dp_exact:
+            exact = " or ".join(name for name, cls in RULES.items() if cls.dp_exact)
             raise SoupConfigError(
-                f"with DP on (`dp_noise_multiplier` > 0) `aggregator` must be {' or '.join(DP_AGGREGATORS)} (the robust "
+                f"with DP on (`dp_noise_multiplier` > 0) `aggregator` must be {exact} (the robust "
                 "one), got "
                 f"{self.aggregator!r}: one added contributor can move its output by many times C/m (trimmed mean "
                 "4.8x, Krum 200x), so no epsilon reported for it would be a bound (docs/design/privacy.md)")
@@ -150,3 +150,13 @@ class SoupConfig:
                                       + ", ".join(sorted(k.replace('_', '-') for k in known)))
             values[name] = value
         return cls(**values)
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    """AGGREGATORS and DP_AGGREGATORS, from the registry as it is now (PEP 562: importing this module imports no
+    torch, the registry does)."""
+    if name not in ("AGGREGATORS", "DP_AGGREGATORS"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from .rules import RULES
+
+    return tuple(rule for rule, cls in RULES.items() if name == "AGGREGATORS" or cls.dp_exact)
