@@ -172,5 +172,10 @@ class Rule:
         """Refuse a round before aggregating: by default on the contributions validation accepted."""
         self.check_n(accepted)
 
+    def per_buffer(self, buffer_size: int) -> dict[str, Any]:
+        """The settings an async flush of `buffer_size` deltas runs this rule with where they differ from a
+        round's, by `SoupConfig` field name (recorded when the buffer closes); by default none."""
+        return {}
+
     def plan(self, view: RoundView) -> Plan:
         raise NotImplementedError

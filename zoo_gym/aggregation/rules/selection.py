@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from ..bulyan import bulyan, check_bulyan_config
 from ..errors import AggregationError, NotRobustConfigError
@@ -41,6 +42,14 @@ class MultiKrum(Rule):
             raise NotRobustConfigError(f"`multi_krum_m`={self.multi_krum_m} exceeds the {accepted} accepted "
                                        "contributions")
 
+    def per_buffer(self, buffer_size: int) -> dict[str, Any]:
+        """`multi_krum_m` per async buffer of K deltas: as configured, else K // 2. Not n - f as in a round: f per
+        buffer is the attackers' average share, not a bound (one delta per contributor per buffer, so a buffer can
+        hold all of them), and with m = n - f every attacker past K - m is averaged in whatever its score. With
+        m = K // 2 none is forced in while they are at most half the buffer (docs/design/async-rounds.md).
+        Krum's own bound n >= 2f + 3 keeps K // 2 <= n - f."""
+        return {"multi_krum_m": self.multi_krum_m if self.multi_krum_m is not None else max(1, buffer_size // 2)}
+
     def plan(self, view: RoundView) -> Plan:
         score, coeff = multi_krum_coefficients(view.distances, f=self.byzantine_f, m=self.multi_krum_m,
                                                weights=view.weights)
@@ -53,6 +62,9 @@ class Krum(MultiKrum):
 
     name = "krum"
     multi_krum_m: int | None = dataclasses.field(default=1, init=False)
+
+    def per_buffer(self, buffer_size: int) -> dict[str, Any]:
+        return {}  # one row, per buffer as per round
 
 
 @dataclass(frozen=True, kw_only=True)
