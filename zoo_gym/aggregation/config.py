@@ -23,13 +23,14 @@ if TYPE_CHECKING:
 # noise can be calibrated to it: `dp_exact`) are read from the registry, rules/registry.py, on access (module
 # __getattr__ below): reading a config imports no torch, the registry does. Every other rule is refused with DP on.
 PARTICIPATION = ("public", "private")
+DEFAULT_AGGREGATOR = "trimmed-mean"  # the one declaration of the default rule (SoupConfig's, a Round row's)
 
 
 @dataclass
 class SoupConfig:
     """Settings of validate -> clip -> robust aggregate -> noise. Every check names its field."""
 
-    aggregator: str = dataclasses.field(default="trimmed-mean", metadata={"help": "one of mean, median, trimmed-mean, krum, multi-krum, bulyan, geometric-median, centered-clip, trust-mean (default trimmed-mean: robust, needs >= 3 contributors; mean is not robust; with DP only mean or trust-mean, the mean weighted by each delta's agreement with the operator's validation gradient)"})
+    aggregator: str = dataclasses.field(default=DEFAULT_AGGREGATOR, metadata={"help": "one of mean, median, trimmed-mean, krum, multi-krum, bulyan, geometric-median, centered-clip, trust-mean (default " + DEFAULT_AGGREGATOR + ": robust, needs >= 3 contributors; mean is not robust; with DP only mean or trust-mean, the mean weighted by each delta's agreement with the operator's validation gradient)"})
     byzantine_f: int = dataclasses.field(default=0, metadata={"help": "Byzantine contributors tolerated (krum, multi-krum, bulyan)"})
     multi_krum_m: int | None = dataclasses.field(default=None, metadata={"help": "contributors Multi-Krum averages (default n - f; K // 2 per buffer in async mode)"})
     trim_beta: float = dataclasses.field(default=0.4, metadata={"help": "share trimmed from each end per coordinate, [0, 0.5) (default 0.4: near the median, which 1-bit deltas need against sign flips; docs/design/aggregation.md)"})
