@@ -74,6 +74,7 @@ class Round(SQLModel, table=True):
     report_json: str = "{}"  # DeltaSoup report: per-contributor accepted/refused and why, norms, selection
     dp_epsilon_round: float | None = None
     dp_epsilon_total: float | None = None
+    dp_epsilon_total_rdp: float | None = None  # RDP's cross-check of dp_epsilon_total, computed at publish (0007)
     dp_noise_multiplier: float | None = None
     dp_sample_rate: float | None = None
     message: str = ""
