@@ -61,3 +61,17 @@ def test_noise_std_secure_and_seeded():
     assert b.std().item() == pytest.approx(2.0, rel=0.01)
     assert torch.equal(gaussian_noise((5,), std=1.0, generator=torch.Generator().manual_seed(1)),
                        gaussian_noise((5,), std=1.0, generator=torch.Generator().manual_seed(1)))
+
+
+def test_the_dp_step_reads_each_setting_under_the_flags_name():
+    # issue 49: the dp_* settings were copied onto DifferentialPrivacy under other names (dp_noise_multiplier ->
+    # noise_multiplier, dp_secure_noise -> secure, ...); it now reads the config's fields where they are used
+    from zoo_gym.aggregation import DeltaSoup, SoupConfig
+
+    cfg = SoupConfig(aggregator="mean", dp_noise_multiplier=0.8, dp_clip=2.0, dp_expected_contributors=4)
+    dp = DeltaSoup(cfg).dp
+    assert dp.config is cfg and dp.clip == 2.0 and dp.enabled
+    assert not any(hasattr(dp, old) for old in ("noise_multiplier", "secure", "adaptive", "delta", "participation"))
+    release = dp.open(submitted=4, population=None, accountant=None)
+    assert release.noise_std == pytest.approx(0.8 * 2.0 / 4)  # dp_noise_multiplier x dp_clip / m on the mean
+    assert release.privacy.noise_multiplier == 0.8 and release.privacy.delta == cfg.dp_delta

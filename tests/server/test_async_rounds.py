@@ -375,3 +375,15 @@ def test_a_delta_past_a_full_buffer_is_acknowledged_with_the_buffer_it_is_stored
         assert s.get(Submission, acks[2].submission_id).round_id == 2
         assert sorted(json.loads(s.get(RoundInputs, 1).staleness_json)["contributors"]) == sorted(
             cid for _, cid in senders[:2])
+
+
+def test_the_rule_says_how_it_sizes_itself_per_buffer():
+    # issue 49: async_rounds asks the rule (Rule.per_buffer) instead of comparing its name to "multi-krum"
+    from zoo_gym.aggregation import SoupConfig
+    from zoo_gym.aggregation.config import AGGREGATORS
+    from zoo_gym.server.rounds.async_rounds import buffer_multi_krum_m
+
+    sized = {rule: buffer_multi_krum_m(SoupConfig(aggregator=rule), 9) for rule in AGGREGATORS}
+    assert sized == {rule: 4 if rule == "multi-krum" else None for rule in AGGREGATORS}  # K // 2
+    assert buffer_multi_krum_m(SoupConfig(aggregator="multi-krum", multi_krum_m=3), 9) == 3
+    assert buffer_multi_krum_m(SoupConfig(aggregator="multi-krum"), 1) == 1

@@ -169,3 +169,43 @@ def test_each_round_is_charged_as_it_was_published(dp_round):
     fed, _, _ = dp_round
     with fed.state.session() as s:
         assert published_history(s) == [(0.5, 1.0, 1)]  # public: replace-one, z / 2 at q = 1
+
+
+def test_the_rdp_cross_check_is_stored_at_publish_and_get_round_only_reads_it(dp_round, monkeypatch):
+    """Issue 49: the epsilon figures are computed once, when a round publishes, and stored with it (RDP's
+    cross-check in dp_epsilon_total_rdp, migration 0007); GetRound reads them and runs no accountant. A round
+    published before 0007 (null there) is still answered, from its history, as before."""
+    from zoo_gym.aggregation.privacy import rdp_epsilon
+    from zoo_gym.server.rounds.privacy_history import published_history
+    from zoo_gym.server.store.models import Round
+    from zoo_gym.server.transport import handlers
+
+    fed, _, _ = dp_round
+    with fed.state.session() as s:
+        stored, total = s.get(Round, 1).dp_epsilon_total_rdp, s.get(Round, 1).dp_epsilon_total
+        expected = rdp_epsilon(published_history(s), delta=1e-5)
+    assert stored is not None and stored == pytest.approx(expected, rel=1e-9) and stored >= total > 0
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("GetRound ran the accountant")
+
+    handlers._RDP_CROSS_CHECK.clear()
+    monkeypatch.setattr(handlers, "rdp_epsilon", refuse)
+    info = fed.round()
+    assert info.dp_epsilon_spent_rdp == pytest.approx(stored, rel=1e-6)
+    assert info.dp_epsilon_spent == pytest.approx(total, rel=1e-6)
+    monkeypatch.undo()
+
+    with fed.state.session() as s:  # as a round published before 0007 left it
+        row = s.get(Round, 1)
+        row.dp_epsilon_total_rdp = None
+        s.add(row)
+        s.commit()
+    try:
+        assert fed.round().dp_epsilon_spent_rdp == pytest.approx(expected, rel=1e-6)
+    finally:
+        with fed.state.session() as s:
+            row = s.get(Round, 1)
+            row.dp_epsilon_total_rdp = stored
+            s.add(row)
+            s.commit()

@@ -64,3 +64,15 @@ def test_status_shows_the_serve_mode_as_the_latest_closed_round_recorded_it(fede
     doc = json.loads(runner.invoke(app, ["status", "--state-dir", state_dir, "--json"]).output)
     assert doc["mode"] == {"mode": "async", "as_of_round": 1, "buffer_size": 2, "max_staleness": 3,
                            "server_lr": 0.5, "staleness_exponent": 1.0}
+
+
+def test_the_open_round_names_the_rule_it_is_served_with(federation_with):
+    """Issue 49: a round row's default rule is SoupConfig's (one declaration), and `serve` records the rule it
+    serves on the open round, so status names the rule the round runs under, not a default."""
+    from zoo_gym.aggregation import SoupConfig
+    from zoo_gym.server.store.models import Round
+
+    assert Round(id=1, base_sha256="0" * 64).aggregator == SoupConfig().aggregator
+    fed = federation_with(aggregator="median", validation_examples=0)
+    out = runner.invoke(app, ["status", "--state-dir", str(fed.state.root)]).output
+    assert "aggregator median" in out, out

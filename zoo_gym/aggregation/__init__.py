@@ -2,7 +2,7 @@
 
 Aggregators take a stacked (n, d) tensor and return an `AggregateResult` (aggregate + per-
 contributor diagnostics). `DeltaSoup` chains validate -> clip -> group copies -> rule -> noise over
-a streamed `DeltaSource`; rules are objects named once (`create_rule`, `SoupConfig.rule`) and DP is
+a streamed `DeltaSource`; rules are objects named once (`register_rule`, `SoupConfig.rule`) and DP is
 a step around any of them (`DifferentialPrivacy`). The Flower adapter is `zoo_gym.integrations.flower`.
 """
 
@@ -30,7 +30,7 @@ _LAZY = {
     "privacy": "PrivacyAccountant PrivacyReport",
     "result": "AggregateResult Diagnostics",
     "rules": "RULES Bulyan CenteredClip GeometricMedian Krum Mean Median MultiKrum Rule TrimmedMean "
-             "create_rule",
+             "create_rule register_rule",
     "soup": "ContributorReport DeltaSoup DeltaSource SoupReport",
     "trimmed_mean": "trimmed_mean",
 }
@@ -39,7 +39,7 @@ __all__ = [
     "AGGREGATORS", "RULES", "AggregateResult", "AggregationError", "Bulyan", "CenteredClip",
     "ContributorReport", "DeltaSoup", "DeltaSource", "Diagnostics", "DifferentialPrivacy",
     "GeometricMedian", "InvalidDeltaError", "Krum", "Mean", "Median", "MultiKrum", "NotRobustConfigError",
-    "Rule", "TrimmedMean", "create_rule",
+    "Rule", "TrimmedMean", "create_rule", "register_rule",
     "PackedModel", "PrivacyAccountant", "PrivacyBudgetExceeded", "PrivacyReport", "SoupConfig",
     "SoupConfigError", "SoupReport", "bulyan", "bulyan_select", "centered_clip", "clip_factors",
     "geometric_median", "krum", "krum_scores", "krum_select", "mean", "median", "model_mean",

@@ -1,8 +1,9 @@
 """`SoupConfig`: the flat, operator-facing settings of the DeltaSoup pipeline.
 
 Each field is one setting: field `byzantine_f` <-> config key `byzantine-f` or `byzantine_f` <->
-CLI flag `--byzantine-f`; every check names its field. `aggregator` names the rule, turned into an
-object once by `SoupConfig.rule` (rules/registry.py); the dp_* fields configure the DP step (dp.py).
+CLI flag `--byzantine-f` <-> the field of the rule that uses it (rules/: `MultiKrum.byzantine_f`), which
+checks it; every check names its field. `aggregator` names the rule (rules/registry.py), built once into
+`SoupConfig.rule`; the dp_* fields configure the DP step (dp.py).
 Why the defaults are what they are: docs/design/aggregation.md.
 """
 
@@ -18,21 +19,18 @@ from .errors import SoupConfigError
 if TYPE_CHECKING:
     from .rules import Rule
 
-# the rules' names, in the order the help text lists them (== tuple(rules.RULES); spelled out so that
-# reading a config does not import torch: tests/aggregation/test_rules.py checks they agree)
-AGGREGATORS = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan", "geometric-median", "centered-clip",
-               "trust-mean")
-# the rules whose per-contributor influence bound is proven, so DP noise can be calibrated to it (== the rules with
-# `dp_exact`; tests/aggregation/test_rules.py checks they agree). Every other rule is refused with DP on.
-DP_AGGREGATORS = ("mean", "trust-mean")
+# AGGREGATORS (the rules' names) and DP_AGGREGATORS (those whose per-contributor influence bound is proven, so DP
+# noise can be calibrated to it: `dp_exact`) are read from the registry, rules/registry.py, on access (module
+# __getattr__ below): reading a config imports no torch, the registry does. Every other rule is refused with DP on.
 PARTICIPATION = ("public", "private")
+DEFAULT_AGGREGATOR = "trimmed-mean"  # the one declaration of the default rule (SoupConfig's, a Round row's)
 
 
 @dataclass
 class SoupConfig:
     """Settings of validate -> clip -> robust aggregate -> noise. Every check names its field."""
 
-    aggregator: str = dataclasses.field(default="trimmed-mean", metadata={"help": "one of " + ", ".join(AGGREGATORS) + " (default trimmed-mean: robust, needs >= 3 contributors; mean is not robust; with DP only mean or trust-mean, the mean weighted by each delta's agreement with the operator's validation gradient)"})
+    aggregator: str = dataclasses.field(default=DEFAULT_AGGREGATOR, metadata={"help": "one of mean, median, trimmed-mean, krum, multi-krum, bulyan, geometric-median, centered-clip, trust-mean (default " + DEFAULT_AGGREGATOR + ": robust, needs >= 3 contributors; mean is not robust; with DP only mean or trust-mean, the mean weighted by each delta's agreement with the operator's validation gradient)"})
     byzantine_f: int = dataclasses.field(default=0, metadata={"help": "Byzantine contributors tolerated (krum, multi-krum, bulyan)"})
     multi_krum_m: int | None = dataclasses.field(default=None, metadata={"help": "contributors Multi-Krum averages (default n - f; K // 2 per buffer in async mode)"})
     trim_beta: float = dataclasses.field(default=0.4, metadata={"help": "share trimmed from each end per coordinate, [0, 0.5) (default 0.4: near the median, which 1-bit deltas need against sign flips; docs/design/aggregation.md)"})
@@ -59,22 +57,7 @@ class SoupConfig:
     dp_secure_noise: bool = dataclasses.field(default=False, metadata={"help": "draw noise from an os.urandom-seeded generator (ignore the given one)"})
 
     def __post_init__(self) -> None:
-        if self.aggregator not in AGGREGATORS:
-            raise SoupConfigError(f"`aggregator` must be one of {', '.join(AGGREGATORS)}; got "
-                                  f"{self.aggregator!r}")
-        if not isinstance(self.byzantine_f, int) or self.byzantine_f < 0:
-            raise SoupConfigError(f"`byzantine_f` must be an integer >= 0, got {self.byzantine_f!r}")
-        if self.multi_krum_m is not None and self.multi_krum_m < 1:
-            raise SoupConfigError(f"`multi_krum_m` must be >= 1 or None, got {self.multi_krum_m}")
-        if not 0.0 <= self.trim_beta < 0.5:
-            raise SoupConfigError(f"`trim_beta` must be in [0, 0.5), got {self.trim_beta}")
-        if not 0.0 <= self.trust_ramp <= 1.0:
-            raise SoupConfigError(f"`trust_ramp` must be in [0, 1], got {self.trust_ramp}")
-        if not self.cc_tau > 0 or self.cc_iters < 1:
-            raise SoupConfigError(f"`cc_tau` must be > 0 and `cc_iters` >= 1, got {self.cc_tau}, "
-                                  f"{self.cc_iters}")
-        if not (self.gm_eps >= 0 and self.gm_nu > 0 and self.gm_max_iter >= 1):
-            raise SoupConfigError("`gm_eps` must be >= 0, `gm_nu` > 0 and `gm_max_iter` >= 1")
+        self._rule = self._build_rule()
         for name in ("max_delta_norm", "dp_clip", "dp_target_epsilon", "dp_clip_count_stddev"):
             value = getattr(self, name)
             if value is not None and not (value > 0 and math.isfinite(value)):
@@ -111,12 +94,32 @@ class SoupConfig:
             raise SoupConfigError("`dp_target_epsilon` is set but `dp_noise_multiplier` is 0: "
                                   "without noise there is no privacy to budget")
 
+    def _build_rule(self) -> Rule:
+        """The rule `aggregator` names, built once, its settings copied from the fields of the same names. Every
+        registered rule's settings are checked, each by its rule (the one check): a bad `trim_beta` is refused
+        whatever the aggregator, as it was when SoupConfig checked them itself."""
+        from .errors import AggregationError
+        from .rules import RULES, create_rule
+
+        if self.aggregator not in RULES:
+            raise SoupConfigError(f"`aggregator` must be one of {', '.join(RULES)}; got {self.aggregator!r}")
+        try:
+            for name, cls in RULES.items():
+                if name != self.aggregator and _settable(cls, self):
+                    cls.from_config(self)
+            return create_rule(self)
+        except AggregationError as exc:
+            raise SoupConfigError(str(exc)) from None
+
     def _check_dp_bound(self) -> None:
         """With DP on, only a mechanism whose per-contributor influence bound is proven may run: the noise is
         calibrated to that bound, and for any other rule the epsilon reported would not bound anything."""
-        if self.aggregator not in DP_AGGREGATORS:
+        from .rules import RULES
+
+        if not self.rule.dp_exact:
+            exact = " or ".join(name for name, cls in RULES.items() if cls.dp_exact)
             raise SoupConfigError(
-                f"with DP on (`dp_noise_multiplier` > 0) `aggregator` must be {' or '.join(DP_AGGREGATORS)} (the robust "
+                f"with DP on (`dp_noise_multiplier` > 0) `aggregator` must be {exact} (the robust "
                 "one), got "
                 f"{self.aggregator!r}: one added contributor can move its output by many times C/m (trimmed mean "
                 "4.8x, Krum 200x), so no epsilon reported for it would be a bound (docs/design/privacy.md)")
@@ -131,10 +134,9 @@ class SoupConfig:
 
     @property
     def rule(self) -> Rule:
-        """The rule `aggregator` names, with its settings from these fields (built on each access)."""
-        from .rules import create_rule
-
-        return create_rule(self)
+        """The rule `aggregator` names, with its settings from these fields (built once, by __post_init__: not a
+        field, so not in eq, repr or asdict; dataclasses.replace builds the new config's own)."""
+        return self._rule
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> SoupConfig:
@@ -150,3 +152,19 @@ class SoupConfig:
                                       + ", ".join(sorted(k.replace('_', '-') for k in known)))
             values[name] = value
         return cls(**values)
+
+
+def _settable(cls: type, config: SoupConfig) -> bool:
+    """Whether every setting `cls` declares is one of the config's fields (so the config can check them)."""
+    names = cls.settings()
+    return bool(names) and all(hasattr(config, name) for name in names)
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    """AGGREGATORS and DP_AGGREGATORS, from the registry as it is now (PEP 562: importing this module imports no
+    torch, the registry does)."""
+    if name not in ("AGGREGATORS", "DP_AGGREGATORS"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from .rules import RULES
+
+    return tuple(rule for rule, cls in RULES.items() if name == "AGGREGATORS" or cls.dp_exact)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -20,6 +20,9 @@ from .errors import InvalidDeltaError, PrivacyBudgetExceeded, SoupConfigError
 from .privacy import (PrivacyAccountant, PrivacyReport, accounted_step, epsilon, gaussian_noise,
                       secure_generator)
 from .rules.base import Rule
+
+if TYPE_CHECKING:
+    from .config import SoupConfig
 
 
 @dataclass(frozen=True)
@@ -33,33 +36,17 @@ class Weighting:
 
 
 class DifferentialPrivacy:
-    """Clip -> rule -> noise -> account; holds the (adaptive) clip norm between rounds."""
+    """Clip -> rule -> noise -> account; holds the (adaptive) clip norm between rounds. Its settings are the
+    config's dp_* fields, read under their names there (the flags'): `dp_noise_multiplier` is z from the flag to
+    the noise, where it becomes `z_update` (z less the adaptive clip's share) and then the noise's std."""
 
-    def __init__(self, rule: Rule, *, noise_multiplier: float = 0.0, clip: float | None = None,
-                 adaptive: bool = False, target_quantile: float = 0.5, clip_lr: float = 0.2,
-                 count_stddev: float | None = None, expected_contributors: int | None = None,
-                 delta: float = 1e-5, target_epsilon: float | None = None, secure: bool = False,
-                 participation: str = "public") -> None:
-        self.rule, self.participation = rule, participation
-        self.noise_multiplier, self.clip, self.adaptive = noise_multiplier, clip, adaptive
-        self.target_quantile, self.clip_lr, self.count_stddev = target_quantile, clip_lr, count_stddev
-        self.expected_contributors, self.delta = expected_contributors, delta
-        self.target_epsilon, self.secure = target_epsilon, secure
-
-    @classmethod
-    def from_config(cls, rule: Rule, config: Any, *, clip: float | None = None) -> DifferentialPrivacy:
-        """From a `SoupConfig`'s dp_* fields; `clip` overrides `dp_clip` (the adapted norm)."""
-        return cls(rule, noise_multiplier=config.dp_noise_multiplier,
-                   clip=config.dp_clip if clip is None else clip, adaptive=config.dp_adaptive_clip,
-                   target_quantile=config.dp_target_quantile, clip_lr=config.dp_clip_lr,
-                   count_stddev=config.dp_clip_count_stddev,
-                   expected_contributors=config.dp_expected_contributors, delta=config.dp_delta,
-                   target_epsilon=config.dp_target_epsilon, secure=config.dp_secure_noise,
-                   participation=config.dp_participation)
+    def __init__(self, rule: Rule, config: SoupConfig, *, clip: float | None = None) -> None:
+        self.rule, self.config = rule, config
+        self.clip = config.dp_clip if clip is None else clip  # the clip norm now: dp_clip, or as adapted since
 
     @property
     def enabled(self) -> bool:
-        return self.noise_multiplier > 0
+        return self.config.dp_noise_multiplier > 0
 
     def clip_factors(self, norms: Tensor) -> Tensor:
         """(k,) float64 factors min(1, C / norm) over each whole delta; ones without a clip norm."""
@@ -71,32 +58,32 @@ class DifferentialPrivacy:
              accountant: PrivacyAccountant | None, sample_rate: float | None = None) -> Release:
         """This round's release; raises PrivacyBudgetExceeded before anything is published. `sample_rate`:
         the probability with which the caller sampled each person (overrides m / population)."""
+        cfg = self.config
         if not self.enabled:
-            m_exp = self.expected_contributors or submitted
-            return Release(self, expected=m_exp, count_stddev=self.count_stddev or m_exp / 20.0,
+            m_exp = cfg.dp_expected_contributors or submitted
+            return Release(self, expected=m_exp, count_stddev=cfg.dp_clip_count_stddev or m_exp / 20.0,
                            z_update=0.0, privacy=None)
         m_exp = self._fixed_denominator()
-        count_std = self.count_stddev or m_exp / 20.0
-        z_update = self.noise_multiplier
-        if self.adaptive:
-            z_update = update_noise_multiplier(noise_multiplier=self.noise_multiplier,
-                                               count_stddev=count_std)
-        delta = self.delta
+        count_std = cfg.dp_clip_count_stddev or m_exp / 20.0
+        z_update = cfg.dp_noise_multiplier  # on the sum: z, less the share the adaptive clip's count takes
+        if cfg.dp_adaptive_clip:
+            z_update = update_noise_multiplier(noise_multiplier=cfg.dp_noise_multiplier, count_stddev=count_std)
+        delta = cfg.dp_delta
         q = min(1.0, m_exp / population) if population else 1.0
         q = float(sample_rate) if sample_rate is not None else q
-        z_acct, q_acct = accounted_step(self.noise_multiplier, q, participation=self.participation)
+        z_acct, q_acct = accounted_step(cfg.dp_noise_multiplier, q, participation=cfg.dp_participation)
         acct = accountant if accountant is not None else PrivacyAccountant()
         eps_before = acct.epsilon(delta=delta)
         eps_after = acct.epsilon_if_step(noise_multiplier=z_acct, sample_rate=q_acct, delta=delta)
-        if self.target_epsilon is not None and eps_after > self.target_epsilon:
+        if cfg.dp_target_epsilon is not None and eps_after > cfg.dp_target_epsilon:
             raise PrivacyBudgetExceeded(epsilon_spent=eps_before, epsilon_if_published=eps_after,
-                                        target=self.target_epsilon, delta=delta)
+                                        target=cfg.dp_target_epsilon, delta=delta)
         trial = PrivacyAccountant(acct.history)
         trial.step(noise_multiplier=z_acct, sample_rate=q_acct)
         privacy = PrivacyReport(
             epsilon_round=epsilon([(z_acct, q_acct, 1)], delta=delta), epsilon_total=eps_after, delta=delta,
-            q=q_acct, noise_multiplier=self.noise_multiplier, clip=float(self.clip), expected_contributors=m_exp,
-            mechanism=f"{self.rule.name} / fixed m={m_exp}", participation=self.participation,
+            q=q_acct, noise_multiplier=cfg.dp_noise_multiplier, clip=float(self.clip), expected_contributors=m_exp,
+            mechanism=f"{self.rule.name} / fixed m={m_exp}", participation=cfg.dp_participation,
             accounted_noise_multiplier=z_acct, epsilon_total_rdp=trial.epsilon_rdp(delta=delta))
         return Release(self, expected=m_exp, count_stddev=count_std, z_update=z_update, privacy=privacy)
 
@@ -106,10 +93,10 @@ class DifferentialPrivacy:
         if not self.rule.dp_exact:
             raise SoupConfigError(f"DP noise is calibrated to the fixed-denominator mean's bound C/m; rule "
                                   f"{self.rule.name!r} has no such bound: refused")
-        if self.expected_contributors is None:
+        if self.config.dp_expected_contributors is None:
             raise SoupConfigError("DP needs a fixed denominator `dp_expected_contributors`, set before any "
                                   "submission: refused")
-        return int(self.expected_contributors)
+        return int(self.config.dp_expected_contributors)
 
 
 class Release:
@@ -133,7 +120,7 @@ class Release:
 
     def start(self, generator: torch.Generator | None) -> None:
         """Take the noise's randomness before the first tensor is published."""
-        self.generator = secure_generator() if self.dp.secure else generator
+        self.generator = secure_generator() if self.dp.config.dp_secure_noise else generator
         if self.dp.enabled and self.generator is None:
             raise InvalidDeltaError("DP noise needs randomness: pass `generator=` or set dp_secure_noise")
 
@@ -142,17 +129,17 @@ class Release:
         if not self.dp.enabled:
             return agg
         return agg + gaussian_noise(tuple(agg.shape), std=self.noise_std, generator=self.generator,
-                                    secure=self.dp.secure, dtype=agg.dtype)
+                                    secure=self.dp.config.dp_secure_noise, dtype=agg.dtype)
 
     def close(self, norms: Tensor, *, accountant: PrivacyAccountant | None) -> float | None:
         """After publishing: the next round's clip norm (adapted from the accepted `norms` (k,)
         before clipping) and the release accounted. Returns that clip norm."""
-        dp = self.dp
-        if dp.enabled and dp.adaptive:
-            dp.clip = adaptive_clip_update(norms, clip=self.clip, target_quantile=dp.target_quantile,
-                                           lr=dp.clip_lr, count_stddev=self.count_stddev,
+        dp, cfg = self.dp, self.dp.config
+        if dp.enabled and cfg.dp_adaptive_clip:
+            dp.clip = adaptive_clip_update(norms, clip=self.clip, target_quantile=cfg.dp_target_quantile,
+                                           lr=cfg.dp_clip_lr, count_stddev=self.count_stddev,
                                            expected_contributors=self.expected,
-                                           generator=self.generator, secure=dp.secure)
+                                           generator=self.generator, secure=cfg.dp_secure_noise)
         if dp.enabled and accountant is not None:
             accountant.step(noise_multiplier=self.privacy.accounted_noise_multiplier, sample_rate=self.privacy.q)
-        return dp.clip if dp.enabled and dp.adaptive else self.clip
+        return dp.clip if dp.enabled and cfg.dp_adaptive_clip else self.clip

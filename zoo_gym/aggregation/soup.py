@@ -80,7 +80,7 @@ class DeltaSoup:
     def __init__(self, config: SoupConfig, *, dp_clip: float | None = None) -> None:
         self.config = config
         self.rule = config.rule
-        self.dp = DifferentialPrivacy.from_config(self.rule, config, clip=dp_clip)
+        self.dp = DifferentialPrivacy(self.rule, config, clip=dp_clip)
 
     @property
     def dp_clip(self) -> float | None:

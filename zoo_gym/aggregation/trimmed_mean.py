@@ -21,10 +21,15 @@ from .errors import AggregationError, NotRobustConfigError
 from .result import AggregateResult, make_diagnostics
 
 
+def check_beta(beta: float, *, name: str = "beta") -> None:
+    """The one range check of the share trimmed from each end, [0, 0.5); `name`: the setting the message names."""
+    if not 0.0 <= beta < 0.5:
+        raise AggregationError(f"`{name}` must be in [0, 0.5), got {beta}")
+
+
 def trim_count(*, n: int, beta: float) -> int:
     """Values trimmed from EACH end of a coordinate: max(1, floor(beta*n)) for beta > 0, else 0."""
-    if not 0.0 <= beta < 0.5:
-        raise AggregationError(f"`beta` must be in [0, 0.5), got {beta}")
+    check_beta(beta)
     if beta == 0.0:
         return 0
     k = max(1, math.floor(beta * n))

@@ -7,7 +7,6 @@ centered_clip.py; each iteration is one pass over the model (`RoundView.distance
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -48,22 +47,18 @@ class TrustMean(Rule):
     name = "trust-mean"
     dp_exact = True
     needs_reference = True
-    ramp: float = 0.0
+    trust_ramp: float = 0.0  # the ramp: a cosine at or above it counts fully
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.ramp <= 1.0:
-            raise AggregationError(f"TrustMean needs 0 <= ramp <= 1; got {self.ramp}")
-
-    @classmethod
-    def from_config(cls, config: Any) -> TrustMean:
-        return cls(ramp=config.trust_ramp)
+        if not 0.0 <= self.trust_ramp <= 1.0:
+            raise AggregationError(f"`trust_ramp` must be in [0, 1], got {self.trust_ramp}")
 
     def trust(self, cos: Tensor) -> Tensor:
         """(k,) float64 trust in [0, 1] from (k,) cosines with the reference."""
         cos = cos.to(torch.float64)
-        if self.ramp == 0.0:
+        if self.trust_ramp == 0.0:
             return (cos > 0).to(torch.float64)
-        return (cos / self.ramp).clamp(min=0.0, max=1.0)
+        return (cos / self.trust_ramp).clamp(min=0.0, max=1.0)
 
     def plan(self, view: RoundView) -> Plan:
         if view.reference_cos is None:
@@ -89,21 +84,18 @@ class GeometricMedian(Rule):
     needs_distances = True
     counts_copies_once = True
     iterated = True
-    eps: float = 1e-8      # stop once the iterate moves less than eps x the median distance to it
-    max_iter: int = 32     # Weiszfeld steps at most
-    nu: float = 1e-6       # smoothing: distance floor
+    gm_eps: float = 1e-8      # stop once the iterate moves less than gm_eps x the median distance to it
+    gm_max_iter: int = 32     # Weiszfeld steps at most
+    gm_nu: float = 1e-6       # smoothing: distance floor
 
     def __post_init__(self) -> None:
-        if not (self.eps >= 0 and self.nu > 0 and self.max_iter >= 1):
-            raise AggregationError(f"GeometricMedian needs eps >= 0, nu > 0, max_iter >= 1; got {self}")
-
-    @classmethod
-    def from_config(cls, config: Any) -> GeometricMedian:
-        return cls(eps=config.gm_eps, max_iter=config.gm_max_iter, nu=config.gm_nu)
+        if not (self.gm_eps >= 0 and self.gm_nu > 0 and self.gm_max_iter >= 1):
+            raise AggregationError(f"`gm_eps` must be >= 0, `gm_nu` > 0 and `gm_max_iter` >= 1; got {self.gm_eps}, "
+                                   f"{self.gm_nu}, {self.gm_max_iter}")
 
     def plan(self, view: RoundView) -> Plan:
-        coeff = weiszfeld(view.distances_to, n=view.k, weights=view.split_weights(), eps=self.eps,
-                          max_iter=self.max_iter, nu=self.nu)
+        coeff = weiszfeld(view.distances_to, n=view.k, weights=view.split_weights(), eps=self.gm_eps,
+                          max_iter=self.gm_max_iter, nu=self.gm_nu)
         return LinearPlan(coeff, iterated=True)
 
 
@@ -115,19 +107,15 @@ class CenteredClip(Rule):
     needs_distances = True
     counts_copies_once = True
     iterated = True
-    tau: float = 1.0       # clipping radius (whole-delta L2)
-    iters: int = 3
+    cc_tau: float = 1.0       # clipping radius (whole-delta L2)
+    cc_iters: int = 3
 
     def __post_init__(self) -> None:
-        if not self.tau > 0 or self.iters < 1:
-            raise AggregationError(f"CenteredClip needs tau > 0 and iters >= 1; got {self}")
-
-    @classmethod
-    def from_config(cls, config: Any) -> CenteredClip:
-        return cls(tau=config.cc_tau, iters=config.cc_iters)
+        if not self.cc_tau > 0 or self.cc_iters < 1:
+            raise AggregationError(f"`cc_tau` must be > 0 and `cc_iters` >= 1, got {self.cc_tau}, {self.cc_iters}")
 
     def plan(self, view: RoundView) -> Plan:
         # coefficients over [center, x_1..x_k]; the first distances, to the zero center, are the norms
         a, _ = centered_clip_iterate(lambda c: view.distances_to(c[1:], None)[0], view.norms,
-                                     tau=self.tau, iters=self.iters, weights=view.split_weights())
+                                     tau=self.cc_tau, iters=self.cc_iters, weights=view.split_weights())
         return LinearPlan(a[1:], total=float(a.sum()), iterated=True)  # the center multiplies zero

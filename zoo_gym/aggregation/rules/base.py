@@ -8,6 +8,7 @@ maths lives in the pure functions beside the rules (krum.py, trimmed_mean.py, ..
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -136,7 +137,8 @@ class CoordinatewisePlan(Plan):
 
 
 class Rule:
-    """An aggregation rule: its settings are its dataclass fields (keyword-only)."""
+    """An aggregation rule: its settings are its dataclass fields (keyword-only), each named as the `SoupConfig`
+    field (and so the flag) that sets it, and checked in the rule's __post_init__, the one place."""
 
     name: ClassVar[str]
     needs_distances: ClassVar[bool] = False      # the (k, k) whole-model distances: one more pass
@@ -147,9 +149,15 @@ class Rule:
     needs_reference: ClassVar[bool] = False      # a reference direction from the operator (DeltaSoup.run(reference=))
 
     @classmethod
+    def settings(cls) -> tuple[str, ...]:
+        """The names of the rule's settings: its dataclass fields set at construction."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.init) if dataclasses.is_dataclass(cls) else ()
+
+    @classmethod
     def from_config(cls, config: Any) -> Rule:
-        """The rule with its settings read from a `SoupConfig`."""
-        return cls()
+        """The rule with each of its settings copied from the config's (a `SoupConfig`'s) field of that name
+        (a setting the config lacks keeps the rule's default)."""
+        return cls(**{name: getattr(config, name) for name in cls.settings() if hasattr(config, name)})
 
     def check_n(self, n: int) -> None:
         """Raise a ValueError (NotRobustConfigError) saying why `n` deltas are too few for this rule."""
@@ -163,6 +171,11 @@ class Rule:
     def check_round(self, *, submitted: int, accepted: int) -> None:
         """Refuse a round before aggregating: by default on the contributions validation accepted."""
         self.check_n(accepted)
+
+    def per_buffer(self, buffer_size: int) -> dict[str, Any]:
+        """The settings an async flush of `buffer_size` deltas runs this rule with where they differ from a
+        round's, by `SoupConfig` field name (recorded when the buffer closes); by default none."""
+        return {}
 
     def plan(self, view: RoundView) -> Plan:
         raise NotImplementedError

@@ -7,11 +7,9 @@ and the plan's note says so.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from ..errors import AggregationError
 from ..median import median
-from ..trimmed_mean import trim_count, trimmed_mean
+from ..trimmed_mean import check_beta, trim_count, trimmed_mean
 from .base import CoordinatewisePlan, Plan, RoundView, Rule
 
 
@@ -29,37 +27,32 @@ class Median(Rule):
 
 @dataclass(frozen=True, kw_only=True)
 class TrimmedMean(Rule):
-    """Trim max(1, floor(beta n)) values from each end of every coordinate (beta > 0)."""
+    """Trim max(1, floor(trim_beta n)) values from each end of every coordinate (trim_beta > 0)."""
 
     name = "trimmed-mean"
     needs_distances = True
     counts_copies_once = True
-    beta: float  # share trimmed from each end per coordinate, [0, 0.5); no default here: SoupConfig.trim_beta is the one
+    trim_beta: float  # share trimmed from each end per coordinate, [0, 0.5); no default here: SoupConfig's is the one
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.beta < 0.5:
-            raise AggregationError(f"TrimmedMean `beta` must be in [0, 0.5), got {self.beta}")
-
-    @classmethod
-    def from_config(cls, config: Any) -> TrimmedMean:
-        return cls(beta=config.trim_beta)
+        check_beta(self.trim_beta, name="trim_beta")
 
     def check_n(self, n: int) -> None:
         super().check_n(n)
-        trim_count(n=n, beta=self.beta)
+        trim_count(n=n, beta=self.trim_beta)
 
     def minimum_n(self) -> int:
-        return 3 if self.beta > 0 else 1
+        return 3 if self.trim_beta > 0 else 1
 
     def check_round(self, *, submitted: int, accepted: int) -> None:
         self.check_n(submitted)  # what validation leaves is averaged (see the module)
 
     def plan(self, view: RoundView) -> Plan:
         distinct = view.distinct
-        beta = self.beta if distinct >= 3 else 0.0
+        beta = self.trim_beta if distinct >= 3 else 0.0
         weights = view.weights if view.weighted else None
         note = ""
-        if distinct < 3 and self.beta > 0:
+        if distinct < 3 and self.trim_beta > 0:
             note = (f"trimmed-mean: validation left {view.k} of {view.submitted} submissions" + (
                     f", {distinct} distinct (copies count once)" if distinct < view.k else "") +
                     "; averaged untrimmed (for two, their coordinate-wise median)")

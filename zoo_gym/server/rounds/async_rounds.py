@@ -85,15 +85,9 @@ def record_staleness(session, round_id: int, config: ServerConfig) -> str:
 
 
 def buffer_multi_krum_m(soup: SoupConfig, buffer_size: int) -> int | None:
-    """How many rows Multi-Krum averages in an async flush: the configured `multi-krum-m`, else K // 2 (None
-    for other rules). Not n - f as in a round: f per buffer is the attackers' average share, not a bound
-    (one delta per contributor per buffer, so a buffer can hold all of them), and with m = n - f every
-    attacker past K - m is averaged in whatever its score. With m = K // 2 none is forced in while they are
-    at most half the buffer (docs/design/async-rounds.md). Krum's own bound n >= 2f + 3 keeps
-    K // 2 <= n - f."""
-    if soup.rule.name != "multi-krum":
-        return None
-    return soup.multi_krum_m if soup.multi_krum_m is not None else max(1, buffer_size // 2)
+    """How many rows Multi-Krum averages in an async flush of `buffer_size` deltas, as the rule sizes itself per
+    buffer (`MultiKrum.per_buffer`: the configured `multi-krum-m`, else K // 2); None for the other rules."""
+    return soup.rule.per_buffer(buffer_size).get("multi_krum_m")
 
 
 def staleness_applied(soup: SoupConfig) -> str:

@@ -46,6 +46,7 @@ class RoundManager:
         self._phase_timer = self.metrics.phase_timer(self._thread)
 
     def start(self) -> None:
+        self._record_rule()
         self._ensure_deadline()
         logging.getLogger("zoo_gym.server").addHandler(self._phase_timer)
         self._thread.start()
@@ -161,6 +162,16 @@ class RoundManager:
         if prepared:  # only what was computed now: the evaluator may come from the publish that measured the base
             log.info("round %d base %s prepared while open (%s) in %.2f s", rnd.id, rnd.base_sha256[:12],
                      ", ".join(prepared), time.perf_counter() - started)
+
+    def _record_rule(self) -> None:
+        """The open round runs under the rule served now: record its name on the round's row (init wrote the
+        default rule's; a restart may serve another `--aggregator`) so that status and the dashboard say it."""
+        with self.state.write_lock, self.state.session() as s:
+            rnd = self.state.current_round(s)
+            if rnd is not None and rnd.state == RoundState.OPEN and rnd.aggregator != self.config.soup.aggregator:
+                rnd.aggregator = self.config.soup.aggregator
+                s.add(rnd)
+                s.commit()
 
     def _ensure_deadline(self) -> None:
         if not self.policy.has_deadline:

@@ -503,6 +503,7 @@ def commit(state: ServerState, config: ServerConfig, job: RoundJob, w: Written) 
         if w.privacy is not None:
             r.dp_epsilon_round = w.privacy.epsilon_round
             r.dp_epsilon_total = w.privacy.epsilon_total
+            r.dp_epsilon_total_rdp = w.privacy.epsilon_total_rdp
             r.dp_noise_multiplier = w.privacy.noise_multiplier
             r.dp_sample_rate = w.privacy.q
         s.add(r)

@@ -12,6 +12,8 @@ from enum import Enum
 from sqlalchemy import UniqueConstraint
 from sqlmodel import Field, SQLModel
 
+from zoo_gym.aggregation.config import DEFAULT_AGGREGATOR
+
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
@@ -68,10 +70,11 @@ class Round(SQLModel, table=True):
     deadline_unix: float = 0.0
     closed_at: datetime | None = None
     published_sha256: str | None = Field(default=None, max_length=64)
-    aggregator: str = "mean"
+    aggregator: str = DEFAULT_AGGREGATOR  # the rule the round runs under until it publishes (then the one it ran)
     report_json: str = "{}"  # DeltaSoup report: per-contributor accepted/refused and why, norms, selection
     dp_epsilon_round: float | None = None
     dp_epsilon_total: float | None = None
+    dp_epsilon_total_rdp: float | None = None  # RDP's cross-check of dp_epsilon_total, computed at publish (0007)
     dp_noise_multiplier: float | None = None
     dp_sample_rate: float | None = None
     message: str = ""

@@ -136,24 +136,31 @@ class RoundView:
 
 
 def _privacy_figures(s, delta: float) -> tuple[float, float, float]:
-    """(cumulative epsilon, the last round's, RDP's cumulative cross-check) of the published rounds.
+    """(cumulative epsilon, the last round's, RDP's cumulative cross-check) of the published rounds, as the last
+    DP round stored them when it published.
 
     Columns, not Round objects: the caller's session may already hold a round as it was before its publish
     committed (the view loads the current round first), and a query hands back such an object unrefreshed."""
-    rows = s.exec(select(Round.id, Round.dp_epsilon_total, Round.dp_epsilon_round)
+    last = s.exec(select(Round.id, Round.dp_epsilon_total, Round.dp_epsilon_round, Round.dp_epsilon_total_rdp)
                   .where(Round.dp_noise_multiplier.is_not(None), Round.state == RoundState.PUBLISHED)
-                  .order_by(Round.id)).all()
-    if not rows:
+                  .order_by(Round.id.desc()).limit(1)).first()
+    if last is None:
         return 0.0, 0.0, 0.0
-    last_id, total, last_round = rows[-1]
-    # the history changes only when a DP round publishes: the cross-check (each round's report parsed, Opacus's
-    # RDP analysis) is computed once per publish, not on every GetRound
-    key = (str(s.get_bind().url), last_id, len(rows), delta)
+    last_id, total, last_round, total_rdp = last
+    if total_rdp is None:  # published before 0007 stored it: computed from the history, once per such round
+        total_rdp = _legacy_rdp(s, last_id, delta)
+    return float(total or 0.0), float(last_round or 0.0), float(total_rdp)
+
+
+def _legacy_rdp(s, last_id: int, delta: float) -> float:
+    """RDP's cumulative figure from the published history, for a last DP round that did not store it (cached)."""
+    history = published_history(s)
+    key = (str(s.get_bind().url), last_id, len(history), delta)
     if key not in _RDP_CROSS_CHECK:
         if len(_RDP_CROSS_CHECK) > 64:
             _RDP_CROSS_CHECK.clear()
-        _RDP_CROSS_CHECK[key] = rdp_epsilon(published_history(s), delta=delta)
-    return float(total or 0.0), float(last_round or 0.0), _RDP_CROSS_CHECK[key]
+        _RDP_CROSS_CHECK[key] = rdp_epsilon(history, delta=delta)
+    return _RDP_CROSS_CHECK[key]
 
 
 _RDP_CROSS_CHECK: dict[tuple, float] = {}  # (database, last DP round published, their count, delta) -> RDP epsilon
