@@ -1,10 +1,12 @@
 """A training heartbeat for logs: one `step i/N, loss, ETA` line at least every 10 s when no bar is drawn.
 
 A contributor whose output goes to a file or a service manager otherwise sees nothing for minutes. The
-line comes from a thread, so a step slower than the interval still gets its line."""
+line comes from a thread, so a step slower than the interval still gets its line. ``ZOO_GYM_HEARTBEAT_SECONDS``
+sets the interval (gym-client webui asks for 1 s, for its live loss curve)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -21,7 +23,9 @@ def _say(line: str) -> None:
 
 class Heartbeat(TrainerCallback):
     def __init__(self, *, interval: float | None = None, say: Callable[[str], None] = _say) -> None:
-        self.interval = HEARTBEAT_SECONDS if interval is None else interval
+        if interval is None:
+            interval = float(os.environ.get("ZOO_GYM_HEARTBEAT_SECONDS") or HEARTBEAT_SECONDS)
+        self.interval = interval
         self.say = say
         self._step = self._total = 0
         self._loss: float | None = None
