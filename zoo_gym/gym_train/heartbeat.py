@@ -2,7 +2,7 @@
 
 A contributor whose output goes to a file or a service manager otherwise sees nothing for minutes. The
 line comes from a thread, so a step slower than the interval still gets its line. ``ZOO_GYM_HEARTBEAT_SECONDS``
-sets the interval (gym-client webui asks for 1 s, for its live loss curve)."""
+sets the interval; 0 gives one line per logged loss instead (gym-client webui's live loss curve)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,8 @@ class Heartbeat(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self._start, self._total, self._step = time.monotonic(), state.max_steps, state.global_step
         self._stop.clear()
+        if self.interval <= 0:  # a line per logged loss (on_log), no thread
+            return
         self._thread = threading.Thread(target=self._beat, name="training-heartbeat", daemon=True)
         self._thread.start()
 
@@ -58,6 +60,10 @@ class Heartbeat(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self._loss = float(logs["loss"])
+            if self.interval <= 0:
+                self._step = state.global_step
+                self._beats += 1
+                self.say(self.line())
 
     def on_train_end(self, args, state, control, **kwargs):
         self._stop.set()

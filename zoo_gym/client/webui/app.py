@@ -40,7 +40,7 @@ class Console:
         self.join_command, self.directory, self.default_home = join_command, directory, default_home
         self.max_upload_bytes = max_upload_bytes
         self.join, self.pull, self.serve = Slot("join"), Slot("pull"), Slot("gym-serve")
-        self.env = {**os.environ, "ZOO_GYM_HEARTBEAT_SECONDS": "1", "PYTHONUNBUFFERED": "1"}
+        self.env = {**os.environ, "ZOO_GYM_HEARTBEAT_SECONDS": "0", "PYTHONUNBUFFERED": "1"}
 
     def client_argv(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "zoo_gym.client", *args]
