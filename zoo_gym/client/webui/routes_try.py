@@ -92,9 +92,17 @@ def _add_serve(app: FastAPI, console) -> None:
         import sys
 
         cmd = [sys.executable, "-m", "zoo_gym.serving", "--base", str(base), "--variants", str(home / "variants"),
-               "--port", "0", "--max-tokens", str(CHAT_TOKENS)]
+               "--port", "0", "--max-tokens", str(CHAT_TOKENS), "--base-name", f"checkpoint-round-{pulled['round']}"]
         console.serve.start(cmd, console.directory / "gym-serve", env=console.env, what=f"gym-serve {base}")
         return {"base": str(base)}
+
+    @app.post("/api/serve/stop")
+    async def serve_stop():
+        child = console.serve.child
+        if child is None or not child.running:
+            raise HTTPException(409, "no gym-serve is running")
+        child.stop()
+        return {"stopping": True}
 
     @app.get("/api/serve")
     async def serve_view():

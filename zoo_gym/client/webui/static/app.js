@@ -7,6 +7,11 @@ const el = (tag, attrs = {}, ...kids) => {
   for (const k of kids) e.append(k);
   return e;
 };
+const svg = (tag, attrs = {}) => {  // SVG elements live in their own namespace, or they are not drawn
+  const e = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (const [k, v] of Object.entries(attrs)) { if (k === "text") e.textContent = v; else e.setAttribute(k, v); }
+  return e;
+};
 let FIELDS = [];
 let seen = 0;
 
@@ -141,16 +146,16 @@ async function start() {
 }
 
 function drawLoss(points) {
-  const svg = $("#loss");
-  svg.replaceChildren();
-  if (!points.length) { svg.append(el("text", { x: 10, y: 20, text: "no training step yet" })); return; }
+  const box = $("#loss");
+  box.replaceChildren();
+  if (!points.length) { box.append(svg("text", { x: 10, y: 20, text: "no training step yet" })); return; }
   const xs = points.map((p) => p[0]), ys = points.map((p) => p[1]);
   const x0 = 0, x1 = Math.max(...xs, 1), y0 = Math.min(...ys), y1 = Math.max(...ys);
   const X = (x) => 40 + 370 * (x - x0) / (x1 - x0 || 1), Y = (y) => 160 - 140 * (y - y0) / (y1 - y0 || 1);
-  svg.append(el("polyline", { points: points.map((p) => `${X(p[0]).toFixed(1)},${Y(p[1]).toFixed(1)}`).join(" ") }));
-  for (const p of points) svg.append(el("circle", { cx: X(p[0]), cy: Y(p[1]), r: 2.5, fill: "#0b6e4f", "data-step": p[0], "data-loss": p[1] }));
-  svg.append(el("text", { x: 2, y: 24, text: y1.toFixed(3) }), el("text", { x: 2, y: 160, text: y0.toFixed(3) }),
-             el("text", { x: 380, y: 176, text: `step ${x1}` }));
+  box.append(svg("polyline", { points: points.map((p) => `${X(p[0]).toFixed(1)},${Y(p[1]).toFixed(1)}`).join(" ") }));
+  for (const p of points) box.append(svg("circle", { cx: X(p[0]), cy: Y(p[1]), r: 2.5, fill: "#0b6e4f", "data-step": p[0], "data-loss": p[1] }));
+  box.append(svg("text", { x: 2, y: 24, text: y1.toFixed(3) }), svg("text", { x: 2, y: 160, text: y0.toFixed(3) }),
+             svg("text", { x: 370, y: 176, text: `step ${x1}` }));
 }
 
 function roundsTable(p, result) {
