@@ -342,8 +342,7 @@ def webui(
 ) -> None:
     """A web console for contributors: join from a form, watch rounds and pay, verify the ledger, chat.
 
-    Its Join form is join's own options; a start runs `gym-client join --json` (the key stays in its file;
-    closing the page stops nothing). See README, "A contributor's web console"."""
+    Its Join form is join's own options; a start runs `gym-client join --json` (the key stays in its file; closing the page stops nothing). Binds 127.0.0.1 unless --host says otherwise."""
     import uvicorn
 
     from zoo_gym.client.webui.app import create_app
