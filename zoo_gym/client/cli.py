@@ -328,3 +328,45 @@ def rewards(
                        else f"VERIFICATION FAILED at entry {v['first_bad_seq']}: {v['reason']}")
     if verify and not doc["verification"]["ok"]:
         raise typer.Exit(1)
+
+
+@app.command()
+def webui(
+    port: int = typer.Option(7860, "--port", min=0, max=65535, help="Port of the console (0: a free one)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; anything but loopback lets "
+                             "others on that network start joins as you."),
+    workdir: Optional[Path] = typer.Option(None, help="Where the console keeps uploads, logs and pulled models "
+                                           "\\[default: ~/.zoo-gym/webui]."),
+    max_upload_mb: int = typer.Option(64, "--max-upload-mb", min=1, help="Largest data file the page may upload."),
+    open_browser: bool = typer.Option(False, "--open", help="Open the console in the default browser."),
+) -> None:
+    """A web console for contributors: join from a form, watch rounds and pay, verify the ledger, chat.
+
+    Its Join form is join's own options; a start runs `gym-client join --json` (the key stays in its file; closing the page stops nothing). Binds 127.0.0.1 unless --host says otherwise."""
+    import uvicorn
+
+    from zoo_gym.client.webui.app import create_app
+
+    command = typer.main.get_command(app).commands["join"]  # type: ignore[attr-defined]
+    hosts = ("127.0.0.1", "localhost", "::1", host.strip("[]"))
+    application = create_app(command, directory=workdir or DEFAULT_HOME / "webui", default_home=DEFAULT_HOME,
+                             max_upload_bytes=max_upload_mb << 20, allowed_hosts=hosts)
+    import socket
+
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as exc:
+        _fail(f"cannot listen on {host}:{port}: {exc.strerror}; choose another --port", 1)
+    sock.listen(128)
+    bound = sock.getsockname()[1]
+    shown = f"[{host.strip('[]')}]" if ":" in host.strip("[]") else host
+    url = f"http://{shown}:{bound}/"
+    _say(f"gym-client webui: console at {url} (Ctrl-C stops the console; a join it started goes on)")
+    if open_browser:
+        import webbrowser
+
+        webbrowser.open(url)
+    server = uvicorn.Server(uvicorn.Config(application, log_level="warning", lifespan="off"))
+    server.run(sockets=[sock])

@@ -1,10 +1,12 @@
 """A training heartbeat for logs: one `step i/N, loss, ETA` line at least every 10 s when no bar is drawn.
 
 A contributor whose output goes to a file or a service manager otherwise sees nothing for minutes. The
-line comes from a thread, so a step slower than the interval still gets its line."""
+line comes from a thread, so a step slower than the interval still gets its line. ``ZOO_GYM_HEARTBEAT_SECONDS``
+sets the interval; 0 gives one line per logged loss instead (gym-client webui's live loss curve)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -21,7 +23,9 @@ def _say(line: str) -> None:
 
 class Heartbeat(TrainerCallback):
     def __init__(self, *, interval: float | None = None, say: Callable[[str], None] = _say) -> None:
-        self.interval = HEARTBEAT_SECONDS if interval is None else interval
+        if interval is None:
+            interval = float(os.environ.get("ZOO_GYM_HEARTBEAT_SECONDS") or HEARTBEAT_SECONDS)
+        self.interval = interval
         self.say = say
         self._step = self._total = 0
         self._loss: float | None = None
@@ -45,6 +49,8 @@ class Heartbeat(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self._start, self._total, self._step = time.monotonic(), state.max_steps, state.global_step
         self._stop.clear()
+        if self.interval <= 0:  # a line per logged loss (on_log), no thread
+            return
         self._thread = threading.Thread(target=self._beat, name="training-heartbeat", daemon=True)
         self._thread.start()
 
@@ -54,6 +60,10 @@ class Heartbeat(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self._loss = float(logs["loss"])
+            if self.interval <= 0:
+                self._step = state.global_step
+                self._beats += 1
+                self.say(self.line())
 
     def on_train_end(self, args, state, control, **kwargs):
         self._stop.set()

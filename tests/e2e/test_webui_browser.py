@@ -1,0 +1,183 @@
+"""The contributor's console in a real browser: a real `gym-server serve` (tiny, TLS, three per round), two
+`gym-client join` processes from the shell and a third contributor joining from `gym-client webui`, driven by
+headless Chromium (Debian's `chromium`) over the DevTools protocol: a dropped bad file shows the dry run's
+row and field, the resolved settings show before the start, the round publishes on the page with its loss
+curve and the payment line the ledger gives, the ledger verifies from the page, and the pulled checkpoint
+answers a question through gym-serve. Each view's screenshot is saved (ZOO_GYM_WEBUI_SHOTS=DIR: copied there;
+docs/images/webui-*.png were made so).
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from e2e_processes import ENV, client, server_cmd, stop, tls_server, wait_for
+
+websockets_sync = pytest.importorskip("websockets.sync.client")
+STEPS = os.environ.get("ZOO_GYM_E2E_STEPS_WEBUI", "8")
+
+
+def _chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("chromium is not installed: .ci/run installs Debian's chromium package for this test")
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    return found
+
+
+class Browser:
+    """Headless Chromium with one page, driven over the DevTools protocol (a websocket)."""
+
+    def __init__(self, chromium: str, profile: Path) -> None:
+        self.proc = subprocess.Popen([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                                      f"--user-data-dir={profile}", "--remote-debugging-port=0",
+                                      "--window-size=1400,1100", "about:blank"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        active = profile / "DevToolsActivePort"
+        port = wait_for(lambda: active.exists() and active.read_text().split("\n")[0].strip().isdigit()
+                        and int(active.read_text().split("\n")[0]), timeout=60, what="chromium", procs=[self.proc])
+        page = next(t for t in httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=10).json()
+                    if t["type"] == "page")
+        self.ws = websockets_sync.connect(page["webSocketDebuggerUrl"], max_size=None, open_timeout=30)
+        self.ids = itertools.count(1)
+
+    def call(self, method: str, **params):
+        n = next(self.ids)
+        self.ws.send(json.dumps({"id": n, "method": method, "params": params}))
+        while True:
+            msg = json.loads(self.ws.recv(timeout=300))
+            if msg.get("id") == n:
+                if "error" in msg:
+                    raise AssertionError(f"{method}: {msg['error']}")
+                return msg["result"]
+
+    def js(self, expression: str):
+        r = self.call("Runtime.evaluate", expression=expression, awaitPromise=True, returnByValue=True)
+        if "exceptionDetails" in r:
+            raise AssertionError(f"{expression}: {r['exceptionDetails']}")
+        return r["result"].get("value")
+
+    def until(self, expression: str, *, timeout: float, what: str, procs=()):
+        return wait_for(lambda: self.js(expression), timeout=timeout, what=what, procs=procs)
+
+    def shot(self, path: Path) -> None:
+        data = self.call("Page.captureScreenshot", format="png")["data"]
+        path.write_bytes(base64.b64decode(data))
+        target = os.environ.get("ZOO_GYM_WEBUI_SHOTS")
+        if target:
+            shutil.copy(path, Path(target) / path.name)
+
+    def close(self) -> None:
+        self.ws.close()
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory):
+    chromium = _chromium()
+    root = tmp_path_factory.mktemp("webui")
+    state_dir, server, port = tls_server(root, "min-contributors = 3\nround-timeout = 900\n")
+    env = {**ENV, "ZOO_GYM_HOME": str(root / "home")}
+    console = subprocess.Popen([sys.executable, "-m", "zoo_gym.client", "webui", "--port", "0", "--workdir",
+                                str(root / "console")], stderr=open(root / "console.log", "w"), env=env)
+    clients = [client(root, name, port, rounds=1, steps=STEPS, shard=i) for i, name in enumerate(("ada", "bob"))]
+    try:
+        url = wait_for(lambda: (m := re.search(r"console at (http://\S+)", (root / "console.log").read_text()))
+                       and m[1], timeout=120, what="the console", procs=[console])
+        yield {"root": root, "port": port, "url": url, "state_dir": state_dir, "chromium": chromium,
+               "procs": [server, console, *clients]}
+    finally:
+        for path in ("api/join/stop", "api/serve/stop"):  # the console's children outlive it, as a shell's would
+            try:
+                httpx.post(url + path, timeout=10)
+            except Exception:  # noqa: BLE001 - nothing to stop, or the console is gone
+                pass
+        stop([console, *clients, server])
+
+
+def _fill(page: Browser, values: dict) -> None:
+    for name, value in values.items():
+        prop = "checked" if isinstance(value, bool) else "value"
+        page.js(f"document.getElementById('f-{name}').{prop} = {json.dumps(value)}")
+
+
+def _join_from_the_page(page: Browser, fed: dict, shots: Path) -> None:
+    root = fed["root"]
+    page.call("Page.navigate", url=fed["url"])
+    page.until("document.body && document.body.dataset.ready === '1'", timeout=60, what="the page")
+    _fill(page, {"server": f"127.0.0.1:{fed['port']}", "root_certificates": str(root / "tls" / "ca.pem"),
+                 "workdir": str(root / "page"), "key": str(root / "page" / "key.pem"), "train__max_steps": STEPS,
+                 "shard": "2", "n_shards": "8", "threads": "1", "name": "page"})
+    bad = "\\n".join(json.dumps(json.dumps(r))[1:-1] for r in
+                     [{"instruction": "2+2", "output": "4"}, {"instruction": "3+3", "output": 6}])
+    page.js(f"upload(new File([\"{bad}\\n\"], 'mine.jsonl'))")  # what a drop on the page calls
+    error = page.until("document.getElementById('data-error')?.textContent", timeout=300, what="the dry run's error")
+    assert error.startswith("error: ") and "line 2" in error and "output" in error
+    page.shot(shots / "webui-join-error.png")
+    _fill(page, {"data": "builtin"})
+    page.js("preview()")
+    summary = page.until("document.getElementById('data-summary')?.textContent", timeout=300, what="the preview")
+    assert summary.startswith("builtin: format builtin")
+    assert page.js("document.getElementById('command').textContent").startswith("gym-client join --server ")
+    page.js("window.scrollTo(0, 0)")
+    page.shot(shots / "webui-join.png")
+    page.js("document.getElementById('start').click()")
+
+
+def _payment_line(fed: dict, contributor: str) -> str:
+    from zoo_gym.client.rewards import payout
+
+    out = subprocess.run(server_cmd("ledger", "show", "--state-dir", str(fed["state_dir"]), "--json"),
+                         capture_output=True, text=True, check=True, env=ENV)
+    mine = [e for e in json.loads(out.stdout) if e["contributor_id"] == contributor and e["round_id"] == 1]
+    return payout(1, mine)[1]
+
+
+def test_a_contributor_joins_a_round_from_the_page(federation, tmp_path):
+    fed, page = federation, Browser(federation["chromium"], tmp_path / "profile")
+    try:
+        _join_from_the_page(page, fed, tmp_path)
+        paid = page.until("document.querySelector('#rounds-table tr[data-round=\"1\"] .payment')?.textContent",
+                          timeout=1200, what="round 1's payment line on the page", procs=fed["procs"])
+        page.until("document.getElementById('round').dataset.round === '2'", timeout=60, what="round 2 on the page")
+        steps = page.js("[...document.querySelectorAll('#loss circle')].map(c => c instanceof SVGCircleElement "
+                        "&& c.getBBox().width > 0 && +c.dataset.step)")
+        assert steps == list(range(1, int(STEPS) + 1))  # one drawn point per logged loss (logging every step)
+        log = page.js("document.getElementById('log').textContent")
+        cid = re.search(r"contributor ([0-9a-f]{32}) registered", log)[1]
+        assert paid == _payment_line(fed, cid)
+        assert "round 1 published" in log
+        page.shot(tmp_path / "webui-rounds.png")
+
+        page.js("show('rewards'); verify()")
+        verified = page.until("document.querySelector('#verified.ok')?.textContent", timeout=120, what="the ledger")
+        assert verified.startswith("verified: every entry's hash and server signature")
+        assert page.js("document.querySelectorAll('#ledger tbody tr').length") >= 1
+        page.shot(tmp_path / "webui-rewards.png")
+
+        page.js("show('try'); pull()")
+        page.until("/^pulled round 1 /.test(document.getElementById('model-status').textContent)", timeout=600,
+                   what="the pull")
+        page.js("serve()")
+        page.until("document.querySelectorAll('#model-a option').length > 0", timeout=600, what="gym-serve")
+        page.js("ask()")
+        reply = page.until("document.querySelector('#chat-a .reply')?.textContent", timeout=300, what="a reply")
+        assert page.js("document.getElementById('model-a').value") == "checkpoint-round-1"
+        assert reply.startswith("checkpoint-round-1: ") and len(reply) > len("checkpoint-round-1: ")
+        page.shot(tmp_path / "webui-try.png")
+    finally:
+        page.close()
