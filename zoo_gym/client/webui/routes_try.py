@@ -46,8 +46,8 @@ def _url(console, given: str, pane: str = "a") -> str:
     if pane == "b":
         url = _child_url(console.serve_variant.child)
         if not url:
-            b = console.panes.get("b", {})
-            raise HTTPException(409, b.get("error") or b.get("none") or "no gym-serve over your variant: Serve it")
+            b = _pane(console, "b", console.serve_variant.child)
+            raise HTTPException(409, b["error"] or b.get("none") or "no gym-serve over your variant: Serve it")
         return url
     url = (given or "").strip().rstrip("/") or _child_url(console.serve.child)
     if not url:
