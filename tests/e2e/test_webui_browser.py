@@ -4,8 +4,8 @@ headless Chromium (Debian's `chromium`) over the DevTools protocol, typing and c
 dropped bad file shows the dry run's row and field, the resolved settings show before the start, the round
 publishes on the page with its loss curve and the payment line the ledger gives, the ledger verifies from the
 page, and the pulled checkpoint and the join's kept variant (--keep-variant) answer side by side, each through
-its own gym-serve. Each view's screenshot is saved (ZOO_GYM_WEBUI_SHOTS=DIR: copied there; docs/images/webui-*.png
-were made so).
+its own gym-serve, both ended by the page's stop button and by the console's exit. Each view's screenshot is
+saved (ZOO_GYM_WEBUI_SHOTS=DIR: copied there; docs/images/webui-*.png were made so).
 """
 
 from __future__ import annotations
@@ -190,6 +190,7 @@ def test_a_contributor_joins_a_round_from_the_page(federation, tmp_path):
         page.shot(tmp_path / "webui-rewards.png")
 
         _try_it(page, fed, tmp_path, cid)
+        _the_console_exit_stops_both(page, fed)
     finally:
         page.close()
 
@@ -223,3 +224,31 @@ def _try_it(page: Browser, fed: dict, shots: Path, cid: str) -> None:
     page.until("document.getElementById('model-status').textContent === 'gym-serve stopped'", timeout=60,
                what="the stop")
     assert httpx.get(fed["url"] + "api/serve", timeout=10).json()["running"] is False
+    assert not _gym_serves(fed["root"])
+
+
+def _gym_serves(root: Path) -> list[int]:
+    """The pids of the gym-serve processes the console started (over ROOT/page/variants), zombies left out."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if b"zoo_gym.serving" in argv and str(root / "page" / "variants").encode() in argv and state != "Z":
+            pids.append(int(proc.name))
+    return pids
+
+
+def _the_console_exit_stops_both(page: Browser, fed: dict) -> None:
+    """Serve again, then end the console as Ctrl-C or a service manager would: its two gym-serves end with it."""
+    page.click("#serve")
+    page.until("document.querySelectorAll('#model-b option').length > 0", timeout=600, what="both gym-serves again")
+    assert len(_gym_serves(fed["root"])) == 2
+    console = fed["procs"][1]
+    console.terminate()
+    console.wait(timeout=120)
+    wait_for(lambda: not _gym_serves(fed["root"]), timeout=60, what="the gym-serves to end with the console")
