@@ -149,3 +149,78 @@ def test_the_private_key_never_reaches_the_page(console, tmp_path):
     assert answers[2].status_code == 502
     for r in answers:
         assert not any(s in r.text for s in secret), r.request.url
+
+
+# A stand-in gym-serve: says where it listens as gym-serve does, then waits for its Ctrl-C.
+FAKE_SERVE = ("import sys, time; sys.stderr.write('listening on http://127.0.0.1:9 (base fake)\\n'); "
+              "sys.stderr.flush(); time.sleep(300)")
+
+
+def _try_view(tmp_path, variant: str | None = None, *, with_base: bool = True):
+    """A console whose pull has finished (round 1) and whose gym-serve is FAKE_SERVE; HOME holds `variant`
+    (a NAME.zgd kept by join --keep-variant over checkpoint "cd"*32) and, `with_base`, that checkpoint."""
+    import torch
+
+    from zoo_gym.client.webui.jobs import Child
+    from zoo_gym.serving.variant import encode_variant, write_variant
+
+    home = tmp_path / "home"
+    if variant is not None:
+        payload = encode_variant({"w": torch.ones(2, 128)}, base_sha256="ab" * 32,
+                                 info={"checkpoint_sha256": "cd" * 32})
+        write_variant(home / "variants" / f"{variant}.zgd", payload)
+        if with_base:
+            (home / "checkpoints" / ("cd" * 32)).mkdir(parents=True)
+            (home / "checkpoints" / ("cd" * 32) / "model.safetensors").write_bytes(b"")
+    app = create_app(JOIN, directory=tmp_path / "console", default_home=home, allowed_hosts=("testserver",))
+    c = app.state.console
+    pulled = json.dumps({"out": str(tmp_path / "pulled"), "round": 1})
+    c.pull.child = Child([sys.executable, "-c", f"print({pulled!r})"], tmp_path / "pull", env=c.env, what="pull")
+    c.pull.child.process.wait(60)
+    c.serve_argv = lambda base, variants, name: [sys.executable, "-c", FAKE_SERVE, "--base", str(base), name]
+    return app, c
+
+
+def test_without_a_variant_the_right_pane_says_how_to_make_one(tmp_path):
+    app, c = _try_view(tmp_path)
+    with TestClient(app) as client:
+        r = client.post("/api/serve", json={"values": {}})
+        assert r.status_code == 201 and c.serve_variant.child is None
+        panes = client.get("/api/serve").json()["panes"]
+        assert panes["a"]["label"] == "checkpoint round 1" and panes["a"]["model"] == "checkpoint-round-1"
+        b = panes["b"]["none"]
+        assert "--keep-variant" in b and "Join" in b and "\n" not in b
+        r = client.post("/api/chat", json={"pane": "b", "model": "x", "prompt": "hi"})
+        assert r.status_code == 409 and r.json() == {"detail": b}
+    assert not c.serving()  # the console's exit stopped its gym-serve
+
+
+def test_a_kept_variant_is_served_over_its_own_base_and_stop_ends_both(tmp_path):
+    app, c = _try_view(tmp_path, "abcd1234-round1")
+    with TestClient(app) as client:
+        panes = client.post("/api/serve", json={"values": {}}).json()["panes"]
+        assert panes["b"]["label"] == f"your variant of round 1 over base {'cd' * 6}"
+        assert panes["b"]["model"] == "abcd1234-round1"
+        argv = c.serve_variant.child.argv
+        assert argv[argv.index("--base") + 1] == str(tmp_path / "home" / "checkpoints" / ("cd" * 32))
+        deadline = time.monotonic() + 60
+        while not client.get("/api/serve").json()["panes"]["b"]["url"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert client.get("/api/serve").json()["panes"]["b"]["url"] == "http://127.0.0.1:9"
+        assert client.post("/api/serve", json={"values": {}}).status_code == 409  # one pair at a time
+        assert client.post("/api/serve/stop").json() == {"stopped": True}
+        assert not c.serve.child.running and not c.serve_variant.child.running
+        assert client.post("/api/serve/stop").status_code == 409
+        client.post("/api/serve", json={"values": {}})
+        assert c.serving()
+    assert not c.serve.child.running and not c.serve_variant.child.running  # the console's exit stopped both
+
+
+def test_a_variant_whose_base_left_the_cache_is_one_error_line(tmp_path):
+    app, c = _try_view(tmp_path, "abcd1234-round1", with_base=False)
+    with TestClient(app) as client:
+        b = client.post("/api/serve", json={"values": {}}).json()["panes"]["b"]
+        assert b["error"].startswith("error: variant abcd1234-round1: its base, checkpoint cdcdcdcdcdcd, is not in")
+        assert c.serve_variant.child is None and c.serve.child.running
+        r = client.post("/api/chat", json={"pane": "b", "model": "x", "prompt": "hi"})
+        assert r.status_code == 409 and r.json()["detail"] == b["error"]

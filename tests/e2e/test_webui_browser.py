@@ -1,10 +1,11 @@
 """The contributor's console in a real browser: a real `gym-server serve` (tiny, TLS, three per round), two
 `gym-client join` processes from the shell and a third contributor joining from `gym-client webui`, driven by
-headless Chromium (Debian's `chromium`) over the DevTools protocol: a dropped bad file shows the dry run's
-row and field, the resolved settings show before the start, the round publishes on the page with its loss
-curve and the payment line the ledger gives, the ledger verifies from the page, and the pulled checkpoint
-answers a question through gym-serve. Each view's screenshot is saved (ZOO_GYM_WEBUI_SHOTS=DIR: copied there;
-docs/images/webui-*.png were made so).
+headless Chromium (Debian's `chromium`) over the DevTools protocol, typing and clicking as a person would: a
+dropped bad file shows the dry run's row and field, the resolved settings show before the start, the round
+publishes on the page with its loss curve and the payment line the ledger gives, the ledger verifies from the
+page, and the pulled checkpoint and the join's kept variant (--keep-variant) answer side by side, each through
+its own gym-serve, both ended by the page's stop button and by the console's exit. Each view's screenshot is
+saved (ZOO_GYM_WEBUI_SHOTS=DIR: copied there; docs/images/webui-*.png were made so).
 """
 
 from __future__ import annotations
@@ -70,6 +71,22 @@ class Browser:
             raise AssertionError(f"{expression}: {r['exceptionDetails']}")
         return r["result"].get("value")
 
+    def click(self, selector: str) -> None:
+        """A real mouse click (Input.dispatchMouseEvent) at the centre of the element's box, scrolled into view."""
+        x, y, w, h = self.js(f"(() => {{ const e = document.querySelector({json.dumps(selector)}); "
+                             "e.scrollIntoView({block: 'center'}); const b = e.getBoundingClientRect(); "
+                             "return [b.x + b.width / 2, b.y + b.height / 2, b.width, b.height]; })()")
+        assert w > 0 and h > 0, f"{selector} is not drawn"
+        self.call("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
+        for kind in ("mousePressed", "mouseReleased"):
+            self.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
+
+    def type_into(self, selector: str, text: str) -> None:
+        """Click the field, then type `text` into it as a keyboard would (Input.insertText)."""
+        self.click(selector)
+        assert self.js(f"document.activeElement === document.querySelector({json.dumps(selector)})")
+        self.call("Input.insertText", text=text)
+
     def until(self, expression: str, *, timeout: float, what: str, procs=()):
         return wait_for(lambda: self.js(expression), timeout=timeout, what=what, procs=procs)
 
@@ -119,7 +136,10 @@ def _join_from_the_page(page: Browser, fed: dict, shots: Path) -> None:
     root = fed["root"]
     page.call("Page.navigate", url=fed["url"])
     page.until("document.body && document.body.dataset.ready === '1'", timeout=60, what="the page")
-    _fill(page, {"server": f"127.0.0.1:{fed['port']}", "root_certificates": str(root / "tls" / "ca.pem"),
+    page.type_into("#f-server", f"127.0.0.1:{fed['port']}")
+    assert page.js("document.getElementById('f-server').value") == f"127.0.0.1:{fed['port']}"
+    assert page.js("document.getElementById('f-keep_variant').type") == "checkbox"  # join's --keep-variant
+    _fill(page, {"root_certificates": str(root / "tls" / "ca.pem"), "keep_variant": True, "rounds": "1",
                  "workdir": str(root / "page"), "key": str(root / "page" / "key.pem"), "train__max_steps": STEPS,
                  "shard": "2", "n_shards": "8", "threads": "1", "name": "page"})
     bad = "\\n".join(json.dumps(json.dumps(r))[1:-1] for r in
@@ -135,7 +155,7 @@ def _join_from_the_page(page: Browser, fed: dict, shots: Path) -> None:
     assert page.js("document.getElementById('command').textContent").startswith("gym-client join --server ")
     page.js("window.scrollTo(0, 0)")
     page.shot(shots / "webui-join.png")
-    page.js("document.getElementById('start').click()")
+    page.click("#start")
 
 
 def _payment_line(fed: dict, contributor: str) -> str:
@@ -169,15 +189,66 @@ def test_a_contributor_joins_a_round_from_the_page(federation, tmp_path):
         assert page.js("document.querySelectorAll('#ledger tbody tr').length") >= 1
         page.shot(tmp_path / "webui-rewards.png")
 
-        page.js("show('try'); pull()")
-        page.until("/^pulled round 1 /.test(document.getElementById('model-status').textContent)", timeout=600,
-                   what="the pull")
-        page.js("serve()")
-        page.until("document.querySelectorAll('#model-a option').length > 0", timeout=600, what="gym-serve")
-        page.js("ask()")
-        reply = page.until("document.querySelector('#chat-a .reply')?.textContent", timeout=300, what="a reply")
-        assert page.js("document.getElementById('model-a').value") == "checkpoint-round-1"
-        assert reply.startswith("checkpoint-round-1: ") and len(reply) > len("checkpoint-round-1: ")
-        page.shot(tmp_path / "webui-try.png")
+        _try_it(page, fed, tmp_path, cid)
+        _the_console_exit_stops_both(page, fed)
     finally:
         page.close()
+
+
+def _try_it(page: Browser, fed: dict, shots: Path, cid: str) -> None:
+    """The join kept its round's delta as a variant (--keep-variant, distilled once its one round is done): the
+    left pane chats with the pulled checkpoint, the right with that variant over the base it trained on."""
+    page.until("document.getElementById('status').textContent === 'join finished'", timeout=600,
+               what="the join's end (its variant distilled)", procs=fed["procs"])
+    (variant,) = [p.name.removesuffix(".zgd") for p in (fed["root"] / "page" / "variants").glob("*.zgd")]
+    assert variant == f"{cid[:8]}-round1" and "kept variant " in page.js("document.getElementById('log').textContent")
+    page.js("show('try'); pull()")
+    page.until("/^pulled round 1 /.test(document.getElementById('model-status').textContent)", timeout=600,
+               what="the pull")
+    page.click("#serve")
+    page.until("document.querySelectorAll('#model-a option').length > 0 && "
+               "document.querySelectorAll('#model-b option').length > 0", timeout=600, what="both gym-serves")
+    assert page.js("document.getElementById('label-a').textContent") == "checkpoint round 1"
+    label = page.js("document.getElementById('label-b').textContent")
+    assert re.fullmatch(r"your variant of round 1 over base [0-9a-f]{12}", label)
+    assert page.js("document.getElementById('model-b').value") == variant
+    page.click("#ask")
+    answered = "document.querySelector('#chat-SIDE .reply')?.dataset.model"
+    for side, model in (("a", "checkpoint-round-1"), ("b", variant)):  # the model gym-serve says answered
+        assert page.until(answered.replace("SIDE", side), timeout=300, what=f"pane {side}'s reply") == model
+        reply = page.js(f"document.querySelector('#chat-{side} .reply').textContent")
+        assert reply.startswith(f"{model}: ") and len(reply) > len(f"{model}: ")
+    assert not page.js("document.querySelector('#view-try .error')")
+    page.shot(shots / "webui-try.png")
+    page.click("#serve-stop")
+    page.until("document.getElementById('model-status').textContent === 'gym-serve stopped'", timeout=60,
+               what="the stop")
+    assert httpx.get(fed["url"] + "api/serve", timeout=10).json()["running"] is False
+    assert not _gym_serves(fed["root"])
+
+
+def _gym_serves(root: Path) -> list[int]:
+    """The pids of the gym-serve processes the console started (over ROOT/page/variants), zombies left out."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if b"zoo_gym.serving" in argv and str(root / "page" / "variants").encode() in argv and state != "Z":
+            pids.append(int(proc.name))
+    return pids
+
+
+def _the_console_exit_stops_both(page: Browser, fed: dict) -> None:
+    """Serve again, then end the console as Ctrl-C or a service manager would: its two gym-serves end with it."""
+    page.click("#serve")
+    page.until("document.querySelectorAll('#model-b option').length > 0", timeout=600, what="both gym-serves again")
+    assert len(_gym_serves(fed["root"])) == 2
+    console = fed["procs"][1]
+    console.terminate()
+    console.wait(timeout=120)
+    wait_for(lambda: not _gym_serves(fed["root"]), timeout=60, what="the gym-serves to end with the console")

@@ -368,5 +368,6 @@ def webui(
         import webbrowser
 
         webbrowser.open(url)
-    server = uvicorn.Server(uvicorn.Config(application, log_level="warning", lifespan="off"))
+    # lifespan on: the gym-serve children the console started stop with it (a join it started goes on)
+    server = uvicorn.Server(uvicorn.Config(application, log_level="warning", lifespan="on"))
     server.run(sockets=[sock])

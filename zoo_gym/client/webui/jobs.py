@@ -88,6 +88,18 @@ class Child:
         if self.running:
             os.killpg(self.process.pid, signal.SIGINT)
 
+    def end(self, grace: float) -> None:
+        """Stop and wait: SIGINT, then SIGKILL to its process group after `grace` seconds."""
+        self.stop()
+        try:
+            self.process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait(timeout=30)
+
     def view(self, since: int = 0) -> dict:
         lines = self.lines()
         code = self.process.poll()

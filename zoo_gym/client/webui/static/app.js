@@ -229,24 +229,56 @@ async function pull() {
   } catch (e) { s.textContent = e.message; s.className = "error"; }
 }
 
+let PANES = {};  // what each chat pane talks to (/api/serve): a, the current checkpoint; b, your variant
+
+function showPanes() {
+  const a = PANES.a, b = PANES.b, note = $("#note-b");
+  $("#label-a").textContent = a && a.label ? a.label : "The current checkpoint";
+  $("#label-b").textContent = b && b.label ? b.label : "Your variant";
+  const why = b && !b.url ? (b.error || b.none || (b.running ? "" : "its gym-serve stopped")) : "";
+  note.hidden = !why; note.textContent = why; note.className = b && b.error ? "note error" : "note";
+}
+
 async function serve() {
   const s = $("#model-status");
+  s.className = "";
   try {
     await api("POST", "/api/serve", { values: values() });
     s.textContent = "starting gym-serve ...";
-    const doc = await waitFor("/api/serve", (d) => d.url || !d.running);
-    if (!doc.url) throw new Error(doc.lines.filter((l) => l.startsWith("error")).pop() || "gym-serve stopped");
-    s.textContent = `gym-serve at ${doc.url}`;
+    const up = (p) => !p || !p.model || p.url || !p.running;
+    const doc = await waitFor("/api/serve", (d) => up(d.panes.a) && up(d.panes.b));
+    PANES = doc.panes;
+    showPanes();
+    if (!doc.panes.a.url) throw new Error(doc.panes.a.error || "gym-serve stopped");
+    s.textContent = `gym-serve at ${doc.panes.a.url}` + (PANES.b && PANES.b.url ? `, your variant's at ${PANES.b.url}` : "");
     await models();
   } catch (e) { s.textContent = e.message; s.className = "error"; }
 }
 
+async function stopServing() {
+  const s = $("#model-status");
+  try {
+    await api("POST", "/api/serve/stop");
+    s.textContent = "gym-serve stopped"; s.className = "";
+  } catch (e) { s.textContent = e.message; s.className = "error"; }
+  PANES = {};
+  showPanes();
+  $("#model-a").replaceChildren(); $("#model-b").replaceChildren();
+}
+
+function fill(sel, names, wanted) {
+  sel.replaceChildren(...names.map((m) => el("option", { value: m, text: m })));
+  sel.value = names.includes(wanted) ? wanted : (names[0] || "");
+}
+
 async function models() {
-  const doc = await api("GET", `/api/models?url=${encodeURIComponent($("#serve-url").value)}`);
-  for (const [i, sel] of [[0, $("#model-a")], [1, $("#model-b")]]) {
-    sel.replaceChildren(...doc.models.map((m) => el("option", { value: m, text: m })));
-    sel.value = doc.models[Math.min(i, doc.models.length - 1)];
-  }
+  const doc = await api("GET", `/api/models?pane=a&url=${encodeURIComponent($("#serve-url").value)}`);
+  fill($("#model-a"), doc.models, PANES.a && PANES.a.model);
+  if (PANES.b && PANES.b.url) {  // your variant's gym-serve: its variants, not its base (listed first)
+    const mine = await api("GET", "/api/models?pane=b");
+    fill($("#model-b"), mine.models.slice(1), PANES.b.model);
+  } else if (!PANES.b) fill($("#model-b"), doc.models, doc.models[1]);  // a gym-serve at a URL: its second model
+  else $("#model-b").replaceChildren();  // no variant: the note says how to make one
 }
 
 async function ask() {
@@ -254,11 +286,21 @@ async function ask() {
   if (!$("#model-a").value) await models().catch((e) => { $("#model-status").textContent = e.message; });
   for (const side of ["a", "b"]) {
     const log = $(`#chat-${side}`), model = $(`#model-${side}`).value;
+    if (!model) continue;
+    const pane = side === "b" && PANES.b && PANES.b.url ? "b" : "a";
     log.append(el("p", { class: "you", text: `you: ${prompt}` }));
-    api("POST", "/api/chat", { url: $("#serve-url").value, model, prompt })
-      .then((d) => log.append(el("p", { class: "reply", text: `${model}: ${d.reply}` })))
+    api("POST", "/api/chat", { url: pane === "a" ? $("#serve-url").value : "", model, prompt, pane })
+      .then((d) => log.append(el("p", { class: "reply", "data-model": d.model, text: `${d.model}: ${d.reply}` })))
       .catch((e) => log.append(el("p", { class: "error", text: e.message })));
   }
+}
+
+async function resumeServing() {  // a gym-serve started before the page was reloaded shows at once
+  const doc = await api("GET", "/api/serve").catch(() => null);
+  if (!doc || !doc.running) return;
+  PANES = doc.panes;
+  showPanes();
+  await models().catch(() => {});
 }
 
 document.addEventListener("DOMContentLoaded", async () => {
@@ -275,8 +317,10 @@ document.addEventListener("DOMContentLoaded", async () => {
   $("#verify").addEventListener("click", verify);
   $("#pull").addEventListener("click", pull);
   $("#serve").addEventListener("click", serve);
+  $("#serve-stop").addEventListener("click", stopServing);
   $("#ask").addEventListener("click", ask);
   setInterval(() => { if ($("#view-rounds").classList.contains("active")) refreshRound(); }, 5000);
+  resumeServing();
   poll();  // a join started earlier (the page was closed, or reloaded) shows at once
   document.body.dataset.ready = "1";
 });
