@@ -231,7 +231,8 @@ def open_streams(state: ServerState, config: ServerConfig, job: RoundJob, evalua
     master_file = master_path(state, rnd.base_sha256)
     master = stack.enter_context(SafetensorsReader(master_file, streamed=True)) if master_file is not None else None
     writer = CheckpointWriter(state.blobs.path(rnd.base_sha256), master=master, changed=stored.names(),
-                              ckpt_blob=ckpt_blob, master_blob=master_blob)
+                              ckpt_blob=ckpt_blob, master_blob=master_blob,
+                              read_ahead=config.aggregation_engine == "local")  # ray: tasks read the base
     stack.callback(writer.close)
     return Streams(source=source, evaluator=evaluator, writer=writer, ckpt_blob=ckpt_blob, master_blob=master_blob)
 
@@ -262,12 +263,15 @@ def aggregate(state: ServerState, config: ServerConfig, job: RoundJob, streams: 
     try:
         # async: w(s) as aggregation weights or on the rows, as recorded; server_lr x step_scale x out
         rows, row_weights = job.flush.rows(streams.source, job.contributors, weights)
+        sharded = _ray_publish(state, config, job, streams)
         with threads_beside_writers():  # the writer's two threads stream while the soup computes
             report = DeltaSoup(job.soup, dp_clip=job.inputs.dp_clip).run(
                 rows, job.flush.sink(streams.writer.sink), weights=row_weights, generator=gen,
                 accountant=job.accountant, sample_rate=_recorded_rate(config, job),
                 lend_aggregates=True,  # CheckpointWriter.sink uses each aggregate before it returns
-                reference=reference_for(config, streams.evaluator))
+                reference=reference_for(config, streams.evaluator), publish=sharded)
+        if sharded is not None:
+            log.info("round %d aggregated by %d Ray tasks", rnd.id, sharded.tasks)
         tap_s = getattr(streams.source, "seconds", None)  # a SlopeTap's share of the phase is scoring's
         if tap_s is not None:
             log.info("round %d scoring slopes taken during aggregation in %.3f s", rnd.id, tap_s)
@@ -284,6 +288,18 @@ def aggregate(state: ServerState, config: ServerConfig, job: RoundJob, streams: 
             s.add(r)
             s.commit()
         return f"HALTED ({exc})"
+
+
+def _ray_publish(state: ServerState, config: ServerConfig, job: RoundJob, streams: Streams):
+    """DeltaSoup's last pass as Ray tasks (`--aggregation-engine ray`: ray_engine.py), else None (this process)."""
+    if config.aggregation_engine != "ray":
+        return None
+    from zoo_gym.server.rounds.ray_engine import RayPublish
+
+    return RayPublish(streams.writer, payloads=[state.blobs.path(sub.payload_sha256) for sub in job.subs],
+                      contributors=job.contributors, flush=job.flush, tap=streams.source,
+                      work=state.work_dir / "ray" / f"round-{job.rnd.id}", address=config.ray_address,
+                      block_rows=config.ray_block_rows, task_memory_mb=config.ray_task_memory_mb)
 
 
 def _note_contributions(job: RoundJob, streams: Streams, report) -> None:
