@@ -137,10 +137,11 @@ def publish_in(where: Path, **flags) -> tuple[bytes, bytes | None, dict]:
 
 RULES = [("mean", "full", {}), ("mean", "lora", {}), ("trimmed-mean", "lora", {}), ("trimmed-mean", "full", {}), ("median", "full", {}),
          ("krum", "full", {"byzantine_f": 1}), ("multi-krum", "full", {"byzantine_f": 1}),
-         ("geometric-median", "full", {})]
+         ("geometric-median", "full", {}), ("median", "full", {"server_lr": 0.5}),
+         ("trimmed-mean", "full", {"mode": "async", "buffer_size": 6, "server_lr": 2.0})]
 
 
-@pytest.mark.parametrize("rule,kind,extra", RULES, ids=[f"{r}-{k}" for r, k, _ in RULES])
+@pytest.mark.parametrize("rule,kind,extra", RULES, ids=[f"{r}-{k}" + "".join(f"-{v}" for v in e.values()) for r, k, e in RULES])
 def test_every_rule_publishes_the_local_engines_bytes(cluster, templates, tmp_path, rule, kind, extra, caplog):
     caplog.set_level("INFO", logger="zoo_gym.server")
     flags = {"aggregator": rule, **extra}
