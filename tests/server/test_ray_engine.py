@@ -196,17 +196,31 @@ def test_a_worker_node_removed_mid_round_gives_the_same_bytes(cluster, templates
     assert got["out"][0] == want and got["out"][1] == want_master
 
 
-def test_the_coordinator_killed_mid_publish_redoes_the_round_to_the_same_bytes(cluster, templates, tmp_path):
+@pytest.mark.parametrize("when", ["tasks-running", "aggregated"])
+def test_the_coordinator_killed_mid_publish_redoes_the_round_to_the_same_bytes(cluster, templates, tmp_path, when):
+    """SIGKILLed while its tasks run (they may still write their blocks: the same bytes) or once they have all
+    written theirs (ZOO_GYM_FAULT_AT=aggregated): the restarted server's redo publishes the local engine's bytes."""
     flags = {"aggregator": "multi-krum", "byzantine_f": 1}
     want, want_master, _ = _publish(templates["full"], tmp_path / "local", **flags)
     shutil.copytree(templates["full"], tmp_path / "ray")
+    rows = 1 if when == "tasks-running" else 16
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
             "from test_ray_engine import publish_in\n"
             f"publish_in({str(tmp_path / 'ray')!r}, aggregation_engine='ray', ray_address={cluster[0].address!r}, "
-            f"ray_block_rows=16, **{flags!r})\n")
-    env = {**os.environ, "ZOO_GYM_FAULT_AT": "aggregated"}  # SIGKILL once the tasks have written their blocks
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == -9, done.stderr[-2000:]
+            f"ray_block_rows={rows}, **{flags!r})\n")
+    env = {**os.environ, **({"ZOO_GYM_FAULT_AT": when} if when == "aggregated" else {})}
+    coordinator = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True)
+    if when == "tasks-running":
+        work = tmp_path / "ray" / "work" / "ray" / "round-1"
+        deadline = time.monotonic() + 120
+        while not work.exists() and time.monotonic() < deadline and coordinator.poll() is None:
+            time.sleep(0.05)
+        time.sleep(1.0)
+        assert coordinator.poll() is None, "the round ended before the coordinator could be killed"
+        coordinator.kill()
+    _, err = coordinator.communicate(timeout=180)
+    assert coordinator.returncode == -9, err[-2000:]
     ckpt, master, _ = publish_in(tmp_path / "ray", aggregation_engine="ray", ray_address=cluster[0].address,
                                  ray_block_rows=16, **flags)  # the restarted server's redo
     assert ckpt == want and master == want_master
