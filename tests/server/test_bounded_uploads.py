@@ -72,17 +72,20 @@ def test_a_stream_that_never_sends_its_header_is_dropped(federation_with):
 
 
 def test_a_trickle_that_keeps_the_idle_timer_alive_hits_the_overall_deadline(federation_with):
-    # 1 s idle allowance + payload / 64 KiB/s; a peer sending 64 bytes every 0.2 s (320 B/s) is too slow.
-    fed = federation_with(upload_idle_timeout=1.0, upload_min_bytes_per_s=64 << 10)
+    # 4 s idle allowance + payload / 64 KiB/s; a peer sending 64 bytes every 0.5 s (128 B/s) is too slow. The
+    # gap between its chunks stays far below the idle allowance on a loaded machine (at 1 s and 0.2 s CI once
+    # saw the idle timeout instead).
+    fed = federation_with(upload_idle_timeout=4.0, upload_min_bytes_per_s=64 << 10)
     key, cid = fed.register()
     payload = codec.encode(fed.small_delta(names=1), codec="fp16")
     allowed = fed.config.upload_deadline_s(len(payload))
+    assert len(payload) / 64 * 0.5 > 2 * allowed  # the trickle would take far longer than it is allowed
     stop = threading.Event()
 
     def trickle():
         yield gym_pb2.SubmitRequest(header=_header(fed, key, cid, payload))
         for start in range(0, len(payload), 64):
-            if stop.wait(timeout=0.2):
+            if stop.wait(timeout=0.5):
                 return
             yield gym_pb2.SubmitRequest(chunk=payload[start:start + 64])
 

@@ -58,7 +58,7 @@ def test_unread_downloads_are_bounded_and_cannot_starve_health_or_get_round(fede
         t = time.perf_counter()
         health.Check(health_pb2.HealthCheckRequest(), timeout=5)
         fed.stub.GetRound(gym_pb2.GetRoundRequest(), timeout=5)
-        assert time.perf_counter() - t < 2.0
+        assert time.perf_counter() - t < 5.0  # typically ms; a starved pool would wait out the 60 s idle timeout
         # Past the bound the answer is "server busy" at once, which a client retries.
         refused = 0
         for call in calls:

@@ -138,7 +138,9 @@ def test_health_and_get_round_answer_under_200_silent_and_20_stalled_signed_stre
         rounds = _probe(lambda: fed.stub.GetRound(gym_pb2.GetRoundRequest(), timeout=5))
         print(f"\nhealth s: max {max(checks):.4f} median {statistics.median(checks):.4f}; "
               f"GetRound s: max {max(rounds):.4f} median {statistics.median(rounds):.4f}")
-        assert max(checks) < 1.0 and max(rounds) < 1.0  # the target; typically a few ms
+        # Typically a few ms (the target was 1 s); a starved pool would wait for the 10 s header timeout,
+        # so 3 s tells the two apart on a loaded CI machine too.
+        assert max(checks) < 3.0 and max(rounds) < 3.0
 
         key, cid = contributors[20]  # a legitimate submission, while all of the above are open
         t = time.perf_counter()
@@ -240,7 +242,9 @@ def test_a_chunk_over_the_limit_is_not_retried_as_busy(federation_with):
 
 
 def test_unary_calls_that_never_send_their_request_cannot_starve_health_checks(federation_with):
-    fed = federation_with(header_timeout=3.0)
+    # 8 s: opening 100 calls on a loaded CI machine must not outlast it; a starved health check would wait for it,
+    # so answers well under it (3 s) prove the pool was not taken.
+    fed = federation_with(header_timeout=8.0)
     health = health_pb2_grpc.HealthStub(fed.channel)
     stop = threading.Event()
     relay = OtherAddress(fed.port)
@@ -254,14 +258,14 @@ def test_unary_calls_that_never_send_their_request_cannot_starve_health_checks(f
         assert _wait_until(lambda: sum(_refused_busy(f) for f in calls) >= 92), "past 8 per address: refused"
         checks = _probe(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5))
         rounds = _probe(lambda: fed.stub.GetRound(gym_pb2.GetRoundRequest(), timeout=5))
-        assert max(checks) < 1.0 and max(rounds) < 1.0
+        assert max(checks) < 3.0 and max(rounds) < 3.0
         held = [f for f in calls if not _refused_busy(f)]
         assert len(held) == 8
-        for f in held:  # dropped by the server after 3 s, long before their own 60 s
+        for f in held:  # dropped by the server after 8 s, long before their own 60 s
             with pytest.raises(grpc.RpcError) as dropped:
                 f.result(timeout=30)
             assert dropped.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert "request message must arrive within 3 s" in dropped.value.details()
+            assert "request message must arrive within 8 s" in dropped.value.details()
     finally:
         stop.set()
         for f in calls:
