@@ -52,6 +52,8 @@ SPECIAL = {
     "reputation_penalty_alpha": (0.25, {}),
     "dp_delta": (1e-6, {}),
     "mirrors": (["http://mirror-a.example/zoo", "https://mirror-b.example"], {}),  # repeated: --mirrors A --mirrors B
+    "aggregation_engine": ("ray", {}),  # found, not imported or joined: the cluster is joined at the first round
+    "ray_address": ("10.0.0.5:6379", {"aggregation_engine": "ray"}),
 }
 LEAVES = leaves(ServerConfig)
 

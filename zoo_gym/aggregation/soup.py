@@ -91,14 +91,17 @@ class DeltaSoup:
             weights: Tensor | None = None, generator: torch.Generator | None = None,
             accountant: PrivacyAccountant | None = None,
             population: int | None = None, sample_rate: float | None = None,
-            lend_aggregates: bool = False, reference: Any = None) -> SoupReport:
+            lend_aggregates: bool = False, reference: Any = None,
+            publish: Callable[[Plan, ClippedRows, Release, dict[str, int]], None] | None = None) -> SoupReport:
         """Aggregate the round; `sink(name, aggregate)` receives each tensor flat (numel,) float32.
         `sample_rate`: the probability with which the caller sampled each person (accounted as q).
         `lend_aggregates`: the sink uses each aggregate before it returns and keeps no reference to it, so a
         LoRA mean is written into one buffer reused tensor after tensor (a fresh 100 MB product faults its
         pages in every time: 3x the matmul's own time at 4B).
         `reference`: the operator's direction (a mapping tensor name -> tensor, e.g. the negative gradient of its
-        validation loss) for a rule that weighs each delta by its agreement with it (trust-mean)."""
+        validation loss) for a rule that weighs each delta by its agreement with it (trust-mean).
+        `publish(plan, rows, release, numels)`: the last pass done elsewhere (the server's Ray engine), instead of
+        the per-tensor loop into `sink`; it must leave `plan`'s diagnostics as that loop would."""
         n, names = len(source.contributors), list(source.names())
         checked = self._validate(source, names, n)
         rows = self._clip(source, names, checked)
@@ -106,8 +109,12 @@ class DeltaSoup:
                                sample_rate=sample_rate)
         view = self._view(rows, release, checked, weights=weights, reference=reference)
         plan = self.rule.plan(view)
-        self._publish(plan, rows, release, checked.numels, sink, generator=generator,
-                      scratch=_Scratch() if lend_aggregates else None)
+        if publish is not None:
+            release.start(generator)
+            publish(plan, rows, release, checked.numels)
+        else:
+            self._publish(plan, rows, release, checked.numels, sink, generator=generator,
+                          scratch=_Scratch() if lend_aggregates else None)
         next_clip = release.close(checked.norms[rows.acc], accountant=accountant)
         return self._report(list(source.contributors), checked, rows, plan, release, next_clip)
 

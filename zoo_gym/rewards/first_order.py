@@ -252,6 +252,10 @@ class SlopeTap:
         self.seconds += time.perf_counter() - t
         return factors
 
+    def seen(self, name: str) -> bool:
+        """Whether the slopes of tensor `name` are taken (a sharded aggregation shows the tap what it has not)."""
+        return name in self._seen
+
     def stacked(self, name: str) -> Tensor:
         rows = self._source.stacked(name)                                 # (n, numel)
         if name not in self._seen:

@@ -56,6 +56,18 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+def _join_ray(address: str | None) -> None:
+    """Join the Ray cluster before serving (`--aggregation-engine ray`): an unreachable one is one line now."""
+    from zoo_gym.server.logging_setup import announce
+    from zoo_gym.server.rounds.ray_engine import RayEngineError, connect
+
+    try:
+        connect(address)
+    except RayEngineError as exc:
+        _fail(str(exc))
+    announce(f"aggregation sharded on Ray ({address or 'a local cluster'})", ray_address=address)
+
+
 @contextmanager
 def _one_line_errors() -> Iterator[None]:
     """What a person can fix (a missing or damaged state directory, a bad setting, a taken port, an
@@ -156,6 +168,8 @@ def serve(
 
     warm_up()  # compile or load the BitDelta distance / mean kernels now, not in the first round
     master_kernel.warm_up()  # and the publish's bf16 master update
+    if cfg.aggregation_engine == "ray":
+        _join_ray(cfg.ray_address)
     server.start()
     rounds.start()
     if port_file:

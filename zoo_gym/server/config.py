@@ -166,6 +166,22 @@ class ServerConfig:
         "help": "published checkpoints whose files are kept besides the genesis; after each publish the older "
                 "ones' archives and float32 masters, and the uploads of the rounds built on them, are removed "
                 "(their rows, the lineage and the ledger stay; a pull of one is answered NOT_FOUND). Default: all"})
+    # Aggregation sharded on Ray (zoo_gym/server/rounds/ray_engine.py, docs/design/SCALE-OUT.md step 2)
+    aggregation_engine: str = field(default="local", metadata={
+        "help": "local: this process aggregates tensor by tensor; ray: one Ray task per (tensor, row block), each "
+                "reading the uploads and the base from the state directory (which every Ray node must mount at "
+                "the same path) and writing its rows of the new checkpoint in place; the same bytes as local. "
+                "Needs the ray extra (pip install 'zoo-gym[ray]'); not with DP noise", "section": "Aggregation engine"})
+    ray_address: str | None = field(default=None, metadata={
+        "help": "the Ray cluster to join (e.g. 10.0.0.5:6379 or auto); default: start a local one",
+        "section": "Aggregation engine"})
+    ray_block_rows: int = field(default=4096, metadata={
+        "help": "tensor rows per Ray task (a 2-D tensor's first dimension; 1-D: elements)",
+        "section": "Aggregation engine"})
+    ray_task_memory_mb: int = field(default=2048, metadata={
+        "help": "memory one Ray task may use: a block's rows x contributors x 16 bytes plus one decoded tensor, "
+                "checked before the round's tasks start (lower ray_block_rows when it does not fit)",
+        "section": "Aggregation engine"})
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR", "section": "Output"})
     log_format: str = field(default="text", metadata={
         "help": "text, or json (one object a line, with the event's fields)", "section": "Output"})
@@ -251,6 +267,25 @@ class ServerConfig:
             raise ConfigError(f"`log_format` must be text or json, got {self.log_format!r}")
         self._check_dashboard()
         self._check_mirrors()
+        self._check_engine()
+
+    def _check_engine(self) -> None:
+        """local or ray; ray installed (found, not imported: light commands stay light), no DP noise."""
+        if self.aggregation_engine not in ("local", "ray"):
+            raise ConfigError(f"`aggregation_engine` must be local or ray, got {self.aggregation_engine!r}")
+        if self.ray_block_rows < 1 or self.ray_task_memory_mb < 1:
+            raise ConfigError("`ray_block_rows` and `ray_task_memory_mb` must be >= 1")
+        if self.aggregation_engine == "local":
+            if self.ray_address is not None:
+                raise ConfigError("`ray_address` is for `aggregation_engine` ray (the default engine is local)")
+            return
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            raise ConfigError("`aggregation_engine` ray needs Ray, which is not installed: pip install 'zoo-gym[ray]'")
+        if self.soup.dp_enabled:
+            raise ConfigError("`aggregation_engine` ray does not add DP noise yet (the round's noise is one stream "
+                              "drawn tensor after tensor, which row blocks cannot reproduce): use the local engine")
 
     def _check_mirrors(self) -> None:
         """Each mirror an absolute http(s) URL with a host, stored without a trailing slash."""

@@ -47,6 +47,12 @@ class RoundView:
     def k(self) -> int:
         return int(self.weights.numel())
 
+    def __reduce__(self):
+        """Pickled without `distances_to`, a pass over the coordinator's source (a sharded round ships the plans,
+        whose per-tensor functions may hold the view, to other processes; `Plan.aggregate` never calls it)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return (_rebuilt_view, (dict(values, distances_to=_no_passes),))
+
     @property
     def distinct(self) -> int:
         """Rows, copies counted once."""
@@ -57,6 +63,14 @@ class RoundView:
         if self.groups is not None and self.distinct < self.k:
             return split_weights(self.weights, self.groups)
         return self.weights
+
+
+def _rebuilt_view(values: dict[str, Any]) -> RoundView:
+    return RoundView(**values)
+
+
+def _no_passes(coefficients: Tensor | None, previous: Tensor | None = None) -> tuple[Tensor, float]:
+    raise RuntimeError("a plan's copy in another process cannot take whole-model passes: only its coordinator can")
 
 
 class Plan:
@@ -77,6 +91,11 @@ class Plan:
     def diagnostics(self) -> Diagnostics:
         """(k,) per contributor, over the whole model, once every tensor is aggregated."""
         raise NotImplementedError
+
+    def absorb(self, part: Plan) -> None:
+        """Add what `part`, a copy of this plan taken before any `aggregate`, gathered aggregating other
+        tensors or row blocks (a sharded round: each block's `share` is its numel / the model's)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be sharded: it does not say how to absorb parts")
 
 
 class LinearPlan(Plan):
@@ -104,6 +123,10 @@ class LinearPlan(Plan):
         self.score_sq += sq_distances_to(x, v)
         return v.to(x.dtype)
 
+    def absorb(self, part: Plan) -> None:
+        if self.score_sq is not None:
+            self.score_sq += part.score_sq
+
     def diagnostics(self) -> Diagnostics:
         score = self.score if self.score_sq is None else self.score_sq.sqrt()
         used = self.coeff if self.total is None else self.coeff / self.total
@@ -129,6 +152,12 @@ class CoordinatewisePlan(Plan):
         if self.selects:
             self.selected = res.diagnostics.selected
         return res.aggregate
+
+    def absorb(self, part: Plan) -> None:
+        self.trimmed += part.trimmed
+        self.used += part.used
+        if self.selects:
+            self.selected = part.selected  # as `aggregate`: the last one's
 
     def diagnostics(self) -> Diagnostics:
         k = self.used.numel()

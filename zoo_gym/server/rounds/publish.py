@@ -12,7 +12,6 @@ import hashlib
 import hmac
 import json
 import logging
-import math
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, is_dataclass
 from datetime import datetime, timezone
@@ -21,7 +20,6 @@ import torch
 from cryptography.hazmat.primitives import serialization
 from sqlmodel import func, select
 
-from zoo_gym import codec
 from zoo_gym.aggregation import DeltaSoup, NotRobustConfigError, PrivacyAccountant, PrivacyBudgetExceeded, SoupConfig
 from zoo_gym.server.rounds import async_rounds, sampling
 from zoo_gym.server.store import master_weights
@@ -42,105 +40,9 @@ from zoo_gym.server.rounds.settlement import (aggregation_weights, current_reput
 from zoo_gym.proto.model_card import public_base_name
 from zoo_gym.server.rounds.signed_state import sign_lineage
 from zoo_gym.server.store.state import ServerState
+from zoo_gym.server.rounds.stored_deltas import StoredDeltas
 
 log = logging.getLogger("zoo_gym.server")
-
-
-class StoredDeltas:
-    """DeltaSource over a round's stored payloads (zoo_gym.aggregation.DeltaSource).
-
-    DeltaSoup reads every tensor in more than one pass (validate, distances, aggregate). Decoded rows are
-    kept in a cache bounded by `cache_bytes`, so small models are decoded once while a model larger
-    than the budget still streams one tensor x n at a time. LoRA-coded tensors are validated from their
-    factors (`sq_norms`), so a mean decodes each of them once.
-    """
-
-    def __init__(self, payloads: list, contributors: list[str], shapes: dict[str, tuple[int, ...]], *,
-                 cache_bytes: int = 512 << 20) -> None:
-        self.contributors = contributors
-        self._cache: dict[str, torch.Tensor] = {}
-        self._cache_left = cache_bytes
-        self._vouched: dict[str, torch.Tensor] = {}  # sq_norms of tensors sent as safe float32 LoRA factors
-        self._payloads = payloads
-        self._shapes = shapes  # the base's tensors, in its file order
-        self._manifests = [codec.read_manifest(p) for p in payloads]  # parsed once, passed to every decode
-        self._entries = [{e.name: e for e in m.entries} for m in self._manifests]
-        names = set().union(*(set(e) for e in self._entries)) if self._entries else set()
-        self._names = [n for n in shapes if n in names]  # base order: deterministic
-
-    def names(self) -> list[str]:
-        return self._names
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._shapes[name])
-
-    def stacked(self, name: str) -> torch.Tensor:
-        if name in self._cache:
-            return self._cache[name]
-        shape = tuple(self._shapes[name])
-        out = torch.empty((len(self._payloads), math.prod(shape)))  # (n, numel), each row decoded in place
-        for row, payload, entries, manifest in zip(out, self._payloads, self._entries, self._manifests):
-            e = entries.get(name)
-            if e is None:  # this contributor did not change the tensor (e.g. LoRA leaves norms alone)
-                row.zero_()
-            elif e.codec == "lora" and e.dtype == "float32" and tuple(e.shape) == shape:
-                codec.decode_factors(payload, name, manifest=manifest).merged(out=row.view(shape))  # one matmul
-            else:
-                row.copy_(codec.decode_tensor(payload, name, manifest=manifest).reshape(-1))
-        if out.nbytes <= self._cache_left:
-            self._cache[name] = out
-            self._cache_left -= out.nbytes
-        return out
-
-    def sq_norms(self, name: str) -> tuple[torch.Tensor, int] | None:
-        """((n,) float64 squared L2 norms of the rows `stacked(name)` returns, numel) from LoRA factors
-        alone (r x r Gram matrices, `LoraFactors.merged_sq_norm`): DeltaSoup's validation needs no decode.
-        None unless every contributor that sent the tensor sent float32 LoRA factors the norm is safe
-        from (then DeltaSoup decodes). A cached tensor is not decoded again either way; norms already
-        taken are returned again without recomputing them."""
-        if name in self._vouched:
-            return self._vouched[name], math.prod(self._shapes[name])
-        if name in self._cache:
-            return None
-        out = torch.zeros(len(self._payloads), dtype=torch.float64)  # (n,)
-        for i, (payload, entries, manifest) in enumerate(zip(self._payloads, self._entries, self._manifests)):
-            e = entries.get(name)
-            if e is None:
-                continue  # did not change the tensor: a zero row
-            if e.codec != "lora" or e.dtype != "float32":
-                return None
-            sq = codec.decode_factors(payload, name, manifest=manifest).merged_sq_norm()
-            if sq is None:
-                return None
-            out[i] = sq
-        self._vouched[name] = out
-        return out, math.prod(self._shapes[name])
-
-    def factors(self, name: str) -> list | None:
-        """Each contributor's LoraFactors of `name` (None: it did not send the tensor), for a tensor whose
-        norms `sq_norms` vouched for (finite, no overflow, no cancellation); else None (rows are decoded)."""
-        if name not in self._vouched:
-            return None
-        shape = tuple(self._shapes[name])
-        out = []
-        for payload, entries, manifest in zip(self._payloads, self._entries, self._manifests):
-            e = entries.get(name)
-            if e is not None and tuple(e.shape) != shape:
-                return None
-            out.append(None if e is None else codec.decode_factors(payload, name, manifest=manifest))
-        return out
-
-    def stacked_one(self, i: int, name: str) -> torch.Tensor:
-        """Contributor i's delta for one tensor, in the base's shape (zeros when it did not send it)."""
-        if name in self._entries[i]:
-            return codec.decode_tensor(self._payloads[i], name, manifest=self._manifests[i]).reshape(
-                self._shapes[name]).float()
-        return torch.zeros(self._shapes[name])
-
-    def packed(self, name: str):
-        if not all(name in e and e[name].codec == "bitdelta" for e in self._entries):
-            return None
-        return [codec.read_bitdelta(p, name, manifest=m) for p, m in zip(self._payloads, self._manifests)]
 
 
 def _jsonable(obj):
@@ -329,7 +231,8 @@ def open_streams(state: ServerState, config: ServerConfig, job: RoundJob, evalua
     master_file = master_path(state, rnd.base_sha256)
     master = stack.enter_context(SafetensorsReader(master_file, streamed=True)) if master_file is not None else None
     writer = CheckpointWriter(state.blobs.path(rnd.base_sha256), master=master, changed=stored.names(),
-                              ckpt_blob=ckpt_blob, master_blob=master_blob)
+                              ckpt_blob=ckpt_blob, master_blob=master_blob,
+                              read_ahead=config.aggregation_engine == "local")  # ray: tasks read the base
     stack.callback(writer.close)
     return Streams(source=source, evaluator=evaluator, writer=writer, ckpt_blob=ckpt_blob, master_blob=master_blob)
 
@@ -360,12 +263,15 @@ def aggregate(state: ServerState, config: ServerConfig, job: RoundJob, streams: 
     try:
         # async: w(s) as aggregation weights or on the rows, as recorded; server_lr x step_scale x out
         rows, row_weights = job.flush.rows(streams.source, job.contributors, weights)
+        sharded = _ray_publish(state, config, job, streams)
         with threads_beside_writers():  # the writer's two threads stream while the soup computes
             report = DeltaSoup(job.soup, dp_clip=job.inputs.dp_clip).run(
                 rows, job.flush.sink(streams.writer.sink), weights=row_weights, generator=gen,
                 accountant=job.accountant, sample_rate=_recorded_rate(config, job),
                 lend_aggregates=True,  # CheckpointWriter.sink uses each aggregate before it returns
-                reference=reference_for(config, streams.evaluator))
+                reference=reference_for(config, streams.evaluator), publish=sharded)
+        if sharded is not None:
+            log.info("round %d aggregated by %d Ray tasks", rnd.id, sharded.tasks)
         tap_s = getattr(streams.source, "seconds", None)  # a SlopeTap's share of the phase is scoring's
         if tap_s is not None:
             log.info("round %d scoring slopes taken during aggregation in %.3f s", rnd.id, tap_s)
@@ -382,6 +288,18 @@ def aggregate(state: ServerState, config: ServerConfig, job: RoundJob, streams: 
             s.add(r)
             s.commit()
         return f"HALTED ({exc})"
+
+
+def _ray_publish(state: ServerState, config: ServerConfig, job: RoundJob, streams: Streams):
+    """DeltaSoup's last pass as Ray tasks (`--aggregation-engine ray`: ray_engine.py), else None (this process)."""
+    if config.aggregation_engine != "ray":
+        return None
+    from zoo_gym.server.rounds.ray_engine import RayPublish
+
+    return RayPublish(streams.writer, payloads=[state.blobs.path(sub.payload_sha256) for sub in job.subs],
+                      contributors=job.contributors, flush=job.flush, tap=streams.source,
+                      work=state.work_dir / "ray" / f"round-{job.rnd.id}", address=config.ray_address,
+                      block_rows=config.ray_block_rows, task_memory_mb=config.ray_task_memory_mb)
 
 
 def _note_contributions(job: RoundJob, streams: Streams, report) -> None:

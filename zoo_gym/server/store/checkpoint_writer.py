@@ -47,15 +47,18 @@ class SafetensorsLayout:
         offset = 0
         self.order = [name for name, _, _ in order]
         self.sizes: dict[str, int] = {}
+        data: dict[str, int] = {}
         for name, dtype, shape in order:
             n = DTYPES[dtype].itemsize * math.prod(shape)
             header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
             self.sizes[name] = n
+            data[name] = offset
             offset += n
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)  # as the safetensors library pads it
         self.header = struct.pack("<Q", len(text)) + text
         self.total = len(self.header) + offset
+        self.offsets = {name: len(self.header) + at for name, at in data.items()}  # each tensor's first byte
 
 
 class _Sequential:
@@ -134,6 +137,20 @@ class _Background:
             self._thread.join()
 
 
+def add_aggregate(kind: str | None, base: torch.Tensor, low: torch.Tensor | None, master: torch.Tensor | None,
+                  agg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(published, what the master file stores or None) of `base` (its stored dtype) + `agg` (float32, base's
+    shape), a tensor or any slice of one: element by element, so a row block gives the whole tensor's bytes.
+    `kind` as `CheckpointWriter._kind`; `low`: the stored low half ("I16", None: none yet); `master`: the float32
+    master, a fresh tensor (another kind's, `master_weights.master_of`)."""
+    if kind is None:  # float32 (or no master kept): the published weights are the master
+        return (base.float() + agg).to(base.dtype), None
+    if kind == "I16":  # bf16: one fused pass, in place (master_kernel.py)
+        return master_kernel.add_to_bf16_master(base, low, agg.float())
+    new_master = master.add_(agg)  # float16: its master is a float32 tensor
+    return new_master.to(base.dtype), new_master
+
+
 class CheckpointWriter:
     """One publish: `sink(name, aggregate)` per changed tensor (DeltaSoup's order), `finish_weights()`,
     then `finish(lineage)`.
@@ -146,7 +163,7 @@ class CheckpointWriter:
     """
 
     def __init__(self, base_archive: Path, *, master: SafetensorsReader | None, changed: Sequence[str],
-                 ckpt_blob: BinaryIO, master_blob: BinaryIO | None) -> None:
+                 ckpt_blob: BinaryIO, master_blob: BinaryIO | None, read_ahead: bool = True) -> None:
         self.base_archive = Path(base_archive)
         spans = archive.members(self.base_archive)
         self.base = SafetensorsReader.in_archive(self.base_archive, spans, streamed=True)
@@ -175,6 +192,7 @@ class CheckpointWriter:
         self._threads = [_Background([self._tar.write], name="publish-weights")]
         self._pub = _Sequential(self.layout, [self._threads[0]])
         self._master_out = None
+        self.master_layout: SafetensorsLayout | None = None  # the new master file's (None: no master kept)
         if master_blob is not None:
             m_order = []
             for n in order:
@@ -187,28 +205,35 @@ class CheckpointWriter:
             self._threads.append(_Background([master_blob.write], name="publish-master"))
             self._master_out = _Sequential(self.master_layout, [self._threads[1]])
         # the next changed tensor's base (and low half) is read while this one is added (zoo_gym/io/read_ahead.py)
-        self._inputs = ReadAhead(self._read_inputs, list(changed), size=self._input_bytes)
+        # (read_ahead False: the changed tensors come whole from `put`, computed elsewhere: nothing is read ahead)
+        self._inputs = ReadAhead(self._read_inputs, list(changed) if read_ahead else [], size=self._input_bytes)
 
     def sink(self, name: str, agg: torch.Tensor) -> None:
         """Add the aggregate (numel,) float32 to tensor `name` and write it everywhere."""
         info = self.base.infos[name]
         kind = self._kind(name)
         base, stored_low = self._inputs.get(name)
-        if kind is None:  # float32 (or no master kept): the published weights are the master
-            published = (base.float() + agg.reshape(info.shape)).to(info.torch_dtype)
-        elif kind == "I16":  # bf16: one fused pass, in place (master_kernel.py)
-            published, low = master_kernel.add_to_bf16_master(base, stored_low, agg.float())
-            self._master_out.write(name, [tensor_bytes(low)])
-        else:  # float16: its master is a float32 tensor
-            new_master = master_weights.master_of(base, self.master, name).add_(agg.reshape(info.shape))
-            published = new_master.to(info.torch_dtype)
-            self._master_out.write(name, [tensor_bytes(new_master)])
+        master = master_weights.master_of(base, self.master, name) if kind not in (None, "I16") else None
+        published, kept = add_aggregate(kind, base, stored_low, master, agg.reshape(info.shape))
+        if kept is not None:
+            self._master_out.write(name, [tensor_bytes(kept)])
         self._pub.write(name, [tensor_bytes(published)])
+
+    def put(self, name: str, published: Iterable, master: Iterable | None) -> None:
+        """Changed tensor `name` computed elsewhere (the Ray engine's blocks, `add_aggregate`): its published
+        bytes and, where `sink` would write one, its master entry's, as pieces; written in `sink`'s place."""
+        if self._master_out is not None and name in self.master_layout.sizes:
+            self._master_out.write(name, master if master is not None else [])
+        self._pub.write(name, published)
 
     @property
     def reads_ahead(self) -> int:
         """Changed tensors whose inputs were read before `sink` asked for them."""
         return self._inputs.read_ahead
+
+    def master_kind(self, name: str) -> str | None:
+        """How changed tensor `name`'s master is kept (`_kind`), for a `put` computed elsewhere."""
+        return self._kind(name)
 
     def _kind(self, name: str) -> str | None:
         """How tensor `name`'s master is kept: "I16" (bf16: a low half), another dtype name, None (none)."""
