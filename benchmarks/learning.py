@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> dict:
         "exact_match_60_in_3_rounds": t["exact_match_after"] >= 0.6 and cfg.rounds <= 3,
         "retention_within_10pct": t["retention_ppl_change"] <= 0.10,
         "within_30_minutes": t["minutes"] <= 30,
-        "attack_gain_share_90": t["attack_gain_share"] is not None and t["attack_gain_share"] >= 0.9,
+        "attack_gain_share_90": t["attack_gain_share"] is not None and t["attack_gain_share"] >= 0.9 - 1e-9,  # 0.36 / 0.40 is 0.8999... in floats
         "pay_spearman_0.7": t["pay_spearman"] is not None and t["pay_spearman"] >= 0.7,
         "free_riders_paid_0": t["free_rider_pay_max"] == 0,
         "published_within_1_point": t["published_minus_master_accuracy"] is not None
