@@ -6,15 +6,28 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from zoo_gym.proto.tls import make_certificates
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def chromium() -> str:
+    """Debian's headless browser for the browser tests: CI installs it (.ci/run), so there it must be present."""
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("chromium is not installed: .ci/run installs Debian's chromium package for this test")
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    return found
 
 
 def server_cmd(*args: str) -> list[str]:

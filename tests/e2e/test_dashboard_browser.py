@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from html.parser import HTMLParser
@@ -19,20 +18,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from e2e_processes import ENV, free_port, wait_for
+from e2e_processes import ENV, chromium, free_port, wait_for
 from zoo_gym.proto.tls import make_certificates
 
 STEPS = os.environ.get("ZOO_GYM_E2E_STEPS_DASHBOARD", "8")
 NAMES = ("ada", "bob", "cy")
-
-
-def _chromium() -> str:
-    found = shutil.which("chromium") or shutil.which("chromium-browser")
-    if found is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("chromium is not installed: .ci/run installs Debian's chromium package for this test")
-        pytest.skip("chromium is not installed (apt-get install chromium)")
-    return found
 
 
 class Tables(HTMLParser):
@@ -70,7 +60,7 @@ class Tables(HTMLParser):
 
 @pytest.fixture(scope="module")
 def served_round(tmp_path_factory):
-    chromium = _chromium()
+    browser = chromium()
     root = tmp_path_factory.mktemp("dashboard")
     state_dir = root / "server"
     server_cmd = [sys.executable, "-m", "zoo_gym.server"]
@@ -112,7 +102,7 @@ def served_round(tmp_path_factory):
             uploaded = int(s.exec(select(func.sum(Submission.payload_size))).one())
         reader.engine.dispose()
         yield {"uploaded_bytes": uploaded, "root": root, "url": f"https://127.0.0.1:{dash_port}/", "ca": tls.ca, "status": status,
-               "ledger": ledger, "log": log, "chromium": chromium}
+               "ledger": ledger, "log": log, "chromium": browser}
     finally:
         for p in clients:
             if p.poll() is None:

@@ -24,19 +24,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e_processes import ENV, client, server_cmd, stop, tls_server, wait_for
+from e2e_processes import ENV, chromium, client, server_cmd, stop, tls_server, wait_for
 
 websockets_sync = pytest.importorskip("websockets.sync.client")
 STEPS = os.environ.get("ZOO_GYM_E2E_STEPS_WEBUI", "8")
-
-
-def _chromium() -> str:
-    found = shutil.which("chromium") or shutil.which("chromium-browser")
-    if found is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("chromium is not installed: .ci/run installs Debian's chromium package for this test")
-        pytest.skip("chromium is not installed (apt-get install chromium)")
-    return found
 
 
 class Browser:
@@ -105,7 +96,7 @@ class Browser:
 
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory):
-    chromium = _chromium()
+    browser = chromium()
     root = tmp_path_factory.mktemp("webui")
     state_dir, server, port = tls_server(root, "min-contributors = 3\nround-timeout = 900\n")
     env = {**ENV, "ZOO_GYM_HOME": str(root / "home")}
@@ -115,7 +106,7 @@ def federation(tmp_path_factory):
     try:
         url = wait_for(lambda: (m := re.search(r"console at (http://\S+)", (root / "console.log").read_text()))
                        and m[1], timeout=120, what="the console", procs=[console])
-        yield {"root": root, "port": port, "url": url, "state_dir": state_dir, "chromium": chromium,
+        yield {"root": root, "port": port, "url": url, "state_dir": state_dir, "chromium": browser,
                "procs": [server, console, *clients]}
     finally:
         for path in ("api/join/stop", "api/serve/stop"):  # the console's children outlive it, as a shell's would

@@ -105,11 +105,8 @@ def _smollm2() -> Path:
 
 
 def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def gguf_base(path: Path, *, dest: Path | None = None, source: str | None = None, license_name: str | None = None,
