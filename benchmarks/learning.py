@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import hashlib
 import io
 import json
@@ -60,7 +59,7 @@ from zoo_gym import codec  # noqa: E402
 from zoo_gym.aggregation import DeltaSoup, SoupConfig  # noqa: E402
 from zoo_gym.aggregation.sources import DictDeltaSource  # noqa: E402
 from zoo_gym.gym_train import TrainConfig, builtin_examples, train  # noqa: E402
-from zoo_gym.gym_train.bases import file_sha256, resolve_base  # noqa: E402
+from zoo_gym.gym_train.bases import resolve_base  # noqa: E402
 from zoo_gym.gym_train.exact_match import (answer_loss, exact_match, load_for_eval, perplexity,  # noqa: E402
                                            retention_texts)
 
@@ -163,12 +162,6 @@ class Judge:
 
 
 # ---- contributors and the round ----------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def base_sha256(ckpt_dir: pathlib.Path) -> str:
-    """The round's base as gym-client names it (the checkpoint's sha256): FFA-LoRA draws the round's A from it."""
-    return file_sha256(ckpt_dir / "model.safetensors")
-
-
 def contributor_upload(ckpt_dir: pathlib.Path, examples: list[dict], cfg: Bench
                        ) -> tuple[bytes, dict[str, torch.Tensor]]:
     """Train as `gym-client join` does; the payload it uploads (codec auto: LoRA factors) and the delta the
@@ -176,7 +169,7 @@ def contributor_upload(ckpt_dir: pathlib.Path, examples: list[dict], cfg: Bench
     tc = TrainConfig(max_steps=cfg.steps, batch_size=cfg.batch, learning_rate=cfg.lr, warmup_steps=2,
                      lora_r=cfg.lora_r, lora_alpha=2.0 * cfg.lora_r, lora_freeze_a=cfg.lora_freeze_a, seed=cfg.seed)
     with contextlib.redirect_stdout(io.StringIO()):
-        result = train(ckpt_dir, examples, tc, base_sha256=base_sha256(ckpt_dir), eval_examples=[], progress=False)
+        result = train(ckpt_dir, examples, tc, base_sha256="0" * 64, eval_examples=[], progress=False)
     payload = payload_of(result.delta)
     return payload, codec.decode(payload)
 
@@ -370,7 +363,7 @@ def run_after_sft(cfg: Bench, ck: Checkpoints, judge: Judge, stage: str) -> dict
             tc = TrainConfig(stage="dpo", max_steps=steps, batch_size=cfg.batch, learning_rate=cfg.dpo_lr,
                              warmup_steps=2, lora_r=cfg.lora_r, lora_alpha=2.0 * cfg.lora_r, seed=cfg.seed)
         with contextlib.redirect_stdout(io.StringIO()):
-            result = train(ckpt, exs, tc, base_sha256=base_sha256(ckpt), eval_examples=[], progress=False)
+            result = train(ckpt, exs, tc, base_sha256="0" * 64, eval_examples=[], progress=False)
         deltas.append(codec.decode(payload_of(result.delta)))
         log(f"{stage}: contributor {i} trained in {time.time() - t0:.0f} s")
     after, answers = judge.accuracy(plus(ck.final, step(deltas)))

@@ -1,6 +1,5 @@
-"""FFA-LoRA (`lora_freeze_a`): every contributor of a round holds the same A, drawn from the round's base, and only
-B trains, so the deltas of a round lie in one subspace and their mean is (mean of the B's) x A; the next round's
-base draws another A; the run still learns."""
+"""FFA-LoRA (`lora_freeze_a`): every contributor's A factors are the same fixed init, only B trains, so the
+deltas of a round lie in one subspace and their mean is (mean of the B's) x A; the run still learns."""
 
 import pytest
 import torch
@@ -12,20 +11,19 @@ pytestmark = pytest.mark.slow
 BASE = tiny_model_dir()
 
 
-def _run(seed: int, shard: int, freeze: bool, base_sha256: str = "ab" * 32):
+def _run(seed: int, shard: int, freeze: bool):
     cfg = TrainConfig(method="lora", max_steps=12, batch_size=8, learning_rate=1e-2, seed=seed, lora_freeze_a=freeze)
     ex = builtin_examples("default", shard=shard, n_shards=2, n=96, seed=shard)
-    return train(BASE, ex, cfg, base_sha256=base_sha256, eval_examples=default_validation_examples(32))
+    return train(BASE, ex, cfg, base_sha256="ab" * 32, eval_examples=default_validation_examples(32))
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return ([_run(seed=s, shard=s - 1, freeze=True) for s in (1, 2)] + [_run(seed=3, shard=0, freeze=False)]
-            + [_run(seed=1, shard=0, freeze=True, base_sha256="cd" * 32)])
+    return [_run(seed=s, shard=s - 1, freeze=True) for s in (1, 2)] + [_run(seed=3, shard=0, freeze=False)]
 
 
 def test_contributors_share_one_frozen_a_and_their_mean_is_the_mean_of_b(runs):
-    a, b, plain = (r.delta for r in runs[:3])
+    a, b, plain = (r.delta for r in runs)
     assert a.keys() == b.keys() and len(a) == 28
     for name in a:
         assert torch.equal(a[name].A, b[name].A)  # two seeds, two shards: one A
@@ -34,17 +32,6 @@ def test_contributors_share_one_frozen_a_and_their_mean_is_the_mean_of_b(runs):
         shared = ((a[name].B.float() + b[name].B.float()) / 2) @ a[name].A.float()  # the scale is in B
         assert torch.allclose(mean, shared, atol=1e-6), name
         assert not torch.equal(plain[name].A, a[name].A)  # without it, A trains (and starts from the seed's)
-
-
-def test_the_next_rounds_base_draws_another_a(runs):
-    """With one A for good, every round's update would lie in the same rank-r subspace of each module's inputs."""
-    this_round, next_round = runs[0].delta, runs[3].delta
-    for name in this_round:
-        a, b = this_round[name].A.float(), next_round[name].A.float()
-        assert a.shape == b.shape and not torch.equal(a, b)
-        # a fresh draw, not a rescaled copy: the rows of the two A's are nearly orthogonal on average
-        cos = torch.nn.functional.cosine_similarity(a, b, dim=1).abs().mean()
-        assert cos < 0.5, (name, float(cos))
 
 
 def test_ffa_lora_lowers_the_heldout_loss(runs):

@@ -132,32 +132,28 @@ def quiet_trainer(trainer, progress: bool) -> None:
     trainer.add_callback(training_bar() if progress else Heartbeat())
 
 
-def with_lora(model, config: TrainConfig, *, base_sha256: str):
+def with_lora(model, config: TrainConfig):
     """(PEFT model, initial factors): the initial factors are kept only for inits where B0 @ A0 != 0
-    (PiSSA, OLoRA ...), whose delta must subtract them (see delta.lora_factors). ``base_sha256`` names the
-    round's base: FFA-LoRA draws its shared A from it."""
+    (PiSSA, OLoRA ...), whose delta must subtract them (see delta.lora_factors)."""
     from peft import get_peft_model
 
     model = get_peft_model(model, lora_config(config))
     initial = capture_initial_factors(model) if config.init_lora_weights not in (True, False, "gaussian") else None
     if config.lora_freeze_a:
-        freeze_shared_lora_a(model, base_sha256)
+        freeze_shared_lora_a(model)
     return model, initial
 
 
-def freeze_shared_lora_a(model, base_sha256: str) -> int:
+def freeze_shared_lora_a(model) -> int:
     """FFA-LoRA: set every ``lora_A`` weight to PEFT's default init (uniform in +-1/sqrt(fan_in), as its
-    kaiming-uniform with a = sqrt(5) gives) drawn from a generator seeded by the round's base checkpoint and
-    the parameter's name, and freeze it. Every contributor training from the same base holds the same A (B
-    starts at 0, so the delta is still B A and a round's mean is the mean of the B's); each round's new base
-    draws a new A, so the rounds' updates do not all lie in one rank-r subspace of each module's inputs.
+    kaiming-uniform with a = sqrt(5) gives) drawn from a generator seeded by the parameter's name, so every
+    contributor of the same model holds the same A, and freeze it. B starts at 0, so the delta is still B A.
     Written here because PEFT has no option for a shared, frozen A. Returns how many factors were frozen."""
     frozen = 0
     for name, p in model.named_parameters():
         if ".lora_A." not in name:
             continue
-        key = b"zoo-gym/ffa-lora-A/v2\n" + base_sha256.encode() + b"\n" + name.encode()
-        seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "big")
+        seed = int.from_bytes(hashlib.sha256(b"zoo-gym/ffa-lora-A/v1\n" + name.encode()).digest()[:8], "big")
         g = torch.Generator().manual_seed(seed)
         bound = 1.0 / math.sqrt(p.shape[1])
         with torch.no_grad():

@@ -95,7 +95,7 @@ def train_dp(base_dir, examples, config: TrainConfig, *, base_sha256: str, eval_
     model = load_model(base_dir, attn_implementation=config.attn_implementation or "eager").to(device)
     loss_before = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
 
-    model, initial = prepare(model, config, base_sha256=base_sha256)
+    model, initial = prepare(model, config)
     if config.finetuning_type == "full":
         _freeze_for_dp_sft(model)
     model.train()

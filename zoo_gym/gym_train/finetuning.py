@@ -1,6 +1,6 @@
 """Which weights a round trains (``finetuning_type``), and what delta they send.
 
-``prepare(model, config, base_sha256=...)`` turns the loaded base into the model to train and returns the initial
+``prepare(model, config)`` turns the loaded base into the model to train and returns the initial
 state a delta must subtract (PiSSA-style adapter inits), or None. ``delta_of(...)`` turns the trained
 model into the delta against the original base, keyed by its parameter names: LoRA factors (or a merged
 dense delta; LoftQ's always is, as it also changes the base weights), OFT's merged dense delta, dense
@@ -19,12 +19,11 @@ from .delta import adapter_delta, dense_delta_from_models, merged_lora_delta
 _LAYER = re.compile(r"\.layers\.(\d+)\.(.+)$")
 
 
-def prepare(model, config: TrainConfig, *, base_sha256: str):
-    """(model to train, initial adapter state or None) for ``config.finetuning_type``; ``base_sha256``
-    names the base the round trains from (FFA-LoRA's shared A is drawn from it)."""
+def prepare(model, config: TrainConfig):
+    """(model to train, initial adapter state or None) for ``config.finetuning_type``."""
     kind = config.finetuning_type
     if kind == "lora":
-        return with_lora(model, config, base_sha256=base_sha256)
+        return with_lora(model, config)
     if kind == "full":
         return model, None
     if kind == "freeze":

@@ -154,7 +154,7 @@ def train_grpo(base_dir, examples, config: TrainConfig, *, base_sha256: str, eva
     reward_before = score(model)
     loss_before = Evaluator(None, answered, model=model, tokenizer=tokenizer).loss() if answered else None
 
-    model, initial = prepare(model, config, base_sha256=base_sha256)
+    model, initial = prepare(model, config)
     t0 = time.perf_counter()
     trainer = _train_rl(model, tokenizer, train_ex, config, funcs, weights, progress, columns)
     seconds = time.perf_counter() - t0

@@ -136,7 +136,7 @@ def train_preference(base_dir, examples, config: TrainConfig, *, base_sha256: st
     model = load_training_model(base_dir, config)
     before = _measure(model, tokenizer, held)
 
-    model, initial = prepare(model, config, base_sha256=base_sha256)
+    model, initial = prepare(model, config)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"zoo_gym_{config.stage}_") as tmp:
         trainer = _trainer(model, tokenizer, train_ex, config, tmp, progress)

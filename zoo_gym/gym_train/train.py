@@ -146,7 +146,7 @@ def _train_sft(base_dir, examples, config: TrainConfig, *, base_sha256: str, eva
     model = load_training_model(base_dir, config)
     loss_before = Evaluator(None, held, model=model, tokenizer=tokenizer).loss() if held else None
 
-    model, initial = prepare(model, config, base_sha256=base_sha256)
+    model, initial = prepare(model, config)
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="zoo_gym_train_") as tmp:
