@@ -24,8 +24,10 @@ from zoo_gym.server.config import ConfigError, build_config
 from zoo_gym.server.genesis import init_state
 from zoo_gym.server.rounds.publish import publish_round
 from zoo_gym.server.store.checkpoint_writer import master_path
-from zoo_gym.server.store.models import Checkpoint, Contributor, Round, Submission
+from zoo_gym.server.store.models import Checkpoint, Round, Submission
 from zoo_gym.server.store.state import open_state
+
+from stored_rounds import store_submissions, tiny_bf16
 
 # CI installs the dev extras, which bring Ray: there a missing Ray fails instead of skipping
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240),
@@ -49,20 +51,6 @@ def cluster():
     c.shutdown()
 
 
-def _tiny_bf16(out: Path) -> Path:
-    """A tiny Qwen3 in bf16 (random weights): the published weights are bf16 with a stored low half."""
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-
-    from zoo_gym.gym_train import tiny_model_dir
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=320, tie_word_embeddings=True)
-    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(out))
-    AutoTokenizer.from_pretrained(str(tiny_model_dir())).save_pretrained(str(out))
-    return out
-
-
 def _submit(state, *, lora: bool = False) -> None:
     """Six submissions to round 1 (one far off: what robust rules drop), written as the servicer stores them."""
     from zoo_gym.io.safetensors_reader import SafetensorsReader
@@ -73,32 +61,26 @@ def _submit(state, *, lora: bool = False) -> None:
         shapes = r.shapes()
     names = [k for k, v in shapes.items() if len(v) == 2][:4] + [k for k, v in shapes.items() if len(v) == 1][:1]
     gen = torch.Generator().manual_seed(7)
-    with state.session() as s:
-        for i, method in enumerate(CODECS):
-            scale = 1e-2 if i == 5 else 1e-3
-            if lora:
-                delta = {k: codec.LoraFactors(A=torch.randn(4, shapes[k][1], generator=gen),
-                                              B=torch.randn(shapes[k][0], 4, generator=gen) * scale)
-                         for k in names if len(shapes[k]) == 2}
-                payload = codec.encode(delta, codec="lora", lora_codec="fp32")
-            else:
-                delta = {k: torch.randn(shapes[k], generator=gen) * scale for k in names}
-                payload = codec.encode(delta, codec=method)
-            with state.blobs.writer() as w:
-                w.write(payload)
-                sha = w.commit()
-            cid = f"{i:032x}"
-            s.add(Contributor(id=cid, public_key="00" * 32))
-            s.add(Submission(round_id=1, contributor_id=cid, base_sha256=rnd.base_sha256, payload_sha256=sha,
-                             payload_size=len(payload), codecs="lora" if lora else method))
-        s.commit()
+    subs = []
+    for i, method in enumerate(CODECS):
+        scale = 1e-2 if i == 5 else 1e-3
+        if lora:
+            delta = {k: codec.LoraFactors(A=torch.randn(4, shapes[k][1], generator=gen),
+                                          B=torch.randn(shapes[k][0], 4, generator=gen) * scale)
+                     for k in names if len(shapes[k]) == 2}
+            payload = codec.encode(delta, codec="lora", lora_codec="fp32")
+        else:
+            delta = {k: torch.randn(shapes[k], generator=gen) * scale for k in names}
+            payload = codec.encode(delta, codec=method)
+        subs.append((f"{i:032x}", payload, "lora" if lora else method))
+    store_submissions(state, 1, subs)
 
 
 @pytest.fixture(scope="module")
 def templates(tmp_path_factory):
     """State directories with round 1 open and six submissions in: full deltas, and LoRA factors."""
     root = tmp_path_factory.mktemp("ray-templates")
-    base = _tiny_bf16(root / "base")
+    base = tiny_bf16(root / "base")
     out = {}
     for kind in ("full", "lora"):
         state = init_state(root / kind, base_model=str(base), check=False)
