@@ -19,23 +19,11 @@ from zoo_gym.io.safetensors_reader import SafetensorsReader, tensor_bytes
 from zoo_gym.server.store.checkpoint_writer import CheckpointWriter, SafetensorsLayout, master_path
 from zoo_gym.server.store.master_weights import join_low16, master_of, needs_master, split_low16
 from zoo_gym.server.config import build_config
-from zoo_gym.server.store.models import Checkpoint, Contributor, Round, Submission
+from zoo_gym.server.store.models import Checkpoint, Round, Submission
 from zoo_gym.server.rounds.publish import publish_round
 from zoo_gym.server.genesis import init_state
 
-
-def _tiny_bf16(out: Path) -> Path:
-    """A tiny Qwen3 saved in bf16 (random weights) with the built-in tokenizer."""
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-
-    from zoo_gym.gym_train import tiny_model_dir
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=320, tie_word_embeddings=True)
-    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(out))
-    AutoTokenizer.from_pretrained(str(tiny_model_dir())).save_pretrained(str(out))
-    return out
+from stored_rounds import store_submissions, tiny_bf16
 
 
 def test_tar_stream_equals_pack(tmp_path):
@@ -134,7 +122,7 @@ def test_low_half_and_bf16_are_the_float32_master():
 
 def test_bf16_publish_keeps_the_aggregate_in_the_master(tmp_path):
     # Prepare: a bf16 model and three rounds of aggregates far below bf16's resolution
-    base_dir = _tiny_bf16(tmp_path / "base")
+    base_dir = tiny_bf16(tmp_path / "base")
     base = load_file(str(base_dir / archive.WEIGHTS))
     with SafetensorsReader(base_dir / archive.WEIGHTS) as r:
         assert needs_master(r.infos)
@@ -176,7 +164,7 @@ def test_bf16_publish_keeps_the_aggregate_in_the_master(tmp_path):
 
 def test_a_float32_master_written_before_the_low_half_format_is_read_and_carried(tmp_path):
     # Prepare: a bf16 base and a master file in the old format (float32 everywhere), not the base widened
-    base_dir = _tiny_bf16(tmp_path / "base")
+    base_dir = tiny_bf16(tmp_path / "base")
     base = load_file(str(base_dir / archive.WEIGHTS))
     gen = torch.Generator().manual_seed(1)
     old = {k: v.float() + torch.randn(v.shape, generator=gen) * 1e-4 for k, v in base.items()}
@@ -200,26 +188,17 @@ def _submit_lora(state, round_id: int, base_sha: str, seed: int, n: int = 3) -> 
         shapes = r.shapes()
     names = [k for k, s in shapes.items() if len(s) == 2 and "proj" in k]
     gen = torch.Generator().manual_seed(seed)
-    with state.session() as s:
-        for i in range(n):
-            delta = {k: codec.LoraFactors(A=torch.randn(4, shapes[k][1], generator=gen) * 0.5,
-                                          B=torch.randn(shapes[k][0], 4, generator=gen) * 1e-5) for k in names}
-            payload = codec.encode(delta, codec="lora", lora_codec="fp32")
-            with state.blobs.writer() as w:
-                w.write(payload)
-                sha = w.commit()
-            cid = f"{seed:016x}{i:016x}"
-            if s.get(Contributor, cid) is None:
-                s.add(Contributor(id=cid, public_key="00" * 32))
-            s.add(Submission(round_id=round_id, contributor_id=cid, base_sha256=base_sha, payload_sha256=sha,
-                             payload_size=len(payload), codecs="lora"))
-        s.commit()
-        return list(s.exec(select(Submission).where(Submission.round_id == round_id)))
+    subs = []
+    for i in range(n):
+        delta = {k: codec.LoraFactors(A=torch.randn(4, shapes[k][1], generator=gen) * 0.5,
+                                      B=torch.randn(shapes[k][0], 4, generator=gen) * 1e-5) for k in names}
+        subs.append((f"{seed:016x}{i:016x}", codec.encode(delta, codec="lora", lora_codec="fp32"), "lora"))
+    return store_submissions(state, round_id, subs)
 
 
 def test_publish_round_into_a_bf16_base_keeps_a_master(tmp_path):
     # Prepare: a federation on a bf16 model, no evaluation (validation_examples = 0)
-    state = init_state(tmp_path / "state", base_model=str(_tiny_bf16(tmp_path / "base")))
+    state = init_state(tmp_path / "state", base_model=str(tiny_bf16(tmp_path / "base")))
     cfg = build_config({}, aggregator="mean", validation_examples=0)
     for r in (1, 2):
         with state.session() as s:

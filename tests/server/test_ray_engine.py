@@ -1,18 +1,22 @@
 """`--aggregation-engine ray` (issue 50 items 1, 2 and 5): a real Ray cluster on this machine, a head and two worker
 nodes (`ray.cluster_utils.Cluster`, each with its own raylet and object store, one CPU each), publishes every rule's
 round with the same bytes as the local engine: the same state copied twice, one round published by each, the
-archives (lineage and signature included) and the masters compared byte for byte. A worker node removed while the
-tasks run still gives those bytes (Ray retries the tasks it lost). Ray missing or unreachable: one line."""
+archives (lineage and signature included) and the masters compared byte for byte. A worker node removed, or one
+task's worker process killed, while the tasks run still gives those bytes (Ray retries the tasks it lost); so does
+the coordinator's redo after it was killed. Storage a node cannot read, Ray missing or unreachable: one line.
+Faults hit at a known step: tasks wait at a gate (ZOO_GYM_RAY_TASK_GATE, zoo_gym/server/rounds/faults.py)."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,10 +26,14 @@ from sqlmodel import select
 from zoo_gym import codec
 from zoo_gym.server.config import ConfigError, build_config
 from zoo_gym.server.genesis import init_state
+from zoo_gym.server.rounds.faults import TASK_GATE_ENV
 from zoo_gym.server.rounds.publish import publish_round
+from zoo_gym.server.rounds.ray_engine import RayEngineError
 from zoo_gym.server.store.checkpoint_writer import master_path
-from zoo_gym.server.store.models import Checkpoint, Contributor, Round, Submission
+from zoo_gym.server.store.models import Checkpoint, Round, RoundState, Submission
 from zoo_gym.server.store.state import open_state
+
+from stored_rounds import store_submissions, tiny_bf16
 
 # CI installs the dev extras, which bring Ray: there a missing Ray fails instead of skipping
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240),
@@ -49,20 +57,6 @@ def cluster():
     c.shutdown()
 
 
-def _tiny_bf16(out: Path) -> Path:
-    """A tiny Qwen3 in bf16 (random weights): the published weights are bf16 with a stored low half."""
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-
-    from zoo_gym.gym_train import tiny_model_dir
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=320, tie_word_embeddings=True)
-    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(out))
-    AutoTokenizer.from_pretrained(str(tiny_model_dir())).save_pretrained(str(out))
-    return out
-
-
 def _submit(state, *, lora: bool = False) -> None:
     """Six submissions to round 1 (one far off: what robust rules drop), written as the servicer stores them."""
     from zoo_gym.io.safetensors_reader import SafetensorsReader
@@ -73,32 +67,26 @@ def _submit(state, *, lora: bool = False) -> None:
         shapes = r.shapes()
     names = [k for k, v in shapes.items() if len(v) == 2][:4] + [k for k, v in shapes.items() if len(v) == 1][:1]
     gen = torch.Generator().manual_seed(7)
-    with state.session() as s:
-        for i, method in enumerate(CODECS):
-            scale = 1e-2 if i == 5 else 1e-3
-            if lora:
-                delta = {k: codec.LoraFactors(A=torch.randn(4, shapes[k][1], generator=gen),
-                                              B=torch.randn(shapes[k][0], 4, generator=gen) * scale)
-                         for k in names if len(shapes[k]) == 2}
-                payload = codec.encode(delta, codec="lora", lora_codec="fp32")
-            else:
-                delta = {k: torch.randn(shapes[k], generator=gen) * scale for k in names}
-                payload = codec.encode(delta, codec=method)
-            with state.blobs.writer() as w:
-                w.write(payload)
-                sha = w.commit()
-            cid = f"{i:032x}"
-            s.add(Contributor(id=cid, public_key="00" * 32))
-            s.add(Submission(round_id=1, contributor_id=cid, base_sha256=rnd.base_sha256, payload_sha256=sha,
-                             payload_size=len(payload), codecs="lora" if lora else method))
-        s.commit()
+    subs = []
+    for i, method in enumerate(CODECS):
+        scale = 1e-2 if i == 5 else 1e-3
+        if lora:
+            delta = {k: codec.LoraFactors(A=torch.randn(4, shapes[k][1], generator=gen),
+                                          B=torch.randn(shapes[k][0], 4, generator=gen) * scale)
+                     for k in names if len(shapes[k]) == 2}
+            payload = codec.encode(delta, codec="lora", lora_codec="fp32")
+        else:
+            delta = {k: torch.randn(shapes[k], generator=gen) * scale for k in names}
+            payload = codec.encode(delta, codec=method)
+        subs.append((f"{i:032x}", payload, "lora" if lora else method))
+    store_submissions(state, 1, subs)
 
 
 @pytest.fixture(scope="module")
 def templates(tmp_path_factory):
     """State directories with round 1 open and six submissions in: full deltas, and LoRA factors."""
     root = tmp_path_factory.mktemp("ray-templates")
-    base = _tiny_bf16(root / "base")
+    base = tiny_bf16(root / "base")
     out = {}
     for kind in ("full", "lora"):
         state = init_state(root / kind, base_model=str(base), check=False)
@@ -194,6 +182,105 @@ def test_a_worker_node_removed_mid_round_gives_the_same_bytes(cluster, templates
     thread.join(timeout=200)
     workers[0] = c.add_node(**NODE)  # the cluster as it was, for what runs after
     assert got["out"][0] == want and got["out"][1] == want_master
+
+
+@contextmanager
+def _gated(cluster, gate: Path):
+    """This process's Ray job with ZOO_GYM_RAY_TASK_GATE=`gate` in its workers' environment: each task of a round
+    touches gate/task.<tensor>@<start>.<pid> and waits for gate/go before it reads or writes anything
+    (faults.task_gate). The plain job again afterwards."""
+    import ray
+
+    gate.mkdir()
+    ray.shutdown()
+    ray.init(address=cluster[0].address, log_to_driver=False, runtime_env={"env_vars": {TASK_GATE_ENV: str(gate)}})
+    try:
+        yield gate
+    finally:
+        (gate / "go").touch()
+        ray.shutdown()
+        ray.init(address=cluster[0].address, log_to_driver=False)
+
+
+def _held(gate: Path, timeout: float = 120.0) -> list[tuple[str, int]]:
+    """(label, worker pid) of the tasks waiting at the gate, as soon as one is."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        held = [p.name.removeprefix("task.").rsplit(".", 1) for p in gate.glob("task.*")]
+        if held:
+            return [(label, int(pid)) for label, pid in held]
+        time.sleep(0.05)
+    raise AssertionError(f"no Ray task reached the gate within {timeout:.0f} s")
+
+
+def _in_thread(target) -> tuple[threading.Thread, dict]:
+    """`target()` running in a thread; the dict gets its result ("out") or exception ("error")."""
+    got: dict = {}
+
+    def run() -> None:
+        try:
+            got["out"] = target()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            got["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, got
+
+
+def test_a_worker_process_killed_mid_task_is_rerun_to_the_same_bytes(cluster, templates, tmp_path):
+    """One task's worker process (not its node) SIGKILLed while the task runs, held at the gate before it has read or
+    written anything: Ray runs the task again and the round publishes the local engine's bytes, so that task's rows
+    were written by the rerun."""
+    flags = {"aggregator": "trimmed-mean"}
+    want, want_master, _ = _publish(templates["full"], tmp_path / "local", **flags)
+    with _gated(cluster, tmp_path / "gate") as gate:
+        thread, got = _in_thread(lambda: _publish(templates["full"], tmp_path / "ray", aggregation_engine="ray",
+                                                  ray_address=cluster[0].address, ray_block_rows=16, **flags))
+        label, pid = _held(gate)[0]
+        os.kill(pid, signal.SIGKILL)
+        (gate / "go").touch()
+        thread.join(timeout=200)
+    assert not thread.is_alive() and "error" not in got, got.get("error")
+    assert got["out"][0] == want and got["out"][1] == want_master, f"task {label} killed in worker {pid}"
+
+
+def test_storage_a_node_cannot_read_fails_the_round_in_one_line_and_publishes_nothing(cluster, templates, tmp_path):
+    """An upload gone from the nodes' view of the state directory once the coordinator has mapped it (what a node
+    that does not mount it sees): the round ends with one line naming the node and the path, nothing is published,
+    and once the storage is back the redo publishes the local engine's bytes."""
+    flags = {"aggregator": "median"}
+    want, want_master, _ = _publish(templates["full"], tmp_path / "local", **flags)
+    where = tmp_path / "ray"
+    shutil.copytree(templates["full"], where)
+    state = open_state(where)
+    with state.session() as s:
+        first = s.exec(select(Submission).where(Submission.round_id == 1).order_by(Submission.id)).first()
+    payload, aside = state.blobs.path(first.payload_sha256), tmp_path / "aside"
+    blobs_before = sorted(p.name for p in (state.blobs.root / "sha256").rglob("*") if p.is_file())
+    with _gated(cluster, tmp_path / "gate") as gate:
+        thread, got = _in_thread(lambda: publish_in(where, aggregation_engine="ray", ray_address=cluster[0].address,
+                                                    ray_block_rows=16, **flags))
+        _held(gate)
+        payload.rename(aside)
+        (gate / "go").touch()
+        thread.join(timeout=200)
+    assert not thread.is_alive()
+    error = got.get("error")
+    assert isinstance(error, RayEngineError), got
+    line = str(error)
+    assert "\n" not in line and str(payload) in line and "every node must mount" in line, line
+    assert "not published" in line
+    with state.session() as s:
+        assert s.exec(select(Checkpoint).where(Checkpoint.round_id == 1)).first() is None
+        assert s.get(Round, 1).state != RoundState.PUBLISHED and s.get(Round, 2) is None
+    aside.rename(payload)
+    assert sorted(p.name for p in (state.blobs.root / "sha256").rglob("*") if p.is_file()) == blobs_before
+    assert not (where / "work" / "ray" / "round-1").exists() and not any(state.blobs.tmp_dir.iterdir())
+    state.engine.dispose()
+    ckpt, master, _ = publish_in(where, aggregation_engine="ray", ray_address=cluster[0].address,
+                                 ray_block_rows=16, **flags)  # the storage back: the redo publishes
+    assert ckpt == want and master == want_master
 
 
 @pytest.mark.parametrize("when", ["tasks-running", "aggregated"])

@@ -25,6 +25,7 @@ from zoo_gym.server.rounds import sampling
 from zoo_gym.server.rounds.evaluation import Evaluators
 from zoo_gym.server.rounds.policy import policy_for
 from zoo_gym.server.rounds.publish import publish_round, record_round_inputs
+from zoo_gym.server.rounds.ray_engine import RayEngineError
 from zoo_gym.server.store.state import ServerState, count_submissions
 
 log = logging.getLogger("zoo_gym.server")
@@ -190,6 +191,9 @@ class RoundManager:
         while not self._stop.is_set():
             try:
                 self.step()
+            except RayEngineError as exc:  # the cluster or its storage, which the operator fixes: one line
+                log.error("round step failed: %s; retrying in 5 s", exc)
+                self._stop.wait(5.0)
             except Exception:  # noqa: BLE001 - the service keeps serving; the error is logged with its trace
                 log.exception("round step failed; retrying in 5 s")
                 self._stop.wait(5.0)

@@ -7,7 +7,8 @@ mounts at the same path; each task maps the round's uploads, decodes its rows, r
 coordinator streams both files through the CheckpointWriter, which packs and hashes as the local path does:
 every step is element by element, so the bytes are the local engine's for every rule. LoRA means from factors
 (one matmul, no rows) stay on the coordinator; DP noise is refused (config.py). A task is idempotent and Ray
-retries it on a lost worker or node. Design: docs/design/SCALE-OUT.md (step 2).
+retries it on a lost worker or node; one whose node cannot use the state directory ends the round attempt in one
+line (RayEngineError), nothing published. Design: docs/design/SCALE-OUT.md (step 2).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from zoo_gym.aggregation.streaming import ClippedRows
 from zoo_gym.io.safetensors_reader import DTYPES, tensor_bytes
+from zoo_gym.server.rounds.faults import task_gate
 from zoo_gym.server.rounds.stored_deltas import StoredDeltas
 from zoo_gym.server.store import master_weights
 from zoo_gym.server.store.checkpoint_writer import add_aggregate
@@ -176,14 +178,32 @@ def _stored(files: RoundFiles) -> StoredDeltas:
     return _OPEN[key]
 
 
+class NodeStorageError(RuntimeError):
+    """A task's node could not read the round's inputs or write its outputs: one line naming the node and path."""
+
+
 def run_block(files: RoundFiles, plan, name: str, start: int, stop: int):
     """One task: the rule's aggregate of elements [start, stop) of tensor `name`, as DeltaSoup's last pass computes
     it (clipped rows, the recorded step), written in place. Returns the plan copy (its diagnostics)."""
-    source, _ = files.flush.rows(_Block(_stored(files), name, start, stop), files.contributors, None)
-    rows = ClippedRows(source, [name], files.acc, files.factors, files.n)
-    agg = plan.aggregate(rows.rows(name), share=(stop - start) / files.d_total if files.d_total else 0.0)
-    write_block(files, name, start, stop, _stepped(files.flush, name, agg))
+    task_gate(f"{name}@{start}")  # tests only: a known step to kill or break things at (faults.py)
+    try:
+        source, _ = files.flush.rows(_Block(_stored(files), name, start, stop), files.contributors, None)
+        rows = ClippedRows(source, [name], files.acc, files.factors, files.n)
+        agg = plan.aggregate(rows.rows(name), share=(stop - start) / files.d_total if files.d_total else 0.0)
+        write_block(files, name, start, stop, _stepped(files.flush, name, agg))
+    except OSError as exc:  # the state directory not mounted here, or not readable: said by the coordinator
+        raise NodeStorageError(f"node {_node()}: {exc}") from None
     return plan
+
+
+def _node() -> str:
+    """This host's name and the Ray node's IP, for the lines that name a node."""
+    try:
+        import ray
+
+        return f"{socket.gethostname()} ({ray.util.get_node_ip_address()})"
+    except Exception:  # noqa: BLE001 - a name is enough
+        return socket.gethostname()
 
 
 def _stepped(flush, name: str, agg: torch.Tensor) -> torch.Tensor:
@@ -264,7 +284,7 @@ class RayPublish:
                 refs += [_remote().remote(files_ref, pristine, name, a, b) for a, b in blocks(shapes[name],
                                                                                                self.block_rows)]
             self.tasks = len(refs)
-            for part in ray.get(refs):  # in (tensor, block) order: a redo sums the same diagnostics
+            for part in _results(refs):  # in (tensor, block) order: a redo sums the same diagnostics
                 plan.absorb(part)
             for name in rows.names:
                 self.writer.put(name, _chunks(files.out, files.out_at[name], self.writer.layout.sizes[name]),
@@ -303,6 +323,25 @@ class RayPublish:
             kinds={n: w.master_kind(n) for n in shapes},
             out=out, out_at=w.layout.offsets, out_master=out_master,
             out_master_at=m_layout.offsets if m_layout is not None else {})
+
+
+def _results(refs: list) -> list:
+    """The tasks' results in order. A task that raised (a lost worker or node is not that: Ray reruns its tasks)
+    ends the round with one RayEngineError line; the other tasks are cancelled first."""
+    import ray
+
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayTaskError as exc:
+        for ref in refs:
+            ray.cancel(ref)
+        ray.wait(refs, num_returns=len(refs), timeout=60)  # cancelled or ended (bounded)
+        cause = getattr(exc, "cause", None) or exc
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        if isinstance(cause, NodeStorageError):
+            raise RayEngineError(f"a Ray task could not use the state directory on {first} (every node must mount "
+                                 "it at the same path, readable and writable); the round is not published") from None
+        raise RayEngineError(f"a Ray task failed: {type(cause).__name__}: {first}; the round is not published") from None
 
 
 def _layout_file(path: Path, layout) -> str:
