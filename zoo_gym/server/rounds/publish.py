@@ -214,7 +214,7 @@ def open_streams(state: ServerState, config: ServerConfig, job: RoundJob, evalua
                  stack: ExitStack) -> Streams:
     """Map the payloads, get the base's evaluator (scoring), open the checkpoint (and master) blob writers."""
     rnd = job.rnd
-    payloads = [stack.enter_context(state.blobs.mapped(sub.payload_sha256)) for sub in job.subs]
+    payloads = [state.blobs.path(sub.payload_sha256) for sub in job.subs]  # read a tensor at a time, none held open
     log.info("round %d phase=scoring-gradient", rnd.id)  # the evaluator's build (a first round's) included
     evaluator = evaluators.for_base(rnd.base_sha256)
     stack.callback(evaluators.forget, evaluator)  # a retry of this round rebuilds a released one

@@ -1,13 +1,69 @@
-"""`StoredDeltas`: the DeltaSource over a round's stored payloads (memory-mapped blobs), tensor by tensor,
-with a bounded cache of decoded rows, LoRA norms from the factors, and row blocks for the Ray engine."""
+"""`StoredDeltas`: the DeltaSource over a round's stored payloads, tensor by tensor, with a bounded cache of
+decoded rows, LoRA norms from the factors, and row blocks for the Ray engine.
+
+A payload is given as a buffer (bytes, a map) or as its blob's path; a path is read one tensor's bytes at a
+time (`os.pread`) and nothing of it stays open or mapped between reads, and every payload's header is kept as
+one shared layout per distinct set of entries (`Layouts`) plus two integers: what the server holds per
+contributor is a few dozen bytes, not its parsed manifest (~30 KB) and a map (its pages in RSS) (issue 51).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
+from pathlib import Path
 
 import torch
 
 from zoo_gym import codec
+from zoo_gym.codec.container import Manifest, TensorEntry
+
+
+def _shifted(e: TensorEntry, by: int) -> TensorEntry:
+    """`e` (and its LoRA factors) with every offset moved by `by` bytes."""
+    return dataclasses.replace(e, offset=e.offset + by, factors=tuple(_shifted(f, by) for f in e.factors))
+
+
+class Layouts:
+    """Each payload's entries relative to its own body (the header's length varies with its metadata), interned:
+    payloads encoded alike share one layout. Per payload: the layout's index, where its body starts, its size."""
+
+    def __init__(self) -> None:
+        self._index: dict[tuple, int] = {}
+        self.layouts: list[dict[str, TensorEntry]] = []
+        self.of: list[tuple[int, int, int, int]] = []  # (layout, body offset, payload size, format version)
+
+    def add(self, manifest: Manifest) -> None:
+        rel = tuple(_shifted(e, -manifest.body_offset) for e in manifest.entries)
+        at = self._index.setdefault(rel, len(self.layouts))
+        if at == len(self.layouts):
+            self.layouts.append({e.name: e for e in rel})
+        self.of.append((at, manifest.body_offset, manifest.payload_size, manifest.format_version))
+
+    def entries(self, i: int) -> dict[str, TensorEntry]:
+        return self.layouts[self.of[i][0]]
+
+    def span(self, i: int, name: str) -> tuple[int, int, Manifest] | None:
+        """(absolute start, bytes, a one-entry manifest for exactly those bytes) of payload i's tensor `name`."""
+        e = self.layouts[self.of[i][0]].get(name)
+        if e is None:
+            return None
+        start = self.of[i][1] + e.offset
+        one = Manifest(entries=[_shifted(e, -e.offset)], metadata={}, payload_size=e.nbytes,
+                       format_version=self.of[i][3], body_offset=0)
+        return start, e.nbytes, one
+
+
+def _read(path: Path, start: int, size: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = os.pread(fd, size, start)
+    finally:
+        os.close(fd)
+    if len(data) != size:
+        raise codec.CodecError(f"{path} ended {size - len(data)} bytes early")
+    return data
 
 
 class StoredDeltas:
@@ -25,12 +81,30 @@ class StoredDeltas:
         self._cache: dict[str, torch.Tensor] = {}
         self._cache_left = cache_bytes
         self._vouched: dict[str, torch.Tensor] = {}  # sq_norms of tensors sent as safe float32 LoRA factors
-        self._payloads = payloads
+        self._payloads = [p if not isinstance(p, (str, Path)) else Path(p) for p in payloads]
         self._shapes = shapes  # the base's tensors, in its file order
-        self._manifests = [codec.read_manifest(p) for p in payloads]  # parsed once, passed to every decode
-        self._entries = [{e.name: e for e in m.entries} for m in self._manifests]
-        names = set().union(*(set(e) for e in self._entries)) if self._entries else set()
+        self._layouts = Layouts()  # each header parsed once, kept as a shared layout + where its body starts
+        for p in self._payloads:
+            self._layouts.add(codec.read_manifest(p.read_bytes() if isinstance(p, Path) else p))
+        names = set().union(*(set(e) for e in self._layouts.layouts))
         self._names = [n for n in shapes if n in names]  # base order: deterministic
+
+    @property
+    def n(self) -> int:
+        return len(self._payloads)
+
+    def _entry(self, i: int, name: str) -> TensorEntry | None:
+        return self._layouts.entries(i).get(name)
+
+    def _tensor(self, i: int, name: str) -> tuple[object, Manifest] | None:
+        """(buffer, manifest) holding payload i's tensor `name` (read from its file when given a path)."""
+        found = self._layouts.span(i, name)
+        if found is None:
+            return None
+        start, size, one = found
+        p = self._payloads[i]
+        data = _read(p, start, size) if isinstance(p, Path) else memoryview(p)[start:start + size]
+        return data, one
 
     def names(self) -> list[str]:
         return self._names
@@ -52,10 +126,12 @@ class StoredDeltas:
     def _decode_row(self, i: int, name: str, row: torch.Tensor) -> None:
         """Contributor i's tensor `name` decoded into `row` ((numel,) float32; zeros when it did not send it)."""
         shape = tuple(self._shapes[name])
-        payload, manifest, e = self._payloads[i], self._manifests[i], self._entries[i].get(name)
+        e = self._entry(i, name)
         if e is None:  # this contributor did not change the tensor (e.g. LoRA leaves norms alone)
             row.zero_()
-        elif e.codec == "lora" and e.dtype == "float32" and tuple(e.shape) == shape:
+            return
+        payload, manifest = self._tensor(i, name)
+        if e.codec == "lora" and e.dtype == "float32" and tuple(e.shape) == shape:
             codec.decode_factors(payload, name, manifest=manifest).merged(out=row.view(shape))  # one matmul
         else:
             row.copy_(codec.decode_tensor(payload, name, manifest=manifest).reshape(-1))
@@ -84,13 +160,13 @@ class StoredDeltas:
         if name in self._cache:
             return None
         out = torch.zeros(len(self._payloads), dtype=torch.float64)  # (n,)
-        for i, (payload, entries, manifest) in enumerate(zip(self._payloads, self._entries, self._manifests)):
-            e = entries.get(name)
+        for i in range(self.n):
+            e = self._entry(i, name)
             if e is None:
                 continue  # did not change the tensor: a zero row
             if e.codec != "lora" or e.dtype != "float32":
                 return None
-            sq = codec.decode_factors(payload, name, manifest=manifest).merged_sq_norm()
+            sq = self._factors(i, name).merged_sq_norm()
             if sq is None:
                 return None
             out[i] = sq
@@ -104,21 +180,31 @@ class StoredDeltas:
             return None
         shape = tuple(self._shapes[name])
         out = []
-        for payload, entries, manifest in zip(self._payloads, self._entries, self._manifests):
-            e = entries.get(name)
+        for i in range(self.n):
+            e = self._entry(i, name)
             if e is not None and tuple(e.shape) != shape:
                 return None
-            out.append(None if e is None else codec.decode_factors(payload, name, manifest=manifest))
+            out.append(None if e is None else self._factors(i, name))
         return out
+
+    def _factors(self, i: int, name: str):
+        payload, manifest = self._tensor(i, name)
+        return codec.decode_factors(payload, name, manifest=manifest)
 
     def stacked_one(self, i: int, name: str) -> torch.Tensor:
         """Contributor i's delta for one tensor, in the base's shape (zeros when it did not send it)."""
-        if name in self._entries[i]:
-            return codec.decode_tensor(self._payloads[i], name, manifest=self._manifests[i]).reshape(
-                self._shapes[name]).float()
+        found = self._tensor(i, name)
+        if found is not None:
+            payload, manifest = found
+            return codec.decode_tensor(payload, name, manifest=manifest).reshape(self._shapes[name]).float()
         return torch.zeros(self._shapes[name])
 
     def packed(self, name: str):
-        if not all(name in e and e[name].codec == "bitdelta" for e in self._entries):
+        if not all(name in e and e[name].codec == "bitdelta"
+                   for e in (self._layouts.entries(i) for i in range(self.n))):
             return None
-        return [codec.read_bitdelta(p, name, manifest=m) for p, m in zip(self._payloads, self._manifests)]
+        return [self._bits(i, name) for i in range(self.n)]
+
+    def _bits(self, i: int, name: str):
+        payload, manifest = self._tensor(i, name)
+        return codec.read_bitdelta(payload, name, manifest=manifest)

@@ -1,0 +1,48 @@
+"""StoredDeltas over blob paths (issue 51): the same rows, factors, bits and norms as over the payloads' bytes,
+one shared layout per way of encoding (not a parsed manifest per contributor), and no file left open."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from zoo_gym import codec
+from zoo_gym.codec import LoraFactors
+from zoo_gym.server.rounds.stored_deltas import StoredDeltas
+
+SHAPES = {"a.weight": (48, 32), "b.weight": (32, 64), "norm.weight": (32,)}
+
+
+def _payload(i: int, kind: str) -> bytes:
+    g = torch.Generator().manual_seed(i)
+    meta = {"who": "x" * (i * 7)}  # headers of different lengths: the layout is relative to the body
+    if kind == "lora":
+        return codec.encode({k: LoraFactors(A=torch.randn(4, s[1], generator=g), B=torch.randn(s[0], 4, generator=g))
+                             for k, s in SHAPES.items() if len(s) == 2}, codec="lora", metadata=meta)
+    return codec.encode({k: torch.randn(s, generator=g) for k, s in SHAPES.items()}, codec=kind, metadata=meta)
+
+
+def test_paths_read_the_same_numbers_as_the_bytes_and_share_layouts(tmp_path):
+    payloads = [_payload(i, kind) for i, kind in enumerate(["lora", "bitdelta", "lora", "bitdelta", "int8"] * 4)]
+    paths = []
+    for i, p in enumerate(payloads):
+        paths.append(tmp_path / f"{i}.zgd")
+        paths[-1].write_bytes(p)
+    ids = [str(i) for i in range(len(payloads))]
+    fds = len(os.listdir("/proc/self/fd"))
+    files, held = StoredDeltas(paths, ids, SHAPES, cache_bytes=0), StoredDeltas(payloads, ids, SHAPES, cache_bytes=0)
+    assert len(files._layouts.layouts) == 3  # 20 payloads, three ways of encoding them
+    for name in files.names():
+        whole = torch.stack([codec.decode(p)[name].reshape(-1).float() if name in codec.read_manifest(p).names
+                             else torch.zeros(files.stacked(name).shape[1]) for p in payloads])
+        assert torch.equal(files.stacked(name), whole) and torch.equal(held.stacked(name), whole)
+        assert torch.equal(files.stacked_block(name, 3, 17), whole[:, 3:17])
+        assert all(torch.equal(files.stacked_one(i, name).reshape(-1), whole[i]) for i in range(len(ids)))
+    bits = StoredDeltas([paths[1], paths[3]], ["x", "y"], SHAPES, cache_bytes=0).packed("a.weight")
+    assert [b.signs.shape for b in bits] == [torch.Size([48, 4])] * 2
+    lora = StoredDeltas([paths[0], paths[2]], ["x", "y"], SHAPES, cache_bytes=0)
+    norms, numel = lora.sq_norms("a.weight")
+    assert numel == 48 * 32 and torch.allclose(norms, lora.stacked("a.weight").double().square().sum(1), rtol=1e-5)
+    assert [f.B.shape for f in lora.factors("a.weight")] == [torch.Size([48, 4])] * 2
+    assert len(os.listdir("/proc/self/fd")) == fds  # nothing held open between reads
