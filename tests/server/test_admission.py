@@ -188,6 +188,19 @@ def test_invite_command_prints_one_token_a_line(federation_with):
     assert len(tokens) == 3 and all(_register(fed, invite=t).created for t in tokens)
 
 
+def test_invite_issues_ten_thousand_distinct_genuine_tokens_at_once(federation_with):
+    """A planned population's invitations in one call (issue 51): 10,000 distinct tokens, each this server's."""
+    from zoo_gym.server.transport.admission import invite_id
+
+    fed = federation_with(admission="invite")
+    res = CliRunner().invoke(server_app, ["invite", "--state-dir", str(fed.state.root), "--count", "10000", "--json"])
+    assert res.exit_code == 0, res.output
+    tokens = json.loads(res.stdout)["invites"]
+    ids = {invite_id(t, server_public_key=fed.state.public_key) for t in tokens}
+    assert len(tokens) == len(ids) == 10000
+    assert _register(fed, invite=tokens[-1]).created
+
+
 def test_serve_refuses_an_unknown_admission_mode_in_one_line(tmp_path):
     res = CliRunner().invoke(server_app, ["serve", "--state-dir", str(tmp_path), "--insecure", "--admission", "opne"])
     assert res.exit_code == 2 and "`admission` must be open or invite" in res.output

@@ -252,7 +252,7 @@ def tls_cert(
 @app.command()
 def invite(
     state_dir: Path = StateDir,
-    count: int = typer.Option(1, "--count", min=1, max=10000, help="How many invitations to make."),
+    count: int = typer.Option(1, "--count", min=1, max=1_000_000, help="How many invitations to make."),
     as_json: bool = typer.Option(False, "--json", help='Print {"invites": [...]} instead of one token a line.'),
 ) -> None:
     """Print single-use invitations signed with the server's key, for a server run with --admission invite.
