@@ -46,3 +46,18 @@ def test_paths_read_the_same_numbers_as_the_bytes_and_share_layouts(tmp_path):
     assert numel == 48 * 32 and torch.allclose(norms, lora.stacked("a.weight").double().square().sum(1), rtol=1e-5)
     assert [f.B.shape for f in lora.factors("a.weight")] == [torch.Size([48, 4])] * 2
     assert len(os.listdir("/proc/self/fd")) == fds  # nothing held open between reads
+
+
+def test_the_scoring_tap_keeps_only_rows_the_source_cached(tmp_path):
+    """SlopeTap's references for the exact checks cost nothing: rows decoded for one pass (past the source's
+    cache budget) are not held for the round (they were, up to 512 MB more, at a few hundred contributors)."""
+    from zoo_gym.rewards import SlopeTap
+
+    payloads = [_payload(i, "bitdelta") for i in range(4)]
+    one = 4 * 48 * 32 * 4  # bytes of a.weight's (4, 1536) rows: the cache holds that tensor and no other
+    stored = StoredDeltas(payloads, ["w", "x", "y", "z"], SHAPES, cache_bytes=one)
+    tap = SlopeTap(stored, {k: torch.ones(s) for k, s in SHAPES.items()}, keep_bytes=1 << 30)
+    for name in stored.names():
+        tap.stacked(name)
+    assert set(tap._kept) == set(stored._cache) == {"a.weight"}
+    assert torch.equal(tap.delta_of(2)["b.weight"], stored.stacked("b.weight")[2].reshape(32, 64))

@@ -194,7 +194,8 @@ class SlopeTap:
     ``keep_bytes``: the tap keeps references to the rows it saw, up to this many bytes, so that
     ``delta_of(i)`` (the exact checks' dense delta) reads them instead of decoding contributor
     ``i`` again. A source that caches its decoded rows (the server's ``StoredDeltas`` does, up to
-    its own budget) costs no extra memory: the references are to its cached tensors.
+    its own budget) and says so (``cached(name)``) costs no extra memory: only its cached tensors are
+    kept, never rows it decoded for one pass (up to ``keep_bytes`` more held all round: issue 51).
     """
 
     def __init__(self, source: DeltaRows, grad: Mapping[str, Tensor], *, keep_bytes: int = 0) -> None:
@@ -265,7 +266,8 @@ class SlopeTap:
             self._slopes = s if self._slopes is None else self._slopes + s
             self._sq = q if self._sq is None else self._sq + q
             self._seen.add(name)
-            if rows.nbytes <= self._keep_left:
+            cached = getattr(self._source, "cached", None)  # a source that says which rows it keeps anyway
+            if rows.nbytes <= self._keep_left and (cached is None or cached(name)):
                 self._kept[name] = rows
                 self._keep_left -= rows.nbytes
             self.seconds += time.perf_counter() - t

@@ -109,6 +109,10 @@ class StoredDeltas:
     def names(self) -> list[str]:
         return self._names
 
+    def cached(self, name: str) -> bool:
+        """Whether `stacked(name)` hands out rows this source keeps anyway (a SlopeTap then keeps them too)."""
+        return name in self._cache
+
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._shapes[name])
 
