@@ -333,7 +333,8 @@ def setup(work: Path, plan: Plan) -> dict:
     return {"state": state, "invites": json.loads(done.stdout)["invites"], "seconds": took}
 
 
-def serve(work: Path, state: Path, plan: Plan, *, mode: str, dashboard_port: int) -> subprocess.Popen:
+def serve(work: Path, state: Path, plan: Plan, *, mode: str, dashboard_port: int,
+          extra: tuple[str, ...] = ()) -> subprocess.Popen:
     n = plan.stored
     args = ["serve", "--state-dir", str(state), "--port", "0", "--port-file", str(work / "port"),
             "--ssl-certfile", str(work / "tls" / "server.pem"), "--ssl-keyfile", str(work / "tls" / "server.key"),
@@ -342,7 +343,7 @@ def serve(work: Path, state: Path, plan: Plan, *, mode: str, dashboard_port: int
         args += ["--min-contributors", str(n), "--quorum", str(n)]
     else:
         args += ["--mode", "async", "--buffer-size", str(n), "--max-staleness", "4"]
-    return subprocess.Popen(_cli(*args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
+    return subprocess.Popen(_cli(*args, *extra), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
 
 
 # ----------------------------------------------------------------------------------------------- afterwards
@@ -416,12 +417,12 @@ def summarise(plan: Plan, outcomes: list[Outcome], fates: dict[str, dict]) -> di
 
 
 def run(n: int, *, mode: str, hostile: float, kinds: str, concurrency: int, work: Path,
-        timeout: float = 3600.0) -> dict:
+        timeout: float = 3600.0, serve_args: tuple[str, ...] = ()) -> dict:
     plan = Plan(n=n, hostile=hostile, kinds=kinds)
     made = setup(work, plan)
     state = made["state"]
     dashboard_port = _free_port()
-    proc = serve(work, state, plan, mode=mode, dashboard_port=dashboard_port)
+    proc = serve(work, state, plan, mode=mode, dashboard_port=dashboard_port, extra=serve_args)
     watch, logs = Watch(proc.pid), Logs(proc.stderr, work / "server.log")
     try:
         logs.wait_for(r"listening on", timeout=300, proc=proc)
@@ -486,6 +487,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32, help="contributors in flight at once")
     ap.add_argument("--work", type=Path, help="keep the state directories here (default: a temporary one)")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="one more flag for gym-server serve (repeat; e.g. --serve-arg=--register-burst-per-peer=100000 "
+                         "to measure a release whose invitations still take bucket tokens)")
     args = ap.parse_args()
     runs = []
     for mode in args.mode or ["sync"]:
@@ -494,7 +498,7 @@ def main() -> None:
                 work = (args.work / f"{mode}-{n}") if args.work else Path(tmp)
                 work.mkdir(parents=True, exist_ok=True)
                 runs.append(run(n, mode=mode, hostile=args.hostile, kinds=args.kinds,
-                                concurrency=args.concurrency, work=work))
+                                concurrency=args.concurrency, work=work, serve_args=tuple(args.serve_arg)))
             print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     doc = {"runs": runs, "targets": targets(runs)}
     text = json.dumps(doc, indent=2)
