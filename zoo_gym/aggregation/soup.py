@@ -21,6 +21,7 @@ from .errors import NotRobustConfigError, SoupConfigError
 from .krum import duplicate_groups
 from .privacy import PrivacyAccountant, PrivacyReport
 from .rules.base import Plan, RoundView
+from .sketched_copies import EXACT_MAX, groups_from_sketch, sketch
 from .streaming import ClippedRows
 from .validation import Validated, validate
 from .weights import cap_weights
@@ -156,9 +157,14 @@ class DeltaSoup:
                          distances_to=rows.sq_distances_to, reference_cos=cos)
 
     def _group_copies(self, rows: ClippedRows) -> tuple[Tensor | None, Tensor | None]:
-        """((k, k) whole-model squared distances, (k,) each row's group of copies), as the rule needs."""
+        """((k, k) whole-model squared distances, (k,) each row's group of copies), as the rule needs; a rule that
+        needs distances only for the groups gets them from a sketch above EXACT_MAX rows (sketched_copies.py)."""
         if not self.rule.needs_distances:
             return None, None
+        k = rows.acc.numel()
+        if self.rule.copies_only and k > EXACT_MAX:  # k^2 x d work and a (k, k) matrix otherwise: a sketch
+            s = sketch(((name, lambda name=name: rows.rows(name)) for name in rows.names), k)
+            return None, torch.from_numpy(groups_from_sketch(s))
         distances = rows.pairwise_sq_distances()
         if not self.rule.counts_copies_once:
             return distances, None
