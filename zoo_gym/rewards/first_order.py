@@ -217,6 +217,8 @@ class SlopeTap:
         self._kept: dict[str, Tensor] = {}
         self._keep_left = keep_bytes
         self._seen: set[str] = set()
+        self._blocks: dict[str, dict[int, int]] = {}  # tensors read in blocks: start -> elements, slopes taken
+        self._block_grad: tuple[str, Tensor] | None = None  # the gradient of the tensor being read in blocks
         self._slopes: Tensor | None = None  # (n,) float64
         self._sq: Tensor | None = None      # (n,) float64
         self.seconds = 0.0
@@ -279,6 +281,33 @@ class SlopeTap:
             if rows.nbytes <= self._keep_left and (cached is None or cached(name)):
                 self._kept[name] = rows
                 self._keep_left -= rows.nbytes
+            self.seconds += time.perf_counter() - t
+        return rows
+
+    @property
+    def reads_blocks(self) -> bool:
+        """Whether the wrapped source reads a tensor a block of rows at a time (`stacked_block`)."""
+        return getattr(self._source, "stacked_block", None) is not None and getattr(self._source, "reads_blocks", True)
+
+    def stacked_block(self, name: str, start: int, stop: int) -> Tensor:
+        """The source's `stacked_block`; the first read of each block of a tensor adds its share of the slopes
+        (the tensor is seen once its blocks cover it). Nothing is kept for the exact checks (`delta_of` decodes)."""
+        rows = self._source.stacked_block(name, start, stop)                # (n, stop - start)
+        if name in self._seen:
+            return rows
+        taken = self._blocks.setdefault(name, {})
+        if start not in taken:
+            t = time.perf_counter()
+            if self._block_grad is None or self._block_grad[0] != name:
+                numel = math.prod(self._source.shape(name))
+                self._block_grad = (name, self._gradient(name, numel).reshape(-1))
+            s, q = _row_sums(rows, self._block_grad[1][start:stop])
+            self._slopes = s if self._slopes is None else self._slopes + s
+            self._sq = q if self._sq is None else self._sq + q
+            taken[start] = stop - start
+            if sum(taken.values()) == math.prod(self._source.shape(name)):
+                self._seen.add(name)
+                self._block_grad = None
             self.seconds += time.perf_counter() - t
         return rows
 

@@ -141,17 +141,41 @@ class StoredDeltas:
             row.copy_(codec.decode_tensor(payload, name, manifest=manifest).reshape(-1))
 
     def stacked_block(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """(n, stop - start) float32: elements [start, stop) of `stacked(name)`'s rows, the same numbers. Each
-        contributor's tensor is decoded whole into one scratch row (codecs have no range decode yet), so memory
-        is the block x n plus one tensor; nothing is cached."""
+        """(n, stop - start) float32: elements [start, stop) of `stacked(name)`'s rows, the same numbers. A block
+        of whole rows of the tensor's 2-D view is decoded from those rows alone (BitDelta signs and scales, LoRA
+        B's rows times A); other blocks and codecs decode each contributor's tensor whole into one scratch row.
+        Memory: the block x n plus one tensor; nothing is cached."""
         if name in self._cache:
             return self._cache[name][:, start:stop]
-        scratch = torch.empty(math.prod(self._shapes[name]))
+        shape = tuple(self._shapes[name])
+        cols = math.prod(shape[1:]) if len(shape) > 1 else 0
         out = torch.empty((len(self._payloads), stop - start))
+        if cols and start % cols == 0 and stop % cols == 0:
+            for i in range(self.n):
+                self._decode_rows(i, name, start // cols, stop // cols, out[i].view(-1, cols))
+            return out
+        scratch = torch.empty(math.prod(shape))
         for i in range(len(self._payloads)):
             self._decode_row(i, name, scratch)
             out[i].copy_(scratch[start:stop])
         return out
+
+    def _decode_rows(self, i: int, name: str, r0: int, r1: int, out: torch.Tensor) -> None:
+        """Rows [r0, r1) of contributor i's tensor `name` in its 2-D view, into `out` ((r1 - r0, cols) float32)."""
+        e = self._entry(i, name)
+        if e is None:
+            out.zero_()
+            return
+        shape = tuple(self._shapes[name])
+        if e.codec == "lora" and tuple(e.shape) == shape and len(shape) == 2:
+            f = self._factors(i, name)
+            torch.matmul(f.B[r0:r1].float(), f.A.float(), out=out)
+        elif e.codec == "bitdelta" and tuple(e.shape) == shape:
+            out.copy_(self._bits(i, name).rows_dense(r0, r1))
+        else:
+            scratch = torch.empty(math.prod(shape))
+            self._decode_row(i, name, scratch)
+            out.copy_(scratch.view(shape[0], -1)[r0:r1])
 
     def sq_norms(self, name: str) -> tuple[torch.Tensor, int] | None:
         """((n,) float64 squared L2 norms of the rows `stacked(name)` returns, numel) from LoRA factors
