@@ -290,6 +290,9 @@ def migrate(
         typer.echo(f"migrated {state_dir} to revision {report.head}")
 
 
+STATUS_LINES = 20  # submissions `status` names one a line; the rest are counted (10,000 lines say nothing)
+
+
 @app.command()
 def status(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--json", help="Machine-readable.")) -> None:
     """Current round (who submitted, when it closes, the rule), contributors, privacy spent, checkpoints."""
@@ -326,7 +329,8 @@ def status(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--js
         "rounds": [{"id": r.id, "state": r.state.value, "published_sha256": r.published_sha256,
                     "aggregator": r.aggregator, "dp_epsilon_total": r.dp_epsilon_total,
                     "dp_epsilon_round": r.dp_epsilon_round, "dp_sample_rate": r.dp_sample_rate,
-                    "report": json.loads(r.report_json)} for r in rounds],
+                    # a report names every contributor: parsed for --json only (the text shows none of it)
+                    "report": json.loads(r.report_json) if as_json else None} for r in rounds],
         "checkpoints": [{"round": c.round_id, "sha256": c.sha256, "parent_sha256": c.parent_sha256,
                          "bytes": c.size, "heldout_loss": c.heldout_loss,
                          "lineage": json.loads(c.manifest_json)} for c in ckpts],
@@ -342,8 +346,10 @@ def status(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--js
                 if r["deadline_unix"] else ", no deadline yet (the clock starts with the server)")
     typer.echo(f"round {r['id']}: {r['state']} on base {r['base_sha256'][:12]}, {n} submission{'s' if n != 1 else ''}"
                f"{when}, aggregator {r['aggregator']}" + (f" ({r['message']})" if r["message"] else ""))
-    for x in r["submissions"]:
+    for x in r["submissions"][:STATUS_LINES]:
         typer.echo(f"  {x['display_name'] or '-':<24} {x['contributor'][:12]}  {x['bytes']:>10} bytes  {x['codecs']}")
+    if n > STATUS_LINES:
+        typer.echo(f"  ... and {n - STATUS_LINES} more (`gym-server status --json` lists every one)")
     typer.echo(async_rounds.describe_mode(mode))
     typer.echo(f"contributors: {contributors} registered")
     typer.echo("privacy: off (no differential privacy spent)" if spent is None else f"privacy: epsilon {spent:.4g} spent")
