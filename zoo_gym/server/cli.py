@@ -422,12 +422,15 @@ def export(
 
 @ledger_app.command("verify")
 def ledger_verify(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--json")) -> None:
-    """Check the whole hash chain and every signature; name the first bad entry (exit 1)."""
+    """Check the whole hash chain and every signature; name the first bad entry (exit 1). Says its progress on
+    stderr every 5,000 entries."""
     with _one_line_errors():
         state = open_state(state_dir)
-        from zoo_gym.server.store.queries import verify_ledger
+        from zoo_gym.server.store.queries import ledger_size, verify_ledger
 
-        report = verify_ledger(state)
+        total = ledger_size(state)
+        report = verify_ledger(state, progress=lambda n: typer.echo(f"ledger verify: {n} of {total} entries "
+                                                                    "checked", err=True))
     if as_json:
         typer.echo(json.dumps(report))
     elif report["ok"]:
