@@ -354,7 +354,7 @@ def write(state: ServerState, job: RoundJob, streams: Streams, evaluators: Evalu
         log.info("round %d phase=evaluation", rnd.id)
         before = evaluator.preference_report()  # None without validation pairs
         evaluator.release()  # one model in memory: this base's goes before the new one loads
-        streams.source = None  # and the decoded rows it cached (up to 512 MB)
+        streams.source = None  # and the decoded rows it cached (up to 128 MB)
         release_memory()
         model_dir, weights = state.checkpoint_files(sha)  # the weights read in place from the new archive
         heldout = evaluators.measure_published(evaluator, model_dir, weights=weights, checkpoint_sha256=sha)

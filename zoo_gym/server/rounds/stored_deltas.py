@@ -72,17 +72,21 @@ def _read(path: Path, start: int, size: int) -> bytes:
     return data
 
 
+CACHE_BYTES = 128 << 20  # decoded rows kept between DeltaSoup's passes
+
+
 class StoredDeltas:
     """DeltaSource over a round's stored payloads (zoo_gym.aggregation.DeltaSource).
 
     DeltaSoup reads every tensor in more than one pass (validate, distances, aggregate). Decoded rows are
     kept in a cache bounded by `cache_bytes`, so small models are decoded once while a model larger
     than the budget still streams one tensor x n at a time. LoRA-coded tensors are validated from their
-    factors (`sq_norms`), so a mean decodes each of them once.
+    factors (`sq_norms`), so a mean decodes each of them once. The budget is 128 MB (it was 512 MB: most of
+    the peak from a few hundred contributors of the tiny base on, for passes that decode again in seconds).
     """
 
     def __init__(self, payloads: list, contributors: list[str], shapes: dict[str, tuple[int, ...]], *,
-                 cache_bytes: int = 512 << 20) -> None:
+                 cache_bytes: int = CACHE_BYTES) -> None:
         self.contributors = contributors
         self._cache: dict[str, torch.Tensor] = {}
         self._cache_left = cache_bytes
