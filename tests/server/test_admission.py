@@ -137,6 +137,19 @@ def test_invite_mode_admits_exactly_one_key_per_genuine_invite(federation_with):
     assert _register(fed, invite=spare).created  # the spare was never spent by the refusals
 
 
+def test_invited_keys_pass_the_sybil_buckets_and_uninvited_ones_still_meet_them(federation_with):
+    """A planned population (issue 51): 30 invited keys from one address all get in past a burst of 5, while a
+    burst of uninvited (or forged-invite) keys is refused for want of an invitation, then by the buckets."""
+    fed = federation_with(admission="invite", register_burst_per_peer=5, register_rate_per_peer=1.0)
+    tokens = make_invites(fed.state.key, count=30)
+    assert all(_register(fed, invite=t).created for t in tokens)
+    forged = make_invites(Ed25519PrivateKey.generate(), count=1)[0]
+    codes = [_refusal(lambda: _register(fed, invite=forged if i % 2 else "")).code() for i in range(12)]
+    assert codes[:5] == [grpc.StatusCode.PERMISSION_DENIED] * 5  # within the burst: no invitation, no entry
+    assert set(codes[5:]) == {grpc.StatusCode.RESOURCE_EXHAUSTED}  # past it: the buckets, as in open mode
+    assert _rows(fed, Contributor) == 30 and _rows(fed, SpentInvite) == 30
+
+
 def test_an_invite_is_bound_to_the_request_signature(federation_with):
     fed = federation_with(admission="invite")
     token, other = make_invites(fed.state.key, count=2)
@@ -173,6 +186,19 @@ def test_invite_command_prints_one_token_a_line(federation_with):
     assert res.exit_code == 0
     tokens = res.stdout.split()
     assert len(tokens) == 3 and all(_register(fed, invite=t).created for t in tokens)
+
+
+def test_invite_issues_ten_thousand_distinct_genuine_tokens_at_once(federation_with):
+    """A planned population's invitations in one call (issue 51): 10,000 distinct tokens, each this server's."""
+    from zoo_gym.server.transport.admission import invite_id
+
+    fed = federation_with(admission="invite")
+    res = CliRunner().invoke(server_app, ["invite", "--state-dir", str(fed.state.root), "--count", "10000", "--json"])
+    assert res.exit_code == 0, res.output
+    tokens = json.loads(res.stdout)["invites"]
+    ids = {invite_id(t, server_public_key=fed.state.public_key) for t in tokens}
+    assert len(tokens) == len(ids) == 10000
+    assert _register(fed, invite=tokens[-1]).created
 
 
 def test_serve_refuses_an_unknown_admission_mode_in_one_line(tmp_path):

@@ -62,3 +62,15 @@ def test_deleting_an_entry_is_detected(federation, tmp_path):
         conn.execute(text("DELETE FROM ledger_entry WHERE seq = 1"))
     res = CliRunner().invoke(server_app, ["ledger", "verify", "--state-dir", str(federation.state.root)])
     assert res.exit_code == 1 and "BROKEN" in res.output
+
+
+def test_verify_says_its_progress_on_stderr(federation, tmp_path, monkeypatch):
+    """Issue 51: a ledger of 10,000 entries is checked in batches and the command says how far it got."""
+    from zoo_gym.server.store import queries
+
+    monkeypatch.setattr(queries, "PROGRESS_EVERY", 1)
+    _publish_one_round(federation, tmp_path)
+    res = CliRunner().invoke(server_app, ["ledger", "verify", "--state-dir", str(federation.state.root), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["checked"] == 2
+    assert "ledger verify: 1 of 2 entries checked" in res.stderr and "ledger verify: 2 of 2" in res.stderr

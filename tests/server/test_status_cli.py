@@ -76,3 +76,20 @@ def test_the_open_round_names_the_rule_it_is_served_with(federation_with):
     fed = federation_with(aggregator="median", validation_examples=0)
     out = runner.invoke(app, ["status", "--state-dir", str(fed.state.root)]).output
     assert "aggregator median" in out, out
+
+
+def test_status_names_twenty_submitters_and_counts_the_rest(federation_with):
+    """Issue 51: a round of 10,000 made `status` print 10,000 lines; the text names 20 and counts the rest,
+    --json still lists every one."""
+    from zoo_gym.server.cli import STATUS_LINES
+
+    fed = federation_with(min_contributors=STATUS_LINES + 10, round_timeout=900, register_burst_per_peer=100)
+    for i in range(STATUS_LINES + 3):
+        key, cid = fed.register()
+        fed.submit(key, cid, codec.encode(fed.small_delta(seed=i), codec="fp16"))
+    state_dir = str(fed.state.root)
+    out = runner.invoke(app, ["status", "--state-dir", state_dir]).output
+    assert f"{STATUS_LINES + 3} submissions" in out and out.count(" bytes  fp16") == STATUS_LINES
+    assert "... and 3 more (`gym-server status --json` lists every one)" in out
+    doc = json.loads(runner.invoke(app, ["status", "--state-dir", state_dir, "--json"]).output)
+    assert len(doc["round"]["submissions"]) == STATUS_LINES + 3

@@ -21,6 +21,7 @@ from .errors import NotRobustConfigError, SoupConfigError
 from .krum import duplicate_groups
 from .privacy import PrivacyAccountant, PrivacyReport
 from .rules.base import Plan, RoundView
+from .sketched_copies import EXACT_MAX, groups_from_sketch, sketch
 from .streaming import ClippedRows
 from .validation import Validated, validate
 from .weights import cap_weights
@@ -156,9 +157,14 @@ class DeltaSoup:
                          distances_to=rows.sq_distances_to, reference_cos=cos)
 
     def _group_copies(self, rows: ClippedRows) -> tuple[Tensor | None, Tensor | None]:
-        """((k, k) whole-model squared distances, (k,) each row's group of copies), as the rule needs."""
+        """((k, k) whole-model squared distances, (k,) each row's group of copies), as the rule needs; a rule that
+        needs distances only for the groups gets them from a sketch above EXACT_MAX rows (sketched_copies.py)."""
         if not self.rule.needs_distances:
             return None, None
+        k = rows.acc.numel()
+        if self.rule.copies_only and k > EXACT_MAX:  # k^2 x d work and a (k, k) matrix otherwise: a sketch
+            s = sketch(((f"{name}@{a}", part) for name in rows.names for a, _, part in rows.parts(name)), k)
+            return None, torch.from_numpy(groups_from_sketch(s))
         distances = rows.pairwise_sq_distances()
         if not self.rule.counts_copies_once:
             return distances, None
@@ -175,8 +181,15 @@ class DeltaSoup:
             out = scratch.get(numels[name]) if scratch is not None else None
             agg = plan.from_factors(rows.source, name, rows.acc, rows.factors, out=out)
             if agg is None:
-                share = numels[name] / d_total if d_total else 0.0
-                agg = release.noise(plan.aggregate(rows.rows(name), share=share))
+                parts = rows.parts(name)
+                if len(parts) == 1:
+                    share = numels[name] / d_total if d_total else 0.0
+                    agg = plan.aggregate(parts[0][2](), share=share)
+                else:  # a block of the tensor's rows at a time (streaming.row_blocks), then noised whole
+                    agg = out if out is not None else torch.empty(numels[name])
+                    for a, b, part in parts:
+                        agg[a:b] = plan.aggregate(part(), share=(b - a) / d_total if d_total else 0.0)
+                agg = release.noise(agg)
             sink(name, agg.to(torch.float32))
 
     def _report(self, ids: list[str], checked: Validated, rows: ClippedRows, plan: Plan,

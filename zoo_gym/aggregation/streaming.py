@@ -1,11 +1,13 @@
 """The accepted, clipped rows of a `DeltaSource`, one tensor at a time, and the whole-model passes
 over them: exact pairwise squared distances (from the BitDelta bits when the source has them,
 consecutive packed tensors batched) and the distances to a combination sum_j a_j x_j (one pass per
-iteration of the iterated rules). Memory grows with one tensor x n, never the model x n.
+iteration of the iterated rules). Memory grows with one tensor x n, never the model x n; a tensor whose n rows
+exceed ROW_BLOCK_BYTES is read in blocks of its rows where the source can (`row_blocks`, issue 51).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +19,24 @@ from .distances import combination_sq_distances, packed_model_sq_distances, pair
 # sign bytes per contributor batched into one compressed-domain distance pass: bounds memory at
 # about n x 16 MiB while removing per-tensor Python work on models with many small tensors
 _PACKED_BATCH_BYTES = 16 << 20
+# (n, numel) float32 rows of one tensor above this are read a block of the tensor's rows at a time (128 MB of them):
+# smaller blocks decode each contributor's tensor bytes more often (a block reads them whole)
+ROW_BLOCK_BYTES = 128 << 20
+
+
+def row_blocks(source: Any, name: str, n: int) -> list[tuple[int, int]] | None:
+    """[start, stop) element ranges of whole rows of tensor `name`, each about ROW_BLOCK_BYTES of (n, block)
+    float32, when the source reads blocks (`stacked_block`; a wrapper says `reads_blocks`) and the whole (n,
+    numel) rows would exceed that; None: read the tensor whole (`stacked`)."""
+    if getattr(source, "stacked_block", None) is None or not getattr(source, "reads_blocks", True):
+        return None
+    shape = tuple(source.shape(name))
+    numel = math.prod(shape)
+    if len(shape) < 2 or n * numel * 4 <= ROW_BLOCK_BYTES:
+        return None
+    cols = numel // shape[0]
+    per = max(1, ROW_BLOCK_BYTES // (n * cols * 4))
+    return [(r * cols, min(r + per, shape[0]) * cols) for r in range(0, shape[0], per)]
 
 
 class ClippedRows:
@@ -34,6 +54,22 @@ class ClippedRows:
         if bool((self.factors != 1).any()):
             x = x * self.factors.to(torch.float32)[:, None]
         return x
+
+    def rows_block(self, name: str, start: int, stop: int) -> Tensor:
+        """(k, stop - start) float32: elements [start, stop) of `rows(name)` (a block of `row_blocks`)."""
+        x = self.source.stacked_block(name, start, stop)  # (n, stop - start)
+        if self.acc.numel() < self.n:
+            x = x[self.acc]
+        if bool((self.factors != 1).any()):
+            x = x * self.factors.to(torch.float32)[:, None]
+        return x
+
+    def parts(self, name: str) -> list[tuple[int, int, Any]]:
+        """(start, stop, () -> (k, stop - start) rows) covering tensor `name`: one part unless it is read in blocks."""
+        blocks = row_blocks(self.source, name, self.n)
+        if blocks is None:
+            return [(0, -1, lambda: self.rows(name))]
+        return [(a, b, lambda a=a, b=b: self.rows_block(name, a, b)) for a, b in blocks]
 
     def pairwise_sq_distances(self) -> Tensor:
         """(k, k) float64 whole-model squared distances, summed over the tensors."""

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .errors import InvalidDeltaError
+from .streaming import row_blocks
 
 
 @dataclass(frozen=True)
@@ -50,23 +51,32 @@ def _sq_norms(source: Any, names: Sequence[str], n: int, *, private: bool
                                         f"got {tuple(sq_name.shape)}")
             sq += sq_name.to(torch.float64)
             continue
-        x = source.stacked(name)  # (n, numel)
-        if x.dim() != 2 or x.shape[0] != n:
-            raise InvalidDeltaError(f"DeltaSource.stacked({name!r}) must be shaped ({n}, numel), "
-                                    f"got {tuple(x.shape)}")
-        numels[name] = x.shape[1]
-        # (n,) float64: a float32 square cannot overflow float64, so the norm is non-finite
-        # exactly when the row is; only then is the row scanned for NaN/inf
-        sq_x = torch.linalg.vector_norm(x, dim=1, dtype=torch.float64) ** 2
-        finite = torch.isfinite(sq_x)
-        if not bool(finite.all()):
-            finite = torch.isfinite(x).all(dim=1)  # (n,)
-            for i in (~finite).nonzero().flatten().tolist():
-                if reasons[i] is None:
-                    reasons[i] = f"non-finite values (NaN or inf) in tensor {name!r}"
-            sq_x = torch.linalg.vector_norm(torch.nan_to_num(x), dim=1, dtype=torch.float64) ** 2
-        sq += torch.where(finite, sq_x, torch.zeros_like(sq))
+        blocks = row_blocks(source, name, n)
+        if blocks is None:
+            numels[name] = _add_tensor(sq, reasons, source.stacked(name), name, n)
+        else:  # too many rows to hold at once: a block of the tensor's rows at a time (streaming.py)
+            numels[name] = sum(_add_tensor(sq, reasons, source.stacked_block(name, a, b), name, n) for a, b in blocks)
     return sq, reasons, numels
+
+
+def _add_tensor(sq: Tensor, reasons: list[str | None], x: Tensor, name: str, n: int) -> int:
+    """Add the squared norms of one tensor's rows `x` (n, numel) (or a block of them) to `sq`, naming non-finite
+    rows in `reasons`; returns numel."""
+    if x.dim() != 2 or x.shape[0] != n:
+        raise InvalidDeltaError(f"DeltaSource.stacked({name!r}) must be shaped ({n}, numel), "
+                                f"got {tuple(x.shape)}")
+    # (n,) float64: a float32 square cannot overflow float64, so the norm is non-finite
+    # exactly when the row is; only then is the row scanned for NaN/inf
+    sq_x = torch.linalg.vector_norm(x, dim=1, dtype=torch.float64) ** 2
+    finite = torch.isfinite(sq_x)
+    if not bool(finite.all()):
+        finite = torch.isfinite(x).all(dim=1)  # (n,)
+        for i in (~finite).nonzero().flatten().tolist():
+            if reasons[i] is None:
+                reasons[i] = f"non-finite values (NaN or inf) in tensor {name!r}"
+        sq_x = torch.linalg.vector_norm(torch.nan_to_num(x), dim=1, dtype=torch.float64) ** 2
+    sq += torch.where(finite, sq_x, torch.zeros_like(sq))
+    return x.shape[1]
 
 
 def validate(source: Any, names: Sequence[str], n: int, *, max_delta_norm: float | None,

@@ -154,6 +154,12 @@ class BitDeltaPacked:
             group_counts(cols=self.cols, groups=Groups(size=self.group_size, n_groups=n_groups, scale_rows=self.rows))
         )
 
+    def rows_dense(self, r0: int, r1: int) -> Tensor:
+        """float32 (r1 - r0, cols): rows [r0, r1) of `to_dense()`, the same numbers, decoding those rows only."""
+        groups = Groups(size=self.group_size, n_groups=self.scales.shape[1], scale_rows=r1 - r0)  # scales: (rows, g)
+        return torch.from_numpy(unpack_bitdelta(self.signs[r0:r1].numpy(), self.scales[r0:r1].numpy(),
+                                                cols=self.cols, groups=groups))
+
     def to_dense(self) -> Tensor:
         """float32 (rows, cols) = scale * sign, exactly what decode returns before the dtype cast."""
         groups = Groups(size=self.group_size, n_groups=self.scales.shape[1], scale_rows=self.rows)

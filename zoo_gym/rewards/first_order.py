@@ -142,6 +142,9 @@ def streamed_slopes(grad: Mapping[str, Tensor], source: DeltaRows, *, scales: Se
     return (slopes * sc).tolist(), (sq.sqrt() * sc.abs()).tolist()
 
 
+SHAPLEY_BYTES = 32 << 20  # linear_shapley's temporaries per block of permutations
+
+
 def linear_shapley(gains: Sequence[float], weights: Sequence[float], *, permutations: int,
                    generator: torch.Generator) -> tuple[list[float], int, bool]:
     """Shapley values of the weighted-mean game ``V(S) = sum_S w_i a_i / sum_S w_i`` (``V = 0``
@@ -150,7 +153,8 @@ def linear_shapley(gains: Sequence[float], weights: Sequence[float], *, permutat
     Returns ``(phi, permutations_used, exact)``. Every evaluation is arithmetic, so there is no
     truncation: when ``n! <= permutations`` all permutations are enumerated (exact); otherwise
     ``permutations`` are sampled, the ``k``-th led by player ``k mod n`` (GTG's guided sampling),
-    the rest in random order, all at once as tensors. Every permutation telescopes, so
+    the rest in random order, as tensors of ``SHAPLEY_BYTES`` at a time (the same draws and sums as all at
+    once; at 10,000 contributors all at once was 1.3 GB). Every permutation telescopes, so
     ``sum_i phi_i = V(N)`` up to rounding (efficiency) either way. Cost: O(permutations x n).
     """
     n = len(gains)
@@ -166,18 +170,23 @@ def linear_shapley(gains: Sequence[float], weights: Sequence[float], *, permutat
     if not bool(torch.isfinite(a).all()) or not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
         raise ScoringInputError("`gains` must be finite and `weights` finite and >= 0")
     exact = math.factorial(n) <= permutations
-    if exact:
-        orders = torch.tensor(list(itertools.permutations(range(n))), dtype=torch.long)  # (P, n)
-    else:
-        keys = torch.rand((permutations, n), generator=generator, dtype=torch.float64)  # (P, n)
-        keys[torch.arange(permutations), torch.arange(permutations) % n] = -1.0  # guided lead
-        orders = keys.argsort(dim=1)                                                     # (P, n)
-    cw = w[orders].cumsum(dim=1)                                          # (P, n)
-    cwa = (w * a)[orders].cumsum(dim=1)                                   # (P, n)
-    v = torch.where(cw > 0, cwa / cw.clamp_min(1e-300), torch.zeros_like(cw))  # (P, n) V(prefix)
-    marg = torch.diff(v, dim=1, prepend=torch.zeros(v.shape[0], 1, dtype=v.dtype))  # (P, n)
-    phi = torch.zeros(n, dtype=torch.float64).index_add_(0, orders.reshape(-1), marg.reshape(-1))
-    used = orders.shape[0]
+    everything = torch.tensor(list(itertools.permutations(range(n))), dtype=torch.long) if exact else None
+    used = everything.shape[0] if exact else permutations
+    phi = torch.zeros(n, dtype=torch.float64)
+    step = max(1, SHAPLEY_BYTES // (64 * n))  # permutations at a time: ~8 float64 / int64 (c, n) temporaries
+    for p0 in range(0, used, step):  # the same draws and the same sums, in order, as all at once
+        c = min(step, used - p0)
+        if exact:
+            orders = everything[p0:p0 + c]                                               # (c, n)
+        else:
+            keys = torch.rand((c, n), generator=generator, dtype=torch.float64)          # (c, n)
+            keys[torch.arange(c), torch.arange(p0, p0 + c) % n] = -1.0  # guided lead
+            orders = keys.argsort(dim=1)                                                 # (c, n)
+        cw = w[orders].cumsum(dim=1)                                      # (c, n)
+        cwa = (w * a)[orders].cumsum(dim=1)                               # (c, n)
+        v = torch.where(cw > 0, cwa / cw.clamp_min(1e-300), torch.zeros_like(cw))  # (c, n) V(prefix)
+        marg = torch.diff(v, dim=1, prepend=torch.zeros(v.shape[0], 1, dtype=v.dtype))  # (c, n)
+        phi.index_add_(0, orders.reshape(-1), marg.reshape(-1))
     return (phi / used).tolist(), used, exact
 
 
@@ -194,7 +203,8 @@ class SlopeTap:
     ``keep_bytes``: the tap keeps references to the rows it saw, up to this many bytes, so that
     ``delta_of(i)`` (the exact checks' dense delta) reads them instead of decoding contributor
     ``i`` again. A source that caches its decoded rows (the server's ``StoredDeltas`` does, up to
-    its own budget) costs no extra memory: the references are to its cached tensors.
+    its own budget) and says so (``cached(name)``) costs no extra memory: only its cached tensors are
+    kept, never rows it decoded for one pass (up to ``keep_bytes`` more held all round: issue 51).
     """
 
     def __init__(self, source: DeltaRows, grad: Mapping[str, Tensor], *, keep_bytes: int = 0) -> None:
@@ -207,6 +217,8 @@ class SlopeTap:
         self._kept: dict[str, Tensor] = {}
         self._keep_left = keep_bytes
         self._seen: set[str] = set()
+        self._blocks: dict[str, dict[int, int]] = {}  # tensors read in blocks: start -> elements, slopes taken
+        self._block_grad: tuple[str, Tensor] | None = None  # the gradient of the tensor being read in blocks
         self._slopes: Tensor | None = None  # (n,) float64
         self._sq: Tensor | None = None      # (n,) float64
         self.seconds = 0.0
@@ -265,9 +277,37 @@ class SlopeTap:
             self._slopes = s if self._slopes is None else self._slopes + s
             self._sq = q if self._sq is None else self._sq + q
             self._seen.add(name)
-            if rows.nbytes <= self._keep_left:
+            cached = getattr(self._source, "cached", None)  # a source that says which rows it keeps anyway
+            if rows.nbytes <= self._keep_left and (cached is None or cached(name)):
                 self._kept[name] = rows
                 self._keep_left -= rows.nbytes
+            self.seconds += time.perf_counter() - t
+        return rows
+
+    @property
+    def reads_blocks(self) -> bool:
+        """Whether the wrapped source reads a tensor a block of rows at a time (`stacked_block`)."""
+        return getattr(self._source, "stacked_block", None) is not None and getattr(self._source, "reads_blocks", True)
+
+    def stacked_block(self, name: str, start: int, stop: int) -> Tensor:
+        """The source's `stacked_block`; the first read of each block of a tensor adds its share of the slopes
+        (the tensor is seen once its blocks cover it). Nothing is kept for the exact checks (`delta_of` decodes)."""
+        rows = self._source.stacked_block(name, start, stop)                # (n, stop - start)
+        if name in self._seen:
+            return rows
+        taken = self._blocks.setdefault(name, {})
+        if start not in taken:
+            t = time.perf_counter()
+            if self._block_grad is None or self._block_grad[0] != name:
+                numel = math.prod(self._source.shape(name))
+                self._block_grad = (name, self._gradient(name, numel).reshape(-1))
+            s, q = _row_sums(rows, self._block_grad[1][start:stop])
+            self._slopes = s if self._slopes is None else self._slopes + s
+            self._sq = q if self._sq is None else self._sq + q
+            taken[start] = stop - start
+            if sum(taken.values()) == math.prod(self._source.shape(name)):
+                self._seen.add(name)
+                self._block_grad = None
             self.seconds += time.perf_counter() - t
         return rows
 

@@ -252,7 +252,7 @@ def tls_cert(
 @app.command()
 def invite(
     state_dir: Path = StateDir,
-    count: int = typer.Option(1, "--count", min=1, max=10000, help="How many invitations to make."),
+    count: int = typer.Option(1, "--count", min=1, max=1_000_000, help="How many invitations to make."),
     as_json: bool = typer.Option(False, "--json", help='Print {"invites": [...]} instead of one token a line.'),
 ) -> None:
     """Print single-use invitations signed with the server's key, for a server run with --admission invite.
@@ -288,6 +288,9 @@ def migrate(
         typer.echo(f"backed up the database to {report.backup}")
     if report.applied:
         typer.echo(f"migrated {state_dir} to revision {report.head}")
+
+
+STATUS_LINES = 20  # submissions `status` names one a line; the rest are counted (10,000 lines say nothing)
 
 
 @app.command()
@@ -326,7 +329,8 @@ def status(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--js
         "rounds": [{"id": r.id, "state": r.state.value, "published_sha256": r.published_sha256,
                     "aggregator": r.aggregator, "dp_epsilon_total": r.dp_epsilon_total,
                     "dp_epsilon_round": r.dp_epsilon_round, "dp_sample_rate": r.dp_sample_rate,
-                    "report": json.loads(r.report_json)} for r in rounds],
+                    # a report names every contributor: parsed for --json only (the text shows none of it)
+                    "report": json.loads(r.report_json) if as_json else None} for r in rounds],
         "checkpoints": [{"round": c.round_id, "sha256": c.sha256, "parent_sha256": c.parent_sha256,
                          "bytes": c.size, "heldout_loss": c.heldout_loss,
                          "lineage": json.loads(c.manifest_json)} for c in ckpts],
@@ -342,8 +346,10 @@ def status(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--js
                 if r["deadline_unix"] else ", no deadline yet (the clock starts with the server)")
     typer.echo(f"round {r['id']}: {r['state']} on base {r['base_sha256'][:12]}, {n} submission{'s' if n != 1 else ''}"
                f"{when}, aggregator {r['aggregator']}" + (f" ({r['message']})" if r["message"] else ""))
-    for x in r["submissions"]:
+    for x in r["submissions"][:STATUS_LINES]:
         typer.echo(f"  {x['display_name'] or '-':<24} {x['contributor'][:12]}  {x['bytes']:>10} bytes  {x['codecs']}")
+    if n > STATUS_LINES:
+        typer.echo(f"  ... and {n - STATUS_LINES} more (`gym-server status --json` lists every one)")
     typer.echo(async_rounds.describe_mode(mode))
     typer.echo(f"contributors: {contributors} registered")
     typer.echo("privacy: off (no differential privacy spent)" if spent is None else f"privacy: epsilon {spent:.4g} spent")
@@ -416,12 +422,15 @@ def export(
 
 @ledger_app.command("verify")
 def ledger_verify(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--json")) -> None:
-    """Check the whole hash chain and every signature; name the first bad entry (exit 1)."""
+    """Check the whole hash chain and every signature; name the first bad entry (exit 1). Says its progress on
+    stderr every 5,000 entries."""
     with _one_line_errors():
         state = open_state(state_dir)
-        from zoo_gym.server.store.queries import verify_ledger
+        from zoo_gym.server.store.queries import ledger_size, verify_ledger
 
-        report = verify_ledger(state)
+        total = ledger_size(state)
+        report = verify_ledger(state, progress=lambda n: typer.echo(f"ledger verify: {n} of {total} entries "
+                                                                    "checked", err=True))
     if as_json:
         typer.echo(json.dumps(report))
     elif report["ok"]:

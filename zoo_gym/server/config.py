@@ -246,8 +246,8 @@ class ServerConfig:
                 raise ConfigError(f"`{name}` must be >= 1")
         if self.mode not in ("sync", "async"):
             raise ConfigError(f"`mode` must be sync or async, got {self.mode!r}")
-        if not 1 <= self.buffer_size <= 4096:
-            raise ConfigError("`buffer_size` must be in [1, 4096] deltas")
+        if not 1 <= self.buffer_size <= 1_000_000:  # a flush of 10,000 is one planned population (issue 51)
+            raise ConfigError("`buffer_size` must be in [1, 1000000] deltas")
         if not 0 <= self.max_staleness <= 1_000_000:
             raise ConfigError("`max_staleness` must be in [0, 1000000] versions")
         if not 0 < self.server_lr < float("inf"):

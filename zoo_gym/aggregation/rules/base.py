@@ -172,6 +172,7 @@ class Rule:
     name: ClassVar[str]
     needs_distances: ClassVar[bool] = False      # the (k, k) whole-model distances: one more pass
     counts_copies_once: ClassVar[bool] = False   # the pipeline groups copies for it (krum.duplicate_groups)
+    copies_only: ClassVar[bool] = False          # distances only to group copies: many rows group from a sketch
     iterated: ClassVar[bool] = False             # one pass over the model per iteration
     staleness_as_weights: ClassVar[bool] = False  # async: w(s) may be aggregation weights (else rows are scaled)
     dp_exact: ClassVar[bool] = False             # DP-FedAvg's sensitivity argument covers it (privacy.py)

@@ -20,6 +20,7 @@ class Median(Rule):
     name = "median"
     needs_distances = True
     counts_copies_once = True
+    copies_only = True  # above sketched_copies.EXACT_MAX rows the groups come from a sketch, not k x k distances
 
     def plan(self, view: RoundView) -> Plan:
         return CoordinatewisePlan(lambda x: median(x, groups=view.groups), k=view.k)
@@ -32,6 +33,7 @@ class TrimmedMean(Rule):
     name = "trimmed-mean"
     needs_distances = True
     counts_copies_once = True
+    copies_only = True  # above sketched_copies.EXACT_MAX rows the groups come from a sketch, not k x k distances
     trim_beta: float  # share trimmed from each end per coordinate, [0, 0.5); no default here: SoupConfig's is the one
 
     def __post_init__(self) -> None:

@@ -161,6 +161,13 @@ class StalenessScaled:
     def stacked(self, name: str) -> torch.Tensor:
         return self._source.stacked(name) * self._w[:, None]  # (n, numel)
 
+    @property
+    def reads_blocks(self) -> bool:
+        return getattr(self._source, "stacked_block", None) is not None and getattr(self._source, "reads_blocks", True)
+
+    def stacked_block(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self._source.stacked_block(name, start, stop) * self._w[:, None]  # (n, stop - start)
+
     def packed(self, name: str):
         return None
 

@@ -197,6 +197,7 @@ class RoundManager:
             except Exception:  # noqa: BLE001 - the service keeps serving; the error is logged with its trace
                 log.exception("round step failed; retrying in 5 s")
                 self._stop.wait(5.0)
+            self.metrics.log_summary.flush()  # the per-contributor lines held back, counted every 10 s
             self._wake.wait(timeout=1.0)
             self._wake.clear()
 
@@ -217,6 +218,7 @@ class RoundManager:
                 self._prepare_base(rnd)
                 return
             n = self._close(rnd.id)
+            self.metrics.log_summary.flush(force=True)  # what was held back is said before the round closes
             with self.state.session() as s:
                 rnd = s.get(Round, rnd.id)  # as closed: closed_at goes into the checkpoint's row
             log.info("round %d closed with %d submissions; aggregating", rnd.id, n,

@@ -214,7 +214,7 @@ def open_streams(state: ServerState, config: ServerConfig, job: RoundJob, evalua
                  stack: ExitStack) -> Streams:
     """Map the payloads, get the base's evaluator (scoring), open the checkpoint (and master) blob writers."""
     rnd = job.rnd
-    payloads = [stack.enter_context(state.blobs.mapped(sub.payload_sha256)) for sub in job.subs]
+    payloads = [state.blobs.path(sub.payload_sha256) for sub in job.subs]  # read a tensor at a time, none held open
     log.info("round %d phase=scoring-gradient", rnd.id)  # the evaluator's build (a first round's) included
     evaluator = evaluators.for_base(rnd.base_sha256)
     stack.callback(evaluators.forget, evaluator)  # a retry of this round rebuilds a released one
@@ -354,7 +354,7 @@ def write(state: ServerState, job: RoundJob, streams: Streams, evaluators: Evalu
         log.info("round %d phase=evaluation", rnd.id)
         before = evaluator.preference_report()  # None without validation pairs
         evaluator.release()  # one model in memory: this base's goes before the new one loads
-        streams.source = None  # and the decoded rows it cached (up to 512 MB)
+        streams.source = None  # and the decoded rows it cached (up to 128 MB)
         release_memory()
         model_dir, weights = state.checkpoint_files(sha)  # the weights read in place from the new archive
         heldout = evaluators.measure_published(evaluator, model_dir, weights=weights, checkpoint_sha256=sha)

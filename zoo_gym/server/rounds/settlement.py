@@ -33,8 +33,8 @@ from zoo_gym.rewards.settle import SettlementPlan, plan_settlement
 from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.store.state import ServerState
 
-# Rows the tap keeps (references) for the exact checks; the server's StoredDeltas caches up to 512 MB of
-# decoded rows itself, so within that the references cost no memory and the checks decode nothing.
+# Rows the tap keeps (references) for the exact checks: only those the server's StoredDeltas cached (its own 128 MB
+# budget), so the references cost no memory; the checks decode the rest again (a tensor of one contributor).
 _TAP_KEEP_BYTES = 512 << 20
 
 

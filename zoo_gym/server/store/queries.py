@@ -166,12 +166,33 @@ def ledger(state, *, limit: int = 50, contributor: str | None = None) -> list[di
         return [_entry(e) for e in s.exec(q)]
 
 
-def verify_ledger(state) -> dict[str, Any]:
+PROGRESS_EVERY = 5000  # entries between two `progress` calls of verify_ledger
+
+
+def verify_ledger(state, *, progress=None) -> dict[str, Any]:
     """`gym-server ledger verify`: the whole hash chain and every signature (`rewards.verify.VerifyReport` as a
-    dict: ok, checked, first_bad_seq, reason)."""
+    dict: ok, checked, first_bad_seq, reason), read 1000 entries at a time; `progress(checked)` is called every
+    PROGRESS_EVERY entries when given."""
     from sqlmodel import Session
 
-    return asdict(Ledger(lambda: Session(state.engine, expire_on_commit=False), state.key).verify())
+    from zoo_gym.rewards.verify import verify_chain
+
+    ledger = Ledger(lambda: Session(state.engine, expire_on_commit=False), state.key)
+    if progress is None:
+        return asdict(ledger.verify())
+
+    def counted():
+        for i, entry in enumerate(ledger.iter_entries(), 1):
+            if i % PROGRESS_EVERY == 0:
+                progress(i)
+            yield entry
+
+    return asdict(verify_chain(counted(), ledger.public_key))
+
+
+def ledger_size(state) -> int:
+    with state.session() as s:
+        return int(s.exec(select(func.count()).select_from(LedgerEntry)).one())
 
 
 class LedgerCheck:

@@ -5,10 +5,10 @@ from its peer's bucket and one from the server's (`register_rate_*` per minute, 
 either empty: RESOURCE_EXHAUSTED with the seconds until the next token. A peer is `context.peer()`
 without its port, an IPv6 peer its /64; buckets live in memory (a restart refills them), at most
 `MAX_PEERS` peer buckets, the least recently used dropped first. With `admission = "invite"` a new key
-must also spend an invitation from `gym-server invite`: base64url (no padding) of a 16-byte random id and
-the server's Ed25519 signature over ``INVITE_DOMAIN + id``, recorded as spent (`SpentInvite`) in the
-transaction that registers the key, so each admits exactly one key. Why: docs/design/transport.md.
-"""
+must instead spend an invitation from `gym-server invite` (a genuine one takes no token, a missing or
+forged one does): base64url (no padding) of a 16-byte random id and the server's Ed25519 signature over
+``INVITE_DOMAIN + id``, recorded as spent (`SpentInvite`) in the transaction that registers the key, so
+each admits exactly one key. Why: docs/design/transport.md."""
 
 from __future__ import annotations
 
@@ -154,12 +154,19 @@ class Admission:
         return cls(mode=config.admission, limiter=limiter, server_public_key=server_public_key)
 
     def admit_new(self, *, peer: str, invite: str) -> str | None:
-        """Check a NEW key may register: the buckets first, then (invite mode) the invitation's signature.
+        """Check a NEW key may register. Open mode: a token from the buckets. Invite mode: a genuine invitation
+        admits without a token (the operator planned that population: 10,000 invited keys from one address get
+        in, where the buckets would pass 20 and then 10 a minute); anything else takes a token, so a burst of
+        uninvited keys is RESOURCE_EXHAUSTED past the burst, and is refused PERMISSION_DENIED before that.
         Returns the invitation id to spend with the registration (None in open mode)."""
-        self.limiter.admit(peer)
         if self.mode == "open":
+            self.limiter.admit(peer)
             return None
-        if not invite:
-            raise PermissionDenied("this server admits new contributors by invitation only: ask the operator for "
-                                   "an invite (`gym-server invite`) and join with --invite TOKEN")
-        return invite_id(invite, server_public_key=self.server_public_key)
+        try:
+            if not invite:
+                raise PermissionDenied("this server admits new contributors by invitation only: ask the operator "
+                                       "for an invite (`gym-server invite`) and join with --invite TOKEN")
+            return invite_id(invite, server_public_key=self.server_public_key)
+        except (PermissionDenied, InvalidArgument):
+            self.limiter.admit(peer)  # an uninvited burst still meets the buckets
+            raise

@@ -1,0 +1,81 @@
+"""Copies among many rows without the (k, k) matrix: a CountSketch of each row, nearest neighbours in blocks.
+
+`krum.duplicate_groups` reads every pairwise distance: k^2 x d work and a k x k float64 matrix (at k = 1000 on
+the tiny base minutes of it; at 10,000, 800 MB and hours). Rules that use distances only to count copies once
+(`Rule.copies_only`) take their groups from here above `EXACT_MAX` rows: each row's m-dimensional CountSketch
+(per tensor a bucket and a sign per element, seeded by the tensor's name, so a redo draws the same), whose
+squared distances keep the rows' within about sqrt(2/m) relative (Johnson-Lindenstrauss), then the same rule as
+`duplicate_groups` (within DUPLICATE_SQ_DISTANCE x the median nonzero nearest squared distance, transitively,
+each group named by its first row). Identical rows always group (identical sketches); a near-copy within
+about a tenth of the threshold's edge may fall either side. Work k x d + k^2 x m, memory k x m + a block.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .krum import DUPLICATE_SQ_DISTANCE
+
+EXACT_MAX = 256  # up to this many rows the exact pairwise distances decide (krum.duplicate_groups)
+SKETCH_DIMS = 256
+_BLOCK_BYTES = 32 << 20  # distance rows (float64) computed at a time
+
+
+def _hashes(name: str, numel: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """Element -> (bucket in [0, m), sign +-1) of tensor `name`, from a generator seeded by the name."""
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    return rng.integers(0, m, size=numel), rng.integers(0, 2, size=numel) * 2 - 1
+
+
+def sketch(tensors: Iterable[tuple[str, Callable[[], Tensor]]], k: int, *, m: int = SKETCH_DIMS) -> np.ndarray:
+    """(k, m) float64 CountSketch of k rows given tensor by tensor as (name, () -> (k, numel) rows)."""
+    out = np.zeros((k, m))
+    for name, rows in tensors:
+        x = rows().numpy()  # (k, numel) float32
+        bucket, sign = _hashes(name, x.shape[1], m)
+        order = np.argsort(bucket, kind="stable")
+        counts = np.bincount(bucket, minlength=m)
+        present = counts > 0  # a bucket no element of this tensor fell in adds nothing
+        starts = (np.cumsum(counts) - counts)[present]
+        signed_order = sign[order].astype(np.float64)
+        step = max(1, _BLOCK_BYTES // (12 * x.shape[1]))
+        for r0 in range(0, k, step):  # row blocks: each row summed in sequence, so equal rows sketch equally
+            part = x[r0:r0 + step][:, order] * signed_order  # (c, numel) float64
+            out[r0:r0 + step, present] += np.add.reduceat(part, starts, axis=1)
+    return out
+
+
+def groups_from_sketch(s: np.ndarray) -> np.ndarray:
+    """(k,) int64 each row's group, named by its first row, by `krum.duplicate_groups`' rule on the sketch."""
+    k = s.shape[0]
+    first = {}
+    same = np.array([first.setdefault(row.tobytes(), i) for i, row in enumerate(s)])  # identical rows
+    sq = (s * s).sum(axis=1)
+    step = max(1, _BLOCK_BYTES // (8 * max(k, 1)))
+
+    def block(i0: int) -> np.ndarray:  # (c, k) squared distances, 0 exactly between identical rows, inf to self
+        d = np.maximum(sq[i0:i0 + step, None] + sq[None, :] - 2.0 * (s[i0:i0 + step] @ s.T), 0.0)
+        d[same[i0:i0 + step, None] == same[None, :]] = 0.0
+        d[np.arange(d.shape[0]), np.arange(i0, i0 + d.shape[0])] = np.inf
+        return d
+
+    nearest = np.concatenate([block(i0).min(axis=1) for i0 in range(0, k, step)]) if k > 1 else np.zeros(0)
+    nearest = nearest[nearest > 0]
+    tol = DUPLICATE_SQ_DISTANCE * float(np.median(nearest)) if nearest.size else 0.0
+    pairs = [np.nonzero(block(i0) <= tol) for i0 in range(0, k, step)]
+    left = np.concatenate([i + i0 for (i, _), i0 in zip(pairs, range(0, k, step))]) if pairs else np.zeros(0, int)
+    right = np.concatenate([j for _, j in pairs]) if pairs else np.zeros(0, int)
+    label = np.arange(k)
+    for _ in range(k):  # connected components, each labelled by its smallest row
+        before = label.copy()
+        np.minimum.at(label, left, label[right])
+        np.minimum.at(label, right, label[left])
+        label = label[label]  # pointer jumping
+        if np.array_equal(label, before):
+            break
+    return label.astype(np.int64)
