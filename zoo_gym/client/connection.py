@@ -71,10 +71,12 @@ def transport_mismatch(exc: grpc.RpcError) -> str | None:
 
 
 def with_retries(call: Callable[[], T], *, what: str, say: Callable[[str], None], max_wait: float = 300.0,
-                 base_delay: float = 0.5, max_delay: float = 15.0) -> T:
+                 base_delay: float = 0.5, max_delay: float = 15.0, first_contact: bool = True) -> T:
     """Run `call`; on UNAVAILABLE/DEADLINE_EXCEEDED, or RESOURCE_EXHAUSTED marked "server busy" (the server is
     at capacity, proto/busy.py), retry with jittered exponential backoff up to `max_wait` s. Other
-    RESOURCE_EXHAUSTED answers (a payload or chunk over a limit) are raised at once: no retry can fix them."""
+    RESOURCE_EXHAUSTED answers (a payload or chunk over a limit) are raised at once: no retry can fix them.
+    `first_contact` False: the server answered before, so a closed socket is a server gone (retried), never a
+    TLS mismatch."""
     deadline = time.monotonic() + max_wait
     delay = base_delay
     while True:
@@ -84,7 +86,7 @@ def with_retries(call: Callable[[], T], *, what: str, say: Callable[[str], None]
             busy = is_busy(exc)
             if exc.code() not in RETRYABLE and not busy:
                 raise
-            problem = transport_mismatch(exc)
+            problem = transport_mismatch(exc) if first_contact else None
             if problem:
                 raise TransportMismatch(f"{what}: cannot connect securely: {problem}") from exc
             left = deadline - time.monotonic()

@@ -199,8 +199,8 @@ def _connect(opts: JoinOptions, config, user_examples: list[dict] | None,
     if created:
         say(f"created a new contributor key at {opts.key_path}")
     listed = addresses(opts.server)
-    stub = Servers(listed, start=spread(signing.public_bytes(key), len(listed)), root_certificates=opts.root_certificates,
-                   insecure=opts.insecure, say=say)
+    stub = Servers(listed, start=spread(signing.public_bytes(key), len(listed)),
+                   root_certificates=opts.root_certificates, insecure=opts.insecure, say=say)
     try:
         reg = with_retries(lambda: stub.Register(register_request(key, opts.display_name or "contributor",
                                                                   invite=opts.invite), timeout=30),
@@ -221,7 +221,8 @@ def _connect(opts: JoinOptions, config, user_examples: list[dict] | None,
     if opts.error_feedback and opts.codec not in ("fp16", "bf16", "fp32", "lora"):
         feedback = gym_train.ErrorFeedback(opts.workdir / f"error_feedback-{cid}.safetensors")
     trainer = RoundTrainer(opts, config, feedback, train_ex, held_ex, say)
-    retry = lambda fn, what: with_retries(fn, what=what, say=say, max_wait=opts.max_wait)  # noqa: E731
+    retry = lambda fn, what: with_retries(fn, what=what, say=say, max_wait=opts.max_wait,  # noqa: E731
+                                          first_contact=False)  # it registered: a closed socket is an outage
     return stub, Contributor(stub, cid, key, retry, lambda info: _verified(info, server_key, opts), trainer, say,
                              server_key)
 

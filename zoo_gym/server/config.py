@@ -405,9 +405,9 @@ def ingest_leaves() -> list:
 def ingest_config(recorded: Mapping[str, Any], file_values: Mapping[str, Any] | None = None, *,
                   environ: Mapping[str, str] | None = None, **flags: Any) -> ServerConfig:
     """An ingest process's settings: `recorded` (serve's, every key) but INGEST_SETTINGS, which come from the
-    flags, the environment and the file as build_config orders them (else their defaults). Any other key set here to another value than
-    serve's is a ConfigError naming it (the same --config as serve's passes); serve's dashboard and Ray
-    engine are not the ingest process's to check."""
+    flags, the environment and the file as build_config orders them (else their defaults). Any other key set
+    here to another value than serve's is a ConfigError naming it (the same --config as serve's passes);
+    serve's dashboard and Ray engine are not the ingest process's to check."""
     given: dict[str, Any] = {}
     try:
         for layer in collect(ServerConfig, file_values=file_values, environ=environ, flags=flags):
