@@ -62,6 +62,7 @@ class ServeSettings:
             with self._lock:
                 if stamp != self._stamp:
                     self._load()
+                    self._stamp = stamp  # tried once per change of the file, not once per call
                     if self._current is None:
                         log.error("serve's settings changed and cannot be taken here: %s; refusing calls until "
                                   "this is fixed", self._problem)
