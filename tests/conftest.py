@@ -132,5 +132,5 @@ def no_network(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the server was contacted")
 
-    monkeypatch.setattr(join_module, "open_stub", refuse)
+    monkeypatch.setattr(join_module, "Servers", refuse)  # join's channels to the server's addresses
     monkeypatch.setattr(join_module.signing, "load_or_create_key", refuse)

@@ -328,21 +328,22 @@ def typer_parameters(spec: Any, *, name_prefix: str = "", alias_flags: bool = Fa
     return params
 
 
-def with_settings(cls: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator for a Typer command `f(*, settings_flags: dict, **own)`: adds one option per leaf of `cls`
-    to `f`'s own parameters and hands the given ones (None: not given) to `f` as `settings_flags`."""
+def with_settings(spec: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator for a Typer command `f(*, settings_flags: dict, **own)`: adds one option per leaf of `spec` (a
+    settings dataclass, or some of its leaves) to `f`'s own parameters and hands the given ones (None: not
+    given) to `f` as `settings_flags`."""
 
     def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
         hints = typing.get_type_hints(f)  # resolved: Typer cannot read string annotations from a signature
         own = [p.replace(annotation=hints.get(p.name, p.annotation))
                for p in inspect.signature(f).parameters.values() if p.name != "settings_flags"]
-        keys = [leaf.key for leaf in leaves(cls)]
+        keys = [leaf.key for leaf in _leaves_of(spec)]
 
         def command(**kwargs: Any) -> Any:
             flags = {k: kwargs.pop(k) for k in keys}
             return f(settings_flags=flags, **kwargs)
 
-        command.__signature__ = inspect.Signature([*own, *typer_parameters(cls)])  # type: ignore[attr-defined]
+        command.__signature__ = inspect.Signature([*own, *typer_parameters(spec)])  # type: ignore[attr-defined]
         command.__name__, command.__doc__ = f.__name__, f.__doc__
         return command
 

@@ -119,6 +119,17 @@ def test_one_start_at_a_time_and_stop_is_ctrl_c(console):
     assert console.post("/api/join/stop").status_code == 409
 
 
+def test_the_server_field_takes_several_addresses(console):
+    """The page sends a list (or comma-separated text); join gets one --server each; the Rounds view asks them
+    in turn, and when none answers says so in one line naming the first."""
+    for given in (["127.0.0.1:5", "127.0.0.1:6"], "127.0.0.1:5, 127.0.0.1:6"):
+        flags = argv(JOIN, {"server": given})
+        assert flags == ["--server", "127.0.0.1:5", "--server", "127.0.0.1:6"]
+        assert JOIN.make_context("join", list(flags)).params["server"] == ("127.0.0.1:5", "127.0.0.1:6")
+    r = console.post("/api/round", json={"values": {"server": ["127.0.0.1:9", "127.0.0.1:8"], "insecure": True}})
+    assert r.status_code == 502 and r.json()["detail"].startswith("error: the server at 127.0.0.1:9 answered ")
+
+
 def test_errors_are_one_line_and_other_hosts_are_refused(console, tmp_path):
     r = console.post("/api/preview", json={"values": {"nope": 1}})
     assert r.status_code == 400 and r.json() == {"detail": "'nope' is no setting of gym-client join"}

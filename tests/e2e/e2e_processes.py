@@ -34,25 +34,27 @@ def server_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "zoo_gym.server", *args]
 
 
-def client(root: Path, name: str, port: int, *, rounds: int, steps: int | str, shard: int,
+def client(root: Path, name: str, port: int | str, *, rounds: int, steps: int | str, shard: int,
            extra: tuple[str, ...] = ()) -> subprocess.Popen:
-    """A contributor over TLS: it trusts the federation's private CA (root/tls/ca.pem); `extra`: more flags."""
+    """A contributor over TLS: it trusts the federation's private CA (root/tls/ca.pem); `extra`: more flags.
+    `port`: the server's on 127.0.0.1, or a whole --server value (several addresses)."""
     work = root / name
     work.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "zoo_gym.client", "join", "--server", f"127.0.0.1:{port}",
+    server = port if isinstance(port, str) else f"127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "zoo_gym.client", "join", "--server", server,
            "--root-certificates", str(root / "tls" / "ca.pem"), "--rounds", str(rounds),
            "--shard", str(shard), "--n-shards", "8", "--workdir", str(work), "--key", str(work / "key.pem"),
            "--max-steps", str(steps), "--threads", "1", "--quiet", "--json", "--name", name, *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(work / "client.log", "w"), env=ENV, text=True)
 
 
-def tls_server(root: Path, config: str) -> tuple[Path, subprocess.Popen, int]:
-    """`gym-server init` (tiny) in root/server, a private CA in root/tls, `config` in root/fed.toml, then
-    `gym-server serve` over TLS with it (stderr in root/server.log): (state dir, process, port) once it
-    listens. One that did not come up is stopped, and AssertionError says why."""
+def tls_server(root: Path, config: str, *, db: str | None = None) -> tuple[Path, subprocess.Popen, int]:
+    """`gym-server init` (tiny; on the database `db`, default SQLite) in root/server, a private CA in root/tls,
+    `config` in root/fed.toml, then `gym-server serve` over TLS with it (stderr in root/server.log): (state dir,
+    process, port) once it listens. One that did not come up is stopped, and AssertionError says why."""
     state_dir = root / "server"
-    subprocess.run(server_cmd("init", "--state-dir", str(state_dir), "--base-model", "tiny"), check=True, env=ENV,
-                   capture_output=True)
+    subprocess.run(server_cmd("init", "--state-dir", str(state_dir), "--base-model", "tiny",
+                              *(["--db", db] if db else [])), check=True, env=ENV, capture_output=True)
     tls = make_certificates(root / "tls", hosts=("127.0.0.1", "localhost"))
     (root / "fed.toml").write_text(config)
     port_file = root / "port"

@@ -63,6 +63,22 @@ def _check_server(server: str) -> None:
         _fail(f"--server {server!r}: give HOST:PORT with a port from 1 to 65535, e.g. {name}:50051")
 
 
+def _check_servers(given: list[str]) -> str:
+    """join's --server values (each one address or several comma-separated) as one comma-separated list, each
+    address checked; a duplicate is refused."""
+    from zoo_gym.client.connection import addresses
+
+    listed = [a for value in given for a in addresses(value)]
+    if not listed:
+        _fail("--server: give HOST:PORT of the gym-server, e.g. localhost:50051")
+    for address in listed:
+        _check_server(address)
+    twice = sorted({a for a in listed if listed.count(a) > 1})
+    if twice:
+        _fail(f"--server names {', '.join(twice)} twice: give each address of the federation once")
+    return ",".join(listed)
+
+
 def _set_log_level(level: str) -> None:
     import logging
 
@@ -111,7 +127,10 @@ def _training(*, method, data: str, train_flags, train_config_file, threads) -> 
 @app.command()
 @with_train_options
 def join(
-    server: str = typer.Option(..., "--server", help="HOST:PORT of the gym-server."),
+    server: list[str] = typer.Option(..., "--server", help="HOST:PORT of the gym-server. Several addresses of one "
+                                     "federation (its serve and ingest processes), comma-separated or the flag "
+                                     "repeated: you start at the one your key picks and go on with the next "
+                                     "when it is unavailable."),
     root_certificates: Optional[Path] = _roots_option(),
     insecure: bool = _insecure_option(),
     data: str = typer.Option("builtin", help="'builtin' (your own shard of the built-in data, chosen from your "
@@ -164,7 +183,7 @@ def join(
     from zoo_gym.proto.signing import SignatureError
 
     _check_roots(root_certificates, insecure)
-    _check_server(server)
+    server = _check_servers(server)
     _set_log_level(log_level)
     if codec not in CODECS:
         _fail(f"--codec must be one of {', '.join(CODECS)}")

@@ -1,11 +1,18 @@
-"""A channel to gym-server with retries: an unreachable or busy server is retried with backoff, and said so."""
+"""A channel to gym-server with retries: an unreachable or busy server is retried with backoff, and said so.
+
+`Servers` is one federation at several addresses (its `gym-server serve` and `gym-server ingest` processes):
+each contributor starts at the address its key picks (`spread`), and a call that finds its address
+unavailable moves it to the next one, where `with_retries` repeats the call.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import random
+import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -14,6 +21,7 @@ from zoo_gym.proto.busy import is_busy
 
 T = TypeVar("T")
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+FAILOVER = RETRYABLE  # an address whose call failed so moves its contributor to the next one
 MiB = 1 << 20
 
 
@@ -63,10 +71,12 @@ def transport_mismatch(exc: grpc.RpcError) -> str | None:
 
 
 def with_retries(call: Callable[[], T], *, what: str, say: Callable[[str], None], max_wait: float = 300.0,
-                 base_delay: float = 0.5, max_delay: float = 15.0) -> T:
+                 base_delay: float = 0.5, max_delay: float = 15.0, first_contact: bool = True) -> T:
     """Run `call`; on UNAVAILABLE/DEADLINE_EXCEEDED, or RESOURCE_EXHAUSTED marked "server busy" (the server is
     at capacity, proto/busy.py), retry with jittered exponential backoff up to `max_wait` s. Other
-    RESOURCE_EXHAUSTED answers (a payload or chunk over a limit) are raised at once: no retry can fix them."""
+    RESOURCE_EXHAUSTED answers (a payload or chunk over a limit) are raised at once: no retry can fix them.
+    `first_contact` False: the server answered before, so a closed socket is a server gone (retried), never a
+    TLS mismatch."""
     deadline = time.monotonic() + max_wait
     delay = base_delay
     while True:
@@ -76,7 +86,7 @@ def with_retries(call: Callable[[], T], *, what: str, say: Callable[[str], None]
             busy = is_busy(exc)
             if exc.code() not in RETRYABLE and not busy:
                 raise
-            problem = transport_mismatch(exc)
+            problem = transport_mismatch(exc) if first_contact else None
             if problem:
                 raise TransportMismatch(f"{what}: cannot connect securely: {problem}") from exc
             left = deadline - time.monotonic()
@@ -90,3 +100,94 @@ def with_retries(call: Callable[[], T], *, what: str, say: Callable[[str], None]
                 f"{what}: server unreachable ({exc.code().name}); retrying in {wait:.1f} s")
             time.sleep(wait)
             delay = min(delay * 2, max_delay)
+
+
+def addresses(servers: str) -> list[str]:
+    """The addresses of a `--server` value: one HOST:PORT, or several separated by commas (blanks dropped)."""
+    return [a.strip() for a in servers.split(",") if a.strip()]
+
+
+def spread(public_key: bytes, n: int) -> int:
+    """Which of `n` addresses a contributor starts at: a hash of its public key, so contributors spread evenly
+    over the addresses and each one keeps its own from run to run."""
+    digest = hashlib.sha256(b"zoo-gym/server-choice\n" + public_key).digest()
+    return int.from_bytes(digest[:8], "big") % n
+
+
+class _Watched:
+    """A server-streaming call's responses; an error while reading them is shown to `failed` first."""
+
+    def __init__(self, call, failed: Callable[[grpc.RpcError], None]) -> None:
+        self._call, self._failed = call, failed
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._call)
+        except grpc.RpcError as exc:
+            self._failed(exc)
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._call, name)
+
+
+class Servers:
+    """A GymStub over the addresses of one federation, one channel each (opened on first use). Calls go to the
+    current address, first `addresses[start]`; one that fails UNAVAILABLE or DEADLINE_EXCEEDED moves the
+    current address to the next (said once) and is raised as it was, so the caller's `with_retries` sends it
+    again, to the next address. Every address must serve the same federation: the caller checks what each
+    answers against the one pinned server key. `close()` closes every channel."""
+
+    def __init__(self, addresses: list[str], *, start: int = 0, root_certificates: str | None = None,
+                 insecure: bool = False, say: Callable[[str], None] = lambda _m: None) -> None:
+        if not addresses:
+            raise ValueError("no server address")
+        self.addresses = list(addresses)
+        self.index = start % len(self.addresses)
+        self._open = lambda address: open_stub(address, root_certificates=root_certificates, insecure=insecure)
+        self._say = say
+        self._lock = threading.Lock()
+        self._stubs: dict[int, tuple[grpc.Channel, Any]] = {}
+
+    @property
+    def address(self) -> str:
+        return self.addresses[self.index]
+
+    def _stub(self, i: int):
+        with self._lock:
+            if i not in self._stubs:
+                self._stubs[i] = self._open(self.addresses[i])
+            return self._stubs[i][1]
+
+    def _failed(self, i: int, exc: grpc.RpcError) -> None:
+        if len(self.addresses) < 2 or exc.code() not in FAILOVER:
+            return
+        with self._lock:
+            if self.index != i:  # another call moved on already
+                return
+            self.index = (i + 1) % len(self.addresses)
+        self._say(f"{self.addresses[i]} answered {exc.code().name}: going on with {self.address}")
+
+    def __getattr__(self, method: str):
+        if not method[:1].isupper():  # the RPCs: Register, GetRound, SubmitDelta, ...
+            raise AttributeError(method)
+
+        def call(*args, **kwargs):
+            i = self.index
+            try:
+                result = getattr(self._stub(i), method)(*args, **kwargs)
+            except grpc.RpcError as exc:
+                self._failed(i, exc)
+                raise
+            return _Watched(result, lambda exc: self._failed(i, exc)) if hasattr(result, "__next__") else result
+
+        return call
+
+    def close(self) -> None:
+        with self._lock:
+            for channel, _ in self._stubs.values():
+                channel.close()
+            self._stubs.clear()

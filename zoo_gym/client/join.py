@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from zoo_gym.client.connection import ServerUnreachable, open_stub, with_retries
+from zoo_gym.client.connection import Servers, ServerUnreachable, addresses, spread, with_retries
 from zoo_gym.client.contribute import (Contributor, JoinError, RoundTrainer, SubmitResult, contribute, not_selected,
                                       refused, say_payouts)
 from zoo_gym.client.upload import register_request
@@ -30,7 +30,7 @@ DEFAULT_SHARDS = 64  # built-in data is split into this many disjoint shards; a 
 
 @dataclass
 class JoinOptions:
-    server: str
+    server: str  # HOST:PORT, or several addresses of one federation separated by commas (connection.Servers)
     workdir: Path
     key_path: Path
     rounds: int = 1
@@ -190,30 +190,30 @@ def join(opts: JoinOptions, *, say: Callable[[str], None] = print) -> list[dict]
 
 
 def _connect(opts: JoinOptions, config, user_examples: list[dict] | None,
-             say: Callable[[str], None]) -> tuple[grpc.Channel, Contributor]:
-    """Register (creating the key on first use), pin the server's key, pick the data: what every round uses."""
+             say: Callable[[str], None]) -> tuple[Servers, Contributor]:
+    """Register (creating the key on first use), pin the server's key, pick the data: what every round uses.
+    Several addresses: the key picks the first one (connection.spread), the others take over when it fails."""
     from zoo_gym import gym_train
 
     key, created = signing.load_or_create_key(opts.key_path)
     if created:
         say(f"created a new contributor key at {opts.key_path}")
-    channel, stub = open_stub(opts.server, root_certificates=opts.root_certificates, insecure=opts.insecure)
+    listed = addresses(opts.server)
+    stub = Servers(listed, start=spread(signing.public_bytes(key), len(listed)),
+                   root_certificates=opts.root_certificates, insecure=opts.insecure, say=say)
     try:
         reg = with_retries(lambda: stub.Register(register_request(key, opts.display_name or "contributor",
                                                                   invite=opts.invite), timeout=30),
-                           what=f"register at {opts.server}", say=say, max_wait=opts.connect_timeout)
+                           what=f"register at {stub.address}", say=say, max_wait=opts.connect_timeout)
     except grpc.RpcError as exc:
+        stub.close()
         raise JoinError(f"registration refused: {exc.details()}") from exc
+    except BaseException:
+        stub.close()
+        raise
     cid = reg.contributor_id
-    from zoo_gym.client import known_servers
-    from zoo_gym.client.rewards import legacy_pin_path
-
-    try:  # pinned per server address (trust on first use); every RoundInfo is checked against it
-        server_key = known_servers.for_key(opts.key_path).trust(opts.server, bytes(reg.server_public_key), say=say,
-                                                                legacy=legacy_pin_path(opts.key_path))
-    except known_servers.UntrustedServer as exc:
-        raise JoinError(str(exc)) from None
-    say(f"contributor {cid} {'registered' if reg.created else 'already registered'} at {opts.server}")
+    server_key = _pin(opts, listed, bytes(reg.server_public_key), say)
+    say(f"contributor {cid} {'registered' if reg.created else 'already registered'} at {stub.address}")
     opts.workdir.mkdir(parents=True, exist_ok=True)
     train_ex, held_ex, desc = _examples(opts, config, cid, user_examples)
     say(f"training data: {desc}")
@@ -221,9 +221,25 @@ def _connect(opts: JoinOptions, config, user_examples: list[dict] | None,
     if opts.error_feedback and opts.codec not in ("fp16", "bf16", "fp32", "lora"):
         feedback = gym_train.ErrorFeedback(opts.workdir / f"error_feedback-{cid}.safetensors")
     trainer = RoundTrainer(opts, config, feedback, train_ex, held_ex, say)
-    retry = lambda fn, what: with_retries(fn, what=what, say=say, max_wait=opts.max_wait)  # noqa: E731
-    return channel, Contributor(stub, cid, key, retry, lambda info: _verified(info, server_key, opts), trainer, say,
-                                server_key)
+    retry = lambda fn, what: with_retries(fn, what=what, say=say, max_wait=opts.max_wait,  # noqa: E731
+                                          first_contact=False)  # it registered: a closed socket is an outage
+    return stub, Contributor(stub, cid, key, retry, lambda info: _verified(info, server_key, opts), trainer, say,
+                             server_key)
+
+
+def _pin(opts: JoinOptions, listed: list[str], presented: bytes, say: Callable[[str], None]) -> bytes:
+    """The server key, pinned for every listed address (trust on first use): one federation has one key, so an
+    address pinned to another key is refused in one line, and what any address answers is checked against it."""
+    from zoo_gym.client import known_servers
+    from zoo_gym.client.rewards import legacy_pin_path
+
+    known = known_servers.for_key(opts.key_path)
+    try:
+        for address in listed:
+            known.trust(address, presented, say=say, legacy=legacy_pin_path(opts.key_path))
+    except known_servers.UntrustedServer as exc:
+        raise JoinError(str(exc)) from None
+    return presented
 
 
 @dataclass

@@ -19,7 +19,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import select
 
 from zoo_gym.cli_help import Typer
-from zoo_gym.server.config import ConfigError, ServerConfig, build_config, read_config_file
+from zoo_gym.server.config import ConfigError, ServerConfig, build_config, ingest_leaves, read_config_file
 from zoo_gym.settings import with_settings
 from zoo_gym.server.store.state import StateError, open_state
 from zoo_gym.server.genesis import init_state
@@ -148,6 +148,10 @@ def serve(
         state = open_state(state_dir, db_url=db, exclusive=True)
         if cfg.validation_data is None and state.validation_file is not None:
             cfg.validation_data = str(state.validation_file)  # chosen at init
+        from zoo_gym.server.store.state import record_serve_settings
+        from zoo_gym.settings import flat_values
+
+        record_serve_settings(state.root, flat_values(cfg))  # what `gym-server ingest` processes take
         from zoo_gym.server.store.sweep import sweep_storage
 
         swept = sweep_storage(state)  # what a crash left behind, before any upload can be in flight
@@ -182,6 +186,17 @@ def serve(
         dashboard.start()
         guarded = " (bearer token required)" if cfg.dashboard_token_file else ""
         announce(f"dashboard at {dashboard.url} (metrics at {dashboard.url}metrics){guarded}", url=dashboard.url)
+    _wait_for_stop()
+    announce("gym-server stopping")
+    if dashboard is not None:
+        dashboard.stop()
+    server.stop(grace=5).wait()
+    rounds.stop()
+    state.lock.release()
+
+
+def _wait_for_stop() -> None:
+    """Return once SIGINT or SIGTERM arrives."""
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
@@ -189,12 +204,55 @@ def serve(
     # handler only when the main thread next executes bytecode, never while it blocks in a wait without timeout
     while not done.wait(1.0):
         pass
-    announce("gym-server stopping")
-    if dashboard is not None:
-        dashboard.stop()
+
+
+@app.command()
+@with_settings(ingest_leaves())
+def ingest(
+    state_dir: Path = StateDir,
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML or YAML settings, serve's own file may be "
+                                          "given: this process takes from it the settings below; any other key in "
+                                          "it must agree with the running serve's."),
+    db: Optional[str] = typer.Option(None, "--db", "--database-url", help="PostgreSQL URL of the database the "
+                                     "directory's serve uses \\[default: the one chosen at init]."),
+    port_file: Optional[Path] = typer.Option(None, help="Write the bound port here once serving (for scripts)."),
+    *,
+    settings_flags: dict,
+) -> None:
+    """Take uploads on one more address for the `gym-server serve` of a state directory on PostgreSQL.
+
+    Answers Register, GetRound, SubmitDelta, DownloadCheckpoint and the ledger queries from the shared state
+    directory (blobs) and database (rows), signed with the server's key, with no round manager: serve closes
+    and publishes the rounds, seeing these submissions within a second. The round settings (mode, rule,
+    privacy, limits that RoundInfo signs) are serve's, read from STATE_DIR/serve.json, so start serve first;
+    the settings below are this process's own. Run several, each on its own --host/--port, and give
+    contributors every address: gym-client join --server A,B,C. Refuses SQLite."""
+    import os
+
+    from zoo_gym.server.config import ingest_config
+    from zoo_gym.server.store.state import open_ingest_state
+    from zoo_gym.server.transport.ingest import ServeSettings, build_ingest_server
+
+    with _one_line_errors():
+        file_values = read_config_file(config) if config else {}
+        state = open_ingest_state(state_dir, db_url=db)
+        settings = ServeSettings(state.root, lambda recorded: ingest_config(recorded, file_values,
+                                                                            environ=os.environ, **settings_flags))
+        cfg = settings.config
+        from zoo_gym.server.logging_setup import announce, configure_logging
+
+        configure_logging(level=cfg.log_level, fmt=cfg.log_format)
+        server, bound, _metrics = build_ingest_server(state, settings)  # refuses a port another process listens on
+    server.start()
+    if port_file:
+        with _one_line_errors():
+            port_file.write_text(f"{bound}\n")
+    announce(f"gym-server ingest listening on {cfg.host}:{bound} (state {state_dir}, {cfg.mode} rounds run by its "
+             "gym-server serve)", port=bound)
+    _wait_for_stop()
+    announce("gym-server ingest stopping")
     server.stop(grace=5).wait()
-    rounds.stop()
-    state.lock.release()
+    state.engine.dispose()
 
 
 def _mirrors_line(mirrors: list[str]) -> str:

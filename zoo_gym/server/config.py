@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 from zoo_gym.aggregation import SoupConfig
 from zoo_gym.rewards import ScoringConfig, SettlementConfig
-from zoo_gym.settings import SettingError, norm_key, resolve
+from zoo_gym.settings import SettingError, collect, leaves, norm_key, resolve
 from zoo_gym.settings_file import SettingsFileError, read_settings_file
 
 MiB = 1 << 20
@@ -384,6 +384,44 @@ def build_config(file_values: Mapping[str, Any] | None = None, *, environ: Mappi
         raise
     except SettingError as exc:
         raise ConfigError(str(exc)) from None
+
+
+# `gym-server ingest` (docs/design/SCALE-OUT.md, "Ingest processes"): its own settings are these, the
+# transport's; it takes every other one from the settings the `serve` of its state directory recorded, since
+# what it signs (RoundInfo) and checks (a submission) must be serve's. Serve's own work it leaves alone:
+INGEST_SETTINGS = ("host", "port", "ssl_certfile", "ssl_keyfile", "ssl_ca_certfile", "insecure", "max_uploads",
+                   "max_pending_headers", "max_pending_headers_per_peer", "header_timeout", "query_workers",
+                   "max_downloads", "download_idle_timeout", "upload_idle_timeout", "upload_min_bytes_per_s",
+                   "register_rate_per_peer", "register_burst_per_peer", "register_rate_global",
+                   "register_burst_global", "log_level", "log_format")
+_NOT_INGEST = {"dashboard_port": 0, "dashboard_token_file": None, "aggregation_engine": "local", "ray_address": None}
+
+
+def ingest_leaves() -> list:
+    """The settings `gym-server ingest` takes as flags (INGEST_SETTINGS), declared once with serve's."""
+    return [leaf for leaf in leaves(ServerConfig) if leaf.key in INGEST_SETTINGS]
+
+
+def ingest_config(recorded: Mapping[str, Any], file_values: Mapping[str, Any] | None = None, *,
+                  environ: Mapping[str, str] | None = None, **flags: Any) -> ServerConfig:
+    """An ingest process's settings: `recorded` (serve's, every key) but INGEST_SETTINGS, which come from the
+    flags, the environment and the file as build_config orders them (else their defaults). Any other key set
+    here to another value than serve's is a ConfigError naming it (the same --config as serve's passes);
+    serve's dashboard and Ray engine are not the ingest process's to check."""
+    given: dict[str, Any] = {}
+    try:
+        for layer in collect(ServerConfig, file_values=file_values, environ=environ, flags=flags):
+            given.update(layer)
+    except ConfigError:
+        raise
+    except SettingError as exc:
+        raise ConfigError(str(exc)) from None
+    for key, value in given.items():
+        if key not in INGEST_SETTINGS and key in recorded and value != recorded[key]:
+            raise ConfigError(f"`{key}` is {value!r} here but {recorded[key]!r} in the running gym-server serve: an "
+                              f"ingest process takes the round settings from serve; set `{key}` there, or not here")
+    theirs = {k: v for k, v in recorded.items() if k not in INGEST_SETTINGS}  # ours: given here, or the defaults
+    return build_config({**theirs, **{k: v for k, v in given.items() if k in INGEST_SETTINGS}, **_NOT_INGEST})
 
 
 def check_round_size(soup, min_contributors: int, *, flag: str = "--min-contributors") -> None:

@@ -41,3 +41,7 @@ class NotFound(GymError):
 
 class DeadlineExceeded(GymError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Unavailable(GymError):
+    code = grpc.StatusCode.UNAVAILABLE

@@ -27,12 +27,16 @@ class Values(BaseModel):
 
 
 def connection(console, values: dict[str, Any]) -> dict[str, Any]:
-    """The server, CA, --insecure and key path the form names (the CLI's defaults where it names none)."""
-    server = str(values.get("server") or "").strip()
-    if not server:
+    """The server (its addresses: "servers"; the first: "server"), CA, --insecure and key path the form names
+    (the CLI's defaults where it names none)."""
+    from zoo_gym.client.connection import addresses
+
+    given = values.get("server")
+    servers = [a for v in (given if isinstance(given, list) else [given or ""]) for a in addresses(str(v))]
+    if not servers:
         raise HTTPException(400, "give the server's HOST:PORT in the Join view first")
     key = values.get("key") or str(console.default_home / "contributor.pem")
-    return {"server": server, "root_certificates": values.get("root_certificates") or None,
+    return {"server": servers[0], "servers": servers, "root_certificates": values.get("root_certificates") or None,
             "insecure": bool(values.get("insecure")), "key": key}
 
 
@@ -123,14 +127,24 @@ def _add_join(app: FastAPI, console) -> None:
 
 
 def _round(conn: dict) -> dict:
-    from zoo_gym.client.connection import open_stub
+    """The current round from the first of the addresses that answers (an unavailable one: the next)."""
+    import grpc
+
+    from zoo_gym.client.connection import Servers
     from zoo_gym.proto import gym_pb2
 
-    channel, stub = open_stub(conn["server"], root_certificates=conn["root_certificates"], insecure=conn["insecure"])
+    servers = Servers(conn["servers"], root_certificates=conn["root_certificates"], insecure=conn["insecure"])
     try:
-        info = stub.GetRound(gym_pb2.GetRoundRequest(), timeout=10)
+        for _ in servers.addresses:
+            before = servers.index
+            try:
+                info = servers.GetRound(gym_pb2.GetRoundRequest(), timeout=10)
+                break
+            except grpc.RpcError:
+                if servers.index in (before, 0):  # a refusal, not an outage; or every address tried
+                    raise
     finally:
-        channel.close()
+        servers.close()
     state = gym_pb2.RoundState.Name(info.state).removeprefix("ROUND_STATE_").lower()
     return {"round": info.round_id, "state": state, "deadline_unix": info.deadline_unix or None,
             "submissions": info.submissions, "min_contributors": info.min_contributors,

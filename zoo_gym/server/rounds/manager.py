@@ -74,7 +74,7 @@ class RoundManager:
                      self.config.min_contributors, soup.aggregator, needed,
                      extra={"event": "round", "round": rnd.id, "state": "timed-out", "submissions": n})
             return True
-        with self.state.write_lock, self.state.session() as s:
+        with self.state.write_session() as s:
             r = s.get(Round, rnd.id)
             if r.state != RoundState.OPEN:
                 return False
@@ -93,7 +93,7 @@ class RoundManager:
         say so, and add one more independent draw every round_timeout since the last (sampling.widen)."""
         need = self.policy.holds(rnd) or self.config.min_contributors
         q, key = self.config.sample_rate, sampling.selection_key(self.state.key)
-        with self.state.write_lock, self.state.session() as s:
+        with self.state.write_session() as s:
             r = s.get(Round, rnd.id)
             if r is None or r.state != RoundState.OPEN:
                 return
@@ -124,7 +124,7 @@ class RoundManager:
 
         An async buffer holds exactly buffer_size deltas: those that arrived after the K-th (between the count
         and the lock) move to the next buffer, in the same transaction, in arrival order."""
-        with self.state.write_lock, self.state.session() as s:
+        with self.state.write_session() as s:
             rnd = s.get(Round, round_id)
             rnd.state = RoundState.AGGREGATING
             rnd.closed_at = datetime.now(timezone.utc)
@@ -167,7 +167,7 @@ class RoundManager:
     def _record_rule(self) -> None:
         """The open round runs under the rule served now: record its name on the round's row (init wrote the
         default rule's; a restart may serve another `--aggregator`) so that status and the dashboard say it."""
-        with self.state.write_lock, self.state.session() as s:
+        with self.state.write_session() as s:
             rnd = self.state.current_round(s)
             if rnd is not None and rnd.state == RoundState.OPEN and rnd.aggregator != self.config.soup.aggregator:
                 rnd.aggregator = self.config.soup.aggregator
@@ -177,7 +177,7 @@ class RoundManager:
     def _ensure_deadline(self) -> None:
         if not self.policy.has_deadline:
             return
-        with self.state.write_lock, self.state.session() as s:
+        with self.state.write_session() as s:
             rnd = self.state.current_round(s)
             if rnd is not None and rnd.state == RoundState.OPEN and rnd.deadline_unix == 0:
                 rnd.deadline_unix = time.time() + self.config.round_timeout

@@ -88,7 +88,7 @@ def record_round_inputs(state: ServerState, config: ServerConfig, policy, round_
 
 
 def _round_inputs(state: ServerState, config: ServerConfig, policy, rnd: Round, contributors: list[str]) -> RoundInputs:
-    with state.write_lock, state.session() as s:
+    with state.write_session() as s:
         inputs = s.get(RoundInputs, rnd.id)
         if inputs is None:  # closed by a version that did not record them: record them now, once
             inputs = record_round_inputs(state, config, policy, rnd.id, contributors, s)
@@ -97,7 +97,7 @@ def _round_inputs(state: ServerState, config: ServerConfig, policy, rnd: Round, 
 
 
 def _reopen(state: ServerState, round_id: int, needs: int, message: str) -> None:
-    with state.write_lock, state.session() as s:
+    with state.write_session() as s:
         r = s.get(Round, round_id)
         r.state, r.needs, r.message = RoundState.OPEN, needs, message
         s.add(r)
@@ -281,7 +281,7 @@ def aggregate(state: ServerState, config: ServerConfig, job: RoundJob, streams: 
         _reopen(state, rnd.id, len(job.subs) + 1, f"waiting for more submissions: {exc}")
         return f"REOPENED ({exc})"
     except PrivacyBudgetExceeded as exc:
-        with state.write_lock, state.session() as s:
+        with state.write_session() as s:
             r = s.get(Round, rnd.id)
             r.state = RoundState.HALTED
             r.message = f"halted: {exc}"
@@ -397,7 +397,7 @@ def commit(state: ServerState, config: ServerConfig, job: RoundJob, w: Written) 
     """One transaction: ledger entries and reputations, the checkpoint row, the round's report, the next round."""
     rnd = job.rnd
     log.info("round %d phase=commit", rnd.id)
-    with state.write_lock, state.session() as s:
+    with state.write_session() as s:
         record_settlement(state, config, w.plan, s)
         parent = s.get(Checkpoint, rnd.base_sha256)
         if parent is not None and parent.heldout_loss is None and w.parent_loss is not None:

@@ -1,18 +1,21 @@
 """Content-addressed blob store with durable, atomic writes.
 
-Layout: ``<root>/sha256/<first two hex>/<hex>``; in-progress writes live in ``<root>/tmp`` and become
-visible only through ``os.replace`` after the data and the directory are fsynced, so a crash at any point
-leaves either no blob or a whole one, never half of one.
+Layout: ``<root>/sha256/<first two hex>/<hex>``; in-progress writes live in ``<root>/tmp`` (a `gym-server
+ingest` process: its own ``<root>/ingest-tmp/<dir>``, flocked while it lives) and become visible only through
+``os.replace`` after the data and the directory are fsynced, so a crash at any point leaves either no blob or
+a whole one, never half of one; processes writing the same content write the same bytes to the same name.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import mmap
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import BinaryIO
 
@@ -116,13 +119,48 @@ class BlobWriter:
         self.path.unlink(missing_ok=True)
 
 
+INGEST_TMP = "ingest-tmp"  # <root>/ingest-tmp/<pid>-<random>/: one ingest process's uploads in flight
+
+
+@contextmanager
+def _flocked(path: Path, *, wait: bool = True) -> Iterator[bool]:
+    """flock(LOCK_EX) on `path` (a file, created, or a directory) for the block; yields False when `wait` is
+    False and another open file holds it."""
+    fd = os.open(path, os.O_RDONLY if path.is_dir() else os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
 class BlobStore:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, tmp_dir: Path | None = None) -> None:
         self.root = Path(root)
-        self.tmp_dir = self.root / "tmp"
+        self.tmp_dir = Path(tmp_dir) if tmp_dir is not None else self.root / "tmp"
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # owner only, like the blobs (mkstemp: 0600)
         self.tmp_dir.mkdir(mode=0o700, exist_ok=True)
         (self.root / "sha256").mkdir(mode=0o700, exist_ok=True)
+        self._tmp_lock: int | None = None  # own_tmp's store: the descriptor whose flock marks tmp_dir in use
+
+    def own_tmp(self) -> "BlobStore":
+        """The same blobs, with uploads staged in a new directory of this process's own under ingest-tmp/,
+        flocked until the process ends (however it ends), so `serve`'s clean_tmp never removes them. The
+        directories of processes that died are removed first (reclaim_ingest_tmp)."""
+        parent = self.root / INGEST_TMP
+        parent.mkdir(mode=0o700, exist_ok=True)
+        with _flocked(parent / ".lock"):  # no reclaim between this mkdtemp and its flock
+            reclaim_ingest_tmp(self.root, locked=True)
+            path = Path(tempfile.mkdtemp(dir=parent, prefix=f"{os.getpid()}-"))
+            fd = os.open(path, os.O_RDONLY)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        store = BlobStore(self.root, tmp_dir=path)
+        store._tmp_lock = fd
+        return store
 
     def path(self, sha256: str) -> Path:
         if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
@@ -159,9 +197,28 @@ class BlobStore:
             _fsync_dir(path.parent)
 
     def clean_tmp(self) -> int:
-        """Remove leftovers of writes a crash interrupted (never visible as blobs). Returns how many."""
+        """Remove leftovers of writes a crash interrupted (never visible as blobs), and the staging directories
+        of ingest processes that died (reclaim_ingest_tmp). Returns how many files and directories."""
         n = 0
         for p in self.tmp_dir.iterdir():
             p.unlink(missing_ok=True)
             n += 1
-        return n
+        return n + reclaim_ingest_tmp(self.root)
+
+
+def reclaim_ingest_tmp(root: Path, *, locked: bool = False) -> int:
+    """Remove the ingest-tmp/ directories no living process holds (their uploads were never acknowledged);
+    returns how many. `locked`: the caller holds ingest-tmp/.lock already."""
+    parent = Path(root) / INGEST_TMP
+    if not parent.is_dir():
+        return 0
+    n = 0
+    with nullcontext() if locked else _flocked(parent / ".lock"):
+        for path in sorted(parent.iterdir()):
+            if not path.is_dir():
+                continue
+            with _flocked(path, wait=False) as free:
+                if free:
+                    shutil.rmtree(path, ignore_errors=True)
+                    n += 1
+    return n

@@ -49,13 +49,14 @@ def retire_checkpoints(state: ServerState, *, keep: int | None) -> RetentionRepo
     if keep is None:
         return RetentionReport(0, 0, 0)
     n_ckpt = n_subs = n_bytes = 0
-    with state.write_lock:
-        with state.session() as s:
-            genesis, newest = kept_checkpoints(s, keep=keep)
-            gone = [c for c in s.exec(select(Checkpoint)) if c.sha256 not in genesis | newest]
-            stale_rounds = {r.id for r in s.exec(select(Round).where(Round.state == RoundState.PUBLISHED))
-                            if r.base_sha256 not in newest}
-            subs = s.exec(select(Submission.round_id, Submission.payload_sha256)).all()
+    # One write session to the end: no submission (of this process or an ingest process) can commit a row
+    # naming one of these blobs between the query and the removal.
+    with state.write_session() as s:
+        genesis, newest = kept_checkpoints(s, keep=keep)
+        gone = [c for c in s.exec(select(Checkpoint)) if c.sha256 not in genesis | newest]
+        stale_rounds = {r.id for r in s.exec(select(Round).where(Round.state == RoundState.PUBLISHED))
+                        if r.base_sha256 not in newest}
+        subs = s.exec(select(Submission.round_id, Submission.payload_sha256)).all()
         for c in gone:
             removed = sum(_remove_blob(state, sha) for sha in (c.sha256, master_sha256(c.manifest_json)))
             shutil.rmtree(state.work_dir / "checkpoints" / c.sha256, ignore_errors=True)

@@ -4,6 +4,7 @@
     validation.json[l] the server's held-out examples (a copy of --validation-data), when given
     server.db          SQLite (default; any SQLAlchemy URL through --db)
     server.lock        held (flock) by the one `gym-server serve` of the directory; holds its PID
+    serve.json         the settings that serve runs with, which `gym-server ingest` processes take
     server_key.pem     the server's Ed25519 key (signs the ledger)
     blobs/ and work/   content-addressed checkpoints and submissions (blobs.py); aggregation scratch
 Nothing in state.json names the directory itself, so it can be copied or moved. `gym-server init`
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from sqlalchemy import event, text
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError
 from sqlmodel import Session, select
@@ -41,6 +43,10 @@ if TYPE_CHECKING:
 STATE_FILE = "state.json"
 DB_FILE = "server.db"
 LOCK_FILE = "server.lock"
+SERVE_FILE = "serve.json"
+# The PostgreSQL advisory lock that serialises writes across processes (serve and its ingest processes): one
+# constant key; advisory locks are per database, so two federations on one PostgreSQL server never share it.
+WRITE_LOCK_KEY = 0x7A6F6F2D67796D  # "zoo-gym"
 
 
 class StateError(RuntimeError):
@@ -182,6 +188,11 @@ def shown_url(url: str) -> str:
 
 
 _UNPACK_LOCK = threading.Lock()
+_WRITING = threading.local()  # how many write sessions this thread is inside
+
+
+def _take_write_lock(_session, _transaction, connection) -> None:
+    connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": WRITE_LOCK_KEY})
 
 
 @dataclass
@@ -212,6 +223,27 @@ class ServerState:
     def session(self) -> Iterator[Session]:
         with Session(self.engine, expire_on_commit=False) as s:
             yield s
+
+    @contextmanager
+    def write_session(self) -> Iterator[Session]:
+        """A session for a read-check-write step (a submission, a round's close, a publish's commit, a sweep).
+
+        Holds this process's write lock; on PostgreSQL each of the session's transactions also takes the
+        transaction-level advisory lock WRITE_LOCK_KEY as its first statement, held to its commit or rollback,
+        so the same steps of `gym-server serve` and of its `gym-server ingest` processes never interleave.
+        A write session must not open another inside it (the inner one would wait for the outer's lock)."""
+        postgres = self.engine.dialect.name == "postgresql"
+        with self.write_lock:
+            if postgres and getattr(_WRITING, "depth", 0):
+                raise RuntimeError("a write session inside another would wait for its own advisory lock")
+            _WRITING.depth = getattr(_WRITING, "depth", 0) + 1
+            try:
+                with self.session() as s:
+                    if postgres:
+                        event.listen(s, "after_begin", _take_write_lock)
+                    yield s
+            finally:
+                _WRITING.depth -= 1
 
     def current_round(self, session: Session) -> Round | None:
         return session.exec(select(Round).order_by(Round.id.desc()).limit(1)).first()
@@ -339,6 +371,53 @@ def migrate_state(state_dir: Path, *, db_url: str | None = None, dry_run: bool =
         return report
     finally:
         lock.release()
+
+
+def record_serve_settings(root: Path, settings: dict) -> None:
+    """Write serve.json, the settings `serve` runs with (every key), for its ingest processes: whole (a
+    temporary file renamed into place) and owner only."""
+    path = Path(root) / SERVE_FILE
+    tmp = path.with_name(f".{SERVE_FILE}.{os.getpid()}")
+    write_private(tmp, json.dumps({"settings": settings}, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def serve_settings(root: Path) -> tuple[dict, tuple] | None:
+    """(serve.json's settings, a stamp that changes whenever serve writes it again), or None when no `serve`
+    has run on this directory yet."""
+    path = Path(root) / SERVE_FILE
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            doc = json.loads(f.read())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise StateError(f"{path} cannot be read ({exc}); restart `gym-server serve`, which writes it") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("settings"), dict):
+        raise StateError(f"{path} holds no settings; restart `gym-server serve`, which writes it")
+    return doc["settings"], (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def serve_settings_stamp(root: Path) -> tuple | None:
+    """serve_settings' stamp without reading the file (None: no serve.json)."""
+    try:
+        st = os.stat(Path(root) / SERVE_FILE)
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def open_ingest_state(state_dir: Path, *, db_url: str | None = None) -> ServerState:
+    """open_state for a `gym-server ingest` process: on PostgreSQL only (StateError naming --db otherwise),
+    without the directory's lock (serve holds it). It stages uploads in a directory of its own: `blobs.own_tmp()`."""
+    state = open_state(state_dir, db_url=db_url)
+    if state.engine.dialect.name != "postgresql":
+        state.engine.dispose()
+        raise StateError(f"gym-server ingest needs PostgreSQL ({state_dir} uses {state.engine.dialect.name}): "
+                         "several processes write one database; give --db postgresql://USER@HOST/DB, the database "
+                         "`gym-server serve` of this directory uses")
+    return state
 
 
 def count_submissions(state: ServerState, round_id: int) -> int:

@@ -35,7 +35,7 @@ class SweepReport:
 
 def sweep_storage(state: ServerState) -> SweepReport:
     """Remove what no row references; never touches a referenced blob or an unpacked published checkpoint."""
-    with state.write_lock, state.session() as s:
+    with state.write_session() as s:
         checkpoints = set(s.exec(select(Checkpoint.sha256)))
         masters = {master_sha256(m) for m in s.exec(select(Checkpoint.manifest_json))} - {None}
         referenced = set(s.exec(select(Submission.payload_sha256))) | checkpoints | masters

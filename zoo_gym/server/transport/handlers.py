@@ -86,7 +86,7 @@ def register(*, public_key: bytes, display_name: str, nonce: bytes, signature: b
         if s.get(Contributor, cid) is not None:
             return cid, False
     invite_id = admission.admit_new(peer=peer, invite=invite)
-    with state.write_lock, state.session() as s:
+    with state.write_session() as s:
         if s.get(Contributor, cid) is not None:  # registered meanwhile by a concurrent request
             return cid, False
         if invite_id is not None:
@@ -429,7 +429,7 @@ def submit_delta(header: SubmitHeader, chunks: Iterable[bytes], *, state: Server
         sub = Submission(round_id=rnd.id, contributor_id=header.contributor_id, base_sha256=header.base_sha256,
                          payload_sha256=header.payload_sha256, payload_size=header.payload_size,
                          codecs=",".join(codecs_used), metadata_json=json.dumps(meta, sort_keys=True))
-        with state.write_lock, state.session() as s:
+        with state.write_session() as s:
             # Re-check under the lock: the round may have closed, or a twin request won the race.
             rnd = state.current_round(s)  # async: a flush may have opened the next buffer meanwhile
             policy.check_base(s, rnd, round_id=header.round_id, base_sha256=header.base_sha256,

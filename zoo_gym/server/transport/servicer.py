@@ -2,12 +2,13 @@
 
 Each method converts the request, calls one handler, and maps GymError to `context.abort(code, msg)`.
 Unexpected exceptions become INTERNAL with a generic message (details go to the log, not to peers).
+`build_server` serves beside a RoundManager (`gym-server serve`); ingest.py the same RPCs without one.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 
 import grpc
@@ -22,6 +23,7 @@ from zoo_gym.server.config import ServerConfig
 from zoo_gym.server.transport.download_slots import DownloadSlots
 from zoo_gym.server.errors import GymError, InvalidArgument, PermissionDenied
 from zoo_gym.server.store.models import RoundState
+from zoo_gym.server.metrics import ServerMetrics
 from zoo_gym.server.rounds.manager import RoundManager
 from zoo_gym.server.rounds.signed_state import ledger_head, sign_round_info
 from zoo_gym.server.store.state import ServerState, count_submissions
@@ -75,11 +77,15 @@ def _guard_stream(method):
 
 
 class GymServicer(gym_pb2_grpc.GymServicer):
-    def __init__(self, state: ServerState, config: ServerConfig, rounds: RoundManager, *,
+    """`policy`: the rounds' (sync or async) policy; `notify`: called after each accepted submission (the
+    round manager's wake-up; an ingest process has none, and the manager polls the store every second).
+    Each call reads the settings once, through `settings()` (an ingest process's follow `serve`'s)."""
+
+    def __init__(self, state: ServerState, config: ServerConfig, policy, *, notify: Callable[[], None] | None = None,
                  pending: PendingSlots | None = None) -> None:
         self.state = state
-        self.config = config
-        self.rounds = rounds
+        self._settings = (config, policy)
+        self.notify = notify or (lambda: None)
         pending = pending or PendingSlots(total=config.max_pending_headers,
                                           per_peer=config.max_pending_headers_per_peer)
         self.upload_slots = UploadSlots(max_uploads=config.max_uploads, pending=pending, gate=handlers.UploadGate())
@@ -87,8 +93,13 @@ class GymServicer(gym_pb2_grpc.GymServicer):
         self.download_slots = DownloadSlots(max_streams=config.max_downloads,
                                             idle_timeout=config.download_idle_timeout)
 
+    def settings(self) -> tuple[ServerConfig, object]:
+        """(config, policy) for one call."""
+        return self._settings
+
     @_guard
     def Register(self, request, context):
+        self.settings()  # an ingest process's admission follows serve's
         cid, created = handlers.register(public_key=request.public_key, display_name=request.display_name,
                                          nonce=request.nonce, signature=request.signature, invite=request.invite,
                                          peer=context.peer(), state=self.state, admission=self.admission)
@@ -97,10 +108,10 @@ class GymServicer(gym_pb2_grpc.GymServicer):
     @_guard
     def GetRound(self, request, context):
         handlers.check_contributor_id(request.contributor_id, required=False)
+        cfg, policy = self.settings()
         v = handlers.round_view(state=self.state, contributor_id=request.contributor_id, nonce=request.nonce,
                                 signed_at_unix=request.signed_at_unix, signature=request.signature,
-                                sample_rate=self.config.sample_rate, dp_delta=self.config.soup.dp_delta)
-        cfg = self.config
+                                sample_rate=cfg.sample_rate, dp_delta=cfg.soup.dp_delta)
         sampled = {} if cfg.sample_rate >= 1.0 else {"sample_rate": cfg.sample_rate,
                                                        "selected_count": v.selected_count, "selected": v.selected}
         info = gym_pb2.RoundInfo(
@@ -111,7 +122,7 @@ class GymServicer(gym_pb2_grpc.GymServicer):
             dp_epsilon_spent=v.dp_epsilon_spent, dp_delta=cfg.soup.dp_delta, dp_epsilon_round=v.dp_epsilon_round,
             dp_epsilon_spent_rdp=v.dp_epsilon_spent_rdp, **sampled,
             dp_participation=cfg.soup.dp_participation if cfg.soup.dp_enabled else "", mirrors=cfg.mirrors,
-            server_public_key=self.state.public_key, mode=self.rounds.policy.name, **self.rounds.policy.round_info(),
+            server_public_key=self.state.public_key, mode=policy.name, **policy.round_info(),
             limits=gym_pb2.Limits(max_payload_bytes=cfg.max_payload_bytes, max_chunk_bytes=cfg.max_chunk_bytes,
                                   download_chunk_bytes=cfg.download_chunk_bytes,
                                   max_delta_norm=cfg.soup.max_delta_norm or 0.0))
@@ -120,13 +131,13 @@ class GymServicer(gym_pb2_grpc.GymServicer):
     @_guard_stream
     def DownloadCheckpoint(self, request, context):
         sha = request.checkpoint_sha256
-        chunks = handlers.download(sha256=sha, offset=request.offset, state=self.state, config=self.config)
+        chunks = handlers.download(sha256=sha, offset=request.offset, state=self.state, config=self.settings()[0])
         for offset, data, total in self.download_slots.stream(context, chunks):
             yield gym_pb2.CheckpointChunk(offset=offset, data=data, total_size=total, sha256=sha)
 
     @_guard
     def SubmitDelta(self, request_iterator, context):
-        cfg = self.config
+        cfg, policy = self.settings()
         # A pending-header slot first, taken without waiting (RESOURCE_EXHAUSTED "server busy" if none);
         # the header must arrive within header_timeout, and the upload slot and the upload's own time
         # limits come only once it verified (slot.hold, entered by submit_delta). See upload_slots.py.
@@ -145,10 +156,10 @@ class GymServicer(gym_pb2_grpc.GymServicer):
                     nonce=h.nonce, signature=h.signature, metadata_json=h.metadata_json)
                 slot.on_verified = lambda: stream.set_deadline(cfg.upload_deadline_s(header.payload_size))
                 sub = handlers.submit_delta(header, _chunks(stream), state=self.state, config=cfg,
-                                             policy=self.rounds.policy, gate=slot)
+                                             policy=policy, gate=slot)
             finally:
                 stream.close()
-        self.rounds.notify()
+        self.notify()
         return gym_pb2.SubmitResponse(submission_id=sub.id, round_id=sub.round_id,
                                       payload_sha256=sub.payload_sha256,
                                       submissions=count_submissions(self.state, sub.round_id))
@@ -158,7 +169,7 @@ class GymServicer(gym_pb2_grpc.GymServicer):
         from zoo_gym.server.rounds.settlement import balance_of
 
         handlers.check_contributor_id(request.contributor_id)
-        if self.config.soup.dp_enabled:  # a balance is a per-person figure outside the ε: its owner's only
+        if self.settings()[0].soup.dp_enabled:  # a balance is a per-person figure outside the ε: its owner's only
             with self.state.session() as s:
                 asker = handlers.signed_asker(s, contributor_id=request.contributor_id, nonce=request.nonce,
                                               signed_at_unix=request.signed_at_unix, signature=request.signature,
@@ -179,7 +190,7 @@ class GymServicer(gym_pb2_grpc.GymServicer):
             asker = handlers.signed_asker(s, contributor_id=request.contributor_id, nonce=request.nonce,
                                           signed_at_unix=request.signed_at_unix, signature=request.signature,
                                           method="StreamLedger")
-        soup = self.config.soup
+        soup = self.settings()[0].soup
         if (soup.dp_enabled and soup.dp_participation == "private" and request.contributor_id
                 and not request.whole_ledger and asker != request.contributor_id):
             raise PermissionDenied("this server keeps participation private: only a contributor may ask for its own "
@@ -228,7 +239,7 @@ def _bind_error(host: str, port: int) -> OSError | None:
     return None
 
 
-def _grpc_server(config: ServerConfig, pending: PendingSlots, rounds: RoundManager) -> grpc.Server:
+def _grpc_server(config: ServerConfig, pending: PendingSlots, metrics: ServerMetrics) -> grpc.Server:
     """The gRPC server with its thread pool sized by the slots and its interceptors.
 
     One pool serves every RPC, and grpcio queues an RPC when all its threads are taken. A call takes a slot
@@ -249,7 +260,7 @@ def _grpc_server(config: ServerConfig, pending: PendingSlots, rounds: RoundManag
                        # outermost first: a unary call's request must arrive in time (first_message.py);
                        # bytes that do not parse are INVALID_ARGUMENT (wire.py), not INTERNAL
                        interceptors=[FirstMessageDeadline(pending, timeout=config.header_timeout),
-                                     MalformedRequests(), rounds.metrics.interceptor])  # then metrics and logs
+                                     MalformedRequests(), metrics.interceptor])  # then metrics and logs
 
 
 def _add_services(server: grpc.Server, servicer: GymServicer) -> None:
@@ -281,18 +292,27 @@ def _bind(server: grpc.Server, config: ServerConfig) -> int:
     return port
 
 
-def build_server(state: ServerState, config: ServerConfig) -> tuple[grpc.Server, int, RoundManager]:
-    """Create (not start) the gRPC server on config.host:config.port; returns (server, bound port, rounds).
-
-    Raises OSError naming the port when another process listens on it. grpcio's Python server sets
+def listen(config: ServerConfig, metrics: ServerMetrics,
+           servicer: Callable[[PendingSlots], GymServicer]) -> tuple[grpc.Server, int]:
+    """Create (not start) a gRPC server with `servicer(pending)` on config.host:config.port; returns (server,
+    bound port). Raises OSError naming the port when another process listens on it. grpcio's Python server sets
     SO_REUSEPORT by default, and then a second server on the port starts as well and the kernel splits
     the clients between two federations; it is turned off, and the port is tried with a plain socket
     first so that the refusal is one line (grpc's own bind failure also logs its C-core error)."""
     config.check_transport()
     if config.port != 0 and (refused := _bind_error(config.host, config.port)):
         raise refused
-    rounds = RoundManager(state, config)
     pending = PendingSlots(total=config.max_pending_headers, per_peer=config.max_pending_headers_per_peer)
-    server = _grpc_server(config, pending, rounds)
-    _add_services(server, GymServicer(state, config, rounds, pending=pending))
-    return server, _bind(server, config), rounds
+    server = _grpc_server(config, pending, metrics)
+    _add_services(server, servicer(pending))
+    return server, _bind(server, config)
+
+
+def build_server(state: ServerState, config: ServerConfig) -> tuple[grpc.Server, int, RoundManager]:
+    """`listen` with the servicer of `gym-server serve`, beside its round manager (not started either);
+    returns (server, bound port, rounds)."""
+    config.check_transport()
+    rounds = RoundManager(state, config)
+    server, port = listen(config, rounds.metrics, lambda pending: GymServicer(state, config, rounds.policy,
+                                                                            notify=rounds.notify, pending=pending))
+    return server, port, rounds
