@@ -39,6 +39,9 @@ import torch
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: scale.py's disk count
+from scale import state_bytes  # noqa: E402
+
 from zoo_gym import codec
 from zoo_gym.client.connection import RETRYABLE
 from zoo_gym.client.server_signatures import verify_round_info
@@ -305,19 +308,6 @@ def _timed(cmd: list[str], **kw) -> tuple[float, subprocess.CompletedProcess]:
     return time.monotonic() - t0, done
 
 
-def _state_bytes(root: Path) -> dict:
-    total = blobs = 0
-    for where, _, files in os.walk(root):
-        for name in files:
-            try:
-                size = os.stat(os.path.join(where, name)).st_size
-            except OSError:
-                continue
-            total += size
-            blobs += size if f"{os.sep}blobs" in where else 0
-    return {"total": total, "blobs": blobs}
-
-
 def setup(work: Path, plan: Plan) -> dict:
     """init, tls-cert and the invitations, as an operator runs them; the seconds of each."""
     state = work / "state"
@@ -446,7 +436,7 @@ def run(n: int, *, mode: str, hostile: float, kinds: str, concurrency: int, work
         outcome = next(line for _, line in logs.lines if re.search(r"round 1: (published|REOPENED|HALTED)", line))
         time.sleep(0.5)
         at_pub = watch.read()
-        disk = _state_bytes(state)
+        disk = state_bytes(state)
         after = surfaces(work, state, port=port, dashboard_port=dashboard_port,
                          key_pem=next(o.key_pem for o in outcomes if o.key_pem))
         fates = soup_fates(state)
