@@ -474,7 +474,7 @@ def _cluster(cpus: int):
     from ray.cluster_utils import Cluster
 
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 128 << 20,
-                                                       "include_dashboard": False})
+                                                       "include_dashboard": False, "dashboard_agent_listen_port": None})
     node_args = {"num_cpus": cpus, "object_store_memory": 256 << 20}
     node = c.add_node(**node_args)
     c.wait_for_nodes()

@@ -58,7 +58,7 @@ def test_simulation_multikrum_resists_sign_flip_and_mean_does_not():
 
     run_simulation(server_app=server_app, client_app=client_app, num_supernodes=N_CLIENTS,
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                   "init_args": {"num_cpus": 2, "include_dashboard": False}})
+                                   "init_args": {"address": "local", "num_cpus": 2, "include_dashboard": False}})
 
     honest_mean = np.mean([_client_delta(p) for p in range(N_ATTACKERS, N_CLIENTS)], axis=0)
     err_krum = np.linalg.norm(outcome["multi-krum"] - honest_mean) / np.linalg.norm(honest_mean)

@@ -32,7 +32,7 @@ def test_ten_contributors_two_rounds_bitdelta_deltasoup_dp():
                      evaluate_fn=heldout_evaluate_fn(default_validation_examples(16), losses), results=results)
     run_simulation(server_app=app, client_app=client_app(), num_supernodes=N,
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                   "init_args": {"num_cpus": 2, "include_dashboard": False}})
+                                   "init_args": {"address": "local", "num_cpus": 2, "include_dashboard": False}})
 
     (strategy, arrays), = results
     assert strategy.cohorts == [N, N]
@@ -85,7 +85,7 @@ def test_a_round_that_samples_nobody_is_still_accounted_as_opacus_would():
                      results=results)
     run_simulation(server_app=app, client_app=client_app(), num_supernodes=N,
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                   "init_args": {"num_cpus": 2, "include_dashboard": False}})
+                                   "init_args": {"address": "local", "num_cpus": 2, "include_dashboard": False}})
 
     (strategy, _), = results
     assert strategy.cohorts == [0, 2]

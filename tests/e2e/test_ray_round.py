@@ -24,6 +24,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(importlib.util.find_spec("ray") is None and not os.environ.get("CI"),
                                  reason="needs the ray extra")]
 NODE = {"num_cpus": 1, "object_store_memory": 80 << 20}
+# The head schedules nothing and has no dashboard; its agent's port is picked free (a head takes Ray's fixed default,
+# which another test's cluster or Flower's simulation on the other pytest worker may hold at the same time).
+HEAD = {"num_cpus": 0, "include_dashboard": False, "dashboard_agent_listen_port": None}
 CONFIG = ('aggregation-engine = "ray"\nray-address = "{address}"\nray-block-rows = 64\nmin-contributors = 2\n'
           'aggregator = "median"\nvalidation-examples = 8\nround-timeout = 900\n')
 
@@ -36,7 +39,7 @@ def cluster(tmp_path_factory):
     gate = tmp_path_factory.mktemp("gate")
     os.environ[TASK_GATE_ENV] = str(gate)
     try:
-        c = Cluster(initialize_head=True, head_node_args={**NODE, "num_cpus": 0, "include_dashboard": False})
+        c = Cluster(initialize_head=True, head_node_args={**NODE, **HEAD})
         c.add_node(**NODE)
         c.wait_for_nodes()
     finally:

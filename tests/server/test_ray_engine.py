@@ -40,6 +40,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240),
               pytest.mark.skipif(importlib.util.find_spec("ray") is None and not os.environ.get("CI"),
                                  reason="needs the ray extra")]
 NODE = {"num_cpus": 1, "object_store_memory": 80 << 20}
+# The head schedules nothing and has no dashboard; its agent's port is picked free (a head takes Ray's fixed default,
+# which another test's cluster or Flower's simulation on the other pytest worker may hold at the same time).
+HEAD = {"num_cpus": 0, "include_dashboard": False, "dashboard_agent_listen_port": None}
 CODECS = ("fp16", "int8", "fp16", "bitdelta", "fp16", "int8")
 
 
@@ -48,7 +51,7 @@ def cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args={**NODE, "num_cpus": 0, "include_dashboard": False})
+    c = Cluster(initialize_head=True, head_node_args={**NODE, **HEAD})
     workers = [c.add_node(**NODE) for _ in range(2)]
     ray.init(address=c.address, log_to_driver=False)
     c.wait_for_nodes()

@@ -54,7 +54,8 @@ def connect(address: str | None) -> None:
     _probe(address)
     extra: dict[str, Any] = {"include_dashboard": False} if address is None else {}
     try:
-        ray.init(address=address, log_to_driver=False, **extra)
+        # "local": a new local instance, never whatever cluster this machine started last (/tmp/ray's record)
+        ray.init(address=address or "local", log_to_driver=False, **extra)
     except Exception as exc:  # noqa: BLE001 - ConnectionError, ValueError, RuntimeError: said in one line
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise RayEngineError(f"cannot join the Ray cluster at {address or 'a new local one'}: {first}") from None
