@@ -177,10 +177,7 @@ def join(
 
     Every training setting is a flag below (TRL/PEFT names; LLaMA-Factory's lora_rank, cutoff_len, per_device_train_batch_size, lora_target also work) or a key of --config train.yaml|toml (flags win); a LLaMA-Factory or TRL config is accepted as written, its keys that the server decides (model_name_or_path, output_dir, dataset ...) set aside with a warning. The data and the settings are checked before contacting the server (--dry-run: only that, printed as JSON).
     """
-    from zoo_gym.client.connection import ServerUnreachable
-    from zoo_gym.client.join import JoinError, JoinOptions
-    from zoo_gym.client.join import join as run_join
-    from zoo_gym.proto.signing import SignatureError
+    from zoo_gym.client.join import JoinOptions
 
     _check_roots(root_certificates, insecure)
     server = _check_servers(server)
@@ -199,6 +196,16 @@ def join(
     if dry_run:
         _dry_run(opts, warnings)
         return
+    _run_join(opts, as_json)
+
+
+def _run_join(opts, as_json: bool) -> None:
+    """join's rounds, each failure as one line and its exit code (1: the server or the network, 2: the data)."""
+    from zoo_gym.client.connection import ServerUnreachable
+    from zoo_gym.client.join import JoinError
+    from zoo_gym.client.join import join as run_join
+    from zoo_gym.proto.signing import SignatureError
+
     try:
         summaries = run_join(opts, say=_say)
     except (JoinError, ServerUnreachable, SignatureError) as exc:
