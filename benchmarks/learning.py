@@ -10,7 +10,8 @@ Protocol (also in the JSON under "protocol"):
     ("What is 30 + 86? Answer with only the number."). Held-out: its validation split (never in a shard).
     Retention: the shipped real-text set (`exact_match.retention_texts`, license and design prose).
   * n contributors, non-IID: contributor i holds shard i of n, and keeps 80% additions if i is even, 80%
-    subtractions if odd. Each round it trains `steps` LoRA steps (FFA-LoRA: A frozen at a shared init, as
+    subtractions if odd. Round r trains `steps` LoRA steps at lr / (1 + d (r - 1)) (the server's --client-lr-decay
+    d, 1 by default here; 0 for the old constant lr) (FFA-LoRA: A frozen at a shared init, as
     `gym-client --lora-freeze-a`; --no-lora-freeze-a for plain LoRA) of `batch` examples from the round's
     checkpoint with `gym_train.train` (what `gym-client join` runs), and its delta goes through the client's
     codec (`codec.encode(..., codec="auto")`: LoRA factors) and back (`codec.decode`, as the server reads it).
@@ -60,6 +61,7 @@ from zoo_gym.aggregation import DeltaSoup, SoupConfig  # noqa: E402
 from zoo_gym.aggregation.sources import DictDeltaSource  # noqa: E402
 from zoo_gym.gym_train import TrainConfig, builtin_examples, train  # noqa: E402
 from zoo_gym.gym_train.bases import resolve_base  # noqa: E402
+from zoo_gym.server.config import client_lr_scale  # noqa: E402
 from zoo_gym.gym_train.exact_match import (answer_loss, exact_match, load_for_eval, perplexity,  # noqa: E402
                                            retention_texts)
 
@@ -70,6 +72,7 @@ class Bench:
     task: str = "arithmetic"
     aggregator: str = ""  # the rule of every merge; "" = the server's default (SoupConfig())
     server_lr: float = 1.0  # each round adds server_lr x the aggregate (gym-server --server-lr)
+    client_lr_decay: float = 1.0  # round r trains at lr / (1 + d (r - 1)) (gym-server --client-lr-decay; 0: none)
     contributors: int = 4
     rounds: int = 3
     steps: int = 45
@@ -162,11 +165,12 @@ class Judge:
 
 
 # ---- contributors and the round ----------------------------------------------------------------
-def contributor_upload(ckpt_dir: pathlib.Path, examples: list[dict], cfg: Bench
+def contributor_upload(ckpt_dir: pathlib.Path, examples: list[dict], cfg: Bench, round_index: int = 1
                        ) -> tuple[bytes, dict[str, torch.Tensor]]:
-    """Train as `gym-client join` does; the payload it uploads (codec auto: LoRA factors) and the delta the
-    server decodes from it."""
-    tc = TrainConfig(max_steps=cfg.steps, batch_size=cfg.batch, learning_rate=cfg.lr, warmup_steps=2,
+    """Train as `gym-client join` does in round `round_index` (at the server's scheduled learning rate); the
+    payload it uploads (codec auto: LoRA factors) and the delta the server decodes from it."""
+    lr = cfg.lr * client_lr_scale(cfg.client_lr_decay, round_index)
+    tc = TrainConfig(max_steps=cfg.steps, batch_size=cfg.batch, learning_rate=lr, warmup_steps=2,
                      lora_r=cfg.lora_r, lora_alpha=2.0 * cfg.lora_r, lora_freeze_a=cfg.lora_freeze_a, seed=cfg.seed)
     with contextlib.redirect_stdout(io.StringIO()):
         result = train(ckpt_dir, examples, tc, base_sha256="0" * 64, eval_examples=[], progress=False)
@@ -174,8 +178,9 @@ def contributor_upload(ckpt_dir: pathlib.Path, examples: list[dict], cfg: Bench
     return payload, codec.decode(payload)
 
 
-def contributor_delta(ckpt_dir: pathlib.Path, examples: list[dict], cfg: Bench) -> dict[str, torch.Tensor]:
-    return contributor_upload(ckpt_dir, examples, cfg)[1]
+def contributor_delta(ckpt_dir: pathlib.Path, examples: list[dict], cfg: Bench, round_index: int = 1
+                      ) -> dict[str, torch.Tensor]:
+    return contributor_upload(ckpt_dir, examples, cfg, round_index)[1]
 
 
 RULE: dict = {}  # SoupConfig overrides for every merge (--aggregator); empty: the server's default rule
@@ -229,7 +234,7 @@ def run_sft(cfg: Bench, ck: Checkpoints, judge: Judge) -> tuple[dict, list[dict]
         deltas, payloads = [], []
         for i in range(cfg.contributors):
             t = time.time()
-            payload, delta = contributor_upload(ckpt, shard_examples(cfg, i, r), cfg)
+            payload, delta = contributor_upload(ckpt, shard_examples(cfg, i, r), cfg, r)
             payloads.append(payload)
             deltas.append(delta)
             log(f"round {r}: contributor {i} trained in {time.time() - t:.0f} s")
@@ -248,7 +253,7 @@ def run_baseline(cfg: Bench, ck: Checkpoints, judge: Judge) -> dict:
     state, out = dict(ck.base), []
     for r in range(1, cfg.rounds + 1):
         ckpt = ck.write(state, f"alone{r - 1}") if r > 1 else ck.write(state, "round0")
-        state = plus(state, contributor_delta(ckpt, shard_examples(cfg, 0, r), cfg))
+        state = plus(state, contributor_delta(ckpt, shard_examples(cfg, 0, r), cfg, r))
         acc, _ = judge.accuracy(state)
         out.append({"round": r, "exact_match": acc})
         log(f"alone round {r}: exact match {acc:.3f}")

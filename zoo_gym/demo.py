@@ -201,9 +201,10 @@ def _print_rounds_as_published(state_dir: Path, rounds: int, *, procs, server, l
 
 
 def _start_server(state_dir: Path, port_file: Path, tls, *, clients: int, aggregator: str | None,
-                  dashboard_port: int, log: Path, env: dict) -> subprocess.Popen:
+                  dashboard_port: int, log: Path, env: dict, real: bool = False) -> subprocess.Popen:
     """`gym-server serve` over TLS for `clients` contributors (the plain mean below 3: the robust default trims one
-    delta from each side)."""
+    delta from each side); a real base also halves, then thirds, the contributors' learning rate in rounds 2 and 3
+    (--client-lr-decay 1: 61% exact match after 3 rounds against 52% without, docs/measurements/learning.md)."""
     if aggregator is None and clients < 3:
         aggregator = "mean"
         typer.echo(f"{clients} contributor(s): too few for the robust default (trimmed-mean needs 3); merging with "
@@ -212,7 +213,8 @@ def _start_server(state_dir: Path, port_file: Path, tls, *, clients: int, aggreg
         _server_cmd("serve", "--state-dir", str(state_dir), "--port", "0", "--port-file", str(port_file),
                     "--min-contributors", str(clients), "--round-timeout", "600",
                     "--ssl-certfile", str(tls.cert), "--ssl-keyfile", str(tls.key),
-                    "--dashboard-port", str(dashboard_port), *(("--aggregator", aggregator) if aggregator else ())),
+                    "--dashboard-port", str(dashboard_port), *(("--aggregator", aggregator) if aggregator else ()),
+                    *(("--client-lr-decay", "1") if real else ())),
         stderr=open(log, "w"), env=env)
 
 
@@ -257,7 +259,7 @@ def main(
     if dashboard_port is None:
         dashboard_port = _free_port()
     server = _start_server(state_dir, port_file, tls, clients=clients, aggregator=aggregator,
-                           dashboard_port=dashboard_port, log=logs / "server.log", env=env)
+                           dashboard_port=dashboard_port, log=logs / "server.log", env=env, real=task is not None)
     procs = []
     try:
         port = _wait_port(port_file, server, logs / "server.log")

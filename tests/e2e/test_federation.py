@@ -48,6 +48,7 @@ def federation(tmp_path_factory, db_backend, new_database):
     tls = make_certificates(root / "tls", hosts=("127.0.0.1", "localhost"))
     server = subprocess.Popen(_server("serve", "--state-dir", str(state_dir), "--port", "0", "--port-file",
                                       str(port_file), "--min-contributors", "3", "--round-timeout", "900",
+                                      "--client-lr-decay", "1",
                                       "--ssl-certfile", str(tls.cert), "--ssl-keyfile", str(tls.key)),
                               stderr=open(root / "server.log", "w"), env=ENV)
     port = _wait(lambda: port_file.exists() and port_file.read_text().strip() and int(port_file.read_text()),
@@ -117,6 +118,16 @@ def test_late_joiner_enters_the_next_round(two_rounds):
 
 def _channel(federation) -> grpc.Channel:
     return grpc.secure_channel(f"127.0.0.1:{federation['port']}", channel_credentials(federation["ca"]))
+
+
+def test_round_2_trains_at_the_servers_scheduled_learning_rate(two_rounds):
+    """--client-lr-decay 1: round r asks for lr / r in its signed RoundInfo, and every contributor trains at it,
+    a newcomer too (D joins in round 2: the schedule is the federation's, not the client's)."""
+    clients = two_rounds["clients"]
+    first = clients["A"][0]["learning_rate"]
+    assert first > 0 and clients["C"][0]["learning_rate"] == first
+    assert [s["learning_rate"] for s in clients["A"]] == pytest.approx([first, first / 2])
+    assert clients["B"][1]["learning_rate"] == clients["D"][0]["learning_rate"] == pytest.approx(first / 2)
 
 
 def test_stale_base_is_refused_and_not_stored(federation, two_rounds):

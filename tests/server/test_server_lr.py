@@ -3,6 +3,7 @@
 eta is recorded with the round when it closes (a redo publishes the same bytes whatever the flag says later),
 signed into RoundInfo when it is not 1 (a man in the middle cannot change it), shown by `status`, and written
 into the checkpoint's lineage. At eta = 1 RoundInfo's signed bytes are those of a server without the setting.
+The contributors' learning-rate schedule (`--client-lr-decay`) is signed into each round's RoundInfo the same way.
 """
 
 from __future__ import annotations
@@ -61,3 +62,27 @@ def test_at_server_lr_1_round_info_signs_the_bytes_of_before(federation, sign):
     bare.ClearField("server_lr")
     assert sign.round_info_bytes(info) == sign.round_info_bytes(bare)
     assert b"server_lr" not in sign.round_info_bytes(info)
+    assert info.client_lr_scale == 0.0 and b"client_lr_scale" not in sign.round_info_bytes(info)  # no schedule
+
+
+def test_client_lr_decay_signs_each_rounds_scale_into_round_info(federation_with, sign):
+    """--client-lr-decay d: round r's RoundInfo asks for lr x 1 / (1 + d (r - 1)), signed, so a man in the middle
+    cannot make contributors train at another rate; round 1's factor is 1, the bytes of a server without it."""
+    from zoo_gym.client.contribute import lr_scale_of
+
+    fed = federation_with(validation_examples=0, client_lr_decay=1.0, reputation_weighting=False)
+    first = fed.round()
+    assert lr_scale_of(first) == 1.0 and b"client_lr_scale" not in sign.round_info_bytes(first)
+    (ka, ca), (kb, cb) = fed.register(), fed.register()
+    fed.submit(ka, ca, codec.encode(fed.small_delta(seed=1, scale=1e-2), codec="fp32"), round_id=1)
+    fed.submit(kb, cb, codec.encode(fed.small_delta(seed=2, scale=1e-2), codec="fp32"), round_id=1)
+    fed.wait_published(1)
+    info = fed.round()
+    assert info.round_id == 2 and info.client_lr_scale == 0.5 and lr_scale_of(info) == 0.5
+    sign.verify(bytes(info.server_public_key), bytes(info.signature), sign.round_info_bytes(info))
+    forged = gym_pb2.RoundInfo()
+    forged.CopyFrom(info)
+    forged.client_lr_scale = 4.0  # a man in the middle speeding every contributor up 8x: refused
+    with pytest.raises(sign.SignatureError):
+        sign.verify(bytes(info.server_public_key), bytes(forged.signature), sign.round_info_bytes(forged))
+    assert lr_scale_of(gym_pb2.RoundInfo()) == 1.0  # a server from before the field: the contributor's own rate

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -95,6 +95,7 @@ class SubmitResult:
     codecs: list[str]
     variant: str | None = None
     checkpoint_source: str | None = None  # where the base came from: a mirror's URL, "server" or "cache"
+    learning_rate: float | None = None  # what the round trained at (the server's schedule applied)
 
     @property
     def staleness(self) -> int:
@@ -105,7 +106,7 @@ class SubmitResult:
         out = {**first, "contributor": self.contributor, "payload_bytes": self.payload_bytes,
                "payload_sha256": self.payload_sha256, "submissions_in_round": self.submissions_in_round,
                "loss_before": self.metadata.get("loss_before"), "loss_after": self.metadata.get("loss_after"),
-               "codecs": self.codecs}
+               "codecs": self.codecs, "learning_rate": self.learning_rate}
         if self.variant is not None:
             out["variant"] = self.variant
         if self.checkpoint_source is not None:
@@ -154,6 +155,19 @@ def say_payouts(c: Contributor, summaries: list[dict], since_seq: int, *, settle
     return max([since_seq, *(r["seq"] for r in rows)])
 
 
+def lr_scale_of(info) -> float:
+    """The factor the round asks every contributor's learning rate to be trained at (--client-lr-decay on the
+    server, signed into RoundInfo); 1 when the server sets none (0: a server from before the field)."""
+    scale = float(getattr(info, "client_lr_scale", 0.0) or 0.0)
+    return scale if 0.0 < scale < float("inf") else 1.0
+
+
+def lr_scale_note(info, config) -> str:
+    scale = lr_scale_of(info)
+    return "" if scale == 1.0 else (f"; learning rate {config.learning_rate:g} x {scale:.3g} = "
+                                    f"{config.learning_rate * scale:.3g} (the server's schedule)")
+
+
 def refused(exc: grpc.RpcError) -> JoinError:
     return JoinError(f"submission refused ({exc.code().name}): {exc.details()}")
 
@@ -169,8 +183,9 @@ def contribute(info: gym_pb2.RoundInfo, *, contributor: Contributor, opts, caden
     except DownloadError as exc:
         raise JoinError(f"{cadence.label(info)}: refusing the base checkpoint: {exc}") from None
     c.say(f"{cadence.training(info)}: training ({c.trainer.config.label}) on base {info.base_sha256[:12]}"
-          f"{server_dp_note(info)}")
-    payload, metadata, kept = c.trainer.train(model_dir, info.base_sha256)  # kept: made a variant once taken
+          f"{server_dp_note(info)}{lr_scale_note(info, c.trainer.config)}")
+    payload, metadata, kept = c.trainer.train(model_dir, info.base_sha256,  # kept: made a variant once taken
+                                              lr_scale=lr_scale_of(info))
     resp = None
     try:
         resp = cadence.send(c, info, payload, metadata)
@@ -183,7 +198,8 @@ def contribute(info: gym_pb2.RoundInfo, *, contributor: Contributor, opts, caden
                           payload_bytes=len(payload), payload_sha256=resp.payload_sha256,
                           submissions_in_round=resp.submissions, metadata=metadata,
                           codecs=sorted({e.codec for e in codec.read_manifest(payload).entries}),
-                          checkpoint_source=fetched.source)
+                          checkpoint_source=fetched.source,
+                          learning_rate=c.trainer.config.learning_rate * lr_scale_of(info))
     cadence.submitted(c, result)
     if kept is not None:
         name = f"{c.cid[:8]}-{cadence.label(info).replace(' ', '')}.zgd"
@@ -266,14 +282,17 @@ class RoundTrainer:
     say: Callable[[str], None]
     pending: list[tuple[Path, Path, Path, str]] = field(default_factory=list)  # kept deltas, not yet distilled
 
-    def train(self, model_dir: Path, base_sha256: str) -> tuple[bytes, dict, Path | None]:
-        """(payload, metadata to sign, the delta's file for `keep_variant` or None)."""
+    def train(self, model_dir: Path, base_sha256: str, *, lr_scale: float = 1.0) -> tuple[bytes, dict, Path | None]:
+        """(payload, metadata to sign, the delta's file for `keep_variant` or None); the round trains at the
+        configured learning rate x `lr_scale` (the server's schedule)."""
+        config = self.config if lr_scale == 1.0 else replace(self.config,
+                                                             learning_rate=self.config.learning_rate * lr_scale)
         fd, name = tempfile.mkstemp(dir=self.opts.workdir, prefix="payload-", suffix=".zgd")
         os.close(fd)
         payload_path = Path(name)
         delta_path = payload_path.with_suffix(".delta.pt") if self.opts.keep_variant else None
         try:
-            metadata = run_in_child(_train_and_encode, model_dir, self.opts, self.config, self.feedback,
+            metadata = run_in_child(_train_and_encode, model_dir, self.opts, config, self.feedback,
                                     self.train_ex, self.held_ex, base_sha256=base_sha256, payload_path=payload_path,
                                     delta_path=delta_path)
             return payload_path.read_bytes(), metadata, delta_path

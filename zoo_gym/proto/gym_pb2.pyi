@@ -69,7 +69,7 @@ class Limits(_message.Message):
     def __init__(self, max_payload_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., download_chunk_bytes: _Optional[int] = ..., max_delta_norm: _Optional[float] = ...) -> None: ...
 
 class RoundInfo(_message.Message):
-    __slots__ = ("round_id", "state", "base_checkpoint_id", "base_sha256", "base_size", "deadline_unix", "accepted_codecs", "limits", "submissions", "min_contributors", "you_submitted", "message", "aggregator", "dp_epsilon_spent", "dp_delta", "server_public_key", "signature", "mode", "buffer_size", "max_staleness", "staleness_exponent", "server_lr", "sample_rate", "selected_count", "selected", "dp_epsilon_round", "dp_epsilon_spent_rdp", "dp_participation", "mirrors")
+    __slots__ = ("round_id", "state", "base_checkpoint_id", "base_sha256", "base_size", "deadline_unix", "accepted_codecs", "limits", "submissions", "min_contributors", "you_submitted", "message", "aggregator", "dp_epsilon_spent", "dp_delta", "server_public_key", "signature", "mode", "buffer_size", "max_staleness", "staleness_exponent", "server_lr", "sample_rate", "selected_count", "selected", "dp_epsilon_round", "dp_epsilon_spent_rdp", "dp_participation", "mirrors", "client_lr_scale")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     BASE_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class RoundInfo(_message.Message):
     DP_EPSILON_SPENT_RDP_FIELD_NUMBER: _ClassVar[int]
     DP_PARTICIPATION_FIELD_NUMBER: _ClassVar[int]
     MIRRORS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_LR_SCALE_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     state: RoundState
     base_checkpoint_id: int
@@ -128,7 +129,8 @@ class RoundInfo(_message.Message):
     dp_epsilon_spent_rdp: float
     dp_participation: str
     mirrors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, round_id: _Optional[int] = ..., state: _Optional[_Union[RoundState, str]] = ..., base_checkpoint_id: _Optional[int] = ..., base_sha256: _Optional[str] = ..., base_size: _Optional[int] = ..., deadline_unix: _Optional[float] = ..., accepted_codecs: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., submissions: _Optional[int] = ..., min_contributors: _Optional[int] = ..., you_submitted: _Optional[bool] = ..., message: _Optional[str] = ..., aggregator: _Optional[str] = ..., dp_epsilon_spent: _Optional[float] = ..., dp_delta: _Optional[float] = ..., server_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., mode: _Optional[str] = ..., buffer_size: _Optional[int] = ..., max_staleness: _Optional[int] = ..., staleness_exponent: _Optional[float] = ..., server_lr: _Optional[float] = ..., sample_rate: _Optional[float] = ..., selected_count: _Optional[int] = ..., selected: _Optional[bool] = ..., dp_epsilon_round: _Optional[float] = ..., dp_epsilon_spent_rdp: _Optional[float] = ..., dp_participation: _Optional[str] = ..., mirrors: _Optional[_Iterable[str]] = ...) -> None: ...
+    client_lr_scale: float
+    def __init__(self, round_id: _Optional[int] = ..., state: _Optional[_Union[RoundState, str]] = ..., base_checkpoint_id: _Optional[int] = ..., base_sha256: _Optional[str] = ..., base_size: _Optional[int] = ..., deadline_unix: _Optional[float] = ..., accepted_codecs: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., submissions: _Optional[int] = ..., min_contributors: _Optional[int] = ..., you_submitted: _Optional[bool] = ..., message: _Optional[str] = ..., aggregator: _Optional[str] = ..., dp_epsilon_spent: _Optional[float] = ..., dp_delta: _Optional[float] = ..., server_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., mode: _Optional[str] = ..., buffer_size: _Optional[int] = ..., max_staleness: _Optional[int] = ..., staleness_exponent: _Optional[float] = ..., server_lr: _Optional[float] = ..., sample_rate: _Optional[float] = ..., selected_count: _Optional[int] = ..., selected: _Optional[bool] = ..., dp_epsilon_round: _Optional[float] = ..., dp_epsilon_spent_rdp: _Optional[float] = ..., dp_participation: _Optional[str] = ..., mirrors: _Optional[_Iterable[str]] = ..., client_lr_scale: _Optional[float] = ...) -> None: ...
 
 class DownloadRequest(_message.Message):
     __slots__ = ("checkpoint_sha256", "offset")

@@ -89,7 +89,7 @@ def round_info_bytes(info) -> bytes:
     """The exact bytes the server signs for a RoundInfo (any object with its fields; docs/design/signing.md).
 
     you_submitted (it differs per asker) and signature are left out; everything else is covered. Fields added
-    later (async, sampling, per-round epsilon, DP participation, mirrors) are covered only when set, so older
+    later (async, sampling, per-round epsilon, DP participation, mirrors, lr scale) are covered only when set, so older
     answers keep their bytes."""
     lim = info.limits
     obj = {
@@ -121,6 +121,9 @@ def round_info_bytes(info) -> bytes:
     participation = str(getattr(info, "dp_participation", "") or "")
     if participation:  # with server DP on only ("public" or "private"); without DP the bytes are as before
         obj["dp_participation"] = participation
+    lr_scale = float(getattr(info, "client_lr_scale", 0.0) or 0.0)
+    if lr_scale not in (0.0, 1.0):  # --client-lr-decay: the round's factor on every contributor's learning rate
+        obj["client_lr_scale"] = lr_scale.hex()
     mirrors = [str(m) for m in getattr(info, "mirrors", ())]
     if mirrors:  # --mirror: where the checkpoint's bytes may also be fetched, in order; none: bytes as before
         obj["mirrors"] = mirrors

@@ -114,6 +114,8 @@ class GymServicer(gym_pb2_grpc.GymServicer):
                                 sample_rate=cfg.sample_rate, dp_delta=cfg.soup.dp_delta)
         sampled = {} if cfg.sample_rate >= 1.0 else {"sample_rate": cfg.sample_rate,
                                                        "selected_count": v.selected_count, "selected": v.selected}
+        if cfg.client_lr_decay:
+            sampled["client_lr_scale"] = cfg.client_lr_scale(v.round.id)
         info = gym_pb2.RoundInfo(
             round_id=v.round.id, state=_STATES[v.round.state], base_checkpoint_id=v.round.id - 1,
             base_sha256=v.round.base_sha256, base_size=v.base_size, deadline_unix=v.round.deadline_unix,
