@@ -55,7 +55,7 @@ def _setup(tmp_path, monkeypatch, answers, rounds=(3,), keep=True):
             raise answer
         return answer
 
-    trainer = SimpleNamespace(config=TrainConfig(), train=lambda model_dir, sha: (PAYLOAD, dict(METADATA),
+    trainer = SimpleNamespace(config=TrainConfig(), train=lambda model_dir, sha, lr_scale=1.0: (PAYLOAD, dict(METADATA),
                                                                                 kept if keep else None),
                               keep_variant=lambda path, model_dir, out, checkpoint_sha256: str(out))
     stub = SimpleNamespace(SubmitDelta=submit, GetRound=lambda req, timeout: _info(infos.pop(0) if len(infos) > 1
@@ -76,6 +76,7 @@ def test_a_sync_round_submits_once_and_keeps_the_variant(tmp_path, monkeypatch):
     assert r.summary(round=3) == {"round": 3, "contributor": "c" * 32, "payload_bytes": len(PAYLOAD),
                                   "payload_sha256": codec.sha256_hex(PAYLOAD), "submissions_in_round": 2,
                                   "loss_before": 2.0, "loss_after": 1.5, "codecs": ["fp16"],
+                                  "learning_rate": TrainConfig().learning_rate,  # no schedule in this RoundInfo
                                   "variant": str(tmp_path / "variants" / "cccccccc-round3.zgd"),
                                   "checkpoint_source": "server"}
     assert said == [f"round 3: training (sft+lora) on base {'0' * 12}",
