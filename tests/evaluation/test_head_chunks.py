@@ -50,7 +50,7 @@ def _full_logits_packed(model, b) -> torch.Tensor:
 
 @pytest.fixture(params=[1 << 24, 3 * 4096])  # one chunk; chunks of 3 rows at the tiny vocabulary
 def chunk(request, monkeypatch):
-    monkeypatch.setattr(ev, "_HEAD_CHUNK_ELEMENTS", request.param)
+    monkeypatch.setattr(ev, "HEAD_CHUNK_ELEMENTS", request.param)
     return request.param
 
 
@@ -100,7 +100,7 @@ def test_chunks_never_hold_every_positions_logits(monkeypatch):
     tok = load_tokenizer(tiny_model_dir())
     b = pack_shared_prefix(tokenize_examples(tok, default_validation_examples(n=16)), pad_id=0)
     vocab = model.get_output_embeddings().weight.shape[0]
-    monkeypatch.setattr(ev, "_HEAD_CHUNK_ELEMENTS", 8 * vocab)
+    monkeypatch.setattr(ev, "HEAD_CHUNK_ELEMENTS", 8 * vocab)
     rows: list[int] = []
     h = model.get_output_embeddings().register_forward_hook(
         lambda _m, _a, out: rows.append(out.reshape(-1, out.shape[-1]).shape[0]))

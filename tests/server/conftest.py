@@ -91,10 +91,11 @@ class Federation:
         return sum(1 for p in (self.state.blobs.root / "sha256").rglob("*") if p.is_file())
 
 
-def start_federation(state_dir, db_url=None, **overrides) -> Federation:
+def start_federation(state_dir, db_url=None, *, validation_file=None, **overrides) -> Federation:
     """A real in-process server on 127.0.0.1:0 over a new state directory; `overrides` are config flags.
-    `db_url`: the database (None: the directory's SQLite file; see tests/conftest.py)."""
-    state = init_state(state_dir, base_model="tiny", db_url=db_url)
+    `db_url`: the database (None: the directory's SQLite file; see tests/conftest.py); `validation_file`: the
+    server's validation set (None: the tiny base's default)."""
+    state = init_state(state_dir, base_model="tiny", db_url=db_url, validation_file=validation_file)
     flags = dict(port=0, insecure=True, min_contributors=2, aggregator="mean", round_timeout=600, max_payload_bytes=4 << 20,
                  max_chunk_bytes=1 << 20)
     config = build_config({}, **{**flags, **overrides})
@@ -116,8 +117,9 @@ def federation_with(tmp_path, db_backend, new_database):
     """`federation_with(**flags)`: a federation with other settings (stopped after the test)."""
     started: list[Federation] = []
 
-    def start(**overrides) -> Federation:
-        started.append(start_federation(tmp_path / f"state{len(started)}", new_database(db_backend), **overrides))
+    def start(validation_file=None, **overrides) -> Federation:
+        started.append(start_federation(tmp_path / f"state{len(started)}", new_database(db_backend),
+                                        validation_file=validation_file, **overrides))
         return started[-1]
 
     yield start

@@ -77,7 +77,7 @@ def dense_delta(value) -> torch.Tensor:
 
 # Rows of the output layer computed at once: (rows, vocab) float32 logits of about 64 MiB (110 rows
 # at Qwen3's 151936 tokens), never a (positions, vocab) tensor for a whole batch.
-_HEAD_CHUNK_ELEMENTS = 1 << 24
+HEAD_CHUNK_ELEMENTS = 1 << 24
 
 
 def hidden_at(model, inputs: dict, at: torch.Tensor) -> torch.Tensor:
@@ -110,7 +110,7 @@ def head_loss_sum(model, inputs: dict, *, at: torch.Tensor, targets: torch.Tenso
     (``get_output_embeddings()``, the lm_head) takes its input hidden states ``(B, T, H)`` and
     hands it an empty slice, so no logits are built over the whole batch. The lm_head is then
     applied only to the ``K`` hidden states at ``at`` (flat index ``b * T + t``), in chunks of
-    about ``_HEAD_CHUNK_ELEMENTS`` logits, each chunk's cross-entropy taken in float32 (Gemma-2
+    about ``HEAD_CHUNK_ELEMENTS`` logits, each chunk's cross-entropy taken in float32 (Gemma-2
     style ``final_logit_softcapping`` applied as the model does). With gradients on, each chunk is
     recomputed in the backward (activation checkpointing), so only one chunk's logits live at a
     time. Equal to the full-logits loss up to float rounding (the matmul sees fewer rows).
@@ -127,7 +127,7 @@ def head_loss_sum(model, inputs: dict, *, at: torch.Tensor, targets: torch.Tenso
         return torch.nn.functional.cross_entropy(logits, tc, reduction="sum")
 
     vocab = int(getattr(head, "out_features", None) or head.weight.shape[0])
-    step = max(1, _HEAD_CHUNK_ELEMENTS // max(vocab, 1))
+    step = max(1, HEAD_CHUNK_ELEMENTS // max(vocab, 1))
     grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
     if grad and type(head) is torch.nn.Linear:  # one weight-gradient buffer for all chunks (head_loss.py)
         from zoo_gym.evaluation.head_loss import linear_cross_entropy_sum

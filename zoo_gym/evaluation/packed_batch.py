@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from zoo_gym.evaluation.evaluate import head_loss_sum
+from zoo_gym.evaluation.evaluate import HEAD_CHUNK_ELEMENTS, head_loss_sum, hidden_at
 
 from .errors import EvaluationInputError
 from .vocab_blocks import head_loss_sum as blocked_head_loss_sum
@@ -37,6 +37,7 @@ class PackedBatch:
     predict_at: Tensor     # (K,) long, flat index r * T + t of each position that predicts a target
     targets: Tensor        # (K,) long, the completion token predicted there
     examples: int          # examples packed
+    target_example: Tensor  # (K,) long, the index (in the packed pairs' order) of the example each target is of
     prefix: int            # shared prefix length P, stored once per row
 
     @property
@@ -53,7 +54,8 @@ class PackedBatch:
         keep = (self.predict_at >= start * T) & (self.predict_at < stop * T)      # (K,) bool
         return PackedBatch(input_ids=self.input_ids[start:stop], position_ids=self.position_ids[start:stop],
                            allowed=self.allowed[start:stop], predict_at=self.predict_at[keep] - start * T,
-                           targets=self.targets[keep], examples=0, prefix=self.prefix)
+                           targets=self.targets[keep], examples=0, target_example=self.target_example[keep],
+                           prefix=self.prefix)
 
 
 def _shared_prefix(seqs: Sequence[list[int]], first_scored: Sequence[int]) -> int:
@@ -107,6 +109,7 @@ def pack_shared_prefix(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, 
     prefix = torch.tensor(seqs[0][:P], dtype=torch.long)                  # (P,)
     predict_at: list[int] = []
     targets: list[int] = []
+    target_example: list[int] = []
     for r, members in enumerate(bins):
         ids[r, :P] = prefix
         pos[r, :P] = torch.arange(P)
@@ -121,12 +124,14 @@ def pack_shared_prefix(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, 
             for j in range(first_scored[i] + 1, len(full[i])):  # token j: predicted at j - 1 >= P
                 predict_at.append(r * T + o + (j - 1 - P))
                 targets.append(full[i][j])
+                target_example.append(i)
             o += n
         for t in range(o, T):  # pads see only themselves: finite, and invisible to the rest
             allowed[r, 0, t, t] = True
     return PackedBatch(input_ids=ids, position_ids=pos, allowed=allowed,
                        predict_at=torch.tensor(predict_at, dtype=torch.long),
-                       targets=torch.tensor(targets, dtype=torch.long), examples=len(seqs), prefix=P)
+                       targets=torch.tensor(targets, dtype=torch.long), examples=len(seqs),
+                       target_example=torch.tensor(target_example, dtype=torch.long), prefix=P)
 
 
 def supports_packing(model: torch.nn.Module) -> bool:
@@ -135,11 +140,8 @@ def supports_packing(model: torch.nn.Module) -> bool:
     return impl in _PACKABLE_ATTENTION
 
 
-def packed_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> tuple[Tensor, int]:
-    """``(sum of completion-token cross-entropies, their count)``; differentiable when grad is on.
-
-    The decoder body runs on the packed rows; the output layer only at ``predict_at``, a chunk of
-    positions at a time (``evaluation.evaluate.head_loss_sum``): no ``(R, T, vocab)`` logits."""
+def _packed_inputs(model: torch.nn.Module, batch: PackedBatch) -> dict:
+    """The decoder's inputs for the packed rows: ids, own positions and the 4D mask (additive for eager)."""
     impl = getattr(model.config, "_attn_implementation", None)
     if impl not in _PACKABLE_ATTENTION:
         raise EvaluationInputError(f"packed scoring needs attention 'sdpa' or 'eager' (a 4D mask); "
@@ -150,9 +152,38 @@ def packed_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> tuple[Tensor,
     if impl == "eager":  # eager adds the mask to the scores
         mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(
             ~mask, torch.finfo(dtype).min)
-    inputs = {"input_ids": batch.input_ids.to(device), "position_ids": batch.position_ids.to(device),
-              "attention_mask": mask}
+    return {"input_ids": batch.input_ids.to(device), "position_ids": batch.position_ids.to(device),
+            "attention_mask": mask}
+
+
+def packed_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> tuple[Tensor, int]:
+    """``(sum of completion-token cross-entropies, their count)``; differentiable when grad is on.
+
+    The decoder body runs on the packed rows; the output layer only at ``predict_at``, a chunk of
+    positions at a time (``evaluation.evaluate.head_loss_sum``): no ``(R, T, vocab)`` logits."""
+    inputs = _packed_inputs(model, batch)
+    device = next(model.parameters()).device
     # the lm_head runs only at the K positions that predict a completion token, in chunks
     loss_sum = blocked_head_loss_sum if vocab_of(model) is not None else head_loss_sum  # vocab_blocks.py
     loss = loss_sum(model, inputs, at=batch.predict_at.to(device), targets=batch.targets.to(device))
     return loss, batch.tokens
+
+
+def packed_misses(model: torch.nn.Module, batch: PackedBatch) -> Tensor:
+    """(examples,) bool: True where some completion token is not the model's most likely next token given the
+    example's tokens before it. An example with no miss is exactly what greedy decoding from its prompt
+    writes (each greedy step sees the same prefix as teacher forcing does), so ``1 - misses.mean()`` is greedy
+    exact match, from one forward pass instead of a generation loop. Ties in the argmax go to the lower id."""
+    if batch.examples <= 0:
+        raise EvaluationInputError("misses are counted on a whole packed batch (`rows()` parts know no examples)")
+    inputs = _packed_inputs(model, batch)
+    device = next(model.parameters()).device
+    hidden = hidden_at(model, inputs, batch.predict_at.to(device))       # (K, H)
+    head = model.get_output_embeddings()
+    step = max(1, HEAD_CHUNK_ELEMENTS // max(int(head.weight.shape[0]), 1))
+    with torch.no_grad():  # softcapping is monotone: the argmax of the raw logits is the model's
+        best = torch.cat([head(hidden[i:i + step]).argmax(-1) for i in range(0, hidden.shape[0], step)])
+    wrong = (best.cpu() != batch.targets)                                 # (K,)
+    misses = torch.zeros(batch.examples, dtype=torch.bool)
+    misses[batch.target_example[wrong]] = True
+    return misses

@@ -1,5 +1,6 @@
-"""``PackedScoringSet``: the exact loss (with or without a delta) and the base gradient of a scoring set
-packed by ``packed_batch.pack_shared_prefix``, the same quantities as ``evaluate.Evaluator`` computes."""
+"""``PackedScoringSet``: the exact loss (with or without a delta), the 0-1 loss (greedy exact match's
+complement) and the base gradient of a scoring set packed by ``packed_batch.pack_shared_prefix``, the same
+quantities as ``evaluate.Evaluator`` and ``gym_train.exact_match`` compute."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from torch import Tensor
 
 from .errors import EvaluationInputError
 from .gradient import base_gradient
-from .packed_batch import pack_shared_prefix, packed_loss_sum, supports_packing
+from .packed_batch import pack_shared_prefix, packed_loss_sum, packed_misses, supports_packing
 from .streamed_model import computing
 
-__all__ = ["PackedScoringSet", "pack_shared_prefix", "packed_loss_sum", "supports_packing"]
+__all__ = ["PackedScoringSet", "pack_shared_prefix", "packed_loss_sum", "packed_misses", "supports_packing"]
 
 
 class PackedScoringSet:
@@ -36,7 +37,19 @@ class PackedScoringSet:
         self._params = dict(model.named_parameters(remove_duplicate=False))
 
     def loss(self, delta: Mapping[str, Tensor] | None = None, *, scale: float = 1.0) -> float:
-        """Mean completion-token loss of base + ``scale * delta`` (weights restored after).
+        """Mean completion-token loss of base + ``scale * delta`` (weights restored after; `_with_delta`)."""
+        total, count = self._with_delta(lambda: packed_loss_sum(self.model, self.batch), delta, scale)
+        return float(total) / count
+
+    def zero_one_loss(self, delta: Mapping[str, Tensor] | None = None, *, scale: float = 1.0) -> float:
+        """Share of the examples whose greedy completion under base + ``scale * delta`` is not their reference
+        (``packed_misses``: 1 - greedy exact match, from one forward pass). Always in float32, the base too: a
+        bf16 base would flip near-tied answers that base + delta, computed in float32, does not."""
+        misses = self._with_delta(lambda: packed_misses(self.model, self.batch), delta, scale, float32=True)
+        return float(misses.float().mean())
+
+    def _with_delta(self, compute, delta: Mapping[str, Tensor] | None, scale: float, *, float32: bool = False):
+        """``compute()`` with ``scale * delta`` added to the weights, the original weights restored after.
 
         The delta is applied module by module, not to the whole model at once: a forward pre-hook on
         each module that owns a changed parameter swaps in ``p + scale * delta`` (the same float
@@ -93,12 +106,12 @@ class PackedScoringSet:
                 handles.append(module.register_forward_pre_hook(swap_in))
                 handles.append(module.register_forward_hook(swap_out))
             # base + delta in float32 always: a delta's effect is below a bf16 weight's rounding
-            with torch.no_grad(), computing(self.model, torch.float32) if delta else contextlib.nullcontext():
-                total, count = packed_loss_sum(self.model, self.batch)
+            with torch.no_grad(), computing(self.model, torch.float32) if delta or float32 else contextlib.nullcontext():
+                out = compute()
             for name, p in patches.values():  # a parameter no module used still gets its check
                 if id(p) not in applied:
                     changed(name, p)
-            return float(total) / count
+            return out
         finally:
             for h in handles:
                 h.remove()

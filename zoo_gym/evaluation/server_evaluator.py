@@ -5,6 +5,7 @@ first `scoring_examples` validation examples) is packed with its shared chat pre
 or, with preference pairs in the validation data (`chosen`/`rejected`), scored on their Bradley-Terry loss
 (preference_scoring.py); the held-out loss then runs on the other records (on the pairs' chosen answers when
 there are none). `heldout_loss()` takes the scoring set's part of the loss from the scoring gradient's forward.
+With ``metric="exact-match"`` rewards are scored on the scoring set's 0-1 loss (`score_loss`: greedy exact match).
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ class ServerEvaluator:
     prefix computed once (zoo_gym.evaluation.packing: same loss, fewer positions than padded
     batches); a model whose attention cannot take the packing mask falls back to padded batches.
     ``dtype`` (torch.float32 or torch.bfloat16) is what the held-out passes and the gradient multiply in;
-    base + delta (`scoring.loss(delta)`, `solo_loss`) always computes in float32.
+    base + delta (`scoring.loss(delta)`, `solo_loss`) always computes in float32. ``metric`` is what rewards
+    are scored on (`score_loss`): "loss", the completion loss, or "exact-match", the 0-1 loss of greedy answers.
     """
 
     def __init__(self, base_dir: Path, examples: list[dict], *, scoring_examples: int = 32,
                  spill_dir: Path | None = None, weights: WeightsFile | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, metric: str = "loss") -> None:
         from .evaluate import Evaluator, tokenize_examples
         from .packing import PackedScoringSet, supports_packing
         from .streamed_model import load_streamed
@@ -60,6 +62,12 @@ class ServerEvaluator:
             self.scoring = PackedScoringSet(model, tokenize_examples(tok, self.scoring_set), pad_id=pad)
         else:
             self.scoring = Evaluator(None, self.scoring_set, model=model, tokenizer=tok)
+        self.metric = metric
+        check_metric(metric, pairs=bool(self.pairs), packed=isinstance(self.scoring, PackedScoringSet))
+        # exact match: each reference through its first end-of-turn token, where greedy decoding stops
+        self.zero_one = None if metric != "exact-match" else PackedScoringSet(
+            model, [(p, through_first(c, tok.eos_token_id)) for p, c in tokenize_examples(tok, self.scoring_set)],
+            pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
         self._gradient = None
         self._float32_base_loss: float | None = None
         self._heldout: float | None = None  # heldout_loss(), measured once: a base's never changes
@@ -85,7 +93,7 @@ class ServerEvaluator:
 
     def release(self) -> None:
         """Drop the model (and gradient): this evaluator is done; the server keeps one model in memory."""
-        self._gradient = self.base = self.scoring = None
+        self._gradient = self.base = self.scoring = self.zero_one = None
         self.released = True
 
     def gradient(self):
@@ -115,6 +123,14 @@ class ServerEvaluator:
                 total, count = _loss_sum(self.base.model, self.base.tokenizer, self.loss_examples)
             return total / max(count, 1)
         return self.base.loss(delta, scale=scale)
+
+    def score_loss(self, delta=None, *, scale: float = 1.0) -> float:
+        """The loss exact rewards scoring compares (base + ``scale * delta``, float32): the scoring set's mean
+        completion loss, or with metric "exact-match" its 0-1 loss, the share of its references that greedy
+        decoding does not write (a verifiable task's accuracy, which the completion loss can rank otherwise)."""
+        if self.zero_one is not None:
+            return self.zero_one.zero_one_loss(delta, scale=scale)
+        return self.scoring.loss(delta, scale=scale)
 
     def solo_loss(self, delta, *, scale: float = 1.0) -> float:
         """Scoring loss of base + ``scale * delta`` (float32), on the level of ``gradient().base_loss``.
@@ -161,6 +177,26 @@ class ServerEvaluator:
             self._preference = PreferenceEvaluator(None, self.pairs, model=self.base.model,
                                                    tokenizer=self.base.tokenizer).report()
         return self._preference
+
+
+SCORING_METRICS = ("loss", "exact-match")
+
+
+def check_metric(metric: str, *, pairs: bool, packed: bool) -> None:
+    """Refuse a scoring metric this validation set or model cannot give, saying what to change."""
+    if metric not in SCORING_METRICS:
+        raise ValueError(f"the scoring metric must be one of {list(SCORING_METRICS)}, got {metric!r}")
+    if metric == "exact-match" and pairs:
+        raise ValueError("scoring by exact match needs SFT records with reference answers; this validation set "
+                         "is preference pairs: use --scoring-metric loss")
+    if metric == "exact-match" and not packed:
+        raise ValueError("scoring by exact match needs a model whose attention takes a 4D mask (sdpa or eager): "
+                         "use --scoring-metric loss")
+
+
+def through_first(ids: list[int], token: int | None) -> list[int]:
+    """``ids`` up to and including the first ``token`` (all of them when it is absent or None)."""
+    return ids[:ids.index(token) + 1] if token is not None and token in ids else ids
 
 
 def loss_and_pairs(examples: list[dict]) -> tuple[list[dict], list[dict]]:

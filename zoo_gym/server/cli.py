@@ -146,8 +146,9 @@ def serve(
         policy_for(cfg).check_size()  # a round too small for the rule fails now, not when it closes
         # the directory's lock, held until this process ends: a second serve of it is refused
         state = open_state(state_dir, db_url=db, exclusive=True)
-        if cfg.validation_data is None and state.validation_file is not None:
-            cfg.validation_data = str(state.validation_file)  # chosen at init
+        from zoo_gym.server.store.state import use_init_validation
+
+        use_init_validation(cfg, state)
         from zoo_gym.server.store.state import record_serve_settings
         from zoo_gym.settings import flat_values
 

@@ -57,11 +57,25 @@ class RewardsSettings:
         "help": "marginal contribution: gtg_shapley, leave_one_out or none"})
     scoring_max_evaluations: int = field(default=32, metadata={
         "help": "exact scoring: held-out evaluations per round at most"})
+    scoring_metric: str = field(default="loss", metadata={
+        "help": "what contributions are scored on: loss (the validation completion loss) or exact-match (the "
+                "share of validation answers greedy decoding writes exactly: for a verifiable task with short "
+                "reference answers; needs --scoring-method exact)"})
+    scoring_examples: int = field(default=32, metadata={
+        "help": "validation examples (the first N) rewards are scored on; exact scoring makes one forward pass "
+                "over them per evaluation"})
     settlement: SettlementConfig = field(default_factory=SettlementConfig)
 
     def __post_init__(self) -> None:
         if self.scoring_method not in ("first-order", "exact"):
             raise ConfigError("`scoring_method` must be 'first-order' (one gradient, default) or 'exact'")
+        if self.scoring_metric not in ("loss", "exact-match"):
+            raise ConfigError(f"`scoring_metric` must be 'loss' or 'exact-match', got {self.scoring_metric!r}")
+        if self.scoring_metric == "exact-match" and self.scoring_method != "exact":
+            raise ConfigError("`scoring_metric` exact-match needs `scoring_method` exact (a share of exact answers "
+                              "has no gradient): add --scoring-method exact")
+        if self.scoring_examples < 1:
+            raise ConfigError(f"`scoring_examples` must be >= 1, got {self.scoring_examples}")
         if self.reward_pool < 0:
             raise ConfigError("`reward_pool` must be >= 0")
         self.scoring  # checks marginal and max_evaluations

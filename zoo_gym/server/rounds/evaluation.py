@@ -47,8 +47,9 @@ class Evaluators:
             if ready is not None and ready.examples == examples:
                 self._current[base_sha256] = ready  # its scoring gradient came with the held-out loss
             else:
-                self._current[base_sha256] = ServerEvaluator(base_dir, examples, spill_dir=self.state.work_dir,
-                                                             weights=weights, dtype=self.dtype)
+                self._current[base_sha256] = ServerEvaluator(
+                    base_dir, examples, spill_dir=self.state.work_dir, weights=weights, dtype=self.dtype,
+                    scoring_examples=self.config.rewards.scoring_examples, metric=self.config.rewards.scoring_metric)
         return self._current[base_sha256]
 
     def prepare(self, base_sha256: str, *, heldout: bool) -> list[str]:
@@ -80,7 +81,8 @@ class Evaluators:
         self._prepared.clear()  # one prepared base at a time
         weights = weights or WeightsFile(Path(model_dir) / archive.WEIGHTS)
         nxt = ServerEvaluator(Path(model_dir), evaluator.examples, scoring_examples=len(evaluator.scoring_set),
-                              spill_dir=evaluator.spill_dir, weights=weights, dtype=self.dtype)
+                              spill_dir=evaluator.spill_dir, weights=weights, dtype=self.dtype,
+                              metric=evaluator.metric)
         loss = nxt.heldout_loss()
         nxt.preference_report()  # with pairs: measured now, the next round's "before" then costs nothing
         self._prepared[checkpoint_sha256 or weights.sha256()] = nxt

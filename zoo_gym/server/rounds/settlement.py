@@ -22,6 +22,7 @@ import torch
 
 from zoo_gym.rewards import (
     ContributionDiagnostics,
+    ContributionScore,
     SlopeTap,
     score_round_first_order,
     Ledger,
@@ -147,7 +148,9 @@ def plan_rewards(state: ServerState, config: ServerConfig, rnd, source, report, 
     plan = plan_settlement(round_id=rnd.id, scores=scores, reputations=reputations, pool=pool, config=settle)
     summary = {"method": method, "scoring_base_loss": base_loss, "pool": pool,
                "payouts": [asdict(p) for p in plan.payouts], "scores": [asdict(s) for s in scores]}
-    if getattr(evaluator, "pairs", None):  # the scoring loss is the pairs' (evaluation/preference_scoring.py)
+    if getattr(evaluator, "metric", "loss") == "exact-match":
+        summary["scoring_loss"] = "0-1: share of the scoring set's reference answers greedy decoding does not write"
+    elif getattr(evaluator, "pairs", None):  # the scoring loss is the pairs' (evaluation/preference_scoring.py)
         summary["scoring_loss"] = "preference: mean -log sigmoid(log p(chosen) - log p(rejected))"
     return plan, summary
 
@@ -199,10 +202,16 @@ def record_settlement(state: ServerState, config: ServerConfig, plan: Settlement
 
 
 def _exact_scores(ids, source, scales, used, weights, diagnostics, scoring, evaluator, solo_delta):
-    """Exact held-out losses on the scoring set: 1 + n + (bounded marginal) forward passes, and one
-    dense delta per contributor decoded at a time (subsets decode their members again)."""
-    base_loss = evaluator.scoring.loss(None)
-    solo = [evaluator.scoring.loss(solo_delta(i), scale=scales[i]) for i in range(len(ids))]
+    """Exact losses on the scoring set (`ServerEvaluator.score_loss`: completion or 0-1): 1 + n + (bounded
+    marginal) forward passes, and one dense delta per contributor decoded at a time (subsets decode their
+    members again). A base that already answers every scoring question exactly leaves nothing to gain: 0 each."""
+    base_loss = evaluator.score_loss(None)
+    if base_loss <= 0:
+        reason = "the base already answers every scoring question exactly: nothing left to gain on them"
+        return [ContributionScore(contributor=c, score=0.0, accepted=d.accepted, reason=reason, solo_gain=0.0,
+                                  marginal=0.0, value=0.0, participation=0.0, consensus=1.0, method="none")
+                for c, d in zip(ids, diagnostics)], base_loss
+    solo = [evaluator.score_loss(solo_delta(i), scale=scales[i]) for i in range(len(ids))]
 
     def subset_loss(subset: frozenset[int]) -> float:
         members = [i for i in subset if used[i] > 0 and weights[i] > 0]
@@ -213,7 +222,7 @@ def _exact_scores(ids, source, scales, used, weights, diagnostics, scoring, eval
         for i in members:
             for k, v in solo_delta(i).items():
                 merged[k] = merged.get(k, 0) + v * (weights[i] / total)
-        return evaluator.scoring.loss(merged)
+        return evaluator.score_loss(merged)
 
     return score_round(ids, base_loss, solo, diagnostics, subset_loss, scoring), base_loss
 

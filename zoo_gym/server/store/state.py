@@ -426,3 +426,10 @@ def count_submissions(state: ServerState, round_id: int) -> int:
 
     with state.session() as s:
         return int(s.exec(select(func.count()).select_from(Submission).where(Submission.round_id == round_id)).one())
+
+
+def use_init_validation(config, state) -> None:
+    """Score on the validation file chosen at `init` unless the config names another (`serve` and every server
+    built in-process alike; without it a server would score on the built-in task's examples)."""
+    if config.validation_data is None and state.validation_file is not None:
+        config.validation_data = str(state.validation_file)

@@ -312,8 +312,11 @@ def listen(config: ServerConfig, metrics: ServerMetrics,
 
 def build_server(state: ServerState, config: ServerConfig) -> tuple[grpc.Server, int, RoundManager]:
     """`listen` with the servicer of `gym-server serve`, beside its round manager (not started either);
-    returns (server, bound port, rounds)."""
+    returns (server, bound port, rounds). Scores on the state's validation file unless the config names one."""
+    from zoo_gym.server.store.state import use_init_validation
+
     config.check_transport()
+    use_init_validation(config, state)
     rounds = RoundManager(state, config)
     server, port = listen(config, rounds.metrics, lambda pending: GymServicer(state, config, rounds.policy,
                                                                             notify=rounds.notify, pending=pending))
