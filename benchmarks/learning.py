@@ -23,10 +23,12 @@ Protocol (also in the JSON under "protocol"):
   * Attacks (round 1, no extra training): 20% of the n submissions replaced by a crafted delta (sign flip x4,
     ALIE, IPM, scaling x10; benchmarks/attacks.py) built from the honest ones; the default rule merges them;
     the share of the clean round-1 gain in exact match kept (accuracy_gain_share).
-  * Pay (round 1): n honest + free riders (a zero delta, a random delta of the honest RMS, a copy of
-    contributor 0). Ground truth: each one's leave-one-out gain in exact match on --pay-eval-n other held-out
-    items (and in answer loss); a delta's content leaves with its byte copies, a copy owns none. Pay: what a
-    real gym-server pays (its report's scores and method), Spearman against the ground truth.
+  * Pay (round 1): n honest, two with partly wrong labels, and free riders (a zero delta, a random delta of
+    the honest RMS, a copy of contributor 0). Pay: what a real gym-server pays (its report's scores and method),
+    scoring on --pay-scoring (exact-match: the 0-1 loss of greedy answers on its --pay-server-n validation items;
+    loss: their completion loss), subsets by --pay-subsets (mean or the round's rule), marginal --pay-marginal. Ground truth: each one's leave-one-out gain in exact match on --pay-eval-n other
+    held-out items (none of its --pay-server-n), in the round the server ran (what it refused left out); a delta's
+    content leaves with its byte copies, a copy owns none. Spearman of pay against the ground truth.
   * Published precision: the final master rounded to bf16 (what a bf16 base publishes) against the float32
     master, in exact match. A float32 base (this one) publishes the master itself.
 Prints the JSON document; writes it unless --no-write.
@@ -62,7 +64,7 @@ from zoo_gym.aggregation.sources import DictDeltaSource  # noqa: E402
 from zoo_gym.gym_train import TrainConfig, builtin_examples, train  # noqa: E402
 from zoo_gym.gym_train.bases import resolve_base  # noqa: E402
 from zoo_gym.server.config import client_lr_scale  # noqa: E402
-from zoo_gym.gym_train.exact_match import (answer_loss, exact_match, load_for_eval, perplexity,  # noqa: E402
+from zoo_gym.gym_train.exact_match import (exact_match, load_for_eval, perplexity,  # noqa: E402
                                            retention_texts)
 
 
@@ -81,7 +83,11 @@ class Bench:
     lora_r: int = 16
     lora_freeze_a: bool = True  # FFA-LoRA (gym-client --lora-freeze-a); plain LoRA: --no-lora-freeze-a
     eval_n: int = 100
-    pay_eval_n: int = 300  # held-out items of the pay part's leave-one-out ground truth
+    pay_eval_n: int = 1000  # held-out items of the pay part's leave-one-out ground truth (none of the server's)
+    pay_server_n: int = 100  # the pay part's server: validation items (the first of the held-out draw eval_n uses)
+    pay_scoring: str = "exact-match"  # ... what it scores on (gym-server --scoring-metric)
+    pay_subsets: str = "mean"  # ... how it forms a subset's aggregate (--scoring-subsets)
+    pay_marginal: str = "gtg_shapley"  # ... its marginal (--scoring-marginal)
     retention_chunks: int = 12
     skew: float = 0.8
     parts: str = "sft,baseline,attacks,pay,publish,grpo,dpo"
@@ -142,6 +148,7 @@ class Judge:
         self.heldout = builtin_examples(cfg.task, split="validation", n=cfg.eval_n, seed=0)
         self.retention = retention_texts()[:cfg.retention_chunks]
         self.keys = set(self.model.state_dict())
+        self._packed: dict[int, tuple] = {}  # id(examples) -> (examples, their PackedScoringSet)
 
     def _load(self, state: dict[str, torch.Tensor]) -> None:
         sd = {k: v for k, v in state.items() if k in self.keys}
@@ -154,9 +161,18 @@ class Judge:
         em = exact_match(self.model, self.tok, self.heldout if examples is None else examples, max_new_tokens=6)
         return em.accuracy, em.answers
 
-    def answer_loss(self, state: dict[str, torch.Tensor], examples: list[dict]) -> float:
+    def accuracy_tf(self, state: dict[str, torch.Tensor], examples: list[dict]) -> float:
+        """Greedy exact match on `examples` from one packed forward pass (`PackedScoringSet.zero_one_loss`)."""
+        from zoo_gym.evaluation.evaluate import tokenize_examples
+        from zoo_gym.evaluation.packing import PackedScoringSet
+        from zoo_gym.evaluation.server_evaluator import through_first
+
+        key = id(examples)
+        if key not in self._packed:
+            pairs = [(p, through_first(c, self.tok.eos_token_id)) for p, c in tokenize_examples(self.tok, examples)]
+            self._packed[key] = (examples, PackedScoringSet(self.model, pairs, pad_id=self.tok.pad_token_id or 0))
         self._load(state)
-        return answer_loss(self.model, self.tok, examples)
+        return 1.0 - self._packed[key][1].zero_one_loss()
 
     def measure(self, state: dict[str, torch.Tensor]) -> dict:
         acc, answers = self.accuracy(state)
@@ -307,42 +323,57 @@ def run_pay(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple], wor
         kinds.append(kind)
     uploads.append(uploads[0])
     kinds.append("free_rider_copy")
-    loo, loo_loss, acc_all = leave_one_out(cfg, ck, judge, uploads, kinds)
+    return pay_against_truth(cfg, ck, judge, uploads, kinds, work)
+
+
+def pay_against_truth(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple], kinds: list[str],
+                      work: pathlib.Path) -> dict:
+    """What a real server pays each upload of one round, against each one's leave-one-out gain in that round."""
     t = time.time()
-    amounts, scores, refused, method = server_pay(ck.base_dir, work / "pay", judge.heldout, [p for p, _ in uploads])
+    validation = builtin_examples(cfg.task, split="validation", n=cfg.pay_server_n, seed=0)
+    flags = {"scoring_metric": cfg.pay_scoring, "scoring_subsets": cfg.pay_subsets, "scoring_marginal": cfg.pay_marginal,
+             "scoring_examples": len(validation), "scoring_method": "exact" if cfg.pay_scoring == "exact-match"
+             or cfg.pay_subsets == "rule" else "first-order"}
+    amounts, scores, refused, method = server_pay(ck.base_dir, work / "pay", validation, [p for p, _ in uploads],
+                                                  flags=flags)
     log(f"pay: the server's round published in {time.time() - t:.0f} s; amounts {amounts}")
+    loo, acc_all, check = leave_one_out(cfg, ck, judge, uploads, kinds, accepted=[r is None for r in refused],
+                                        server=validation)
     riders = [a for a, k in zip(amounts, kinds) if k.startswith("free_rider")]
-    return {"contributors": [{"kind": k, "loo_exact_match_gain": g, "loo_answer_loss_gain": gl, "paid": a,
-                              "score": s.get("score"), "reason": s.get("reason") or r}
-                             for k, g, gl, a, s, r in zip(kinds, loo, loo_loss, amounts, scores, refused)],
-            "ground_truth_items": cfg.pay_eval_n, "exact_match_all": acc_all,
-            "spearman": spearman(loo, [float(a) for a in amounts]),
-            "spearman_answer_loss": spearman(loo_loss, [float(a) for a in amounts]),
-            "scoring_method": method, "free_rider_pay_max": max(riders), "server_round_s": time.time() - t}
+    return {"contributors": [{"kind": k, "loo_exact_match_gain": g, "paid": a, "score": s.get("score"),
+                              "reason": s.get("reason") or r}
+                             for k, g, a, s, r in zip(kinds, loo, amounts, scores, refused)],
+            "server_flags": flags, "scoring_method": method, "server_validation_items": len(validation),
+            "ground_truth_items": cfg.pay_eval_n, "ground_truth_greedy_check": check, "exact_match_all": acc_all,
+            "spearman": spearman(loo, [float(a) for a in amounts]), "free_rider_pay_max": max(riders),
+            "server_round_s": time.time() - t}
 
 
-def leave_one_out(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple], kinds: list[str]
-                  ) -> tuple[list[float], list[float], float]:
-    """Each submission's leave-one-out gain in exact match and in answer loss (nats a token, lower is better)
-    on `pay_eval_n` held-out items, under the default rule. A delta's content leaves with all its byte copies;
-    a copy of an earlier submission owns none of it (its gain is 0: removing it alone changes nothing)."""
-    truth = builtin_examples(cfg.task, split="validation", n=cfg.pay_eval_n, seed=1)
+def leave_one_out(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple], kinds: list[str], *,
+                  accepted: list[bool], server: list[dict]) -> tuple[list[float], float, dict]:
+    """Each submission's leave-one-out gain in exact match on `pay_eval_n` held-out items that are not the
+    server's, under the default rule, in the round the server ran (`accepted`: a refused upload is in no
+    aggregate, its gain 0). A delta's content leaves with all its byte copies; a copy of an earlier submission
+    owns none of it (its gain is 0: removing it alone changes nothing). Exact match is taken from one forward
+    pass (`packed_misses`: greedy decoding's answers); `check` compares it with generation on 100 items."""
+    theirs = {ex["instruction"] for ex in server}
+    pool = builtin_examples(cfg.task, split="validation", n=cfg.pay_eval_n + len(server), seed=1)
+    truth = [ex for ex in pool if ex["instruction"] not in theirs][:cfg.pay_eval_n]
     deltas = [d for _, d in uploads]
     shas = [hashlib.sha256(p).hexdigest() for p, _ in uploads]
-    everyone = plus(ck.base, step(deltas))
-    acc_all, _ = judge.accuracy(everyone, truth)
-    loss_all = judge.answer_loss(everyone, truth)
-    loo, loo_loss = [], []
+    everyone = plus(ck.base, step([d for d, ok in zip(deltas, accepted) if ok]))
+    acc_all = judge.accuracy_tf(everyone, truth)
+    greedy, _ = judge.accuracy(everyone, truth[:100])
+    check = {"items": len(truth[:100]), "greedy": greedy, "one_pass": judge.accuracy_tf(everyone, truth[:100])}
+    loo = []
     for i in range(len(deltas)):
-        if shas[i] in shas[:i]:
+        if not accepted[i] or shas[i] in shas[:i]:
             loo.append(0.0)
-            loo_loss.append(0.0)
             continue
-        without = plus(ck.base, step([d for d, sha in zip(deltas, shas) if sha != shas[i]]))
-        loo.append(acc_all - judge.accuracy(without, truth)[0])
-        loo_loss.append(judge.answer_loss(without, truth) - loss_all)
-        log(f"pay: leave-one-out {kinds[i]} {i}: gain {loo[-1]:+.3f}, answer loss {loo_loss[-1]:+.4f}")
-    return loo, loo_loss, acc_all
+        without = plus(ck.base, step([d for d, sha, ok in zip(deltas, shas, accepted) if ok and sha != shas[i]]))
+        loo.append(acc_all - judge.accuracy_tf(without, truth))
+        log(f"pay: leave-one-out {kinds[i]} {i}: gain {loo[-1]:+.4f}")
+    return loo, acc_all, check
 
 
 def run_after_sft(cfg: Bench, ck: Checkpoints, judge: Judge, stage: str) -> dict:

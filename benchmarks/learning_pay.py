@@ -1,11 +1,12 @@
 """Pay against contribution on the real base (part of benchmarks/learning.py).
 
-A real gym-server (the service and its state, in this process, on 127.0.0.1) over the real base, with the
-arithmetic task's held-out split as its validation set and its default rule and scoring. Its one round
-takes signed uploads of: the benchmark's honest round-1 contributors, honest contributors whose labels are
-partly wrong (their data helps less), and free riders: a zero delta, a random delta of the honest RMS, and a
+A real gym-server (the service and its state, in this process, on 127.0.0.1) over the real base, with
+held-out arithmetic questions as its validation set (the state's file, as `serve` reads it), its default rule,
+and rewards scored as `flags` say (`gym-server serve`'s settings: --scoring-metric, --scoring-subsets, ...). Its
+one round takes signed uploads of: the benchmark's honest round-1 contributors, honest contributors whose labels
+are partly wrong (their data helps less), and free riders: a zero delta, a random delta of the honest RMS, and a
 copy of contributor 0's payload under another key. What the server pays each is read from its round report.
-Ground truth: each submission's leave-one-out gain in held-out exact match under the same default rule.
+Ground truth (learning.py): each submission's leave-one-out gain in held-out exact match under the same rule.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 import torch
 
 
-def _serve(base_dir: pathlib.Path, work: pathlib.Path, validation: list[dict], n: int):
+def _serve(base_dir: pathlib.Path, work: pathlib.Path, validation: list[dict], n: int, flags: dict):
     from zoo_gym.server.config import build_config
     from zoo_gym.server.genesis import init_state
     from zoo_gym.server.transport.servicer import build_server
@@ -27,7 +28,7 @@ def _serve(base_dir: pathlib.Path, work: pathlib.Path, validation: list[dict], n
     vfile.write_text("".join(json.dumps(ex) + "\n" for ex in validation))
     state = init_state(work / "state", base_model=str(base_dir), validation_file=vfile)
     config = build_config({}, port=0, insecure=True, min_contributors=n, round_timeout=3600,
-                          max_payload_bytes=1 << 30, max_chunk_bytes=4 << 20)
+                          max_payload_bytes=1 << 30, max_chunk_bytes=4 << 20, **flags)
     server, port, rounds = build_server(state, config)
     server.start()
     rounds.start()
@@ -75,15 +76,15 @@ def _wait_report(state, round_id: int, timeout: float) -> dict:
     raise RuntimeError(f"round {round_id} was not published within {timeout:.0f} s")
 
 
-def server_pay(base_dir: pathlib.Path, work: pathlib.Path, validation: list[dict], payloads: list[bytes]
-               ) -> tuple[list[int], list[dict], list[str | None], str]:
+def server_pay(base_dir: pathlib.Path, work: pathlib.Path, validation: list[dict], payloads: list[bytes], *,
+               flags: dict) -> tuple[list[int], list[dict], list[str | None], str]:
     """What the real server pays each payload of one round (amounts in submission order), its scores, and
     its refusals at upload, and the scoring method its report names. The round closes when every payload that is not all zeros is in (the server
     refuses a zero delta at upload; a payload it refuses otherwise would leave the round waiting: an error)."""
     from zoo_gym import codec
 
     nonzero = sum(any(bool(t.any()) for t in codec.decode(p).values()) for p in payloads)
-    state, server, port, rounds = _serve(base_dir, work, validation, nonzero)
+    state, server, port, rounds = _serve(base_dir, work, validation, nonzero, flags)
     try:
         ids, refused = _submit_all(port, payloads)
         report = _wait_report(state, 1, timeout=3600)

@@ -204,7 +204,7 @@ def _start_server(state_dir: Path, port_file: Path, tls, *, clients: int, aggreg
                   dashboard_port: int, log: Path, env: dict, real: bool = False) -> subprocess.Popen:
     """`gym-server serve` over TLS for `clients` contributors (the plain mean below 3: the robust default trims one
     delta from each side); a real base also halves, then thirds, the contributors' learning rate in rounds 2 and 3
-    (--client-lr-decay 1: 61% exact match after 3 rounds against 52% without, docs/measurements/learning.md)."""
+    (--client-lr-decay 1; what it changes: docs/measurements/learning.md)."""
     if aggregator is None and clients < 3:
         aggregator = "mean"
         typer.echo(f"{clients} contributor(s): too few for the robust default (trimmed-mean needs 3); merging with "

@@ -1,6 +1,8 @@
 """Rewards scored on exact match (--scoring-metric exact-match): the 0-1 loss taken from one packed forward pass
-is greedy decoding's, answer for answer, with and without a delta; a real server round pays the delta that
-taught the validation answers and nothing to a random delta of its size; the settings refuse what cannot work."""
+is greedy decoding's, answer for answer, with and without a delta; a real server round pays the deltas that
+taught the validation answers and nothing to a random delta of their size, with subsets formed by the report's
+weighted mean or by the round's own rule (--scoring-subsets rule: the marginals add up to what the published
+release gained); the settings refuse what cannot work."""
 
 from __future__ import annotations
 
@@ -99,12 +101,15 @@ def _like(delta: dict[str, torch.Tensor], seed: int, share: float) -> dict[str, 
 
 
 @pytest.mark.slow
-def test_a_round_scored_on_exact_match_pays_the_deltas_that_taught_the_answers(federation_with, tmp_path):
+@pytest.mark.parametrize("subsets, aggregator, release_gain", [("mean", "mean", None), ("rule", "median", 1.0)])
+def test_a_round_scored_on_exact_match_pays_the_deltas_that_taught_the_answers(federation_with, tmp_path, subsets,
+                                                                               aggregator, release_gain):
     examples = [{"instruction": f"Name the colour of item {i}.", "input": "", "output": "red"} for i in range(16)]
     vfile = tmp_path / "validation.jsonl"
     vfile.write_text("".join(json.dumps(ex) + "\n" for ex in examples))
-    fed = federation_with(validation_file=vfile, min_contributors=3, aggregator="mean", scoring_method="exact",
-                          scoring_metric="exact-match", scoring_examples=16)
+    fed = federation_with(validation_file=vfile, min_contributors=3, aggregator=aggregator, scoring_method="exact",
+                          scoring_metric="exact-match", scoring_examples=16, scoring_subsets=subsets,
+                          scoring_marginal="leave_one_out" if subsets == "rule" else "gtg_shapley")
     info = fed.round()
     shapes = fed.base_shapes()
     taught = {k: v for k, v in _teach(fed.state.checkpoint_dir(info.base_sha256), examples).items()
@@ -117,13 +122,18 @@ def test_a_round_scored_on_exact_match_pays_the_deltas_that_taught_the_answers(f
         ids.append(cid)
     report = json.loads(fed.wait_published(1).report_json)
     rewards = report["rewards"]
-    assert rewards["method"] == "exact" and rewards["scoring_loss"].startswith("0-1")
+    assert rewards["method"].startswith("exact") and rewards["scoring_loss"].startswith("0-1")
+    assert ("round's rule" in rewards["method"]) == (subsets == "rule")
     assert rewards["scoring_base_loss"] == 1.0  # the base answers none of the 16 questions
     paid = {p["contributor"]: p["amount"] for p in rewards["payouts"]}
     scores = {s["contributor"]: s for s in rewards["scores"]}
     assert paid[ids[0]] > 0 and paid[ids[1]] > 0 and paid.get(ids[2], 0) == 0, scores
     assert scores[ids[0]]["solo_gain"] == pytest.approx(1.0)  # alone, a teacher's delta answers all 16
     assert scores[ids[2]]["solo_gain"] <= 0.0 and "did not improve" in scores[ids[2]]["reason"]
+    if release_gain is not None:  # the median of the three is between the teachers: it answers all 16 ...
+        # ... so leaving out the random delta changes nothing, and leaving out a teacher leaves a mean of a
+        # teacher and noise that answers none: each teacher's marginal is the release's whole gain
+        assert [scores[c]["marginal"] for c in ids] == pytest.approx([release_gain, release_gain, 0.0])
 
 
 def test_exact_match_scoring_needs_exact_scoring_and_answers_not_pairs(tmp_path):

@@ -1,5 +1,6 @@
 """An in-memory `DeltaSource` over per-contributor `dict[str, Tensor]` deltas (tests, notebooks,
-the Flower adapter). The server's own source reads mmap'd payloads instead."""
+the Flower adapter), and `SubsetSource`, some contributors of another source. The server's own source reads
+mmap'd payloads instead."""
 
 from __future__ import annotations
 
@@ -48,3 +49,26 @@ class DictDeltaSource:
         if self._packed is None or any(name not in p for p in self._packed):
             return None
         return [p[name] for p in self._packed]
+
+
+class SubsetSource:
+    """Some contributors of another source (indices `members`), read a row at a time with its
+    `stacked_one(i, name)`: what the round's rule would have seen without the others (rewards scoring)."""
+
+    def __init__(self, source: Any, members: Sequence[int]) -> None:
+        if not members:
+            raise InvalidDeltaError("no members: a subset needs at least one contribution")
+        self._source, self._members = source, list(members)
+        self.contributors = [source.contributors[i] for i in self._members]
+
+    def names(self) -> Sequence[str]:
+        return list(self._source.names())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._source.shape(name))
+
+    def stacked(self, name: str) -> Tensor:
+        return torch.stack([self._source.stacked_one(i, name).reshape(-1).to(torch.float32) for i in self._members])
+
+    def packed(self, name: str) -> Sequence[Any] | None:
+        return None

@@ -61,6 +61,10 @@ class RewardsSettings:
         "help": "what contributions are scored on: loss (the validation completion loss) or exact-match (the "
                 "share of validation answers greedy decoding writes exactly: for a verifiable task with short "
                 "reference answers; needs --scoring-method exact)"})
+    scoring_subsets: str = field(default="mean", metadata={
+        "help": "exact scoring: a subset's aggregate is its members' report-weighted mean (mean) or the round's own "
+                "rule over them, without DP noise (rule: leave-one-out then measures what each delta changed in the "
+                "release; subsets too small for the rule take the mean)"})
     scoring_examples: int = field(default=32, metadata={
         "help": "validation examples (the first N) rewards are scored on; exact scoring makes one forward pass "
                 "over them per evaluation"})
@@ -74,6 +78,8 @@ class RewardsSettings:
         if self.scoring_metric == "exact-match" and self.scoring_method != "exact":
             raise ConfigError("`scoring_metric` exact-match needs `scoring_method` exact (a share of exact answers "
                               "has no gradient): add --scoring-method exact")
+        if self.scoring_subsets not in ("mean", "rule"):
+            raise ConfigError(f"`scoring_subsets` must be 'mean' or 'rule', got {self.scoring_subsets!r}")
         if self.scoring_examples < 1:
             raise ConfigError(f"`scoring_examples` must be >= 1, got {self.scoring_examples}")
         if self.reward_pool < 0:
@@ -155,8 +161,8 @@ class ServerConfig:
                 "(FedOpt, Reddi et al. 2021). Recorded when a round closes and signed into RoundInfo"})
     client_lr_decay: float = field(default=0.0, metadata={
         "help": "round r asks every contributor to train at its learning rate x 1 / (1 + d x (r - 1)) (signed into "
-                "RoundInfo; 0: no schedule). d = 1 halves it in round 2 and thirds it in round 3: on SmolLM2-135M "
-                "it took 3 rounds of federated LoRA from 52% to 61% exact match (docs/measurements/learning.md)"})
+                "RoundInfo; 0: no schedule). d = 1 halves it in round 2 and thirds it in round 3 (measured: "
+                "docs/measurements/learning.md)"})
     staleness_exponent: float = field(default=3.0, metadata={
         "help": "async: a delta s versions old is weighted (1 + s) ** -staleness_exponent (0: no discount)"})
     staleness_normalize: bool = field(default=True, metadata={

@@ -8,11 +8,13 @@ aggregation decodes anyway (SlopeTap), the linear Shapley game, a random-directi
 for the top 2 only. `"exact"`: 1 + n + (marginal evaluations, at most `scoring-max-evaluations`) forward passes
 of base + a subset's report-weighted aggregate (clip factor x selected x untrimmed share: exact for the mean,
 the standard linearisation for robust rules); first order falls back to it when a gain passes 1 (past the
-linear regime). A byte-identical copy of an earlier submission is paid nothing. docs/design/rewards-settlement.md.
+linear regime); `scoring-subsets = "rule"` aggregates each subset by the round's rule instead. A byte-identical
+copy of an earlier submission is paid nothing. docs/design/rewards-settlement.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, replace
@@ -138,12 +140,16 @@ def plan_rewards(state: ServerState, config: ServerConfig, rnd, source, report, 
         beyond = outside_linear_regime(slopes, base_loss=bg.base_loss, accepted=[c.accepted for c in contribs])
         if beyond:  # the linear game says nothing here: every such gain is capped at 1 (real weights, many steps)
             scores, base_loss = _exact_scores(ids, source, scales, used, weights, diagnostics, scoring, evaluator,
-                                              source.delta_of)
+                                              source.delta_of, None)
             method = f"exact (first order outside its linear regime: {beyond})"
     else:
+        by_rule = None
+        if config.rewards.scoring_subsets == "rule":
+            by_rule = RuleSubsets(config, source, aggregation_weights(config, ids, reputations),
+                                  reference_for(config, evaluator))
         scores, base_loss = _exact_scores(ids, source, scales, used, weights, diagnostics, scoring, evaluator,
-                                          solo_delta)
-        method = "exact"
+                                          solo_delta, by_rule)
+        method = "exact" if by_rule is None else "exact, subsets by the round's rule"
     scores = first_copies_only(scores, payloads)
     plan = plan_settlement(round_id=rnd.id, scores=scores, reputations=reputations, pool=pool, config=settle)
     summary = {"method": method, "scoring_base_loss": base_loss, "pool": pool,
@@ -201,7 +207,7 @@ def record_settlement(state: ServerState, config: ServerConfig, plan: Settlement
                                                               session=session)
 
 
-def _exact_scores(ids, source, scales, used, weights, diagnostics, scoring, evaluator, solo_delta):
+def _exact_scores(ids, source, scales, used, weights, diagnostics, scoring, evaluator, solo_delta, by_rule):
     """Exact losses on the scoring set (`ServerEvaluator.score_loss`: completion or 0-1): 1 + n + (bounded
     marginal) forward passes, and one dense delta per contributor decoded at a time (subsets decode their
     members again). A base that already answers every scoring question exactly leaves nothing to gain: 0 each."""
@@ -214,6 +220,10 @@ def _exact_scores(ids, source, scales, used, weights, diagnostics, scoring, eval
     solo = [evaluator.score_loss(solo_delta(i), scale=scales[i]) for i in range(len(ids))]
 
     def subset_loss(subset: frozenset[int]) -> float:
+        if by_rule is not None:
+            merged = by_rule.aggregate(sorted(subset))
+            if merged is not None:
+                return evaluator.score_loss(merged)
         members = [i for i in subset if used[i] > 0 and weights[i] > 0]
         total = sum(weights[i] for i in members)
         if total <= 0:
@@ -225,6 +235,33 @@ def _exact_scores(ids, source, scales, used, weights, diagnostics, scoring, eval
         return evaluator.score_loss(merged)
 
     return score_round(ids, base_loss, solo, diagnostics, subset_loss, scoring), base_loss
+
+
+class RuleSubsets:
+    """The round's own rule over a subset of its submissions, as the round would have published it without them:
+    its SoupConfig with DP noise off (scoring spends no privacy budget), its reputation weights and reference."""
+
+    def __init__(self, config: ServerConfig, source, weights: torch.Tensor | None, reference) -> None:
+        self.soup = dataclasses.replace(config.soup, dp_noise_multiplier=0.0, dp_target_epsilon=None,
+                                        dp_adaptive_clip=False, min_contributors=1)
+        self.source, self.weights, self.reference = source, weights, reference
+
+    def aggregate(self, members: list[int]) -> dict[str, torch.Tensor] | None:
+        """{name: tensor} of the rule over `members` (indices into the round), or None when the rule cannot run
+        on so few (the caller takes the weighted mean)."""
+        from zoo_gym.aggregation import DeltaSoup
+        from zoo_gym.aggregation.errors import AggregationError, SoupConfigError
+        from zoo_gym.aggregation.sources import SubsetSource
+
+        out: dict[str, torch.Tensor] = {}
+        sub = SubsetSource(self.source, members)
+        w = self.weights[members] if self.weights is not None else None
+        try:
+            DeltaSoup(self.soup).run(sub, lambda name, t: out.__setitem__(name, t.reshape(sub.shape(name)).clone()),
+                                     weights=w, reference=self.reference, generator=torch.Generator().manual_seed(0))
+        except (AggregationError, SoupConfigError):
+            return None
+        return out
 
 
 def balance_of(state: ServerState, contributor_id: str) -> dict[str, Any]:
