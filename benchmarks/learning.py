@@ -344,9 +344,18 @@ def pay_against_truth(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[t
                               "reason": s.get("reason") or r}
                              for k, g, a, s, r in zip(kinds, loo, amounts, scores, refused)],
             "server_flags": flags, "scoring_method": method, "server_validation_items": len(validation),
-            "ground_truth_items": cfg.pay_eval_n, "ground_truth_greedy_check": check, "exact_match_all": acc_all,
+            "ground_truth_items": check["truth_items"], "ground_truth_greedy_check": check, "exact_match_all": acc_all,
             "spearman": spearman(loo, [float(a) for a in amounts]), "free_rider_pay_max": max(riders),
             "server_round_s": time.time() - t}
+
+
+def held_out_pool(task: str, n: int) -> list[dict]:
+    """Up to `n` distinct held-out questions (seed 1): fewer when the validation split holds fewer."""
+    while True:
+        try:
+            return builtin_examples(task, split="validation", n=n, seed=1)
+        except ValueError:  # the split is smaller: take 95% as many
+            n = int(n * 0.95)
 
 
 def leave_one_out(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple], kinds: list[str], *,
@@ -357,14 +366,14 @@ def leave_one_out(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple
     owns none of it (its gain is 0: removing it alone changes nothing). Exact match is taken from one forward
     pass (`packed_misses`: greedy decoding's answers); `check` compares it with generation on 100 items."""
     theirs = {ex["instruction"] for ex in server}
-    pool = builtin_examples(cfg.task, split="validation", n=cfg.pay_eval_n + len(server), seed=1)
-    truth = [ex for ex in pool if ex["instruction"] not in theirs][:cfg.pay_eval_n]
+    truth = [ex for ex in held_out_pool(cfg.task, cfg.pay_eval_n + len(server)) if ex["instruction"] not in theirs]
+    truth = truth[:cfg.pay_eval_n]
     deltas = [d for _, d in uploads]
     shas = [hashlib.sha256(p).hexdigest() for p, _ in uploads]
     everyone = plus(ck.base, step([d for d, ok in zip(deltas, accepted) if ok]))
     acc_all = judge.accuracy_tf(everyone, truth)
     greedy, _ = judge.accuracy(everyone, truth[:100])
-    check = {"items": len(truth[:100]), "greedy": greedy, "one_pass": judge.accuracy_tf(everyone, truth[:100])}
+    check = {"truth_items": len(truth), "items": len(truth[:100]), "greedy": greedy, "one_pass": judge.accuracy_tf(everyone, truth[:100])}
     loo = []
     for i in range(len(deltas)):
         if not accepted[i] or shas[i] in shas[:i]:

@@ -104,10 +104,14 @@ def _like(delta: dict[str, torch.Tensor], seed: int, share: float) -> dict[str, 
 @pytest.mark.parametrize("subsets, aggregator, release_gain", [("mean", "mean", None), ("rule", "median", 1.0)])
 def test_a_round_scored_on_exact_match_pays_the_deltas_that_taught_the_answers(federation_with, tmp_path, subsets,
                                                                                aggregator, release_gain):
+    """With rule subsets a fourth identity sends the second teacher's bytes: a copy, which must neither be paid
+    nor take its author's leave-one-out value (the median groups copies, so leaving out the author alone would
+    change nothing)."""
     examples = [{"instruction": f"Name the colour of item {i}.", "input": "", "output": "red"} for i in range(16)]
     vfile = tmp_path / "validation.jsonl"
     vfile.write_text("".join(json.dumps(ex) + "\n" for ex in examples))
-    fed = federation_with(validation_file=vfile, min_contributors=3, aggregator=aggregator, scoring_method="exact",
+    copy = subsets == "rule"
+    fed = federation_with(validation_file=vfile, min_contributors=3 + copy, aggregator=aggregator, scoring_method="exact",
                           scoring_metric="exact-match", scoring_examples=16, scoring_subsets=subsets,
                           scoring_marginal="leave_one_out" if subsets == "rule" else "gtg_shapley")
     info = fed.round()
@@ -116,9 +120,10 @@ def test_a_round_scored_on_exact_match_pays_the_deltas_that_taught_the_answers(f
               if k in shapes and v.any()}
     also = {k: v + d for (k, v), d in zip(taught.items(), _like(taught, 2, 0.01).values())}  # a second teacher
     ids = []
-    for delta in (taught, also, _like(taught, 1, 1.0)):  # the last: a random delta of the teachers' size
+    payloads = [codec.encode(d, codec="fp16") for d in (taught, also, _like(taught, 1, 1.0))]  # 3rd: random
+    for payload in payloads + payloads[1:2] * copy:
         key, cid = fed.register()
-        fed.submit(key, cid, codec.encode(delta, codec="fp16"))
+        fed.submit(key, cid, payload)
         ids.append(cid)
     report = json.loads(fed.wait_published(1).report_json)
     rewards = report["rewards"]
@@ -133,7 +138,8 @@ def test_a_round_scored_on_exact_match_pays_the_deltas_that_taught_the_answers(f
     if release_gain is not None:  # the median of the three is between the teachers: it answers all 16 ...
         # ... so leaving out the random delta changes nothing, and leaving out a teacher leaves a mean of a
         # teacher and noise that answers none: each teacher's marginal is the release's whole gain
-        assert [scores[c]["marginal"] for c in ids] == pytest.approx([release_gain, release_gain, 0.0])
+        assert [scores[c]["marginal"] for c in ids] == pytest.approx([release_gain, release_gain, 0.0, 0.0])
+        assert paid.get(ids[3], 0) == 0 and "byte-identical copy" in scores[ids[3]]["reason"]
 
 
 def test_exact_match_scoring_needs_exact_scoring_and_answers_not_pairs(tmp_path):

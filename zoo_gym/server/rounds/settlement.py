@@ -146,7 +146,7 @@ def plan_rewards(state: ServerState, config: ServerConfig, rnd, source, report, 
         by_rule = None
         if config.rewards.scoring_subsets == "rule":
             by_rule = RuleSubsets(config, source, aggregation_weights(config, ids, reputations),
-                                  reference_for(config, evaluator))
+                                  reference_for(config, evaluator), payloads)
         scores, base_loss = _exact_scores(ids, source, scales, used, weights, diagnostics, scoring, evaluator,
                                           solo_delta, by_rule)
         method = "exact" if by_rule is None else "exact, subsets by the round's rule"
@@ -239,12 +239,17 @@ def _exact_scores(ids, source, scales, used, weights, diagnostics, scoring, eval
 
 class RuleSubsets:
     """The round's own rule over a subset of its submissions, as the round would have published it without them:
-    its SoupConfig with DP noise off (scoring spends no privacy budget), its reputation weights and reference."""
+    its SoupConfig with DP noise off (scoring spends no privacy budget), its reputation weights and reference.
+    A delta's content is its earliest byte copy's: later copies are in no subset, so leaving the author out
+    leaves the content out (a copier cannot zero its author's leave-one-out value) and a copy adds nothing."""
 
-    def __init__(self, config: ServerConfig, source, weights: torch.Tensor | None, reference) -> None:
+    def __init__(self, config: ServerConfig, source, weights: torch.Tensor | None, reference,
+                 payloads: list[tuple[str, str]] | None) -> None:
         self.soup = dataclasses.replace(config.soup, dp_noise_multiplier=0.0, dp_target_epsilon=None,
                                         dp_adaptive_clip=False, min_contributors=1)
         self.source, self.weights, self.reference = source, weights, reference
+        keys = payloads if payloads and len(payloads) == len(source.contributors) else []
+        self.later_copies = {j for j, key in enumerate(keys) if key in keys[:j]}
 
     def aggregate(self, members: list[int]) -> dict[str, torch.Tensor] | None:
         """{name: tensor} of the rule over `members` (indices into the round), or None when the rule cannot run
@@ -253,6 +258,9 @@ class RuleSubsets:
         from zoo_gym.aggregation.errors import AggregationError, SoupConfigError
         from zoo_gym.aggregation.sources import SubsetSource
 
+        members = [i for i in members if i not in self.later_copies]
+        if not members:
+            return None
         out: dict[str, torch.Tensor] = {}
         sub = SubsetSource(self.source, members)
         w = self.weights[members] if self.weights is not None else None
