@@ -331,9 +331,10 @@ def pay_against_truth(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[t
     """What a real server pays each upload of one round, against each one's leave-one-out gain in that round."""
     t = time.time()
     validation = builtin_examples(cfg.task, split="validation", n=cfg.pay_server_n, seed=0)
-    flags = {"scoring_metric": cfg.pay_scoring, "scoring_subsets": cfg.pay_subsets, "scoring_marginal": cfg.pay_marginal,
-             "scoring_examples": len(validation), "scoring_method": "exact" if cfg.pay_scoring == "exact-match"
-             or cfg.pay_subsets == "rule" else "first-order"}
+    exact = cfg.pay_scoring == "exact-match" or cfg.pay_subsets == "rule"
+    flags = {"scoring_metric": cfg.pay_scoring, "scoring_subsets": cfg.pay_subsets,
+             "scoring_marginal": cfg.pay_marginal, "scoring_method": "exact" if exact else "first-order",
+             "scoring_examples": len(validation), "validation_examples": len(validation)}
     amounts, scores, refused, method = server_pay(ck.base_dir, work / "pay", validation, [p for p, _ in uploads],
                                                   flags=flags)
     log(f"pay: the server's round published in {time.time() - t:.0f} s; amounts {amounts}")

@@ -24,7 +24,8 @@ def _greedy(model, prompt: list[int], n: int) -> tuple[list[int], float]:
     """Greedy decoding's tokens after `prompt` (at most `n`, through the end-of-turn token if it comes) and the
     smallest top-1 minus top-2 logit margin among them."""
     with torch.inference_mode():
-        out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        out = model.generate(input_ids=torch.tensor([prompt]),
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              do_sample=False, max_new_tokens=n, output_scores=True,
                              return_dict_in_generate=True, pad_token_id=0)
     margin = min(float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores)
@@ -111,7 +112,8 @@ def test_a_round_scored_on_exact_match_pays_the_deltas_that_taught_the_answers(f
     vfile = tmp_path / "validation.jsonl"
     vfile.write_text("".join(json.dumps(ex) + "\n" for ex in examples))
     copy = subsets == "rule"
-    fed = federation_with(validation_file=vfile, min_contributors=3 + copy, aggregator=aggregator, scoring_method="exact",
+    fed = federation_with(validation_file=vfile, min_contributors=3 + copy, aggregator=aggregator,
+                          scoring_method="exact",
                           scoring_metric="exact-match", scoring_examples=16, scoring_subsets=subsets,
                           scoring_marginal="leave_one_out" if subsets == "rule" else "gtg_shapley")
     info = fed.round()

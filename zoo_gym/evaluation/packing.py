@@ -106,7 +106,8 @@ class PackedScoringSet:
                 handles.append(module.register_forward_pre_hook(swap_in))
                 handles.append(module.register_forward_hook(swap_out))
             # base + delta in float32 always: a delta's effect is below a bf16 weight's rounding
-            with torch.no_grad(), computing(self.model, torch.float32) if delta or float32 else contextlib.nullcontext():
+            upcast = computing(self.model, torch.float32) if delta or float32 else contextlib.nullcontext()
+            with torch.no_grad(), upcast:
                 out = compute()
             for name, p in patches.values():  # a parameter no module used still gets its check
                 if id(p) not in applied:

@@ -66,8 +66,8 @@ class RewardsSettings:
                 "rule over them, without DP noise (rule: leave-one-out then measures what each delta changed in the "
                 "release; subsets too small for the rule take the mean)"})
     scoring_examples: int = field(default=32, metadata={
-        "help": "validation examples (the first N) rewards are scored on; exact scoring makes one forward pass "
-                "over them per evaluation"})
+        "help": "validation examples (the first N, at most --validation-examples) rewards are scored on; exact "
+                "scoring makes one forward pass over them per evaluation"})
     settlement: SettlementConfig = field(default_factory=SettlementConfig)
 
     def __post_init__(self) -> None:
