@@ -84,10 +84,10 @@ class Bench:
     lora_freeze_a: bool = True  # FFA-LoRA (gym-client --lora-freeze-a); plain LoRA: --no-lora-freeze-a
     eval_n: int = 100
     pay_eval_n: int = 1000  # held-out items of the pay part's leave-one-out ground truth (none of the server's)
-    pay_server_n: int = 100  # the pay part's server: validation items (the first of the held-out draw eval_n uses)
+    pay_server_n: int = 1000  # the pay part's server: validation items (the first of the held-out draw eval_n uses)
     pay_scoring: str = "exact-match"  # ... what it scores on (gym-server --scoring-metric)
-    pay_subsets: str = "mean"  # ... how it forms a subset's aggregate (--scoring-subsets)
-    pay_marginal: str = "gtg_shapley"  # ... its marginal (--scoring-marginal)
+    pay_subsets: str = "rule"  # ... how it forms a subset's aggregate (--scoring-subsets)
+    pay_marginal: str = "leave_one_out"  # ... its marginal (--scoring-marginal)
     retention_chunks: int = 12
     skew: float = 0.8
     parts: str = "sft,baseline,attacks,pay,publish,grpo,dpo"
