@@ -152,3 +152,24 @@ def test_exact_match_scoring_needs_exact_scoring_and_answers_not_pairs(tmp_path)
     pairs = [{"instruction": f"q{i}", "input": "", "chosen": "yes", "rejected": "no"} for i in range(4)]
     with pytest.raises(ValueError, match="preference pairs: use --scoring-metric loss"):
         ServerEvaluator(tiny_model_dir(), pairs, scoring_examples=4, metric="exact-match")
+
+
+def test_rule_subsets_clip_each_delta_where_the_release_did(tmp_path):
+    """With adaptive DP clipping the release clips at the round's adapted norm, not at --dp-clip: the scoring
+    subsets must too, or a leave-one-out value measures a release that never was."""
+    from zoo_gym.server.rounds.settlement import RuleSubsets
+    from zoo_gym.server.rounds.stored_deltas import StoredDeltas
+
+    deltas = [{"w": torch.full((64,), 1.0 + i)} for i in range(3)]
+    paths = []
+    for i, d in enumerate(deltas):
+        paths.append(tmp_path / f"{i}.delta")
+        paths[-1].write_bytes(codec.encode(d))
+    source = StoredDeltas(paths, ["a", "b", "c"], {"w": (64,)})
+    config = build_config({}, port=0, aggregator="mean", dp_noise_multiplier=1.0, dp_clip=100.0,
+                          dp_adaptive_clip=True, dp_expected_contributors=3, scoring_method="exact",
+                          scoring_subsets="rule")
+    adapted = RuleSubsets(config, source, None, None, None, dp_clip=0.5).aggregate([0, 1, 2])
+    configured = RuleSubsets(config, source, None, None, None).aggregate([0, 1, 2])
+    assert float(adapted["w"].norm()) <= 0.5 + 1e-5  # each delta clipped to 0.5: their mean too
+    assert float(configured["w"].norm()) > 10.0  # at --dp-clip 100 nothing is clipped: another release

@@ -66,3 +66,26 @@ def test_published_base_is_scored_with_the_evaluator_that_measured_it(tmp_path):
     _publish_like(state.checkpoint_dir(genesis), other, seed=2)
     sha2 = _commit(state, other)
     assert evaluators.for_base(sha2)._gradient is None  # noqa: SLF001
+
+
+def test_exact_scoring_measures_the_held_out_loss_without_a_backward(tmp_path):
+    """Exact scoring under a rule without a reference direction reads no gradient: the held-out loss of a new
+    checkpoint is the same number, measured with no gradient computed (the backward is the costlier pass)."""
+    state = init_state(tmp_path / "state", base_model="tiny")
+    config = build_config({}, port=0, validation_examples=40, evaluation_dtype="float32", scoring_method="exact")
+    with state.session() as s:
+        genesis = state.current_round(s).base_sha256
+    evaluators = Evaluators(state, config)
+    ev = evaluators.for_base(genesis)
+    assert evaluators.prepare(genesis, heldout=True) == ["held-out loss"]  # the evaluator was built above
+    assert not ev.has_gradient
+    assert ev.loss(None) == pytest.approx(heldout_loss(state.checkpoint_dir(genesis), list(ev.examples)), rel=1e-5)
+    out = tmp_path / "ckpt"
+    _publish_like(state.checkpoint_dir(genesis), out, seed=1)
+    loss = evaluators.measure_published(ev, out)
+    assert loss == pytest.approx(heldout_loss(out, list(ev.examples)), rel=1e-5)
+    assert not evaluators.for_base(_commit(state, out)).has_gradient
+    # a rule that weighs by the descent direction still gets its gradient
+    trust = Evaluators(state, build_config({}, port=0, validation_examples=40, scoring_method="exact",
+                                           aggregator="trust-mean"))
+    assert "scoring gradient" in trust.prepare(genesis, heldout=True)

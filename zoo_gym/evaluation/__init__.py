@@ -17,6 +17,7 @@ from zoo_gym.lazy_exports import lazy_exports
 _LAZY = {
     "chat": "ChatTemplateError PLAIN_TEMPLATE check_template prompt_messages",
     "errors": "EvaluationError EvaluationInputError",
+    "scoring_metrics": "SCORING_METRICS",
     "evaluate": "Evaluator completion_loss_sum heldout_loss load_model load_tokenizer tokenize_examples",
     "gradient": "BaseGradient base_gradient",
     "memory": "release_memory",

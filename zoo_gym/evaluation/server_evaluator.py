@@ -19,6 +19,7 @@ from zoo_gym.io.safetensors_reader import WeightsFile
 
 from .memory import release_memory
 from .preference_eval import is_pair
+from .scoring_metrics import SCORING_METRICS
 from .streamed_model import computing
 
 
@@ -37,7 +38,7 @@ class ServerEvaluator:
 
     def __init__(self, base_dir: Path, examples: list[dict], *, scoring_examples: int = 32,
                  spill_dir: Path | None = None, weights: WeightsFile | None = None,
-                 dtype: torch.dtype | None = None, metric: str = "loss") -> None:
+                 dtype: torch.dtype | None = None, metric: str = "loss", heldout_from_gradient: bool = True) -> None:
         from .evaluate import Evaluator, tokenize_examples
         from .packing import PackedScoringSet, supports_packing
         from .streamed_model import load_streamed
@@ -52,22 +53,25 @@ class ServerEvaluator:
         self.base = Evaluator(base_dir, self.loss_examples, model=load_streamed(base_dir, weights))
         self.scoring_set = (self.pairs or examples)[:scoring_examples]
         tok, model = self.base.tokenizer, self.base.model
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        tokenized = [] if self.pairs else tokenize_examples(tok, self.scoring_set)
         self._preference = None
         if self.pairs:  # scored on the pairs' preference loss (evaluation/preference_scoring.py)
             from .preference_scoring import PreferenceScoringSet
 
             self.scoring = PreferenceScoringSet(model, tok, self.scoring_set)
         elif supports_packing(model):
-            pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-            self.scoring = PackedScoringSet(model, tokenize_examples(tok, self.scoring_set), pad_id=pad)
+            self.scoring = PackedScoringSet(model, tokenized, pad_id=pad)
         else:
             self.scoring = Evaluator(None, self.scoring_set, model=model, tokenizer=tok)
         self.metric = metric
         check_metric(metric, pairs=bool(self.pairs), packed=isinstance(self.scoring, PackedScoringSet))
         # exact match: each reference through its first end-of-turn token, where greedy decoding stops
         self.zero_one = None if metric != "exact-match" else PackedScoringSet(
-            model, [(p, through_first(c, tok.eos_token_id)) for p, c in tokenize_examples(tok, self.scoring_set)],
-            pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
+            model, [(p, through_first(c, tok.eos_token_id)) for p, c in tokenized], pad_id=pad)
+        # False when nothing of the round needs the gradient (exact scoring, a rule without a reference): the
+        # held-out loss is then measured without it rather than computing a backward for its forward's loss
+        self.heldout_from_gradient = heldout_from_gradient
         self._gradient = None
         self._float32_base_loss: float | None = None
         self._heldout: float | None = None  # heldout_loss(), measured once: a base's never changes
@@ -117,7 +121,7 @@ class ServerEvaluator:
         taken from the scoring gradient's forward when that was computed, else measured packed
         without gradients (no logits over the vocabulary at unscored positions)."""
         if delta is None:
-            if self._gradient is not None or self.pairs:  # with pairs: measured once, on `loss_examples`
+            if self._gradient is not None or self.pairs or not self.heldout_from_gradient:  # measured once
                 return self.heldout_loss()
             with computing(self.base.model, self.dtype):
                 total, count = _loss_sum(self.base.model, self.base.tokenizer, self.loss_examples)
@@ -157,6 +161,10 @@ class ServerEvaluator:
             with computing(self.base.model, self.dtype):
                 total, count = _loss_sum(self.base.model, self.base.tokenizer, self.loss_examples)
             self._heldout = total / max(count, 1)
+        if self._heldout is None and self._gradient is None and not self.heldout_from_gradient:
+            with computing(self.base.model, self.dtype):
+                total, count = _loss_sum(self.base.model, self.base.tokenizer, self.loss_examples)
+            self._heldout = total / max(count, 1)
         if self._heldout is None:
             g = self.gradient()
             total, count = g.base_loss * g.tokens, g.tokens
@@ -177,9 +185,6 @@ class ServerEvaluator:
             self._preference = PreferenceEvaluator(None, self.pairs, model=self.base.model,
                                                    tokenizer=self.base.tokenizer).report()
         return self._preference
-
-
-SCORING_METRICS = ("loss", "exact-match")
 
 
 def check_metric(metric: str, *, pairs: bool, packed: bool) -> None:

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
+from zoo_gym.evaluation.scoring_metrics import SCORING_METRICS  # noqa: F401  (server.config checks --scoring-metric by it)
+
 from .errors import ConfigError, ScoringInputError
 from .marginal import CachedValue, MarginalEstimate, SubsetLoss, gtg_shapley, leave_one_out
 

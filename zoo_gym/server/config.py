@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 from zoo_gym.aggregation import SoupConfig
 from zoo_gym.rewards import ScoringConfig, SettlementConfig
+from zoo_gym.rewards.scoring import SCORING_METRICS
 from zoo_gym.settings import SettingError, collect, leaves, norm_key, resolve
 from zoo_gym.settings_file import SettingsFileError, read_settings_file
 
@@ -73,8 +74,9 @@ class RewardsSettings:
     def __post_init__(self) -> None:
         if self.scoring_method not in ("first-order", "exact"):
             raise ConfigError("`scoring_method` must be 'first-order' (one gradient, default) or 'exact'")
-        if self.scoring_metric not in ("loss", "exact-match"):
-            raise ConfigError(f"`scoring_metric` must be 'loss' or 'exact-match', got {self.scoring_metric!r}")
+        if self.scoring_metric not in SCORING_METRICS:
+            raise ConfigError(f"`scoring_metric` must be one of {', '.join(SCORING_METRICS)}, "
+                              f"got {self.scoring_metric!r}")
         if self.scoring_metric == "exact-match" and self.scoring_method != "exact":
             raise ConfigError("`scoring_metric` exact-match needs `scoring_method` exact (a share of exact answers "
                               "has no gradient): add --scoring-method exact")

@@ -2,7 +2,8 @@
 
 One pass per published base serves both the held-out loss and rewards scoring: `Evaluators.measure_published`
 builds the next round's evaluator, whose `heldout_loss()` takes the scoring set's part of the loss from the
-forward pass of the scoring gradient (scoring then costs only its backward); `Evaluators.for_base` hands it
+forward pass of the scoring gradient (scoring then costs only its backward; with exact scoring and a rule that
+weighs by no reference direction nothing reads a gradient, and none is computed); `Evaluators.for_base` hands it
 to the next round (recognised by its weights' sha256). The first base after a start has no such pass: the round
 manager runs it (`Evaluators.prepare`) while that round waits for submissions. The validation set is read by
 `server/genesis.py` (the server's one door to gym_train's data formats); the evaluation is zoo_gym.evaluation's.
@@ -28,6 +29,9 @@ class Evaluators:
     def __init__(self, state: ServerState, config: ServerConfig) -> None:
         self.state, self.config = state, config
         self.dtype = compute_dtype(config.evaluation_dtype)
+        # the base's gradient is read only by first-order scoring and a rule that weighs by the descent direction:
+        # otherwise no backward is run for it (the held-out loss is measured without one)
+        self.needs_gradient = config.rewards.scoring_method == "first-order" or config.soup.rule.needs_reference
         self._current: dict[str, ServerEvaluator] = {}
         self._prepared: dict[str, ServerEvaluator] = {}  # weights sha256 -> evaluator built when it was published
 
@@ -49,7 +53,8 @@ class Evaluators:
             else:
                 self._current[base_sha256] = ServerEvaluator(
                     base_dir, examples, spill_dir=self.state.work_dir, weights=weights, dtype=self.dtype,
-                    scoring_examples=self.config.rewards.scoring_examples, metric=self.config.rewards.scoring_metric)
+                    scoring_examples=self.config.rewards.scoring_examples, metric=self.config.rewards.scoring_metric,
+                    heldout_from_gradient=self.needs_gradient)
         return self._current[base_sha256]
 
     def prepare(self, base_sha256: str, *, heldout: bool) -> list[str]:
@@ -61,7 +66,7 @@ class Evaluators:
         if evaluator is None or evaluator.released:
             return []
         done = [] if any(evaluator is k for k in known) else ["evaluator"]
-        if not evaluator.has_gradient:
+        if self.needs_gradient and not evaluator.has_gradient:
             evaluator.gradient()
             done.append("scoring gradient")
         if heldout and not evaluator.has_heldout:
@@ -82,7 +87,7 @@ class Evaluators:
         weights = weights or WeightsFile(Path(model_dir) / archive.WEIGHTS)
         nxt = ServerEvaluator(Path(model_dir), evaluator.examples, scoring_examples=len(evaluator.scoring_set),
                               spill_dir=evaluator.spill_dir, weights=weights, dtype=self.dtype,
-                              metric=evaluator.metric)
+                              metric=evaluator.metric, heldout_from_gradient=self.needs_gradient)
         loss = nxt.heldout_loss()
         nxt.preference_report()  # with pairs: measured now, the next round's "before" then costs nothing
         self._prepared[checkpoint_sha256 or weights.sha256()] = nxt

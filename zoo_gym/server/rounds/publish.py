@@ -321,7 +321,8 @@ def settle(state: ServerState, config: ServerConfig, job: RoundJob, streams: Str
         streams.evaluator.release_gradient()  # the slopes are taken: keep its loss and norm, free the tensors
     plan, rewards_summary = plan_rewards(state, config, job.rnd, streams.source, report, streams.evaluator,
                                          reputations=job.reputations,
-                                         payloads=[(sub.base_sha256, sub.payload_sha256) for sub in job.subs])
+                                         payloads=[(sub.base_sha256, sub.payload_sha256) for sub in job.subs],
+                                         dp_clip=job.inputs.dp_clip)
     if job.flush.adjusts_pay and plan is not None:
         plan = job.flush.payouts(plan, pool=plan.pool)
         rewards_summary["payouts"] = [asdict(p) for p in plan.payouts]

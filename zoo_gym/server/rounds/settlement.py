@@ -14,7 +14,6 @@ copy of an earlier submission is paid nothing. docs/design/rewards-settlement.md
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, replace
@@ -100,13 +99,14 @@ def reference_for(config: ServerConfig, evaluator):
 
 
 def plan_rewards(state: ServerState, config: ServerConfig, rnd, source, report, evaluator, *,
-                 reputations: Mapping[str, float], payloads: list[tuple[str, str]] | None = None
-                 ) -> tuple[SettlementPlan | None, dict]:
+                 reputations: Mapping[str, float], payloads: list[tuple[str, str]] | None = None,
+                 dp_clip: float | None = None) -> tuple[SettlementPlan | None, dict]:
     """Score every submission of the round and plan its payouts; writes nothing.
 
     `source` is the DeltaSource the aggregation read (a SlopeTap in first-order mode); `reputations` are
     those recorded when the round closed; `payloads` each submission's (base sha256, payload sha256) in their
-    order (a byte-identical copy of an earlier submission against the same base is paid nothing). Returns the plan (None without a
+    order (a byte-identical copy of an earlier submission against the same base is paid nothing); `dp_clip` the
+    clip norm the round's release used (adapted since `--dp-clip`). Returns the plan (None without a
     validation set) and a JSON-able summary for the round's report. `record_settlement` writes the plan
     with the publish.
     """
@@ -146,7 +146,7 @@ def plan_rewards(state: ServerState, config: ServerConfig, rnd, source, report, 
         by_rule = None
         if config.rewards.scoring_subsets == "rule":
             by_rule = RuleSubsets(config, source, aggregation_weights(config, ids, reputations),
-                                  reference_for(config, evaluator), payloads)
+                                  reference_for(config, evaluator), payloads, dp_clip=dp_clip)
         scores, base_loss = _exact_scores(ids, source, scales, used, weights, diagnostics, scoring, evaluator,
                                           solo_delta, by_rule)
         method = "exact" if by_rule is None else "exact, subsets by the round's rule"
@@ -244,9 +244,10 @@ class RuleSubsets:
     leaves the content out (a copier cannot zero its author's leave-one-out value) and a copy adds nothing."""
 
     def __init__(self, config: ServerConfig, source, weights: torch.Tensor | None, reference,
-                 payloads: list[tuple[str, str]] | None) -> None:
-        self.soup = dataclasses.replace(config.soup, dp_noise_multiplier=0.0, dp_target_epsilon=None,
-                                        dp_adaptive_clip=False, min_contributors=1)
+                 payloads: list[tuple[str, str]] | None, *, dp_clip: float | None = None) -> None:
+        self.dp_clip = dp_clip  # the clip the release used (adaptive clipping moves it from the configured one)
+        self.soup = replace(config.soup, dp_noise_multiplier=0.0, dp_target_epsilon=None,
+                            dp_adaptive_clip=False, min_contributors=1)
         self.source, self.weights, self.reference = source, weights, reference
         keys = payloads if payloads and len(payloads) == len(source.contributors) else []
         self.later_copies = {j for j, key in enumerate(keys) if key in keys[:j]}
@@ -265,7 +266,7 @@ class RuleSubsets:
         sub = SubsetSource(self.source, members)
         w = self.weights[members] if self.weights is not None else None
         try:
-            DeltaSoup(self.soup).run(sub, lambda name, t: out.__setitem__(name, t.reshape(sub.shape(name)).clone()),
+            DeltaSoup(self.soup, dp_clip=self.dp_clip).run(sub, lambda name, t: out.__setitem__(name, t.reshape(sub.shape(name)).clone()),
                                      weights=w, reference=self.reference, generator=torch.Generator().manual_seed(0))
         except (AggregationError, SoupConfigError):
             return None
