@@ -26,9 +26,12 @@ Protocol (also in the JSON under "protocol"):
   * Pay (round 1): n honest, two with partly wrong labels, and free riders (a zero delta, a random delta of
     the honest RMS, a copy of contributor 0). Pay: what a real gym-server pays (its report's scores and method),
     scoring on --pay-scoring (exact-match: the 0-1 loss of greedy answers on its --pay-server-n validation items;
-    loss: their completion loss), subsets by --pay-subsets (mean or the round's rule), marginal --pay-marginal. Ground truth: each one's leave-one-out gain in exact match on --pay-eval-n other
-    held-out items (none of its --pay-server-n), in the round the server ran (what it refused left out); a delta's
-    content leaves with its byte copies, a copy owns none. Spearman of pay against the ground truth.
+    loss: their completion loss), subsets by --pay-subsets (mean or the round's rule), marginal --pay-marginal.
+    Ground truth: each one's leave-one-out gain in exact match on --pay-eval-n items no contributor of the round
+    trained on (train split, a prefix of the task's draw as the server's validation set is; the validation split's
+    leftover is not: 80% sums against the server's 55%, and contributors specialise by operation), in the round
+    the server ran (what it refused left out); a delta's content leaves with its byte copies, a copy owns none.
+    Spearman of pay against the ground truth.
   * Published precision: the final master rounded to bf16 (what a bf16 base publishes) against the float32
     master, in exact match. A float32 base (this one) publishes the master itself.
 Prints the JSON document; writes it unless --no-write.
@@ -83,7 +86,7 @@ class Bench:
     lora_r: int = 16
     lora_freeze_a: bool = True  # FFA-LoRA (gym-client --lora-freeze-a); plain LoRA: --no-lora-freeze-a
     eval_n: int = 100
-    pay_eval_n: int = 1000  # held-out items of the pay part's leave-one-out ground truth (none of the server's)
+    pay_eval_n: int = 2000  # items of the pay part's leave-one-out ground truth (no contributor trained on them)
     pay_server_n: int = 1000  # the pay part's server: validation items (the first of the held-out draw eval_n uses)
     pay_scoring: str = "exact-match"  # ... what it scores on (gym-server --scoring-metric)
     pay_subsets: str = "rule"  # ... how it forms a subset's aggregate (--scoring-subsets)
@@ -323,12 +326,15 @@ def run_pay(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple], wor
         kinds.append(kind)
     uploads.append(uploads[0])
     kinds.append("free_rider_copy")
-    return pay_against_truth(cfg, ck, judge, uploads, kinds, work)
+    trained = {e["instruction"] for i in range(cfg.contributors) for e in shard_examples(cfg, i, 1)}
+    trained |= {e["instruction"] for j in range(2) for e in shard_examples(cfg, j, 100 + j)}
+    return pay_against_truth(cfg, ck, judge, uploads, kinds, work, trained=trained)
 
 
 def pay_against_truth(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple], kinds: list[str],
-                      work: pathlib.Path) -> dict:
-    """What a real server pays each upload of one round, against each one's leave-one-out gain in that round."""
+                      work: pathlib.Path, *, trained: set[str]) -> dict:
+    """What a real server pays each upload of one round, against each one's leave-one-out gain in that round
+    (`trained`: the questions its contributors trained on, which the ground truth leaves out)."""
     t = time.time()
     validation = builtin_examples(cfg.task, split="validation", n=cfg.pay_server_n, seed=0)
     exact = cfg.pay_scoring == "exact-match" or cfg.pay_subsets == "rule"
@@ -339,7 +345,7 @@ def pay_against_truth(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[t
                                                   flags=flags)
     log(f"pay: the server's round published in {time.time() - t:.0f} s; amounts {amounts}")
     loo, acc_all, check = leave_one_out(cfg, ck, judge, uploads, kinds, accepted=[r is None for r in refused],
-                                        server=validation)
+                                        trained=trained)
     riders = [a for a, k in zip(amounts, kinds) if k.startswith("free_rider")]
     return {"contributors": [{"kind": k, "loo_exact_match_gain": g, "paid": a, "score": s.get("score"),
                               "reason": s.get("reason") or r}
@@ -350,25 +356,17 @@ def pay_against_truth(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[t
             "server_round_s": time.time() - t}
 
 
-def held_out_pool(task: str, n: int) -> list[dict]:
-    """Up to `n` distinct held-out questions (seed 1): fewer when the validation split holds fewer."""
-    while True:
-        try:
-            return builtin_examples(task, split="validation", n=n, seed=1)
-        except ValueError:  # the split is smaller: take 95% as many
-            n = int(n * 0.95)
-
-
 def leave_one_out(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple], kinds: list[str], *,
-                  accepted: list[bool], server: list[dict]) -> tuple[list[float], float, dict]:
-    """Each submission's leave-one-out gain in exact match on `pay_eval_n` held-out items that are not the
-    server's, under the default rule, in the round the server ran (`accepted`: a refused upload is in no
-    aggregate, its gain 0). A delta's content leaves with all its byte copies; a copy of an earlier submission
-    owns none of it (its gain is 0: removing it alone changes nothing). Exact match is taken from one forward
-    pass (`packed_misses`: greedy decoding's answers); `check` compares it with generation on 100 items."""
-    theirs = {ex["instruction"] for ex in server}
-    truth = [ex for ex in held_out_pool(cfg.task, cfg.pay_eval_n + len(server)) if ex["instruction"] not in theirs]
-    truth = truth[:cfg.pay_eval_n]
+                  accepted: list[bool], trained: set[str]) -> tuple[list[float], float, dict]:
+    """Each submission's leave-one-out gain in exact match on `pay_eval_n` items of the train split that no
+    contributor of the round trained on (`trained`), under the default rule, in the round the server ran
+    (`accepted`: a refused upload is in no aggregate, its gain 0). They are the first of one draw of the task, as
+    the server's validation set is: the same mix of questions. A delta's content leaves with all its byte copies;
+    a copy of an earlier submission owns none of it (its gain is 0: removing it alone changes nothing). Exact
+    match is taken from one forward pass (`packed_misses`: greedy decoding's answers); `check` compares it with
+    generation on 100 items."""
+    draw = builtin_examples(cfg.task, split="train", n=cfg.pay_eval_n + len(trained), seed=77)
+    truth = [ex for ex in draw if ex["instruction"] not in trained][:cfg.pay_eval_n]
     deltas = [d for _, d in uploads]
     shas = [hashlib.sha256(p).hexdigest() for p, _ in uploads]
     everyone = plus(ck.base, step([d for d, ok in zip(deltas, accepted) if ok]))
