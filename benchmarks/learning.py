@@ -31,7 +31,8 @@ Protocol (also in the JSON under "protocol"):
     trained on (train split, a prefix of the task's draw as the server's validation set is; the validation split's
     leftover is not: 80% sums against the server's 55%, and contributors specialise by operation), in the round
     the server ran (what it refused left out); a delta's content leaves with its byte copies, a copy owns none.
-    Spearman of pay against the ground truth.
+    Each gain comes with its standard error over questions (the paired difference's). Spearman of pay against the
+    ground truth.
   * Published precision: the final master rounded to bf16 (what a bf16 base publishes) against the float32
     master, in exact match. A float32 base (this one) publishes the master itself.
 Prints the JSON document; writes it unless --no-write.
@@ -166,6 +167,10 @@ class Judge:
 
     def accuracy_tf(self, state: dict[str, torch.Tensor], examples: list[dict]) -> float:
         """Greedy exact match on `examples` from one packed forward pass (`PackedScoringSet.zero_one_loss`)."""
+        return float(self.correct_tf(state, examples).float().mean())
+
+    def correct_tf(self, state: dict[str, torch.Tensor], examples: list[dict]) -> torch.Tensor:
+        """(len(examples),) bool: which of `examples` greedy decoding answers exactly (`packed_misses`, one pass)."""
         from zoo_gym.evaluation.evaluate import tokenize_examples
         from zoo_gym.evaluation.packing import PackedScoringSet
         from zoo_gym.evaluation.server_evaluator import through_first
@@ -175,7 +180,7 @@ class Judge:
             pairs = [(p, through_first(c, self.tok.eos_token_id)) for p, c in tokenize_examples(self.tok, examples)]
             self._packed[key] = (examples, PackedScoringSet(self.model, pairs, pad_id=self.tok.pad_token_id or 0))
         self._load(state)
-        return 1.0 - self._packed[key][1].zero_one_loss()
+        return ~self._packed[key][1].misses()
 
     def measure(self, state: dict[str, torch.Tensor]) -> dict:
         acc, answers = self.accuracy(state)
@@ -347,9 +352,10 @@ def pay_against_truth(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[t
     loo, acc_all, check = leave_one_out(cfg, ck, judge, uploads, kinds, accepted=[r is None for r in refused],
                                         trained=trained)
     riders = [a for a, k in zip(amounts, kinds) if k.startswith("free_rider")]
-    return {"contributors": [{"kind": k, "loo_exact_match_gain": g, "paid": a, "score": s.get("score"),
-                              "reason": s.get("reason") or r}
-                             for k, g, a, s, r in zip(kinds, loo, amounts, scores, refused)],
+    se = check.pop("loo_standard_error")
+    return {"contributors": [{"kind": k, "loo_exact_match_gain": g, "loo_standard_error": e, "paid": a,
+                              "score": s.get("score"), "reason": s.get("reason") or r}
+                             for k, g, e, a, s, r in zip(kinds, loo, se, amounts, scores, refused)],
             "server_flags": flags, "scoring_method": method, "server_validation_items": len(validation),
             "ground_truth_items": check["truth_items"], "ground_truth_greedy_check": check, "exact_match_all": acc_all,
             "spearman": spearman(loo, [float(a) for a in amounts]), "free_rider_pay_max": max(riders),
@@ -370,17 +376,22 @@ def leave_one_out(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple
     deltas = [d for _, d in uploads]
     shas = [hashlib.sha256(p).hexdigest() for p, _ in uploads]
     everyone = plus(ck.base, step([d for d, ok in zip(deltas, accepted) if ok]))
-    acc_all = judge.accuracy_tf(everyone, truth)
+    right_all = judge.correct_tf(everyone, truth)
+    acc_all = float(right_all.float().mean())
     greedy, _ = judge.accuracy(everyone, truth[:100])
     check = {"truth_items": len(truth), "items": len(truth[:100]), "greedy": greedy, "one_pass": judge.accuracy_tf(everyone, truth[:100])}
-    loo = []
+    loo, check["loo_standard_error"] = [], []
     for i in range(len(deltas)):
         if not accepted[i] or shas[i] in shas[:i]:
             loo.append(0.0)
+            check["loo_standard_error"].append(0.0)
             continue
         without = plus(ck.base, step([d for d, sha, ok in zip(deltas, shas, accepted) if ok and sha != shas[i]]))
-        loo.append(acc_all - judge.accuracy_tf(without, truth))
-        log(f"pay: leave-one-out {kinds[i]} {i}: gain {loo[-1]:+.4f}")
+        diff = right_all.float() - judge.correct_tf(without, truth).float()  # per question: +1 it helped, -1 hurt
+        loo.append(float(diff.mean()))
+        # the paired difference's standard error over questions: how far another draw of them could move the gain
+        check["loo_standard_error"].append(float(diff.std() / len(truth) ** 0.5))
+        log(f"pay: leave-one-out {kinds[i]} {i}: gain {loo[-1]:+.4f} (standard error {check['loo_standard_error'][-1]:.4f})")
     return loo, acc_all, check
 
 

@@ -45,8 +45,11 @@ class PackedScoringSet:
         """Share of the examples whose greedy completion under base + ``scale * delta`` is not their reference
         (``packed_misses``: 1 - greedy exact match, from one forward pass). Always in float32, the base too: a
         bf16 base would flip near-tied answers that base + delta, computed in float32, does not."""
-        misses = self._with_delta(lambda: packed_misses(self.model, self.batch), delta, scale, float32=True)
-        return float(misses.float().mean())
+        return float(self.misses(delta, scale=scale).float().mean())
+
+    def misses(self, delta: Mapping[str, Tensor] | None = None, *, scale: float = 1.0) -> Tensor:
+        """(examples,) bool, in the pairs' order: which greedy completions are not their reference (float32)."""
+        return self._with_delta(lambda: packed_misses(self.model, self.batch), delta, scale, float32=True)
 
     def _with_delta(self, compute, delta: Mapping[str, Tensor] | None, scale: float, *, float32: bool = False):
         """``compute()`` with ``scale * delta`` added to the weights, the original weights restored after.
