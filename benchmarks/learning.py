@@ -348,7 +348,8 @@ def pay_against_truth(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[t
              "scoring_examples": len(validation), "validation_examples": len(validation)}
     amounts, scores, refused, method = server_pay(ck.base_dir, work / "pay", validation, [p for p, _ in uploads],
                                                   flags=flags)
-    log(f"pay: the server's round published in {time.time() - t:.0f} s; amounts {amounts}")
+    server_s = time.time() - t
+    log(f"pay: the server's round published in {server_s:.0f} s; amounts {amounts}")
     loo, acc_all, check = leave_one_out(cfg, ck, judge, uploads, kinds, accepted=[r is None for r in refused],
                                         trained=trained)
     riders = [a for a, k in zip(amounts, kinds) if k.startswith("free_rider")]
@@ -359,7 +360,7 @@ def pay_against_truth(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[t
             "server_flags": flags, "scoring_method": method, "server_validation_items": len(validation),
             "ground_truth_items": check["truth_items"], "ground_truth_greedy_check": check, "exact_match_all": acc_all,
             "spearman": spearman(loo, [float(a) for a in amounts]), "free_rider_pay_max": max(riders),
-            "server_round_s": time.time() - t}
+            "server_round_s": server_s, "with_ground_truth_s": time.time() - t}
 
 
 def leave_one_out(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple], kinds: list[str], *,

@@ -155,13 +155,10 @@ class ServerEvaluator:
         The scoring set's part comes from the forward pass of `gradient()` (computed and cached
         here: the held-out loss needs that forward anyway, so scoring adds only the backward);
         the other examples are evaluated without gradients. With preference pairs the scoring gradient is
-        of another loss: the held-out loss is measured on `loss_examples` alone (no gradient). Measured once.
+        of another loss, and with `heldout_from_gradient` False none is read: then the held-out loss is measured
+        on `loss_examples` alone (no gradient). Measured once.
         """
-        if self.pairs and self._heldout is None:
-            with computing(self.base.model, self.dtype):
-                total, count = _loss_sum(self.base.model, self.base.tokenizer, self.loss_examples)
-            self._heldout = total / max(count, 1)
-        if self._heldout is None and self._gradient is None and not self.heldout_from_gradient:
+        if self._heldout is None and (self.pairs or (self._gradient is None and not self.heldout_from_gradient)):
             with computing(self.base.model, self.dtype):
                 total, count = _loss_sum(self.base.model, self.base.tokenizer, self.loss_examples)
             self._heldout = total / max(count, 1)
