@@ -23,16 +23,17 @@ Protocol (also in the JSON under "protocol"):
   * Attacks (round 1, no extra training): 20% of the n submissions replaced by a crafted delta (sign flip x4,
     ALIE, IPM, scaling x10; benchmarks/attacks.py) built from the honest ones; the default rule merges them;
     the share of the clean round-1 gain in exact match kept (accuracy_gain_share).
-  * Pay (round 1): n honest, two with partly wrong labels, and free riders (a zero delta, a random delta of
-    the honest RMS, a copy of contributor 0). Pay: what a real gym-server pays (its report's scores and method),
+  * Pay (round 1): n honest, two with partly wrong labels, one with a third of the data, and free riders (a
+    zero delta, a random delta of the honest RMS, a copy of contributor 0). Pay: what a real gym-server pays (its report's scores and method),
     scoring on --pay-scoring (exact-match: the 0-1 loss of greedy answers on its --pay-server-n validation items;
     loss: their completion loss), subsets by --pay-subsets (mean or the round's rule), marginal --pay-marginal.
     Ground truth: each one's leave-one-out gain in exact match on --pay-eval-n items no contributor of the round
     trained on (train split, a prefix of the task's draw as the server's validation set is; the validation split's
     leftover is not: 80% sums against the server's 55%, and contributors specialise by operation), in the round
     the server ran (what it refused left out); a delta's content leaves with its byte copies, a copy owns none.
-    Each gain comes with its standard error over questions (the paired difference's). Spearman of pay against the
-    ground truth.
+    Each gain comes with its standard error over questions (the paired difference's). Spearman of pay (and of
+    the server's marginals) against the ground truth; the truth's split-half Spearman (gains on its even
+    questions against its odd ones) says how much of the ranking is above the questions' noise.
   * Published precision: the final master rounded to bf16 (what a bf16 base publishes) against the float32
     master, in exact match. A float32 base (this one) publishes the master itself.
 Prints the JSON document; writes it unless --no-write.
@@ -53,7 +54,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -321,6 +322,10 @@ def run_pay(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple], wor
         uploads.append(contributor_upload(ckpt, exs, cfg))
         kinds.append(f"wrong_labels_{int(noise * 100)}pct")
         log(f"pay: contributor with {noise:.0%} wrong labels trained")
+    few = replace(cfg, steps=max(1, cfg.steps // 3))  # a third of the data: it helps, less
+    uploads.append(contributor_upload(ckpt, shard_examples(few, 2, 102), few))
+    kinds.append("honest_third_of_the_data")
+    log("pay: contributor with a third of the data trained")
     like = uploads[0][1]
     rms = float(torch.cat([d.reshape(-1) for d in like.values()]).pow(2).mean().sqrt())
     gen = torch.Generator().manual_seed(cfg.seed + 7)
@@ -333,6 +338,7 @@ def run_pay(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple], wor
     kinds.append("free_rider_copy")
     trained = {e["instruction"] for i in range(cfg.contributors) for e in shard_examples(cfg, i, 1)}
     trained |= {e["instruction"] for j in range(2) for e in shard_examples(cfg, j, 100 + j)}
+    trained |= {e["instruction"] for e in shard_examples(few, 2, 102)}
     return pay_against_truth(cfg, ck, judge, uploads, kinds, work, trained=trained)
 
 
@@ -354,12 +360,15 @@ def pay_against_truth(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[t
                                         trained=trained)
     riders = [a for a, k in zip(amounts, kinds) if k.startswith("free_rider")]
     se = check.pop("loo_standard_error")
+    marginals = [s.get("marginal") for s in scores]
+    marginals = [m if isinstance(m, float) and math.isfinite(m) else 0.0 for m in marginals]
     return {"contributors": [{"kind": k, "loo_exact_match_gain": g, "loo_standard_error": e, "paid": a,
                               "score": s.get("score"), "reason": s.get("reason") or r}
                              for k, g, e, a, s, r in zip(kinds, loo, se, amounts, scores, refused)],
             "server_flags": flags, "scoring_method": method, "server_validation_items": len(validation),
             "ground_truth_items": check["truth_items"], "ground_truth_greedy_check": check, "exact_match_all": acc_all,
             "spearman": spearman(loo, [float(a) for a in amounts]), "free_rider_pay_max": max(riders),
+            "marginal_spearman": spearman(loo, marginals),
             "server_round_s": server_s, "with_ground_truth_s": time.time() - t}
 
 
@@ -381,18 +390,25 @@ def leave_one_out(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple
     acc_all = float(right_all.float().mean())
     greedy, _ = judge.accuracy(everyone, truth[:100])
     check = {"truth_items": len(truth), "items": len(truth[:100]), "greedy": greedy, "one_pass": judge.accuracy_tf(everyone, truth[:100])}
-    loo, check["loo_standard_error"] = [], []
+    loo, check["loo_standard_error"], halves = [], [], ([], [])
     for i in range(len(deltas)):
         if not accepted[i] or shas[i] in shas[:i]:
             loo.append(0.0)
             check["loo_standard_error"].append(0.0)
+            halves[0].append(0.0)
+            halves[1].append(0.0)
             continue
         without = plus(ck.base, step([d for d, sha, ok in zip(deltas, shas, accepted) if ok and sha != shas[i]]))
         diff = right_all.float() - judge.correct_tf(without, truth).float()  # per question: +1 it helped, -1 hurt
         loo.append(float(diff.mean()))
         # the paired difference's standard error over questions: how far another draw of them could move the gain
         check["loo_standard_error"].append(float(diff.std() / len(truth) ** 0.5))
+        halves[0].append(float(diff[0::2].mean()))
+        halves[1].append(float(diff[1::2].mean()))
         log(f"pay: leave-one-out {kinds[i]} {i}: gain {loo[-1]:+.4f} (standard error {check['loo_standard_error'][-1]:.4f})")
+    # How far the truth itself is from noise: the gains on the even questions ranked against those on the odd
+    # ones. No pay can rank with the truth much better than the truth ranks with another draw of its questions.
+    check["split_half_spearman"] = spearman(*halves)
     return loo, acc_all, check
 
 

@@ -87,7 +87,7 @@ def server_pay(base_dir: pathlib.Path, work: pathlib.Path, validation: list[dict
     state, server, port, rounds = _serve(base_dir, work, validation, nonzero, flags)
     try:
         ids, refused = _submit_all(port, payloads)
-        report = _wait_report(state, 1, timeout=3600)
+        report = _wait_report(state, 1, timeout=7200)
     finally:
         server.stop(grace=None)
         rounds.stop()
