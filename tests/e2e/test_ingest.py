@@ -6,7 +6,8 @@ round; every address signs the same RoundInfo. One ingest process SIGKILLed afte
 upload in flight and a join process's upload still to come: every acknowledged submission is in the published
 round, the half-written upload is not, and the killed process's clients go on at the other address. A
 submission waiting for the database's advisory write lock while the round closes is refused and stores nothing.
-The refusals (SQLite, an uninitialised directory, no serve yet, a round setting other than serve's) are one line.
+Ingest A serves its own /metrics, which count what it took. The refusals (SQLite, an uninitialised directory, no
+serve yet, a round setting other than serve's) are one line.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import ssl
 import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -24,6 +28,7 @@ import pytest
 import torch
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from prometheus_client.parser import text_string_to_metric_families
 from safetensors import safe_open
 
 from e2e_processes import ENV, client, server_cmd, status, stop, tls_server, wait_for
@@ -81,14 +86,30 @@ def federation(tmp_path, new_database):
     state_dir, serve, port = tls_server(tmp_path, CONFIG.format(n=4), db=db)
     procs = [serve]
     try:
-        a, port_a = _ingest(tmp_path, "ingest-a", state_dir, db)
+        dash_a = _free_port()
+        a, port_a = _ingest(tmp_path, "ingest-a", state_dir, db, "--dashboard-port", str(dash_a))
         procs.append(a)
         b, port_b = _ingest(tmp_path, "ingest-b", state_dir, db)
         procs.append(b)
         yield {"root": tmp_path, "state_dir": state_dir, "db": db, "serve": (serve, port), "a": (a, port_a),
-               "b": (b, port_b), "ca": str(tmp_path / "tls" / "ca.pem"), "procs": procs}
+               "b": (b, port_b), "ca": str(tmp_path / "tls" / "ca.pem"), "procs": procs, "dash_a": dash_a}
     finally:
         stop(procs)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _metrics(port: int, ca: str) -> dict[tuple[str, tuple], float]:
+    """An ingest process's /metrics (its dashboard is on TLS with the federation's certificate), parsed."""
+    context = ssl.create_default_context(cafile=ca)
+    with urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", timeout=30, context=context) as r:
+        text = r.read().decode()
+    return {(x.name, tuple(sorted(x.labels.items()))): x.value
+            for family in text_string_to_metric_families(text) for x in family.samples}
 
 
 def _payload(seed: int) -> bytes:
@@ -163,6 +184,10 @@ def test_two_ingest_processes_take_a_round_that_serve_publishes(federation):
     assert _round_one(state_dir)["checkpoints"][-1]["round"] == 1
     took = {x: (root / f"ingest-{x}.log").read_text().count("submission accepted") for x in ("a", "b")}
     assert took == {"a": 2, "b": 2}
+    m = _metrics(federation["dash_a"], federation["ca"])  # ingest A's own /metrics counts what A took
+    assert m[("zoo_gym_submissions_accepted_total", ())] == 2
+    assert m[("zoo_gym_rpcs_total", (("code", "OK"), ("method", "SubmitDelta")))] == 2
+    assert m[("zoo_gym_received_bytes_total", ())] > 0 and m[("process_resident_memory_bytes", ())] > 0
     for i, name in enumerate(names):
         log = (root / name / "client.log").read_text()
         assert f"registered at {(addr_a, addr_b)[i % 2]}" in log

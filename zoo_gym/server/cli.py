@@ -227,7 +227,8 @@ def ingest(
     and publishes the rounds, seeing these submissions within a second. The round settings (mode, rule,
     privacy, limits that RoundInfo signs) are serve's, read from STATE_DIR/serve.json, so start serve first;
     the settings below are this process's own. Run several, each on its own --host/--port, and give
-    contributors every address: gym-client join --server A,B,C. Refuses SQLite."""
+    contributors every address: gym-client join --server A,B,C. --dashboard-port serves the dashboard and
+    this process's own /metrics. Refuses SQLite."""
     import os
 
     from zoo_gym.server.config import ingest_config
@@ -243,15 +244,21 @@ def ingest(
         from zoo_gym.server.logging_setup import announce, configure_logging
 
         configure_logging(level=cfg.log_level, fmt=cfg.log_format)
-        server, bound, _metrics = build_ingest_server(state, settings)  # refuses a port another process listens on
+        server, bound, metrics = build_ingest_server(state, settings)  # refuses a port another process listens on
+        dashboard = _dashboard(state, cfg, registry=metrics.registry) if cfg.dashboard_port else None
     server.start()
     if port_file:
         with _one_line_errors():
             port_file.write_text(f"{bound}\n")
     announce(f"gym-server ingest listening on {cfg.host}:{bound} (state {state_dir}, {cfg.mode} rounds run by its "
              "gym-server serve)", port=bound)
+    if dashboard is not None:  # the shared state's pages, and this process's own /metrics
+        dashboard.start()
+        announce(f"dashboard at {dashboard.url} (this process's metrics at {dashboard.url}metrics)", url=dashboard.url)
     _wait_for_stop()
     announce("gym-server ingest stopping")
+    if dashboard is not None:
+        dashboard.stop()
     server.stop(grace=5).wait()
     state.engine.dispose()
 

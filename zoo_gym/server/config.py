@@ -433,8 +433,9 @@ INGEST_SETTINGS = ("host", "port", "ssl_certfile", "ssl_keyfile", "ssl_ca_certfi
                    "max_pending_headers", "max_pending_headers_per_peer", "header_timeout", "query_workers",
                    "max_downloads", "download_idle_timeout", "upload_idle_timeout", "upload_min_bytes_per_s",
                    "register_rate_per_peer", "register_burst_per_peer", "register_rate_global",
-                   "register_burst_global", "log_level", "log_format")
-_NOT_INGEST = {"dashboard_port": 0, "dashboard_token_file": None, "aggregation_engine": "local", "ray_address": None}
+                   "register_burst_global", "log_level", "log_format", "dashboard_port", "dashboard_host",
+                   "dashboard_token_file")  # an ingest process's dashboard serves its own /metrics
+_NOT_INGEST = {"aggregation_engine": "local", "ray_address": None}
 
 
 def ingest_leaves() -> list:
@@ -447,7 +448,7 @@ def ingest_config(recorded: Mapping[str, Any], file_values: Mapping[str, Any] | 
     """An ingest process's settings: `recorded` (serve's, every key) but INGEST_SETTINGS, which come from the
     flags, the environment and the file as build_config orders them (else their defaults). Any other key set
     here to another value than serve's is a ConfigError naming it (the same --config as serve's passes);
-    serve's dashboard and Ray engine are not the ingest process's to check."""
+    serve's Ray engine is not the ingest process's to check."""
     given: dict[str, Any] = {}
     try:
         for layer in collect(ServerConfig, file_values=file_values, environ=environ, flags=flags):
