@@ -334,6 +334,40 @@ def test_a_submission_waiting_for_the_write_lock_is_refused_once_the_round_close
         stop([ingest])
 
 
+def test_the_server_wide_registration_limit_holds_across_ingest_processes(tmp_path, new_database):
+    """serve allows 2 uninvited new keys in any 4 minutes. Before, each ingest process kept its own bucket, so
+    two addresses let in twice that; now the third new key is refused at either address, nothing of it stored,
+    and a key already registered still passes."""
+    import psycopg
+
+    db = new_database("postgresql")
+    config = CONFIG.format(n=4) + "register_burst_global = 2\nregister_rate_global = 0.5\n"
+    state_dir, serve, _ = tls_server(tmp_path, config, db=db)
+    procs = [serve]
+    stubs = []
+    try:
+        for name in ("a", "b"):
+            proc, port = _ingest(tmp_path, f"ingest-{name}", state_dir, db)
+            procs.append(proc)
+            stubs.append(open_stub(f"127.0.0.1:{port}", root_certificates=str(tmp_path / "tls" / "ca.pem")))
+        (_, a), (_, b) = stubs
+        first = Ed25519PrivateKey.generate()
+        assert a.Register(register_request(first, "one"), timeout=30).created
+        assert b.Register(register_request(Ed25519PrivateKey.generate(), "two"), timeout=30).created
+        with pytest.raises(grpc.RpcError) as refused:
+            a.Register(register_request(Ed25519PrivateKey.generate(), "three"), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "(all its addresses): try again in" in refused.value.details()
+        again = b.Register(register_request(first, "one"), timeout=30)  # a known key is never limited
+        assert not again.created and again.contributor_id
+        with psycopg.connect(db) as conn:
+            assert conn.execute("SELECT count(*) FROM contributor").fetchone()[0] == 2
+    finally:
+        for channel, _ in stubs:
+            channel.close()
+        stop(procs)
+
+
 def _close_round_one(state_dir: Path, db: str) -> None:
     from zoo_gym.server.store.models import Round, RoundState
     from zoo_gym.server.store.state import open_state

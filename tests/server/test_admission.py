@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import datetime, timedelta, timezone
 
 import grpc
 import pytest
@@ -13,7 +14,7 @@ from typer.testing import CliRunner
 
 from zoo_gym.client.upload import register_request
 from zoo_gym.proto import gym_pb2
-from zoo_gym.server.transport.admission import RegistrationLimiter, make_invites, peer_address
+from zoo_gym.server.transport.admission import RegistrationLimiter, make_invites, peer_address, shared_wait
 from zoo_gym.server.cli import app as server_app
 from zoo_gym.server.errors import ResourceExhausted
 from zoo_gym.server.store.models import Contributor, SpentInvite, UsedNonce
@@ -22,6 +23,11 @@ from zoo_gym.server.store.models import Contributor, SpentInvite, UsedNonce
 def _rows(fed, table) -> int:
     with fed.state.session() as s:
         return int(s.exec(select(func.count()).select_from(table)).one())
+
+
+def _all(fed, table) -> list:
+    with fed.state.session() as s:
+        return list(s.exec(select(table)))
 
 
 def _register(fed, key=None, invite: str = ""):
@@ -89,7 +95,7 @@ def test_a_known_key_still_proves_possession(federation_with):
     assert exc.code() == grpc.StatusCode.UNAUTHENTICATED and "proof of possession" in exc.details()
 
 
-def test_limiter_buckets_per_address_and_globally_with_the_wait():
+def test_limiter_buckets_per_address_with_the_wait():
     now = [0.0]
     limiter = RegistrationLimiter(per_peer_per_minute=6, per_peer_burst=2, global_per_minute=60, global_burst=3,
                                   clock=lambda: now[0])
@@ -97,11 +103,30 @@ def test_limiter_buckets_per_address_and_globally_with_the_wait():
     limiter.admit("ipv4:10.0.0.1:2000")  # another port, the same address
     with pytest.raises(ResourceExhausted, match=r"from 10\.0\.0\.1 recently: try again in 10 s"):
         limiter.admit("ipv4:10.0.0.1:3000")
-    limiter.admit("ipv4:10.0.0.2:1000")  # another address has its own bucket ...
-    with pytest.raises(ResourceExhausted, match="on this server recently: try again in 1 s"):
-        limiter.admit("ipv4:10.0.0.3:1000")  # ... but the server's is empty now
-    now[0] = 10.0  # refilled: 1 token per 10 s per address, 1 per second globally
+    limiter.admit("ipv4:10.0.0.2:1000")  # another address has its own bucket
+    now[0] = 10.0  # refilled: 1 token per 10 s per address
     limiter.admit("ipv4:10.0.0.1:4000")
+
+
+def test_the_server_wide_limit_is_a_window_over_the_registration_times():
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    at = [t0 + timedelta(seconds=s) for s in (0, 1, 2)]
+    # 3 per 3 minutes: the window is 180 s, and it opens again when the oldest of the last 3 leaves it
+    assert shared_wait(at[:2], per_minute=1, burst=3, now=t0 + timedelta(seconds=5)) == 0.0
+    assert shared_wait(at, per_minute=1, burst=3, now=t0 + timedelta(seconds=5)) == 175.0
+    assert shared_wait(at, per_minute=1, burst=3, now=t0 + timedelta(seconds=180)) == 0.0
+    naive = [t.replace(tzinfo=None) for t in at]  # as SQLite returns them
+    assert shared_wait(naive, per_minute=1, burst=3, now=t0 + timedelta(seconds=60)) == 120.0
+
+
+def test_the_server_wide_limit_refuses_the_key_past_the_burst_and_stores_nothing(federation_with):
+    fed = federation_with(register_burst_global=2, register_rate_global=1.0)
+    first, second = (_register(fed).contributor_id for _ in range(2))
+    exc = _refusal(lambda: _register(fed))
+    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # 2 per 2 minutes: the next place opens about 120 s after the first registration
+    assert re.search(r"on this server recently \(all its addresses\): try again in 1[12]\d s", exc.details())
+    assert _rows(fed, Contributor) == 2 and {first, second} == {c.id for c in _all(fed, Contributor)}
 
 
 def test_peer_address_strips_the_port_and_groups_ipv6_by_64():

@@ -143,8 +143,10 @@ class ServerConfig:
     register_rate_per_peer: float = field(default=10.0, metadata={
         "help": "new contributors per minute one address (IPv6: one /64) may register, after its burst"})
     register_burst_per_peer: int = field(default=20, metadata={"help": "new contributors one address may register at once"})
-    register_rate_global: float = field(default=120.0, metadata={"help": "new contributors per minute, all addresses"})
-    register_burst_global: int = field(default=200, metadata={"help": "new contributors at once, all addresses"})
+    register_rate_global: float = field(default=120.0, metadata={
+        "help": "uninvited new contributors per minute on average, all addresses and ingest processes together"})
+    register_burst_global: int = field(default=200, metadata={
+        "help": "uninvited new contributors at most in any burst / rate minutes, all addresses together"})
     sample_rate: float = field(default=1.0, metadata={
         "help": "each round, select each contributor registered before it opened with this probability, from "
                 "the server's secret key (Poisson sampling; the accountant charges q); only the selected may "
@@ -432,9 +434,8 @@ def build_config(file_values: Mapping[str, Any] | None = None, *, environ: Mappi
 INGEST_SETTINGS = ("host", "port", "ssl_certfile", "ssl_keyfile", "ssl_ca_certfile", "insecure", "max_uploads",
                    "max_pending_headers", "max_pending_headers_per_peer", "header_timeout", "query_workers",
                    "max_downloads", "download_idle_timeout", "upload_idle_timeout", "upload_min_bytes_per_s",
-                   "register_rate_per_peer", "register_burst_per_peer", "register_rate_global",
-                   "register_burst_global", "log_level", "log_format", "dashboard_port", "dashboard_host",
-                   "dashboard_token_file")  # an ingest process's dashboard serves its own /metrics
+                   "register_rate_per_peer", "register_burst_per_peer", "log_level", "log_format", "dashboard_port",
+                   "dashboard_host", "dashboard_token_file")  # an ingest process's dashboard serves its own /metrics
 _NOT_INGEST = {"aggregation_engine": "local", "ray_address": None}
 
 

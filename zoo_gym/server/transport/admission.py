@@ -1,10 +1,12 @@
-"""Who may register: token buckets against Sybil bursts, and operator-signed single-use invitations.
+"""Who may register: limits against Sybil bursts, and operator-signed single-use invitations.
 
 A new identity (a key not yet registered; a registered one passes and writes nothing) takes one token
-from its peer's bucket and one from the server's (`register_rate_*` per minute, `register_burst_*`);
-either empty: RESOURCE_EXHAUSTED with the seconds until the next token. A peer is `context.peer()`
-without its port, an IPv6 peer its /64; buckets live in memory (a restart refills them), at most
-`MAX_PEERS` peer buckets, the least recently used dropped first. With `admission = "invite"` a new key
+from its peer's bucket (`register_rate_per_peer` per minute, `register_burst_per_peer`; empty: RESOURCE_EXHAUSTED
+with the seconds until the next token) and, when it registers uninvited, meets the server-wide limit, which
+every process of the database shares (`shared_wait`: at most `register_burst_global` such keys in any
+`burst / register_rate_global` minutes, read in the registration's write session). A peer is `context.peer()`
+without its port, an IPv6 peer its /64; peer buckets live in each process's memory (a restart refills them), at
+most `MAX_PEERS`, the least recently used dropped first. With `admission = "invite"` a new key
 must instead spend an invitation from `gym-server invite` (a genuine one takes no token, a missing or
 forged one does): base64url (no padding) of a 16-byte random id and the server's Ed25519 signature over
 ``INVITE_DOMAIN + id``, recorded as spent (`SpentInvite`) in the transaction that registers the key, so
@@ -20,6 +22,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from datetime import datetime, timezone
 from collections.abc import Callable
 from urllib.parse import unquote
 
@@ -69,18 +72,19 @@ def peer_address(peer: str) -> str:
 
 
 class RegistrationLimiter:
-    """Token buckets for new identities: one per peer address, one global. Thread-safe."""
+    """Token buckets for new identities, one per peer address, in this process; and the server-wide limit's
+    settings (`global_per_minute`, `global_burst`), which `shared_wait` applies over the database. Thread-safe."""
 
     def __init__(self, *, per_peer_per_minute: float, per_peer_burst: int, global_per_minute: float,
                  global_burst: int, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
         self._per_peer = (per_peer_per_minute, per_peer_burst)
-        self._global = TokenBucket(per_minute=global_per_minute, burst=global_burst, now=clock())
+        self.global_per_minute, self.global_burst = global_per_minute, global_burst
         self._peers: OrderedDict[str, TokenBucket] = OrderedDict()
 
     def admit(self, peer: str) -> None:
-        """Take one token from `peer`'s bucket and the global one, or raise ResourceExhausted naming the wait."""
+        """Take one token from `peer`'s bucket, or raise ResourceExhausted naming the wait."""
         who = peer_address(peer)
         with self._lock:
             now = self._clock()
@@ -91,14 +95,31 @@ class RegistrationLimiter:
             self._peers[who] = bucket  # most recently used last
             while len(self._peers) > MAX_PEERS:
                 self._peers.popitem(last=False)
-            peer_wait, global_wait = bucket.wait(now), self._global.wait(now)
-            if peer_wait > 0 or global_wait > 0:
-                where = f"from {who}" if peer_wait >= global_wait else "on this server"
-                seconds = math.ceil(max(peer_wait, global_wait))
-                raise ResourceExhausted(f"too many new contributors registered {where} recently: try again in "
-                                        f"{seconds} s (an already registered key is never limited)")
+            wait = bucket.wait(now)
+            if wait > 0:
+                raise ResourceExhausted(f"too many new contributors registered from {who} recently: try again in "
+                                        f"{math.ceil(wait)} s (an already registered key is never limited)")
             bucket.take()
-            self._global.take()
+
+
+def shared_wait(recent: list[datetime], *, per_minute: float, burst: int, now: datetime) -> float:
+    """Seconds until one more uninvited key may register (0.0: it may now), given the registration times of the
+    latest `burst` uninvited keys (`recent`, any order): at most `burst` in any `burst / per_minute` minutes.
+    The caller reads `recent` in the write session that adds the key, which every process of the database
+    takes in turn, so the limit holds across ingest processes, not per process.
+
+    A sliding window rather than a bucket, because a bucket's level is state that each process would keep
+    apart (N processes: N times the rate); the window's state is the contributor rows every process reads."""
+    if len(recent) < burst:
+        return 0.0
+    window = burst / per_minute * 60.0
+    oldest = min(_utc(t) for t in recent)
+    return max(0.0, window - (now - oldest).total_seconds())
+
+
+def _utc(t: datetime) -> datetime:
+    """SQLite returns the stored UTC times without their zone; PostgreSQL with it."""
+    return t.replace(tzinfo=timezone.utc) if t.tzinfo is None else t
 
 
 # ----------------------------------------------------------------------------------------------- invites

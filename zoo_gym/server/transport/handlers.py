@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 from sqlalchemy.exc import IntegrityError
-from sqlmodel import func, select
+from sqlmodel import col, func, select
 
 from zoo_gym import codec
 from zoo_gym.aggregation.privacy import rdp_epsilon
 from zoo_gym.proto import signing
-from zoo_gym.server.transport.admission import Admission
+from zoo_gym.server.transport.admission import Admission, shared_wait
 from zoo_gym.server.store.blobs import BlobError, map_file
 from zoo_gym.io.safetensors_reader import SafetensorsReader
 from zoo_gym.server.config import ServerConfig
@@ -47,6 +47,7 @@ from zoo_gym.server.store.models import (
     SpentInvite,
     Submission,
     UsedNonce,
+    utcnow,
 )
 from zoo_gym.server.rounds import sampling
 from zoo_gym.server.rounds.privacy_history import published_history
@@ -94,10 +95,25 @@ def register(*, public_key: bytes, display_name: str, nonce: bytes, signature: b
                 raise PermissionDenied("this invite was already used (each admits one key): ask the operator "
                                        "for a new one")
             s.add(SpentInvite(id=invite_id, contributor_id=cid))
+        else:
+            _check_shared_limit(s, admission.limiter)
         s.add(UsedNonce(contributor_id=cid, nonce=nonce.hex(), method="Register"))
         s.add(Contributor(id=cid, public_key=public_key.hex(), display_name=display_name))
         s.commit()
     return cid, True
+
+
+def _check_shared_limit(s, limiter) -> None:
+    """The server-wide limit on uninvited keys, over every process of the database (admission.shared_wait): read
+    in the caller's write session, so two processes never both take the last place."""
+    burst = limiter.global_burst
+    invited = select(SpentInvite.contributor_id)
+    recent = s.exec(select(Contributor.registered_at).where(col(Contributor.id).not_in(invited))
+                    .order_by(col(Contributor.registered_at).desc()).limit(burst)).all()
+    wait = shared_wait(list(recent), per_minute=limiter.global_per_minute, burst=burst, now=utcnow())
+    if wait > 0:
+        raise ResourceExhausted(f"too many new contributors registered on this server recently (all its addresses):"
+                                f" try again in {math.ceil(wait)} s (an already registered key is never limited)")
 
 
 # ----------------------------------------------------------------------------------------------- queries
