@@ -1,7 +1,7 @@
 """`--aggregation-engine ray` (issue 50 items 1, 2 and 5): a real Ray cluster on this machine, a head and two worker
 nodes (`ray.cluster_utils.Cluster`, each with its own raylet and object store, one CPU each), publishes every rule's
-round with the same bytes as the local engine: the same state copied twice, one round published by each, the
-archives (lineage and signature included) and the masters compared byte for byte. A worker node removed, or one
+round with the same bytes as the local engine, DP noise included: the same state copied twice, one round published
+by each, the archives (lineage and signature included) and the masters compared byte for byte. A worker node removed, or one
 task's worker process killed, while the tasks run still gives those bytes (Ray retries the tasks it lost); so does
 the coordinator's redo after it was killed. Storage a node cannot read, Ray missing or unreachable: one line.
 Faults hit at a known step: tasks wait at a gate (ZOO_GYM_RAY_TASK_GATE, zoo_gym/server/rounds/faults.py)."""
@@ -126,10 +126,12 @@ def publish_in(where: Path, **flags) -> tuple[bytes, bytes | None, dict]:
         state.engine.dispose()
 
 
+DP = {"dp_noise_multiplier": 1.0, "dp_clip": 0.05, "dp_expected_contributors": 6}
 RULES = [("mean", "full", {}), ("mean", "lora", {}), ("trimmed-mean", "lora", {}), ("trimmed-mean", "full", {}), ("median", "full", {}),
          ("krum", "full", {"byzantine_f": 1}), ("multi-krum", "full", {"byzantine_f": 1}),
          ("geometric-median", "full", {}), ("median", "full", {"server_lr": 0.5}),
-         ("trimmed-mean", "full", {"mode": "async", "buffer_size": 6, "server_lr": 2.0})]
+         ("trimmed-mean", "full", {"mode": "async", "buffer_size": 6, "server_lr": 2.0}),
+         ("mean", "full", DP), ("mean", "lora", DP)]  # DP noise: the round's one stream, drawn as the local pass does
 
 
 @pytest.mark.parametrize("rule,kind,extra", RULES, ids=[f"{r}-{k}" + "".join(f"-{v}" for v in e.values()) for r, k, e in RULES])
@@ -143,6 +145,9 @@ def test_every_rule_publishes_the_local_engines_bytes(cluster, templates, tmp_pa
     assert len(tasks) == 1 and " 0 Ray tasks" not in tasks[0] or kind == "lora", tasks
     assert ray_ckpt == local_ckpt  # archive bytes, lineage and signature included: the same content address
     assert local_master is not None and ray_master == local_master
+    if "dp_noise_multiplier" in extra:  # noised: not the round without DP
+        assert ray_report["soup"]["noise_std"] > 0
+        assert ray_ckpt != _publish(templates[kind], tmp_path / "plain", aggregator=rule)[0]
     for a, b in zip(local_report["soup"]["contributors"], ray_report["soup"]["contributors"]):
         assert (a["accepted"], a["selected"]) == (b["accepted"], b["selected"])
         for key in ("weight", "trimmed_share", "score"):  # summed per block instead of per tensor
@@ -323,8 +328,6 @@ def test_ray_missing_or_unreachable_is_one_line(monkeypatch):
         build_config({}, aggregation_engine="ray")
     assert "pip install 'zoo-gym[ray]'" in str(exc.value) and "\n" not in str(exc.value)
     monkeypatch.undo()
-    with pytest.raises(ConfigError, match="does not add DP noise"):
-        build_config({}, aggregation_engine="ray", aggregator="mean", dp_noise_multiplier=1.0, dp_clip=0.1, dp_expected_contributors=3)
     with pytest.raises(ConfigError, match="ray_address"):
         build_config({}, ray_address="127.0.0.1:6379")
     code = ("from zoo_gym.server.rounds.ray_engine import connect, RayEngineError\n"

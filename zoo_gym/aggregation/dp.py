@@ -128,8 +128,13 @@ class Release:
         """The rule's aggregate of one tensor plus N(0, noise_std^2) per coordinate under DP."""
         if not self.dp.enabled:
             return agg
-        return agg + gaussian_noise(tuple(agg.shape), std=self.noise_std, generator=self.generator,
-                                    secure=self.dp.config.dp_secure_noise, dtype=agg.dtype)
+        return agg + self.draw(tuple(agg.shape), dtype=agg.dtype)
+
+    def draw(self, shape: tuple[int, ...], *, dtype: torch.dtype) -> Tensor:
+        """The next tensor's noise alone, from the round's one stream: what `noise` adds (the Ray engine draws it
+        here, tensor after tensor as the local pass does, and its tasks add their blocks of it)."""
+        return gaussian_noise(shape, std=self.noise_std, generator=self.generator,
+                              secure=self.dp.config.dp_secure_noise, dtype=dtype)
 
     def close(self, norms: Tensor, *, accountant: PrivacyAccountant | None) -> float | None:
         """After publishing: the next round's clip norm (adapted from the accepted `norms` (k,)

@@ -199,7 +199,7 @@ class ServerConfig:
         "help": "local: this process aggregates tensor by tensor; ray: one Ray task per (tensor, row block), each "
                 "reading the uploads and the base from the state directory (which every Ray node must mount at "
                 "the same path) and writing its rows of the new checkpoint in place; the same bytes as local. "
-                "Needs the ray extra (pip install 'zoo-gym[ray]'); not with DP noise", "section": "Aggregation engine"})
+                "Needs the ray extra (pip install 'zoo-gym[ray]')", "section": "Aggregation engine"})
     ray_address: str | None = field(default=None, metadata={
         "help": "the Ray cluster to join (e.g. 10.0.0.5:6379 or auto); default: start a local one",
         "section": "Aggregation engine"})
@@ -301,7 +301,7 @@ class ServerConfig:
         self._check_engine()
 
     def _check_engine(self) -> None:
-        """local or ray; ray installed (found, not imported: light commands stay light), no DP noise."""
+        """local or ray; ray installed (found, not imported: light commands stay light)."""
         if self.aggregation_engine not in ("local", "ray"):
             raise ConfigError(f"`aggregation_engine` must be local or ray, got {self.aggregation_engine!r}")
         if self.ray_block_rows < 1 or self.ray_task_memory_mb < 1:
@@ -314,9 +314,6 @@ class ServerConfig:
 
         if importlib.util.find_spec("ray") is None:
             raise ConfigError("`aggregation_engine` ray needs Ray, which is not installed: pip install 'zoo-gym[ray]'")
-        if self.soup.dp_enabled:
-            raise ConfigError("`aggregation_engine` ray does not add DP noise yet (the round's noise is one stream "
-                              "drawn tensor after tensor, which row blocks cannot reproduce): use the local engine")
 
     def _check_mirrors(self) -> None:
         """Each mirror an absolute http(s) URL with a host, stored without a trailing slash."""

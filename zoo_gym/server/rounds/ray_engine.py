@@ -6,7 +6,9 @@ mounts at the same path; each task maps the round's uploads, decodes its rows, r
 `pwrite`s its block of the published weights and of the master, returning the plan copy's diagnostics. The
 coordinator streams both files through the CheckpointWriter, which packs and hashes as the local path does:
 every step is element by element, so the bytes are the local engine's for every rule. LoRA means from factors
-(one matmul, no rows) stay on the coordinator; DP noise is refused (config.py). A task is idempotent and Ray
+(one matmul, no rows) stay on the coordinator. DP noise is the round's one stream, drawn by the coordinator tensor
+after tensor as the local pass draws it, into a third file whose blocks the tasks add: the same bytes with DP on,
+and a redo draws the same noise (publish.round_generator). A task is idempotent and Ray
 retries it on a lost worker or node; one whose node cannot use the state directory ends the round attempt in one
 line (RayEngineError), nothing published. Design: docs/design/SCALE-OUT.md (step 2).
 """
@@ -94,6 +96,8 @@ class RoundFiles:
     out_at: dict[str, int]
     out_master: str | None                    # the new master's layout file
     out_master_at: dict[str, int]
+    noise: str | None = None                  # the DP noise of every noised tensor, float32 (None: DP off)
+    noise_at: dict[str, int] | None = None    # name -> first byte of its noise in `noise`
 
 
 def _pread(path: str, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
@@ -191,6 +195,8 @@ def run_block(files: RoundFiles, plan, name: str, start: int, stop: int):
         source, _ = files.flush.rows(_Block(_stored(files), name, start, stop), files.contributors, None)
         rows = ClippedRows(source, [name], files.acc, files.factors, files.n)
         agg = plan.aggregate(rows.rows(name), share=(stop - start) / files.d_total if files.d_total else 0.0)
+        if files.noise is not None:  # as Release.noise: the aggregate plus the noise drawn for these elements
+            agg = agg + _pread(files.noise, files.noise_at[name] + 4 * start, stop - start, torch.float32)
         write_block(files, name, start, stop, _stepped(files.flush, name, agg))
     except OSError as exc:  # the state directory not mounted here, or not readable: said by the coordinator
         raise NodeStorageError(f"node {_node()}: {exc}") from None
@@ -265,14 +271,12 @@ class RayPublish:
         self.tasks = 0
 
     def __call__(self, plan, rows: ClippedRows, release, numels: dict[str, int]) -> None:
-        if release.dp.enabled:
-            raise RayEngineError("`aggregation_engine` ray does not add DP noise yet: use the local engine")
         shapes = {name: tuple(self.writer.base.infos[name].shape) for name in rows.names}
         check_memory(shapes, int(rows.acc.numel()), block_rows=self.block_rows, budget_mb=self.task_memory_mb)
         connect(self.address)
         import ray
 
-        files = self._files(rows, shapes, sum(numels.values()))
+        files = self._files(rows, shapes, sum(numels.values()), noised=release.dp.enabled)
         try:
             pristine, files_ref = ray.put(plan), ray.put(files)  # serialized now: before any block is aggregated
             refs = []
@@ -282,6 +286,8 @@ class RayPublish:
                     write_block(files, name, 0, numels[name], _stepped(self.flush, name, agg))
                     continue
                 self._show_tap(name)
+                if files.noise is not None:  # drawn before its blocks run, in the local pass's order
+                    _pwrite(files.noise, files.noise_at[name], release.draw((numels[name],), dtype=torch.float32))
                 refs += [_remote().remote(files_ref, pristine, name, a, b) for a, b in blocks(shapes[name],
                                                                                                self.block_rows)]
             self.tasks = len(refs)
@@ -306,8 +312,10 @@ class RayPublish:
             return None
         return _chunks(files.out_master, files.out_master_at[name], m.sizes[name])
 
-    def _files(self, rows: ClippedRows, shapes: dict[str, tuple[int, ...]], d_total: int) -> RoundFiles:
-        """The layout files (headers written, sparse otherwise) and what tasks read, by path."""
+    def _files(self, rows: ClippedRows, shapes: dict[str, tuple[int, ...]], d_total: int, *,
+               noised: bool) -> RoundFiles:
+        """The layout files (headers written, sparse otherwise), the noise file when `noised`, and what tasks read,
+        by path."""
         w = self.writer
         shutil.rmtree(self.work, ignore_errors=True)  # a crashed attempt's files
         self.work.mkdir(parents=True)
@@ -323,7 +331,19 @@ class RayPublish:
             master_at={n: (i.dtype, i.start) for n, i in master.infos.items() if n in shapes} if master else {},
             kinds={n: w.master_kind(n) for n in shapes},
             out=out, out_at=w.layout.offsets, out_master=out_master,
-            out_master_at=m_layout.offsets if m_layout is not None else {})
+            out_master_at=m_layout.offsets if m_layout is not None else {}, **self._noise_file(shapes, noised))
+
+    def _noise_file(self, shapes: dict[str, tuple[int, ...]], noised: bool) -> dict:
+        """A sparse float32 file with room for every changed tensor's noise (written tensor by tensor)."""
+        if not noised:
+            return {}
+        at, total = {}, 0
+        for name, shape in shapes.items():
+            at[name], total = total, total + 4 * math.prod(shape)
+        path = self.work / "noise.f32"
+        with open(path, "wb") as f:
+            f.truncate(total)
+        return {"noise": str(path), "noise_at": at}
 
 
 def _results(refs: list) -> list:
