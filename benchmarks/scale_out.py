@@ -11,8 +11,8 @@ cores, its own raylet and object store):
     and whether the checkpoint and master sha256 are the same;
 (b) the worker processes' peak RSS (VmHWM, read from /proc) less a worker's fixed floor (its VmHWM after a ray
     round of a 64-wide model, run first) against the bound `block rows x width x contributors x 16 bytes` of the
-    largest block, and against the engine's task model (`ray_engine.task_bytes`: + 16 bytes an element + one
-    decoded tensor);
+    largest block, and against the engine's task model (`ray_engine.task_bytes`: + 20 bytes an element; a block's
+    rows are decoded alone);
 (c) `--kill-trials N` ray rounds, alternately with the worker node removed (then a fresh one added) and with the
     coordinator (a child process) SIGKILLed while the tasks wait at the gate (ZOO_GYM_RAY_TASK_GATE,
     zoo_gym/server/rounds/faults.py), then redone: each must publish round 1 once, with the local engine's bytes,
@@ -396,8 +396,10 @@ def _largest(size: str, kind: str) -> tuple[int, int]:
 
 
 def _worker_node_bytes(rows: int, width: int, block_rows: int, n: int, floor: int, cores: int) -> int:
-    """One task per core, each: the floor + min(block_rows, rows) rows x (16 n + 16) bytes + one decoded tensor."""
-    return cores * (floor + min(block_rows, rows) * width * (16 * n + 16) + 4 * rows * width)
+    """One task per core, each: the floor + the engine's task model (`ray_engine.task_bytes`)."""
+    from zoo_gym.server.rounds.ray_engine import task_bytes
+
+    return cores * (floor + task_bytes((rows, width), min(block_rows, rows), n))
 
 
 def _fitting_rows(rows: int, width: int, n: int, floor: int, box: dict) -> int:
@@ -449,9 +451,9 @@ CAPACITY_MODEL = {
                   "RAM (what --ray-task-memory-mb's refusal advises); 0: not even one row (limited by worker RAM)",
     "coordinator_ram_bytes": "capacity.py's a + b x params + contributors x 4 bytes x the largest changed tensor: "
                              "validation and the pairwise distances still stack one tensor x contributors there",
-    "worker_node_ram_bytes": "cores x (a worker's floor measured here + the block x (16 contributors + 16) bytes + "
-                             "one decoded tensor x 4 bytes): one task per core",
-    "not_modelled": "several ingest processes (designed, not built: ingest is one box's), object-store range reads",
+    "worker_node_ram_bytes": "cores x (a worker's floor measured here + the block x (16 contributors + 20) bytes, "
+                             "ray_engine.task_bytes: each block decoded from its rows alone): one task per core",
+    "not_modelled": "several ingest processes, object-store range reads",
 }
 
 

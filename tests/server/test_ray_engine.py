@@ -340,8 +340,11 @@ def test_ray_missing_or_unreachable_is_one_line(monkeypatch):
 def test_a_task_too_large_for_its_memory_is_refused_before_any_runs():
     from zoo_gym.server.rounds.ray_engine import RayEngineError, check_memory
 
-    with pytest.raises(RayEngineError, match="lower --ray-block-rows to 256"):
+    with pytest.raises(RayEngineError, match="lower --ray-block-rows to 512"):
         check_memory({"w": (4096, 1024)}, 8, block_rows=4096, budget_mb=80)
-    check_memory({"w": (4096, 1024)}, 8, block_rows=256, budget_mb=80)
+    check_memory({"w": (4096, 1024)}, 8, block_rows=512, budget_mb=80)
+    check_memory({"w": (1 << 20, 64)}, 8, block_rows=1, budget_mb=80)  # rows are decoded alone: a tall tensor fits
     with pytest.raises(RayEngineError, match="even one row does not fit"):
-        check_memory({"w": (1 << 20, 64)}, 8, block_rows=1, budget_mb=80)
+        check_memory({"w": (4, 1 << 20)}, 8, block_rows=1, budget_mb=80)
+    with pytest.raises(RayEngineError, match="even one row does not fit"):  # odd width: int4 may decode it whole
+        check_memory({"w": (1 << 20, 63)}, 8, block_rows=1, budget_mb=80)

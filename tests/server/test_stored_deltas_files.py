@@ -98,3 +98,24 @@ def test_rows_read_in_blocks_give_the_same_aggregate(tmp_path, monkeypatch):
         assert w.accepted == b.accepted and w.norm == pytest.approx(b.norm, rel=1e-12)
         assert w.trimmed_share == pytest.approx(b.trimmed_share, rel=1e-12)
     assert slopes_w[0] == pytest.approx(slopes_b[0], rel=1e-12) and slopes_w[1] == pytest.approx(slopes_b[1], rel=1e-12)
+
+
+def test_whole_row_blocks_of_dense_codecs_decode_those_rows_alone(tmp_path, monkeypatch):
+    """A row block of an fp16, int8 or int4 upload is decoded from its rows' bytes (codec.decode_rows), never the
+    whole tensor per block (issue 50: a Ray task held one decoded tensor besides its block and decoded it again for
+    every block); the same numbers as the whole decode."""
+    payloads = [_payload(i, kind) for i, kind in enumerate(["fp16", "int8", "int4", "bf16", "bitdelta", "lora"])]
+    paths = []
+    for i, p in enumerate(payloads):
+        paths.append(tmp_path / f"{i}.zgd")
+        paths[-1].write_bytes(p)
+    stored = StoredDeltas(paths, [str(i) for i in range(len(paths))], SHAPES, cache_bytes=0)
+    whole = {name: stored.stacked(name).clone() for name in ("a.weight", "b.weight")}
+
+    def whole_decode(*_args, **_kw):
+        raise AssertionError("a whole tensor was decoded for a row block")
+
+    monkeypatch.setattr(StoredDeltas, "_decode_row", whole_decode)
+    for name, cols in (("a.weight", 32), ("b.weight", 64)):
+        for r0, r1 in ((0, 3), (5, 6), (7, 32)):
+            assert torch.equal(stored.stacked_block(name, r0 * cols, r1 * cols), whole[name][:, r0 * cols:r1 * cols])

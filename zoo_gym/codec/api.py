@@ -35,7 +35,7 @@ from zoo_gym.codec.container import (
 )
 from zoo_gym.codec.errors import CodecError
 from zoo_gym.codec.layout import CODECS, DENSE_CODECS, SCALE_DTYPES, align, leaf_parts, resolve_scale_dtype
-from zoo_gym.codec.leaf import TORCH_DTYPES, Leaf, decode_leaf, dtype_name, encode_leaf, packed_leaf
+from zoo_gym.codec.leaf import TORCH_DTYPES, Leaf, decode_leaf, decode_leaf_rows, dtype_name, encode_leaf, packed_leaf
 from zoo_gym.codec.lora import LoraFactors
 
 __all__ = ["encode", "decode", "decode_tensor", "decode_factors", "read_manifest", "read_bitdelta", "sha256_hex",
@@ -311,6 +311,20 @@ def decode_tensor(payload: Any, name: str, *, max_elements: int = DEFAULT_MAX_EL
     """One tensor by name (random access); pass ``manifest`` from read_manifest to skip re-parsing."""
     mv = as_buffer(payload)
     return _decode_entry(mv, _manifest_for(mv, manifest, max_elements).entry(name))
+
+
+@_guard
+def decode_rows(payload: Any, name: str, r0: int, r1: int, *, manifest: Manifest | None = None) -> Tensor | None:
+    """Rows [r0, r1) of tensor `name`'s 2-D view, (r1 - r0, cols) in its dtype, decoded from those rows' bytes
+    alone: the numbers of `decode_tensor(...)`'s rows. None for the codecs whose rows another path reads
+    (bitdelta: `read_bitdelta(...).rows_dense`; lora: B's rows times A) and int4 rows not starting on a byte."""
+    mv = as_buffer(payload)
+    e = _manifest_for(mv, manifest, DEFAULT_MAX_ELEMENTS).entry(name)
+    if e.codec not in DENSE_CODECS or e.codec == "bitdelta":
+        return None
+    data, scales = _leaf_bytes(mv, e)
+    return decode_leaf_rows(data, scales, codec=e.codec, shape=e.shape, dtype=e.dtype, group_size=e.group_size,
+                            scale_dtype=e.scale_dtype, r0=r0, r1=r1, what=f"tensor {name!r}")
 
 
 @_guard

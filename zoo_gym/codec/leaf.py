@@ -20,7 +20,7 @@ from zoo_gym.codec.intquant import QMAX, absmax_scales, dequantize, pack_int4, q
 from zoo_gym.codec.layout import PASSTHROUGH_CODECS, groups_for, leaf_parts, resolve_scale_dtype, view_2d
 from zoo_gym.codec.logscale import log8_codes, log8_from_bytes, log8_scales, log8_to_bytes
 
-__all__ = ["Leaf", "TORCH_DTYPES", "dtype_name", "encode_leaf", "decode_leaf", "packed_leaf"]
+__all__ = ["Leaf", "TORCH_DTYPES", "dtype_name", "encode_leaf", "decode_leaf", "decode_leaf_rows", "packed_leaf"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _NAMES = {v: k for k, v in TORCH_DTYPES.items()}
@@ -160,6 +160,57 @@ def decode_leaf(
         except CodecError as e:
             raise CodecError(f"{what}: {e}") from None
     return dequantize(q.reshape(rows, cols), s, groups=groups).reshape(shape).to(out_dtype)
+
+
+def decode_leaf_rows(
+    data: np.ndarray,
+    scales: np.ndarray | None,
+    *,
+    codec: str,
+    shape: tuple[int, ...],
+    dtype: str,
+    group_size: int | None,
+    scale_dtype: str | None,
+    r0: int,
+    r1: int,
+    what: str,
+) -> Tensor | None:
+    """Rows [r0, r1) of one dense leaf's 2-D view ((r1 - r0, cols), the original dtype), from those rows' bytes
+    (and the scales) alone: elementwise the numbers `decode_leaf` gives, so a row block of a wide tensor costs its
+    rows, not the tensor. None where the rows do not start on a byte (int4 with odd r0 x cols) or the codec
+    is not dense (bitdelta and lora have their own row paths: BitDeltaPacked.rows_dense, B's rows times A)."""
+    rows, cols = view_2d(shape)
+    if not 0 <= r0 <= r1 <= rows:
+        raise CodecError(f"{what}: rows [{r0}, {r1}) are outside its {rows} rows")
+    out_dtype = TORCH_DTYPES[dtype]
+    if r0 == r1:
+        return torch.empty((0, cols), dtype=out_dtype)
+    if codec in PASSTHROUGH_CODECS:
+        stored = TORCH_DTYPES[PASSTHROUGH_CODECS[codec]]
+        size = stored.itemsize
+        part = np.array(data[r0 * cols * size:r1 * cols * size], dtype=np.uint8)
+        y = torch.from_numpy(part).view(stored)
+        if not bool(torch.isfinite(y).all()):
+            raise CodecError(f"{what}: {codec} values contain NaN or inf; the body is corrupt")
+        return y.reshape(r1 - r0, cols).to(out_dtype)
+    first, n = r0 * cols, (r1 - r0) * cols
+    if codec not in ("int8", "int4") or (codec == "int4" and (first % 2 or (n % 2 and r1 < rows))):
+        return None  # int4: two codes a byte, so the rows must start on one and end on one (or at the padding)
+    groups = groups_for(rows=rows, cols=cols, group_size=group_size, codec=codec)
+    s = torch.from_numpy(_scales_from_bytes(scales, scale_dtype=scale_dtype, shape=(groups.scale_rows, groups.n_groups),
+                                            what=what))
+    if groups.scale_rows == rows:
+        s = s[r0:r1]
+    if codec == "int8":
+        q = torch.from_numpy(np.array(data[r0 * cols:r1 * cols], dtype=np.uint8)).view(torch.int8)
+        if bool((q == -128).any()):
+            raise CodecError(f"{what}: int8 code -128 is never written by the encoder; the body is corrupt")
+    else:
+        try:
+            q = unpack_int4(data[first // 2:(first + n + 1) // 2], numel=n)
+        except CodecError as e:
+            raise CodecError(f"{what}: {e}") from None
+    return dequantize(q.reshape(r1 - r0, cols), s, groups=groups).to(out_dtype)
 
 
 def packed_leaf(

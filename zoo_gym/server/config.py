@@ -207,8 +207,8 @@ class ServerConfig:
         "help": "tensor rows per Ray task (a 2-D tensor's first dimension; 1-D: elements)",
         "section": "Aggregation engine"})
     ray_task_memory_mb: int = field(default=2048, metadata={
-        "help": "memory one Ray task may use: a block's rows x contributors x 16 bytes plus one decoded tensor, "
-                "checked before the round's tasks start (lower ray_block_rows when it does not fit)",
+        "help": "memory one Ray task may use: a block's rows x (contributors x 16 + 20) bytes (its rows are decoded "
+                "alone), checked before the round's tasks start (lower ray_block_rows when it does not fit)",
         "section": "Aggregation engine"})
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR", "section": "Output"})
     log_format: str = field(default="text", metadata={

@@ -237,10 +237,13 @@ def blocks(shape: tuple[int, ...], block_rows: int) -> Iterator[tuple[int, int]]
 
 
 def task_bytes(shape: tuple[int, ...], rows: int, k: int) -> int:
-    """Memory one task takes: `rows` rows x (k contributors' working copies + base, output and master) plus
-    one decoded tensor (the codecs decode whole tensors)."""
+    """Memory one task takes: `rows` rows x (k contributors' working copies + base, output and master, and one
+    contributor's rows as decoded: every codec decodes a block of whole rows from those rows alone, StoredDeltas.
+    _decode_rows), plus one whole decoded tensor where a block may not be decoded alone: a 1-D tensor, or an
+    odd row width (int4's two codes a byte)."""
     width = math.prod(shape) // shape[0] if shape and shape[0] else 1
-    return rows * width * (k * _BYTES_PER_ELEMENT + 16) + 4 * math.prod(shape)
+    whole = 4 * math.prod(shape) if len(shape) < 2 or width % 2 else 0
+    return rows * width * (k * _BYTES_PER_ELEMENT + 20) + whole
 
 
 def check_memory(shapes: dict[str, tuple[int, ...]], k: int, *, block_rows: int, budget_mb: int) -> None:
@@ -253,8 +256,7 @@ def check_memory(shapes: dict[str, tuple[int, ...]], k: int, *, block_rows: int,
             continue
         fit = next((r for r in (rows // 2 ** i for i in range(1, 64)) if r and task_bytes(shape, r, k) <= budget), 0)
         advice = (f"lower --ray-block-rows to {fit}" if fit else
-                  f"even one row does not fit (the decoded tensor is {4 * math.prod(shape) >> 20} MiB): "
-                  "raise --ray-task-memory-mb")
+                  f"even one row does not fit ({task_bytes(shape, 1, k) >> 20} MiB): raise --ray-task-memory-mb")
         raise RayEngineError(f"tensor {name} {list(shape)}: a task of {rows} rows x {k} contributors needs "
                              f"{need >> 20} MiB, over --ray-task-memory-mb {budget_mb}: {advice}")
 

@@ -154,8 +154,9 @@ class StoredDeltas:
     def stacked_block(self, name: str, start: int, stop: int) -> torch.Tensor:
         """(n, stop - start) float32: elements [start, stop) of `stacked(name)`'s rows, the same numbers. A block
         of whole rows of the tensor's 2-D view is decoded from those rows alone (BitDelta signs and scales, LoRA
-        B's rows times A); other blocks and codecs decode each contributor's tensor whole into one scratch row.
-        Memory: the block x n plus one tensor; nothing is cached."""
+        B's rows times A, the dense codecs' bytes: codec.decode_rows); other blocks (and int4 rows off a byte)
+        decode each contributor's tensor whole into one scratch row. Memory: the block x n (plus that one tensor
+        where it is decoded whole); nothing is cached."""
         if name in self._cache:
             return self._cache[name][:, start:stop]
         shape = tuple(self._shapes[name])
@@ -192,6 +193,12 @@ class StoredDeltas:
         elif e.codec == "bitdelta" and tuple(e.shape) == shape:
             out.copy_(self._bits(i, name).rows_dense(r0, r1))
         else:
+            if tuple(e.shape) == shape and len(shape) >= 2:  # a dense codec decodes those rows' bytes alone
+                payload, manifest = self._tensor(i, name)
+                rows = codec.decode_rows(payload, name, r0, r1, manifest=manifest)
+                if rows is not None:
+                    out.copy_(rows)
+                    return
             scratch = torch.empty(math.prod(shape))
             self._decode_row(i, name, scratch)
             out.copy_(scratch.view(shape[0], -1)[r0:r1])
