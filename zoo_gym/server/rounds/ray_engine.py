@@ -6,9 +6,8 @@ mounts at the same path; each task maps the round's uploads, decodes its rows, r
 `pwrite`s its block of the published weights and of the master, returning the plan copy's diagnostics. The
 coordinator streams both files through the CheckpointWriter, which packs and hashes as the local path does:
 every step is element by element, so the bytes are the local engine's for every rule. LoRA means from factors
-(one matmul, no rows) stay on the coordinator. DP noise is the round's one stream, drawn by the coordinator tensor
-after tensor as the local pass draws it, into a third file whose blocks the tasks add: the same bytes with DP on,
-and a redo draws the same noise (publish.round_generator). A task is idempotent and Ray
+(one matmul, no rows) stay on the coordinator. DP noise: the coordinator draws the round's one stream tensor after
+tensor, as the local pass does, into a file whose blocks the tasks add (the same bytes). A task is idempotent and Ray
 retries it on a lost worker or node; one whose node cannot use the state directory ends the round attempt in one
 line (RayEngineError), nothing published. Design: docs/design/SCALE-OUT.md (step 2).
 """

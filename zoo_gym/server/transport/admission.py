@@ -1,12 +1,11 @@
 """Who may register: limits against Sybil bursts, and operator-signed single-use invitations.
 
-A new identity (a key not yet registered; a registered one passes and writes nothing) takes one token
-from its peer's bucket (`register_rate_per_peer` per minute, `register_burst_per_peer`; empty: RESOURCE_EXHAUSTED
-with the seconds until the next token) and, when it registers uninvited, meets the server-wide limit, which
-every process of the database shares (`shared_wait`: at most `register_burst_global` such keys in any
-`burst / register_rate_global` minutes, read in the registration's write session). A peer is `context.peer()`
-without its port, an IPv6 peer its /64; peer buckets live in each process's memory (a restart refills them), at
-most `MAX_PEERS`, the least recently used dropped first. With `admission = "invite"` a new key
+A new identity (a key not yet registered; a registered one passes and writes nothing) takes a token from its
+peer's bucket (`register_*_per_peer`; empty: RESOURCE_EXHAUSTED with the wait) and, registering uninvited, meets
+the server-wide limit every process of the database shares (`shared_wait`: at most `register_burst_global` in any
+burst / `register_rate_global` minutes). A peer is `context.peer()` without its port, an IPv6 peer its /64;
+peer buckets live in each process's memory (a restart refills them), at most `MAX_PEERS`, the least recently
+used dropped first. With `admission = "invite"` a new key
 must instead spend an invitation from `gym-server invite` (a genuine one takes no token, a missing or
 forged one does): base64url (no padding) of a 16-byte random id and the server's Ed25519 signature over
 ``INVITE_DOMAIN + id``, recorded as spent (`SpentInvite`) in the transaction that registers the key, so
