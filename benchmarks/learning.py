@@ -4,6 +4,7 @@ pay and the published precision checked on the same deltas.
 
     python benchmarks/learning.py                      # the full run -> results/learning.json (+ .png)
     python benchmarks/learning.py --rounds 1 --steps 4 --eval-n 40 --out /tmp/l.json   # a smoke run
+    python benchmarks/learning.py --rounds 1 --parts pay --update   # rerun one part into results/learning.json
 
 Protocol (also in the JSON under "protocol"):
   * Base: `resolve_base("smollm2-135m")` (zoo_gym/gym_train/bases.py). Task: the built-in `arithmetic` family
@@ -484,6 +485,9 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             ap.add_argument(f"--{f.replace('_', '-')}", type=type(default), default=default)
     ap.add_argument("--out", type=pathlib.Path, default=ROOT / "results" / "learning.json")
+    ap.add_argument("--update", action="store_true", help="rerun only --parts (e.g. pay) and merge them into --out's "
+                    "document: the other parts' figures stay as they were, the targets are recomputed from the "
+                    "merged document, and `runs` records which commit and settings gave each part")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     cfg = Bench(**{f: getattr(args, f) for f in asdict(Bench())})
@@ -522,12 +526,53 @@ def main(argv: list[str] | None = None) -> dict:
                 except Exception as exc:  # noqa: BLE001 - recorded: the other parts' figures still stand
                     doc[stage] = {"error": f"{type(exc).__name__}: {exc}"}
                     log(f"{stage}: failed: {exc}")
-    last = sft["rounds"][-1]
     doc["minutes_total"] = (time.time() - t0) / 60
+    run = {"parts": sorted(parts & set(PARTS)), "commit": _commit(), "finished": time.strftime("%Y-%m-%d %H:%M"),
+           "minutes": doc["minutes_total"], "config": asdict(cfg)}
+    if args.update:
+        doc = merged(json.loads(args.out.read_text()), doc, parts)
+        doc["runs"] = [*doc.get("runs", []), run]
+    else:
+        doc["runs"] = [run]
+    targets(doc)
+    text = json.dumps(_finite(doc), indent=2)
+    print(text)
+    if not args.no_write:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return doc
+
+
+PARTS = ("sft", "baseline", "attacks", "pay", "publish", "grpo", "dpo")
+_SECTION = {"baseline": "alone"}  # the part's section of the document, where its name differs
+
+
+def merged(old: dict, new: dict, parts: set[str]) -> dict:
+    """`old` with the sections of the parts run now taken from `new` (--update)."""
+    out = dict(old)
+    for part in parts & set(PARTS):
+        section = _SECTION.get(part, part)
+        if section in new:
+            out[section] = new[section]
+    return out
+
+
+def _commit() -> str | None:
+    import subprocess
+
+    got = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return got.stdout.strip() or None
+
+
+def targets(doc: dict) -> None:
+    """The issue's targets from the document's sections (after a merge, from the merged ones)."""
+    sft = doc["sft"]
+    base_acc = sft["before"]["exact_match"]
+    last = sft["rounds"][-1]
     doc["targets"] = {
         "exact_match_before": base_acc,
         "exact_match_after": last["exact_match"],
-        "rounds": cfg.rounds,
+        "rounds": len(sft["rounds"]),
         "minutes": sft["minutes"],
         "retention_ppl_change": last["retention_ppl"] / sft["before"]["retention_ppl"] - 1,
         "attack_gain_share": doc.get("attacks", {}).get("min_gain_share"),
@@ -538,7 +583,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     t = doc["targets"]
     doc["targets"]["met"] = {
-        "exact_match_60_in_3_rounds": t["exact_match_after"] >= 0.6 and cfg.rounds <= 3,
+        "exact_match_60_in_3_rounds": t["exact_match_after"] >= 0.6 and t["rounds"] <= 3,
         "retention_within_10pct": t["retention_ppl_change"] <= 0.10,
         "within_30_minutes": t["minutes"] <= 30,
         "attack_gain_share_90": t["attack_gain_share"] is not None and t["attack_gain_share"] >= 0.9 - 1e-9,  # 0.36 / 0.40 is 0.8999... in floats
@@ -547,12 +592,6 @@ def main(argv: list[str] | None = None) -> dict:
         "published_within_1_point": t["published_minus_master_accuracy"] is not None
         and abs(t["published_minus_master_accuracy"]) <= 0.01,
     }
-    text = json.dumps(_finite(doc), indent=2)
-    print(text)
-    if not args.no_write:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    return doc
 
 
 if __name__ == "__main__":
