@@ -302,7 +302,10 @@ class PackedTensor:
                                     scales[:, r0:r1].reshape(k * r, -1).numpy(), cols=first.cols, groups=groups)
             out[idx] = torch.from_numpy(dense).view(k, -1)
         for idx, b, a in self.lora:
-            out[idx] = torch.bmm(b[:, r0:r1], a).view(idx.numel(), -1)
+            if idx.numel() == out.shape[0]:  # every contributor, in order: the product straight into `out`
+                torch.bmm(b[:, r0:r1], a, out=out.view(idx.numel(), r1 - r0, -1))
+            else:
+                out[idx] = torch.bmm(b[:, r0:r1], a).view(idx.numel(), -1)
         if self.other:
             cols = out.shape[1] // (r1 - r0)
             for i in self.other:
