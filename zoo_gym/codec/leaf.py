@@ -137,48 +137,24 @@ def decode_leaf(
     what: str,
 ) -> Tensor:
     """The tensor (original shape and dtype) of one leaf; ``data``/``scales`` are its raw uint8 bytes."""
-    out_dtype = TORCH_DTYPES[dtype]
-    if codec in PASSTHROUGH_CODECS:
-        y = torch.from_numpy(np.array(data, dtype=np.uint8)).view(TORCH_DTYPES[PASSTHROUGH_CODECS[codec]])
-        if not bool(torch.isfinite(y).all()):
-            raise CodecError(f"{what}: {codec} values contain NaN or inf; the body is corrupt")
-        return y.reshape(shape).to(out_dtype)
     if codec == "bitdelta":
         packed = packed_leaf(data, scales, shape=shape, group_size=group_size, scale_dtype=scale_dtype, what=what)
         dense = packed.to_dense()  # float32 (rows, cols) = scale * sign
-        return dense.reshape(shape).to(out_dtype)
-    rows, cols = view_2d(shape)
-    groups = groups_for(rows=rows, cols=cols, group_size=group_size, codec=codec)
-    s = torch.from_numpy(_scales_from_bytes(scales, scale_dtype=scale_dtype, shape=(groups.scale_rows, groups.n_groups), what=what))
-    if codec == "int8":
-        q = torch.from_numpy(np.array(data, dtype=np.uint8)).view(torch.int8)
-        if bool((q == -128).any()):
-            raise CodecError(f"{what}: int8 code -128 is never written by the encoder; the body is corrupt")
-    else:
-        try:
-            q = unpack_int4(data, numel=rows * cols)
-        except CodecError as e:
-            raise CodecError(f"{what}: {e}") from None
-    return dequantize(q.reshape(rows, cols), s, groups=groups).reshape(shape).to(out_dtype)
+        return dense.reshape(shape).to(TORCH_DTYPES[dtype])
+    rows, _ = view_2d(shape)
+    out = decode_leaf_rows(data, scales, codec=codec, shape=shape, dtype=dtype, group_size=group_size,
+                           scale_dtype=scale_dtype, r0=0, r1=rows, what=what)
+    if out is None:
+        raise CodecError(f"{what}: unknown codec {codec!r}")
+    return out.reshape(shape)
 
 
-def decode_leaf_rows(
-    data: np.ndarray,
-    scales: np.ndarray | None,
-    *,
-    codec: str,
-    shape: tuple[int, ...],
-    dtype: str,
-    group_size: int | None,
-    scale_dtype: str | None,
-    r0: int,
-    r1: int,
-    what: str,
-) -> Tensor | None:
-    """Rows [r0, r1) of one dense leaf's 2-D view ((r1 - r0, cols), the original dtype), from those rows' bytes
-    (and the scales) alone: elementwise the numbers `decode_leaf` gives, so a row block of a wide tensor costs its
-    rows, not the tensor. None where the rows do not start on a byte (int4 with odd r0 x cols) or the codec
-    is not dense (bitdelta and lora have their own row paths: BitDeltaPacked.rows_dense, B's rows times A)."""
+def decode_leaf_rows(data: np.ndarray, scales: np.ndarray | None, *, codec: str, shape: tuple[int, ...], dtype: str,
+                     group_size: int | None, scale_dtype: str | None, r0: int, r1: int, what: str) -> Tensor | None:
+    """Rows [r0, r1) of one leaf's 2-D view ((r1 - r0, cols), the original dtype) of a passthrough or integer
+    codec, from those rows' bytes (and the scales) alone, so a row block of a wide tensor costs its rows, not the
+    tensor (`decode_leaf` is all its rows). None where int4 rows do not start and end on a byte, and for bitdelta
+    (whose rows BitDeltaPacked.rows_dense reads)."""
     rows, cols = view_2d(shape)
     if not 0 <= r0 <= r1 <= rows:
         raise CodecError(f"{what}: rows [{r0}, {r1}) are outside its {rows} rows")
