@@ -46,6 +46,22 @@ def trim_count(*, n: int, beta: float) -> int:
     return k
 
 
+TRANSPOSE_FROM = 32  # contributors from which a block's columns are made contiguous before the sort
+
+
+def _sorted_middle(block: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The values of each column of `block` (n, c) ranked k..n-k-1 and their rows, each (n-2k, c), in ascending
+    order (stable: equal values by row). From TRANSPOSE_FROM rows on, the columns are copied contiguous and
+    sorted along the last dimension: 1.1-1.3x faster at 100 to 10,000 contributors, 0.9x at 10
+    (benchmarks/trimmed_sort.py); either way the same values and rows, so the same sums."""
+    n = block.shape[0]
+    if n < TRANSPOSE_FROM:
+        values, order = block.sort(dim=0, stable=True)  # (n, c)
+        return values[k:n - k], order[k:n - k]
+    values, order = block.T.contiguous().sort(dim=1, stable=True)  # (c, n)
+    return values[:, k:n - k].T, order[:, k:n - k].T
+
+
 def trimmed_mean(deltas: Tensor, *, beta: float, weights: Tensor | None = None,
                  groups: Tensor | None = None) -> AggregateResult:
     """Coordinate-wise trimmed mean of `deltas` (n, d) -> (d,), trimming k per end (see module); `groups` (n,)
@@ -61,10 +77,9 @@ def trimmed_mean(deltas: Tensor, *, beta: float, weights: Tensor | None = None,
     acc = torch.zeros(d, dtype=torch.float64)  # (d,) float64 sum of the kept values
     denom = None if raw is None else torch.zeros(d, dtype=torch.float64)  # (d,) weight of the kept values
     kept = torch.zeros(n, dtype=torch.int64)  # (n,) values each row kept
-    step = max(1, SORT_BYTES // (12 * n))  # columns per sort: its values and int64 order, 12 bytes an element
+    step = max(1, SORT_BYTES // (16 * n))  # columns per sort: a copy, its values and int64 order, 16 bytes an element
     for c0 in range(0, d, step):  # coordinates are independent: the same sums as one sort of all of them
-        values, order = deltas[:, c0:c0 + step].sort(dim=0, stable=True)  # (n, c)
-        kept_v, kept_i = values[k:n - k], order[k:n - k]  # (n-2k, c)
+        kept_v, kept_i = _sorted_middle(deltas[:, c0:c0 + step], k)  # (n-2k, c)
         a = acc[c0:c0 + step]
         if raw is None:
             for row in kept_v:
