@@ -6,7 +6,8 @@ contributors' dimension in place, the same inputs, the same bits.
 
 For each (contributors, coordinates) the engine's `trimmed_mean` (each block's columns made contiguous, sorted
 along the last dimension, 16 MB blocks) and the baseline (each 16 MB block sorted along dim 0 as it lies, the
-kept rows summed in the same order) on the same seeded float32 deltas, unweighted and weighted; best of
+kept rows summed in the same order and counted per row, as the engine's diagnostics do; below 32 contributors the
+engine sorts as the baseline does) on the same seeded float32 deltas, unweighted and weighted; best of
 `--repeats` each. Both must give the same aggregate bits (checked). Ratio: baseline seconds / engine seconds.
 """
 
@@ -36,9 +37,11 @@ def baseline(deltas: torch.Tensor, *, beta: float, weights: torch.Tensor | None)
     acc = torch.zeros(d, dtype=torch.float64)
     den = None if weights is None else torch.zeros(d, dtype=torch.float64)
     raw = None if weights is None else weights.to(torch.float64)
-    step = max(1, SORT_BYTES // (12 * n))
+    kept = torch.zeros(n, dtype=torch.int64)  # each row's kept values, as the engine's diagnostics count them
+    step = max(1, SORT_BYTES // (16 * n))
     for c0 in range(0, d, step):
         values, order = deltas[:, c0:c0 + step].sort(dim=0, stable=True)
+        kept += torch.bincount(order[k:n - k].flatten(), minlength=n)
         a = acc[c0:c0 + step]
         for row, who in zip(values[k:n - k], order[k:n - k]):
             if raw is None:

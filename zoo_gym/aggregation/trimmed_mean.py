@@ -52,7 +52,7 @@ TRANSPOSE_FROM = 32  # contributors from which a block's columns are made contig
 def _sorted_middle(block: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The values of each column of `block` (n, c) ranked k..n-k-1 and their rows, each (n-2k, c), in ascending
     order (stable: equal values by row). From TRANSPOSE_FROM rows on, the columns are copied contiguous and
-    sorted along the last dimension: 1.1-1.3x faster at 100 to 10,000 contributors, 0.9x at 10
+    sorted along the last dimension: 1.1-1.2x faster at 100 to 10,000 contributors
     (benchmarks/trimmed_sort.py); either way the same values and rows, so the same sums."""
     n = block.shape[0]
     if n < TRANSPOSE_FROM:
