@@ -22,8 +22,7 @@ from .errors import AggregationError, NotRobustConfigError
 from .result import AggregateResult, make_diagnostics
 
 # bytes of one sort's values and order: a tensor of many contributors is sorted a column block at a time, so the
-# sort's memory stays this, not 12 bytes x contributors x the tensor's elements (196 MB at 10,000 x 16,384).
-# 16 MB, not 64: a 4 x 3.1M block's peak went from +170 to +88 MB and no size sorted slower (a Ray task's memory)
+# sort's memory stays this, not 16 bytes x contributors x the tensor's elements (figures: CHANGELOG)
 SORT_BYTES = 16 << 20
 
 
@@ -52,8 +51,8 @@ TRANSPOSE_FROM = 32  # contributors from which a block's columns are made contig
 def _sorted_middle(block: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The values of each column of `block` (n, c) ranked k..n-k-1 and their rows, each (n-2k, c), in ascending
     order (stable: equal values by row). From TRANSPOSE_FROM rows on, the columns are copied contiguous and
-    sorted along the last dimension: 1.1-1.2x faster at 100 to 10,000 contributors
-    (benchmarks/trimmed_sort.py); either way the same values and rows, so the same sums."""
+    sorted along the last dimension, which is faster there (benchmarks/trimmed_sort.py); either way the same
+    values and rows, so the same sums."""
     n = block.shape[0]
     if n < TRANSPOSE_FROM:
         values, order = block.sort(dim=0, stable=True)  # (n, c)
