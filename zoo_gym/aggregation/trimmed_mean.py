@@ -4,26 +4,28 @@ Per coordinate, drop the k largest and k smallest values and average the rest (w
 contributors who gave them), k = max(1, floor(beta * n)) whenever beta > 0; beta = 0 is the plain
 (weighted) mean. n < 2k + 1 is refused with `NotRobustConfigError`. Copies count once (`groups=`, from
 krum.duplicate_groups): a group is one row, its first, with the mean of its members' weights, and n is
-the number of groups. Sums are float64, divided once and cast to the deltas' dtype, so the result is
-the same on every CPU, BLAS and thread count; columns are sorted a block at a time (`SORT_BYTES`), the same
-numbers. Why k >= 1 and copies once: docs/design/aggregation.md.
+the number of groups. Each coordinate's kept values are selected, not sorted, and summed in float64 by a
+compiled kernel (select_kernels.py: ties go by row, as a stable sort's would), divided once and cast to the
+deltas' dtype: the same result on every CPU and thread count, no buffer beyond a few columns. Why k >= 1 and
+copies once: docs/design/aggregation.md.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from . import select_kernels
 from ._checks import check_deltas, check_weights
 from .copies import on_members
 from .errors import AggregationError, NotRobustConfigError
+from .packed_kernels import in_group_ranges
 from .result import AggregateResult, make_diagnostics
 
-# bytes of one sort's values and order: a tensor of many contributors is sorted a column block at a time, so the
-# sort's memory stays this, not 16 bytes x contributors x the tensor's elements (figures: CHANGELOG)
-SORT_BYTES = 16 << 20
+_MIN_VALUES_PER_THREAD = 1 << 20  # values ranked: below this a thread costs more than it saves
 
 
 def check_beta(beta: float, *, name: str = "beta") -> None:
@@ -45,51 +47,38 @@ def trim_count(*, n: int, beta: float) -> int:
     return k
 
 
-TRANSPOSE_FROM = 32  # contributors from which a block's columns are made contiguous before the sort
-
-
-def _sorted_middle(block: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The values of each column of `block` (n, c) ranked k..n-k-1 and their rows, each (n-2k, c), in ascending
-    order (stable: equal values by row). From TRANSPOSE_FROM rows on, the columns are copied contiguous and
-    sorted along the last dimension, which is faster there (benchmarks/trimmed_sort.py); either way the same
-    values and rows, so the same sums."""
-    n = block.shape[0]
-    if n < TRANSPOSE_FROM:
-        values, order = block.sort(dim=0, stable=True)  # (n, c)
-        return values[k:n - k], order[k:n - k]
-    values, order = block.T.contiguous().sort(dim=1, stable=True)  # (c, n)
-    return values[:, k:n - k].T, order[:, k:n - k].T
-
-
 def trimmed_mean(deltas: Tensor, *, beta: float, weights: Tensor | None = None,
                  groups: Tensor | None = None) -> AggregateResult:
     """Coordinate-wise trimmed mean of `deltas` (n, d) -> (d,), trimming k per end (see module); `groups` (n,)
     names each row's group of copies by its first row (None: every row its own)."""
-    deltas = check_deltas(deltas)
+    deltas = check_deltas(deltas, finite=False)  # the kernel checks the values it ranks
     if groups is not None:
+        if torch.unique(torch.as_tensor(groups)).numel() < deltas.shape[0]:
+            check_deltas(deltas)  # copies present: the kernel below reads one row of each group
         return on_members(deltas, groups, weights,
                           lambda rows, w: trimmed_mean(rows, beta=beta, weights=w))
     n, d = deltas.shape
     k = trim_count(n=n, beta=beta)
     w = check_weights(weights, n=n)  # (n,) float64
     raw = None if weights is None else torch.as_tensor(weights, dtype=torch.float64).flatten()  # (n,) as given
-    acc = torch.zeros(d, dtype=torch.float64)  # (d,) float64 sum of the kept values
-    denom = None if raw is None else torch.zeros(d, dtype=torch.float64)  # (d,) weight of the kept values
-    kept = torch.zeros(n, dtype=torch.int64)  # (n,) values each row kept
-    step = max(1, SORT_BYTES // (16 * n))  # columns per sort: a copy, its values and int64 order, 16 bytes an element
-    for c0 in range(0, d, step):  # coordinates are independent: the same sums as one sort of all of them
-        kept_v, kept_i = _sorted_middle(deltas[:, c0:c0 + step], k)  # (n-2k, c)
-        a = acc[c0:c0 + step]
-        if raw is None:
-            for row in kept_v:
-                a += row
-        else:
-            den = denom[c0:c0 + step]
-            for row, who in zip(kept_v, kept_i):
-                kw = raw[who]  # (c,) weight of whoever gave each kept value
-                a += kw * row  # float64 product, then float64 sum: never an FMA
-                den += kw
-        kept += torch.bincount(kept_i.flatten(), minlength=n)
+    x = deltas.detach().cpu()
+    x = x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float32)  # exact for fp16 / bf16
+    xs = (x if x.is_contiguous() else x.contiguous()).numpy()
+    acc = np.zeros(d)  # (d,) float64 sum of the kept values
+    den = np.zeros(d if raw is not None else 0)  # (d,) weight of the kept values
+    ws = np.zeros(0) if raw is None else raw.numpy()
+
+    def columns(c0: int, c1: int) -> tuple[int, np.ndarray]:
+        kept_here = np.zeros(n, dtype=np.int64)
+        return select_kernels.trimmed_columns(xs, k, ws, c0, c1, acc, den, kept_here), kept_here
+
+    threads = min(torch.get_num_threads(), n * d // _MIN_VALUES_PER_THREAD)
+    parts = in_group_ranges(columns, d, threads)
+    if sum(bad for bad, _ in parts):
+        check_deltas(deltas)  # raises, naming the rows with NaN or inf
+    kept = torch.from_numpy(sum(part for _, part in parts))  # (n,) values each row kept
+    acc = torch.from_numpy(acc)
+    denom = None if raw is None else torch.from_numpy(den)
     if denom is None:
         agg = acc / (n - 2 * k)
     else:

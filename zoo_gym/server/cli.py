@@ -168,10 +168,12 @@ def serve(
 
         server, bound, rounds = build_server(state, cfg)  # refuses a port another process listens on
         dashboard = _dashboard(state, cfg, registry=rounds.metrics.registry) if cfg.dashboard_port else None
+    from zoo_gym.aggregation import select_kernels
     from zoo_gym.aggregation.packed_kernels import warm_up
     from zoo_gym.server.store import master_kernel
 
     warm_up()  # compile or load the BitDelta distance / mean kernels now, not in the first round
+    select_kernels.warm_up()  # the trimmed mean's selection
     master_kernel.warm_up()  # and the publish's bf16 master update
     if cfg.aggregation_engine == "ray":
         _join_ray(cfg.ray_address)
