@@ -202,3 +202,38 @@ def test_lent_aggregates_are_the_same_bytes_in_one_buffer():
     assert list(lent) == list(fresh) == list(shapes)
     assert all(torch.equal(lent[k], fresh[k]) and float(fresh[k].abs().max()) > 0 for k in fresh)
     assert len(lent_buffers) == 1 and len(fresh_buffers) == 2
+
+
+def _mixed_payloads() -> list[bytes]:
+    """Contributor 0 sends LoRA factors, 1 BitDelta of a dense delta (per-group scales), 2 BitDelta with one
+    group per row (the issue-51 population's two kinds)."""
+    lora = {k: _factors(*s, seed=j) for j, (k, s) in enumerate(SHAPES.items()) if len(s) == 2}
+    g = torch.Generator().manual_seed(3)
+    dense = {k: torch.randn(s, generator=g) * 1e-3 for k, s in SHAPES.items()}
+    return [codec.encode(lora, codec="lora"), codec.encode(dense, codec="bitdelta", group_size=16),
+            codec.encode(dense, codec="bitdelta")]
+
+
+def test_bitdelta_norms_come_from_the_scales_and_match_the_decoded_rows():
+    stored = StoredDeltas(_mixed_payloads(), ["x", "y", "z"], SHAPES, cache_bytes=0)
+    decoded = StoredDeltas(_mixed_payloads(), ["x", "y", "z"], SHAPES, cache_bytes=0)
+    for name in ("a.weight", "b.weight"):
+        sq, numel = stored.sq_norms(name)
+        rows = decoded.stacked(name)
+        assert numel == rows.shape[1]
+        ref = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64) ** 2
+        assert float(sq[0]) == pytest.approx(float(ref[0]), rel=1e-6)  # LoRA: Gram matrices of float32 factors
+        assert torch.allclose(sq[1:], ref[1:], rtol=1e-12, atol=0)  # BitDelta: the decoded numbers exactly
+        assert stored.factors(name) is None  # not every row is LoRA: the plain mean decodes
+    assert stored.sq_norms("norm.weight") is None  # BitDelta sends a 1-D tensor as fp16: its rows are decoded
+
+
+def test_a_mixed_round_is_validated_without_decoding_a_row(monkeypatch):
+    from zoo_gym.aggregation.validation import validate
+
+    stored = StoredDeltas(_mixed_payloads(), ["x", "y", "z"], SHAPES, cache_bytes=0)
+    decoded = []
+    monkeypatch.setattr(StoredDeltas, "_decode_row", lambda self, i, name, row: decoded.append(name) or row.zero_())
+    checked = validate(stored, stored.names(), 3, max_delta_norm=None, max_norm_ratio=None, private=False)
+    assert set(decoded) == {"norm.weight"}  # only the 1-D tensor sent as fp16
+    assert checked.reasons == [None, None, None] and bool((checked.norms > 0).all())

@@ -154,6 +154,15 @@ class BitDeltaPacked:
             group_counts(cols=self.cols, groups=Groups(size=self.group_size, n_groups=n_groups, scale_rows=self.rows))
         )
 
+    def sq_norm(self) -> float | None:
+        """||to_dense()||^2 in float64 from the scales alone (every element is + or - its group's float32 scale, so
+        the sum of n_g s_g^2 is the decoded rows' up to float64 rounding); None when a scale is not finite."""
+        s = self.scales.to(torch.float64)
+        if not bool(torch.isfinite(s).all()):
+            return None
+        per_row = (s.square() * self.group_counts().to(torch.float64)).sum()
+        return float(per_row) * (self.rows if s.shape[0] == 1 else 1)
+
     def rows_dense(self, r0: int, r1: int) -> Tensor:
         """float32 (r1 - r0, cols): rows [r0, r1) of `to_dense()`, the same numbers, decoding those rows only."""
         groups = Groups(size=self.group_size, n_groups=self.scales.shape[1], scale_rows=r1 - r0)  # scales: (rows, g)

@@ -80,8 +80,8 @@ class StoredDeltas:
 
     DeltaSoup reads every tensor in more than one pass (validate, distances, aggregate). Decoded rows are
     kept in a cache bounded by `cache_bytes`, so small models are decoded once while a model larger
-    than the budget still streams one tensor x n at a time. LoRA-coded tensors are validated from their
-    factors (`sq_norms`), so a mean decodes each of them once. The budget is 128 MB (it was 512 MB: most of
+    than the budget still streams one tensor x n at a time. LoRA- and BitDelta-coded tensors are validated from
+    their factors and scales (`sq_norms`), so a mean decodes each of them once. The budget is 128 MB (it was 512 MB: most of
     the peak from a few hundred contributors of the tiny base on, for passes that decode again in seconds).
     """
 
@@ -90,7 +90,8 @@ class StoredDeltas:
         self.contributors = contributors
         self._cache: dict[str, torch.Tensor] = {}
         self._cache_left = cache_bytes
-        self._vouched: dict[str, torch.Tensor] = {}  # sq_norms of tensors sent as safe float32 LoRA factors
+        self._vouched: dict[str, torch.Tensor] = {}  # sq_norms of tensors sent as safe float32 LoRA / BitDelta
+        self._lora_only: set[str] = set()  # ... of those, the ones every contributor sent as LoRA factors
         self._packed_now: PackedTensor | None = None  # the tensor read in blocks, as sent (_packed_tensor)
         self._payloads = [p if not isinstance(p, (str, Path)) else Path(p) for p in payloads]
         self._shapes = shapes  # the base's tensors, in its file order
@@ -204,33 +205,43 @@ class StoredDeltas:
             out.copy_(scratch.view(shape[0], -1)[r0:r1])
 
     def sq_norms(self, name: str) -> tuple[torch.Tensor, int] | None:
-        """((n,) float64 squared L2 norms of the rows `stacked(name)` returns, numel) from LoRA factors
-        alone (r x r Gram matrices, `LoraFactors.merged_sq_norm`): DeltaSoup's validation needs no decode.
-        None unless every contributor that sent the tensor sent float32 LoRA factors the norm is safe
-        from (then DeltaSoup decodes). A cached tensor is not decoded again either way; norms already
-        taken are returned again without recomputing them."""
+        """((n,) float64 squared L2 norms of the rows `stacked(name)` returns, numel) from what was sent, nothing
+        decoded: LoRA factors' r x r Gram matrices (`LoraFactors.merged_sq_norm`) and BitDelta scales
+        (`BitDeltaPacked.sq_norm`), so DeltaSoup's validation reads no rows. None unless every contributor that
+        sent the tensor sent float32 LoRA factors or float32 BitDelta the norm is safe from (then DeltaSoup
+        decodes). A cached tensor is not decoded again either way; norms already taken are returned again."""
         if name in self._vouched:
             return self._vouched[name], math.prod(self._shapes[name])
         if name in self._cache:
             return None
+        shape = tuple(self._shapes[name])
         out = torch.zeros(len(self._payloads), dtype=torch.float64)  # (n,)
+        lora_only = True
         for i in range(self.n):
             e = self._entry(i, name)
             if e is None:
                 continue  # did not change the tensor: a zero row
-            if e.codec != "lora" or e.dtype != "float32":
+            if e.dtype != "float32":
                 return None
-            sq = self._factors(i, name).merged_sq_norm()
+            if e.codec == "lora":
+                sq = self._factors(i, name).merged_sq_norm()
+            elif e.codec == "bitdelta" and tuple(e.shape) == shape:
+                sq, lora_only = self._bits(i, name).sq_norm(), False
+            else:
+                return None
             if sq is None:
                 return None
             out[i] = sq
         self._vouched[name] = out
-        return out, math.prod(self._shapes[name])
+        if lora_only:
+            self._lora_only.add(name)
+        return out, math.prod(shape)
 
     def factors(self, name: str) -> list | None:
         """Each contributor's LoraFactors of `name` (None: it did not send the tensor), for a tensor whose
-        norms `sq_norms` vouched for (finite, no overflow, no cancellation); else None (rows are decoded)."""
-        if name not in self._vouched:
+        norms `sq_norms` vouched for from LoRA factors alone (finite, no overflow, no cancellation); else None
+        (rows are decoded)."""
+        if name not in self._lora_only:
             return None
         shape = tuple(self._shapes[name])
         out = []
