@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from numba import njit
 from torch import Tensor
 
 from zoo_gym.codec.errors import CodecError
@@ -24,13 +25,6 @@ from zoo_gym.codec.layout import Groups
 __all__ = ["BitDeltaPacked", "pack_bitdelta", "unpack_bitdelta", "group_counts"]
 
 _CHUNK_ELEMS = 1 << 18  # elements per row chunk: 1 MiB of float32
-
-# byte value -> 8 int32 sign masks, little bit order: bit k set -> 0 (keep +s), clear -> sign bit
-_SIGN_LUT = np.where(
-    (np.arange(256, dtype=np.int32)[:, None] >> np.arange(8, dtype=np.int32)[None, :]) & 1 == 1,
-    np.int32(0),
-    np.int32(-(2**31)),
-).astype(np.int32)  # (256, 8)
 
 
 def _chunk_rows(cols: int) -> int:
@@ -85,30 +79,40 @@ def pack_bitdelta(x2d: Tensor, *, groups: Groups) -> tuple[np.ndarray, np.ndarra
     return signs, sums / counts
 
 
+# byte value -> 8 uint32 sign masks, little bit order: bit k set -> 0 (keep +s), clear -> the sign bit
+_SIGN_LUT = np.where((np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1 == 1, 0, 1 << 31).astype(np.uint32)
+
+
+@njit(nogil=True, cache=True)
+def _unpack_rows(signs, scale_bits, lut, g, cols, out_bits):
+    """out_bits[i, c] = the float32 bits of +-scale: the group's scale bits OR the byte's sign mask (uint32
+    views; scale_bits (1 or rows, n_groups); groups start on a byte). Compiled because numpy's table lookup
+    wrote every mask out and OR-ed them in a second pass."""
+    one = scale_bits.shape[0] == 1
+    for i in range(signs.shape[0]):
+        srow = scale_bits[0] if one else scale_bits[i]
+        orow, brow = out_bits[i], signs[i]
+        for c0 in range(0, cols, g):
+            s = srow[c0 // g]
+            c1 = min(c0 + g, cols)
+            full = c0 + (c1 - c0) // 8 * 8
+            for b in range(c0 >> 3, full >> 3):
+                m = lut[brow[b]]
+                for k in range(8):
+                    orow[8 * b + k] = s | m[k]
+            if full < c1:
+                m = lut[brow[full >> 3]]
+                for c in range(full, c1):
+                    orow[c] = s | m[c - full]
+
+
 def unpack_bitdelta(signs: np.ndarray, scales: np.ndarray, *, cols: int, groups: Groups) -> np.ndarray:
     """float32 (rows, cols) = scale * sign, exactly; ``scales`` float32 (scale_rows, n_groups), finite, >= 0."""
-    rows, nbytes = signs.shape
+    rows = signs.shape[0]
     out = np.empty((rows, cols), dtype=np.float32)
-    out_bits = out.view(np.int32)
-    scale_bits = np.ascontiguousarray(scales, dtype=np.float32).view(np.int32)  # (scale_rows, n_groups)
-    step = _chunk_rows(cols)
-    padded = cols % 8 != 0
-    tmp = np.empty((min(step, rows), nbytes * 8), dtype=np.int32) if padded else None
-    g = groups.size
-    full = cols // g
-    for i in range(0, rows, step):
-        r = min(step, rows - i)
-        target = tmp[:r] if padded else out_bits[i : i + r]  # (r, nbytes*8)
-        np.take(_SIGN_LUT, signs[i : i + r], axis=0, out=target.reshape(r, nbytes, 8))
-        s = scale_bits if groups.scale_rows == 1 else scale_bits[i : i + r]  # (r or 1, n_groups)
-        if full:
-            blk = target[:, : full * g].reshape(r, full, g)
-            np.bitwise_or(blk, s[:, :full, None], out=blk)
-        if full < groups.n_groups:
-            tail = target[:, full * g : cols]
-            np.bitwise_or(tail, s[:, full : full + 1], out=tail)
-        if padded:
-            out_bits[i : i + r] = target[:, :cols]
+    scale_bits = np.ascontiguousarray(scales, dtype=np.float32).view(np.uint32)  # (scale_rows, n_groups)
+    g = groups.size if groups.n_groups > 1 else cols  # one group: the whole row
+    _unpack_rows(np.ascontiguousarray(signs), scale_bits, _SIGN_LUT, max(g, 1), cols, out.view(np.uint32))
     return out
 
 
