@@ -11,6 +11,10 @@ seconds, the time from the last acknowledgement to the publish, bytes on disk, a
 verify`, the dashboard's pages and `gym-client rewards --verify` afterwards. Prints JSON; asserts nothing.
 
     python benchmarks/population.py --n 100 [--mode sync|async] [--hostile 0.05] [--out FILE.json]
+    python benchmarks/population.py --n 10000 --merge-into benchmarks/results/population.json --plot FILE.png
+
+`--merge-into` puts this invocation's runs into a results file (replacing a run of the same mode and N), keeps its
+other keys and recomputes `targets`; `--plot` draws the server's peak and the publish time against N from it.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ from zoo_gym.proto.busy import is_busy
 from zoo_gym.proto.tls import channel_credentials
 
 GiB = 1 << 30
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+# the server and the CLI with the threads torch picks, as an operator runs them; the population itself keeps to one
+ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Hostile roles, in turn: where each is refused and what the benchmark expects to see
 HOSTILE = ("outlier", "wrong-shape", "forged", "twice", "sybil")
@@ -480,7 +485,10 @@ def main() -> None:
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="one more flag for gym-server serve (repeat; e.g. --serve-arg=--register-burst-per-peer=100000 "
                          "to measure a release whose invitations still take bucket tokens)")
+    ap.add_argument("--merge-into", type=Path, help="merge the runs into this results file (see the module)")
+    ap.add_argument("--plot", type=Path, help="plot the (merged) runs against N into this PNG")
     args = ap.parse_args()
+    torch.set_num_threads(1)  # the population's payloads and signatures: the other core is the server's
     runs = []
     for mode in args.mode or ["sync"]:
         for n in args.n or [100]:
@@ -491,10 +499,49 @@ def main() -> None:
                                 concurrency=args.concurrency, work=work, serve_args=tuple(args.serve_arg)))
             print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     doc = {"runs": runs, "targets": targets(runs)}
+    if args.merge_into:
+        doc = merged(json.loads(args.merge_into.read_text()) if args.merge_into.exists() else {}, runs)
+        args.merge_into.write_text(json.dumps(doc, indent=2) + "\n")
     text = json.dumps(doc, indent=2)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
+    if args.plot:
+        plot(doc["runs"], args.plot)
+
+
+def merged(doc: dict, runs: list[dict]) -> dict:
+    """`doc` with `runs` in place of its runs of the same (mode, n), sorted by mode and N, `targets` recomputed."""
+    new = {(r["mode"], r["n"]) for r in runs}
+    kept = [r for r in doc.get("runs", []) if (r["mode"], r["n"]) not in new]
+    doc = {**doc, "runs": sorted(kept + runs, key=lambda r: (r["mode"], r["n"]))}
+    doc["targets"] = targets(doc["runs"])
+    return doc
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    """The server's peak RSS and the publish time after the last acknowledgement against N, per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (peak, publish) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode, marker in (("sync", "o"), ("async", "s")):
+        rs = sorted((r for r in runs if r["mode"] == mode), key=lambda r: r["n"])
+        if rs:
+            ns = [r["n"] for r in rs]
+            peak.plot(ns, [r["server"]["peak_gib"] for r in rs], marker=marker, label=mode)
+            publish.plot(ns, [r["publish_after_last_ack_s"] for r in rs], marker=marker, label=mode)
+    peak.axhline(2.0, color="grey", linestyle="--", label="target 2 GiB")
+    publish.axhline(300.0, color="grey", linestyle="--", label="target 5 min")
+    for ax, title in ((peak, "server peak RSS (GiB)"), (publish, "publish after the last ack (s)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("contributors N")
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def targets(runs: list[dict]) -> dict:

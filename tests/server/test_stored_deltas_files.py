@@ -119,3 +119,28 @@ def test_whole_row_blocks_of_dense_codecs_decode_those_rows_alone(tmp_path, monk
     for name, cols in (("a.weight", 32), ("b.weight", 64)):
         for r0, r1 in ((0, 3), (5, 6), (7, 32)):
             assert torch.equal(stored.stacked_block(name, r0 * cols, r1 * cols), whole[name][:, r0 * cols:r1 * cols])
+
+
+def test_bitdelta_rows_unpacked_on_several_threads_are_the_whole_decodes(tmp_path):
+    """Enough BitDelta rows in a block are unpacked on torch's threads, each contributor's straight into its row
+    of the block, beside LoRA and int8 rows: the whole decode's numbers (issue 51)."""
+    shapes = {"w": (512, 256)}
+    g = torch.Generator().manual_seed(0)
+
+    def make(kind: str) -> bytes:
+        if kind == "lora":
+            return codec.encode({"w": LoraFactors(A=torch.randn(4, 256, generator=g), B=torch.randn(512, 4, generator=g))},
+                                codec="lora")
+        return codec.encode({"w": torch.randn(512, 256, generator=g)}, codec=kind,
+                            **({"group_size": 64} if kind == "bitdelta" else {}))
+
+    payloads = [make(kind) for kind in ["bitdelta", "bitdelta", "lora", "int8"] * 10]
+    stored = StoredDeltas(payloads, [str(i) for i in range(len(payloads))], shapes, cache_bytes=0)
+    whole = stored.stacked("w").clone()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(stored.stacked_block("w", 0, 512 * 256), whole)  # 20 x 131,072 BitDelta values: 2 threads
+        assert torch.equal(stored.stacked_block("w", 100 * 256, 101 * 256), whole[:, 100 * 256:101 * 256])
+    finally:
+        torch.set_num_threads(before)

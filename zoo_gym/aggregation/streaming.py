@@ -19,9 +19,9 @@ from .distances import combination_sq_distances, packed_model_sq_distances, pair
 # sign bytes per contributor batched into one compressed-domain distance pass: bounds memory at
 # about n x 16 MiB while removing per-tensor Python work on models with many small tensors
 _PACKED_BATCH_BYTES = 16 << 20
-# (n, numel) float32 rows of one tensor above this are read a block of the tensor's rows at a time (128 MB of them):
+# (n, numel) float32 rows of one tensor above this are read a block of the tensor's rows at a time (32 MB of them):
 # smaller blocks decode each contributor's tensor bytes more often (a block reads them whole)
-ROW_BLOCK_BYTES = 128 << 20
+ROW_BLOCK_BYTES = 32 << 20
 
 
 def row_blocks(source: Any, name: str, n: int) -> list[tuple[int, int]] | None:

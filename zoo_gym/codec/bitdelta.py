@@ -22,7 +22,7 @@ from torch import Tensor
 from zoo_gym.codec.errors import CodecError
 from zoo_gym.codec.layout import Groups
 
-__all__ = ["BitDeltaPacked", "pack_bitdelta", "unpack_bitdelta", "group_counts"]
+__all__ = ["BitDeltaPacked", "pack_bitdelta", "unpack_bitdelta", "unpack_bitdelta_into", "group_counts"]
 
 _CHUNK_ELEMS = 1 << 18  # elements per row chunk: 1 MiB of float32
 
@@ -83,27 +83,53 @@ def pack_bitdelta(x2d: Tensor, *, groups: Groups) -> tuple[np.ndarray, np.ndarra
 _SIGN_LUT = np.where((np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1 == 1, 0, 1 << 31).astype(np.uint32)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _unpack_row(brow, srow, lut, g, cols, orow, base):
+    """orow[base + c] = the float32 bits of +-scale for one row: its group's scale bits OR the byte's sign mask
+    (uint32 views; groups start on a byte)."""
+    for c0 in range(0, cols, g):
+        s = srow[c0 // g]
+        c1 = min(c0 + g, cols)
+        full = c0 + (c1 - c0) // 8 * 8
+        for b in range(c0 >> 3, full >> 3):
+            m = lut[brow[b]]
+            for k in range(8):
+                orow[base + 8 * b + k] = s | m[k]
+        if full < c1:
+            m = lut[brow[full >> 3]]
+            for c in range(full, c1):
+                orow[base + c] = s | m[c - full]
+
+
 @njit(nogil=True, cache=True)
 def _unpack_rows(signs, scale_bits, lut, g, cols, out_bits):
-    """out_bits[i, c] = the float32 bits of +-scale: the group's scale bits OR the byte's sign mask (uint32
-    views; scale_bits (1 or rows, n_groups); groups start on a byte). Compiled because numpy's table lookup
-    wrote every mask out and OR-ed them in a second pass."""
+    """Every row of signs (rows, nbytes) into out_bits (rows, cols); scale_bits (1 or rows, n_groups). Compiled
+    because numpy's table lookup wrote every mask out and OR-ed them in a second pass."""
     one = scale_bits.shape[0] == 1
     for i in range(signs.shape[0]):
-        srow = scale_bits[0] if one else scale_bits[i]
-        orow, brow = out_bits[i], signs[i]
-        for c0 in range(0, cols, g):
-            s = srow[c0 // g]
-            c1 = min(c0 + g, cols)
-            full = c0 + (c1 - c0) // 8 * 8
-            for b in range(c0 >> 3, full >> 3):
-                m = lut[brow[b]]
-                for k in range(8):
-                    orow[8 * b + k] = s | m[k]
-            if full < c1:
-                m = lut[brow[full >> 3]]
-                for c in range(full, c1):
-                    orow[c] = s | m[c - full]
+        _unpack_row(signs[i], scale_bits[0] if one else scale_bits[i], lut, g, cols, out_bits[i], 0)
+
+
+@njit(nogil=True, cache=True)
+def _unpack_stacked(signs, scale_bits, lut, g, cols, idx, j0, j1, r0, r1, out_bits):
+    """Rows [r0, r1) of contributors [j0, j1) of signs (k, rows, nbytes), scale_bits (k, rows, n_groups), into
+    out_bits[idx[j]] ((n, (r1 - r0) x cols) uint32), the rows one after another."""
+    for j in range(j0, j1):
+        orow = out_bits[idx[j]]
+        for q in range(r0, r1):
+            _unpack_row(signs[j, q], scale_bits[j, q], lut, g, cols, orow, (q - r0) * cols)
+
+
+def unpack_bitdelta_into(signs: Tensor, scales: Tensor, idx: Tensor, *, r0: int, r1: int, cols: int,
+                         group_size: int, out: Tensor, j0: int = 0, j1: int | None = None) -> None:
+    """Rows [r0, r1) of stacked BitDelta tensors, contributors [j0, j1): signs uint8 (k, rows, nbytes), scales
+    float32 (k, rows, n_groups), into out[idx[j]] (a float32 (n, (r1 - r0) x cols) tensor), the numbers
+    `unpack_bitdelta` gives; nothing allocated. Releases the GIL: callers may split the contributors."""
+    n_groups = scales.shape[2]
+    g = group_size if n_groups > 1 else cols
+    _unpack_stacked(signs.numpy(), scales.numpy().view(np.uint32), _SIGN_LUT, max(g, 1), cols,
+                    idx.numpy().astype(np.int64, copy=False), j0, idx.numel() if j1 is None else j1, r0, r1,
+                    out.numpy().view(np.uint32))
 
 
 def unpack_bitdelta(signs: np.ndarray, scales: np.ndarray, *, cols: int, groups: Groups) -> np.ndarray:

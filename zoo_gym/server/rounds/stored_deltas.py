@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from zoo_gym import codec
-from zoo_gym.codec.bitdelta import unpack_bitdelta
+from zoo_gym.aggregation.packed_kernels import in_group_ranges
+from zoo_gym.codec.bitdelta import unpack_bitdelta_into
 from zoo_gym.codec.container import Manifest, TensorEntry
-from zoo_gym.codec.layout import Groups
 
 
 def _shifted(e: TensorEntry, by: int) -> TensorEntry:
@@ -73,6 +73,7 @@ def _read(path: Path, start: int, size: int) -> bytes:
 
 
 CACHE_BYTES = 128 << 20  # decoded rows kept between DeltaSoup's passes
+_MIN_UNPACK_PER_THREAD = 1 << 21  # BitDelta elements unpacked: below this a thread costs more than it saves
 
 
 class StoredDeltas:
@@ -306,12 +307,11 @@ class PackedTensor:
         """Rows [r0, r1) of every contributor's tensor (2-D view) into `out` ((n, (r1 - r0) x cols) float32)."""
         if self.absent:
             out[self.absent] = 0.0
-        for idx, signs, scales, first in self.bits:  # one unpack for the group: (g x rows, cols), row by row exact
-            k, r = idx.numel(), r1 - r0
-            groups = Groups(size=first.group_size, n_groups=scales.shape[2], scale_rows=k * r)
-            dense = unpack_bitdelta(signs[:, r0:r1].reshape(k * r, -1).numpy(),
-                                    scales[:, r0:r1].reshape(k * r, -1).numpy(), cols=first.cols, groups=groups)
-            out[idx] = torch.from_numpy(dense).view(k, -1)
+        for idx, signs, scales, first in self.bits:  # straight into the contributors' rows, on torch's threads
+            threads = min(torch.get_num_threads(), idx.numel() * (r1 - r0) * first.cols // _MIN_UNPACK_PER_THREAD)
+            in_group_ranges(lambda j0, j1: unpack_bitdelta_into(
+                signs, scales, idx, r0=r0, r1=r1, cols=first.cols, group_size=first.group_size, out=out, j0=j0,
+                j1=j1), idx.numel(), threads)
         for idx, b, a in self.lora:
             if idx.numel() == out.shape[0]:  # every contributor, in order: the product straight into `out`
                 torch.bmm(b[:, r0:r1], a, out=out.view(idx.numel(), r1 - r0, -1))
