@@ -121,9 +121,11 @@ def test_whole_row_blocks_of_dense_codecs_decode_those_rows_alone(tmp_path, monk
             assert torch.equal(stored.stacked_block(name, r0 * cols, r1 * cols), whole[name][:, r0 * cols:r1 * cols])
 
 
-def test_bitdelta_rows_unpacked_on_several_threads_are_the_whole_decodes(tmp_path):
-    """Enough BitDelta rows in a block are unpacked on torch's threads, each contributor's straight into its row
-    of the block, beside LoRA and int8 rows: the whole decode's numbers (issue 51)."""
+def test_bitdelta_rows_unpacked_on_several_cores_are_the_whole_decodes(monkeypatch):
+    """Enough BitDelta rows in a block are unpacked in chunks on every core, each contributor's straight into its
+    row of the block, beside LoRA and int8 rows: the whole decode's numbers (issue 51)."""
+    from zoo_gym.aggregation import packed_kernels
+
     shapes = {"w": (512, 256)}
     g = torch.Generator().manual_seed(0)
 
@@ -137,10 +139,9 @@ def test_bitdelta_rows_unpacked_on_several_threads_are_the_whole_decodes(tmp_pat
     payloads = [make(kind) for kind in ["bitdelta", "bitdelta", "lora", "int8"] * 10]
     stored = StoredDeltas(payloads, [str(i) for i in range(len(payloads))], shapes, cache_bytes=0)
     whole = stored.stacked("w").clone()
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        assert torch.equal(stored.stacked_block("w", 0, 512 * 256), whole)  # 20 x 131,072 BitDelta values: 2 threads
-        assert torch.equal(stored.stacked_block("w", 100 * 256, 101 * 256), whole[:, 100 * 256:101 * 256])
-    finally:
-        torch.set_num_threads(before)
+    from zoo_gym.server.rounds import stored_deltas
+
+    monkeypatch.setattr(packed_kernels.os, "sched_getaffinity", lambda _pid: {0, 1})
+    monkeypatch.setattr(stored_deltas, "_MIN_UNPACK_PER_CHUNK", 1)  # 8 chunks of the 20 BitDelta contributors
+    assert torch.equal(stored.stacked_block("w", 0, 512 * 256), whole)
+    assert torch.equal(stored.stacked_block("w", 100 * 256, 101 * 256), whole[:, 100 * 256:101 * 256])

@@ -13,6 +13,7 @@ docs/design/aggregation.md.
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,7 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["SIGN_TABLE", "TENSOR_FIELDS", "gather", "in_group_ranges", "sq_distances", "warm_up", "weighted_sum"]
+__all__ = ["SIGN_TABLE", "TENSOR_FIELDS", "gather", "in_chunks", "in_group_ranges", "sq_distances", "warm_up", "weighted_sum"]
 
 # (256 * 8,) float32: SIGN_TABLE[8 x + k] = +1 if bit k of byte x is set else -1
 SIGN_TABLE = (((np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1) * 2.0 - 1.0).astype(np.float32).ravel()
@@ -256,20 +257,39 @@ def in_group_ranges(fn: Callable[[int, int], T], n_groups: int, threads: int) ->
     threads = max(1, min(threads, n_groups))
     if threads == 1:
         return [fn(0, n_groups)]
-    global _pool, _pool_size
-    with _pool_lock:
-        if _pool is None or _pool_size < threads:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            else:
-                atexit.register(_shutdown_pool)
-            _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zoo-gym-kernels")
-            _pool_size = threads
-        pool = _pool
+    pool = _threads(threads)
     cuts = np.linspace(0, n_groups, threads + 1).astype(int).tolist()
     futures = [pool.submit(fn, a, b) for a, b in zip(cuts[1:-1], cuts[2:])]
     first = fn(cuts[0], cuts[1])  # this thread takes the first range itself
     return [first] + [f.result() for f in futures]
+
+
+def _threads(size: int) -> ThreadPoolExecutor:
+    """The kernels' shared pool, grown to at least `size` threads."""
+    global _pool, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_size < size:
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            else:
+                atexit.register(_shutdown_pool)
+            _pool = ThreadPoolExecutor(max_workers=size, thread_name_prefix="zoo-gym-kernels")
+            _pool_size = size
+        return _pool
+
+
+def in_chunks(fn: Callable[[int, int], T], n: int, *, min_chunk: int) -> list[T]:
+    """[fn(a, b) for chunks [a, b) of 0..n, in order], at least `min_chunk` each, on every core this process may
+    use, each thread taking the next chunk when it finishes one. For kernels whose every output element depends
+    on its own chunk alone: a core another thread holds for a while (the checkpoint writer's, for which torch's
+    threads are lowered during a publish) slows only the chunks it runs, so these need not give it up."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    chunks = max(1, min(n // max(min_chunk, 1), 4 * cores))
+    if cores == 1 or chunks == 1:
+        return [fn(0, n)]
+    cuts = np.linspace(0, n, chunks + 1).astype(int).tolist()
+    pool = _threads(cores)
+    return [f.result() for f in [pool.submit(fn, a, b) for a, b in zip(cuts[:-1], cuts[1:])]]
 
 
 def warm_up() -> None:

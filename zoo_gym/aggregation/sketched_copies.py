@@ -21,12 +21,12 @@ from numba import njit
 from torch import Tensor
 
 from .krum import DUPLICATE_SQ_DISTANCE
-from .packed_kernels import in_group_ranges
+from .packed_kernels import in_chunks
 
 EXACT_MAX = 256  # up to this many rows the exact pairwise distances decide (krum.duplicate_groups)
 SKETCH_DIMS = 256
 _BLOCK_BYTES = 32 << 20  # distance rows (float64) computed at a time
-_MIN_VALUES_PER_THREAD = 1 << 20  # values sketched: below this a thread costs more than it saves
+_MIN_VALUES_PER_CHUNK = 1 << 20  # values sketched: below this a thread costs more than it saves
 
 
 def _hashes(name: str, numel: int, m: int) -> tuple[np.ndarray, np.ndarray]:
@@ -53,8 +53,8 @@ def sketch(tensors: Iterable[tuple[str, Callable[[], Tensor]]], k: int, *, m: in
         x = rows().detach().cpu()
         x = (x if x.dtype in (torch.float32, torch.float64) else x.float()).contiguous().numpy()  # (k, numel)
         bucket, sign = _hashes(name, x.shape[1], m)
-        threads = min(torch.get_num_threads(), x.size // _MIN_VALUES_PER_THREAD)
-        in_group_ranges(lambda r0, r1: _sketch_rows(x, bucket, sign, r0, r1, out), k, threads)
+        in_chunks(lambda r0, r1: _sketch_rows(x, bucket, sign, r0, r1, out), k,
+                  min_chunk=_MIN_VALUES_PER_CHUNK // max(x.shape[1], 1))
     return out
 
 

@@ -22,10 +22,10 @@ from . import select_kernels
 from ._checks import check_deltas, check_weights
 from .copies import on_members
 from .errors import AggregationError, NotRobustConfigError
-from .packed_kernels import in_group_ranges
+from .packed_kernels import in_chunks
 from .result import AggregateResult, make_diagnostics
 
-_MIN_VALUES_PER_THREAD = 1 << 20  # values ranked: below this a thread costs more than it saves
+_MIN_VALUES_PER_CHUNK = 1 << 20  # values ranked: below this a thread costs more than it saves
 
 
 def check_beta(beta: float, *, name: str = "beta") -> None:
@@ -72,8 +72,7 @@ def trimmed_mean(deltas: Tensor, *, beta: float, weights: Tensor | None = None,
         kept_here = np.zeros(n, dtype=np.int64)
         return select_kernels.trimmed_columns(xs, k, ws, c0, c1, acc, den, kept_here), kept_here
 
-    threads = min(torch.get_num_threads(), n * d // _MIN_VALUES_PER_THREAD)
-    parts = in_group_ranges(columns, d, threads)
+    parts = in_chunks(columns, d, min_chunk=_MIN_VALUES_PER_CHUNK // n)
     if sum(bad for bad, _ in parts):
         check_deltas(deltas)  # raises, naming the rows with NaN or inf
     kept = torch.from_numpy(sum(part for _, part in parts))  # (n,) values each row kept

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from zoo_gym import codec
-from zoo_gym.aggregation.packed_kernels import in_group_ranges
+from zoo_gym.aggregation.packed_kernels import in_chunks
 from zoo_gym.codec.bitdelta import unpack_bitdelta_into
 from zoo_gym.codec.container import Manifest, TensorEntry
 
@@ -73,7 +73,7 @@ def _read(path: Path, start: int, size: int) -> bytes:
 
 
 CACHE_BYTES = 128 << 20  # decoded rows kept between DeltaSoup's passes
-_MIN_UNPACK_PER_THREAD = 1 << 21  # BitDelta elements unpacked: below this a thread costs more than it saves
+_MIN_UNPACK_PER_CHUNK = 1 << 21  # BitDelta elements unpacked: below this a thread costs more than it saves
 
 
 class StoredDeltas:
@@ -307,11 +307,10 @@ class PackedTensor:
         """Rows [r0, r1) of every contributor's tensor (2-D view) into `out` ((n, (r1 - r0) x cols) float32)."""
         if self.absent:
             out[self.absent] = 0.0
-        for idx, signs, scales, first in self.bits:  # straight into the contributors' rows, on torch's threads
-            threads = min(torch.get_num_threads(), idx.numel() * (r1 - r0) * first.cols // _MIN_UNPACK_PER_THREAD)
-            in_group_ranges(lambda j0, j1: unpack_bitdelta_into(
+        for idx, signs, scales, first in self.bits:  # straight into the contributors' rows, on every core
+            in_chunks(lambda j0, j1: unpack_bitdelta_into(
                 signs, scales, idx, r0=r0, r1=r1, cols=first.cols, group_size=first.group_size, out=out, j0=j0,
-                j1=j1), idx.numel(), threads)
+                j1=j1), idx.numel(), min_chunk=_MIN_UNPACK_PER_CHUNK // max((r1 - r0) * first.cols, 1))
         for idx, b, a in self.lora:
             if idx.numel() == out.shape[0]:  # every contributor, in order: the product straight into `out`
                 torch.bmm(b[:, r0:r1], a, out=out.view(idx.numel(), r1 - r0, -1))
