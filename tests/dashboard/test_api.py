@@ -182,3 +182,51 @@ def test_an_edit_that_keeps_size_head_and_total_shows_within_max_age(one_round):
             e.reason = original
             s.add(e)
             s.commit()
+
+
+def test_appended_entries_are_checked_in_the_background_and_an_edit_at_once(one_round):
+    """A round's new entries (the old ones unchanged) do not hold the page for their signatures: the last verdict
+    with `pending`, then the whole ledger verified; an edit of an old entry made with them is named at once."""
+    import time
+
+    from sqlmodel import Session
+
+    from zoo_gym.rewards.ledger import Ledger, NewEntry
+    from zoo_gym.server.store.queries import LedgerCheck
+
+    state = one_round["fed"].state
+    check = LedgerCheck(state)
+    before = check.report()
+    assert before["ok"] and "pending" not in before
+    ledger = Ledger(lambda: Session(state.engine, expire_on_commit=False), state.key)
+    original = None
+    ledger.append([NewEntry(round_id=1, contributor="c" * 32, kind="reward", amount=1, score=0.1,
+                            reputation_after=0.2, reason="test") for _ in range(40)])
+    try:
+        first = check.report()
+        assert first["ok"] and first["checked"] == before["checked"] and first["pending"] == 40
+        deadline = time.monotonic() + 30
+        report = check.report()
+        while "pending" in report and time.monotonic() < deadline:
+            time.sleep(0.05)
+            report = check.report()
+        assert report["ok"] and report["checked"] == before["checked"] + 40 and "pending" not in report
+        with state.session() as s:
+            e = s.get(LedgerEntry, 2)
+            original, e.amount = e.amount, e.amount + 5
+            s.add(e)
+            s.commit()
+        ledger.append([NewEntry(round_id=1, contributor="c" * 32, kind="reward", amount=1, score=0.1,
+                                reputation_after=0.2, reason="test")])
+        edited = check.report()
+        assert not edited["ok"] and edited["first_bad_seq"] == 2 and "pending" not in edited
+    finally:
+        with state.session() as s:
+            for extra in s.exec(select(LedgerEntry).where(LedgerEntry.reason == "test")):
+                s.delete(extra)
+            if original is not None:
+                e = s.get(LedgerEntry, 2)
+                e.amount = original
+                s.add(e)
+            s.commit()
+    assert check.report()["ok"]

@@ -160,9 +160,9 @@ class Ledger:
         with self._session_factory() as s:
             return [LedgerEntryPublic.model_validate(r, from_attributes=True) for r in s.exec(stmt)]
 
-    def iter_entries(self, *, batch_size: int = 1000) -> Iterator[LedgerEntryPublic]:
-        """Every entry in seq order, read ``batch_size`` rows at a time (for `verify`)."""
-        since = 0
+    def iter_entries(self, *, batch_size: int = 1000, since_seq: int = 0) -> Iterator[LedgerEntryPublic]:
+        """Every entry after ``since_seq`` in seq order, read ``batch_size`` rows at a time (for `verify`)."""
+        since = since_seq
         while True:
             batch = self.entries(since_seq=since, limit=batch_size)
             yield from batch

@@ -68,13 +68,16 @@ def _check_entry(entry: Any, key: Ed25519PublicKey) -> str | None:
 
 
 def verify_chain(entries: Iterable[Any], public_key: Ed25519PublicKey | bytes | str, *,
-                 expected_head: tuple[int, str] | None = None) -> VerifyReport:
+                 expected_head: tuple[int, str] | None = None,
+                 start: tuple[int, str] | None = None) -> VerifyReport:
     """Check the whole chain from seq 1 (see the module docstring); stops at the first bad entry.
 
-    ``first_bad_seq`` is the first seq that is missing or fails a check.
+    ``first_bad_seq`` is the first seq that is missing or fails a check. ``start=(seq, hash)``: the entries
+    continue a chain already verified up to that entry (they begin at seq + 1 and link to its hash).
     """
     key = load_public_key(public_key)
-    prev_seq, prev_hash, checked = 0, GENESIS_HASH, 0
+    prev_seq, prev_hash = start if start is not None else (0, GENESIS_HASH)
+    checked = 0
     seen_head_hash: str | None = None
 
     def report(bad_seq: int, reason: str) -> VerifyReport:

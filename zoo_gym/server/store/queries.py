@@ -6,6 +6,7 @@ signature secret or a submission's payload. Each function opens its own session 
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -198,29 +199,61 @@ def ledger_size(state) -> int:
 class LedgerCheck:
     """`gym-server ledger verify` (the whole chain and every signature) for the page.
 
-    Run again at once when the ledger's size, head or total changes (once per round), and in the
-    background when the last run is older than `max_age` seconds (so an edit that keeps all three shows
-    within that time): a page load must not re-check 10 000 signatures every time."""
+    Run again when the ledger's size, head or total changes, and in the background when the last run is older
+    than `max_age` seconds (so an edit that keeps all three shows within that time): a page load must not re-check
+    10 000 signatures every time. Entries appended after the last verdict, the ones before them unchanged in
+    count, total and head, are verified in the background from that head (`pending` says how many are being
+    checked): a round that adds 10,000 entries does not hold the next page for their signatures. Any other
+    change (an edit, a deletion) is verified at once, the whole chain."""
 
     def __init__(self, state, *, max_age: float = 60.0) -> None:
         self.state, self.max_age = state, max_age
         self._lock = threading.Lock()
-        self._key: tuple | None = None
+        self._key: tuple | None = None  # (count, max seq, total, head hash) the report speaks for
         self._report: dict | None = None
         self._at = 0.0
         self._refreshing = False
 
-    def _fingerprint(self) -> tuple:
-        with self.state.session() as s:
-            key = tuple(s.exec(select(func.count(), func.max(LedgerEntry.seq), func.sum(LedgerEntry.amount))
-                               .select_from(LedgerEntry)).one())
-            head = s.exec(select(LedgerEntry.entry_hash).order_by(LedgerEntry.seq.desc()).limit(1)).first()
-        return (*key, head)
+    def _fingerprint(self, s=None, *, upto: int | None = None) -> tuple:
+        if s is None:
+            with self.state.session() as s:
+                return self._fingerprint(s, upto=upto)
+        q = select(func.count(), func.max(LedgerEntry.seq), func.sum(LedgerEntry.amount)).select_from(LedgerEntry)
+        h = select(LedgerEntry.entry_hash).order_by(LedgerEntry.seq.desc()).limit(1)
+        if upto is not None:
+            q, h = q.where(LedgerEntry.seq <= upto), h.where(LedgerEntry.seq <= upto)
+        return (*tuple(s.exec(q).one()), s.exec(h).first())
 
     def _run(self, key: tuple) -> None:
         report = verify_ledger(self.state)
         with self._lock:
             self._report, self._key, self._at, self._refreshing = report, key, time.monotonic(), False
+
+    def _appended(self, key: tuple) -> bool:
+        """Whether the ledger only grew since the last verdict, which was good: the entries up to its head
+        still count, sum and end as they did."""
+        old = self._key
+        if old is None or not self._report or not self._report["ok"] or not old[1] or not key[1] \
+                or key[0] <= old[0] or key[1] <= old[1]:
+            return False
+        return self._fingerprint(upto=old[1]) == old
+
+    def _extend(self, old: tuple, key: tuple) -> None:
+        """Verify the entries after `old`'s head up to `key`'s, then speak for `key` (or run the whole chain)."""
+        from sqlmodel import Session
+
+        from zoo_gym.rewards.verify import verify_chain
+
+        ledger = Ledger(lambda: Session(self.state.engine, expire_on_commit=False), self.state.key)
+        new = itertools.takewhile(lambda e: e.seq <= key[1], ledger.iter_entries(since_seq=old[1]))
+        part = asdict(verify_chain(new, ledger.public_key, start=(old[1], old[3]), expected_head=(key[1], key[3])))
+        if not part["ok"]:
+            self._run(key)  # name the first bad entry of the whole chain
+            return
+        with self._lock:
+            checked = self._report["checked"] + part["checked"]
+            self._report = {**part, "checked": checked}
+            self._key, self._at, self._refreshing = key, time.monotonic(), False
 
     def report(self) -> dict:
         key = self._fingerprint()
@@ -231,7 +264,14 @@ class LedgerCheck:
                 threading.Thread(target=self._run, args=(key,), name="ledger-check", daemon=True).start()
             if fresh:
                 return dict(self._report)
-        self._run(key)  # changed (or first): the page waits for the verdict on what it shows
+            old = self._key
+        if self._appended(key):
+            with self._lock:
+                if not self._refreshing:
+                    self._refreshing = True
+                    threading.Thread(target=self._extend, args=(old, key), name="ledger-check", daemon=True).start()
+                return {**self._report, "pending": key[0] - old[0]}
+        self._run(key)  # changed otherwise (or first): the page waits for the verdict on what it shows
         with self._lock:
             return dict(self._report)
 
