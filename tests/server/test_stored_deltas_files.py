@@ -131,8 +131,8 @@ def test_bitdelta_rows_unpacked_on_several_cores_are_the_whole_decodes(monkeypat
 
     def make(kind: str) -> bytes:
         if kind == "lora":
-            return codec.encode({"w": LoraFactors(A=torch.randn(4, 256, generator=g), B=torch.randn(512, 4, generator=g))},
-                                codec="lora")
+            factors = LoraFactors(A=torch.randn(4, 256, generator=g), B=torch.randn(512, 4, generator=g))
+            return codec.encode({"w": factors}, codec="lora")
         return codec.encode({"w": torch.randn(512, 256, generator=g)}, codec=kind,
                             **({"group_size": 64} if kind == "bitdelta" else {}))
 

@@ -25,7 +25,8 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["SIGN_TABLE", "TENSOR_FIELDS", "gather", "in_chunks", "in_group_ranges", "sq_distances", "warm_up", "weighted_sum"]
+__all__ = ["SIGN_TABLE", "TENSOR_FIELDS", "gather", "in_chunks", "in_group_ranges", "sq_distances", "warm_up",
+           "weighted_sum"]
 
 # (256 * 8,) float32: SIGN_TABLE[8 x + k] = +1 if bit k of byte x is set else -1
 SIGN_TABLE = (((np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1) * 2.0 - 1.0).astype(np.float32).ravel()

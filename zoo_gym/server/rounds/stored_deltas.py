@@ -81,9 +81,10 @@ class StoredDeltas:
 
     DeltaSoup reads every tensor in more than one pass (validate, distances, aggregate). Decoded rows are
     kept in a cache bounded by `cache_bytes`, so small models are decoded once while a model larger
-    than the budget still streams one tensor x n at a time. LoRA- and BitDelta-coded tensors are validated from
-    their factors and scales (`sq_norms`), so a mean decodes each of them once. The budget is 128 MB (it was 512 MB: most of
-    the peak from a few hundred contributors of the tiny base on, for passes that decode again in seconds).
+    than the budget still streams one tensor x n at a time. LoRA- and BitDelta-coded tensors are validated
+    from their factors and scales (`sq_norms`), so a mean decodes each of them once. The budget is 128 MB (it
+    was 512 MB: most of the peak from a few hundred contributors of the tiny base on, for passes that decode
+    again in seconds).
     """
 
     def __init__(self, payloads: list, contributors: list[str], shapes: dict[str, tuple[int, ...]], *,
