@@ -497,6 +497,7 @@ def main() -> None:
                 work.mkdir(parents=True, exist_ok=True)
                 runs.append(run(n, mode=mode, hostile=args.hostile, kinds=args.kinds,
                                 concurrency=args.concurrency, work=work, serve_args=tuple(args.serve_arg)))
+                runs[-1]["commit"] = _commit()
             print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     doc = {"runs": runs, "targets": targets(runs)}
     if args.merge_into:
@@ -508,6 +509,12 @@ def main() -> None:
         args.out.write_text(text + "\n")
     if args.plot:
         plot(doc["runs"], args.plot)
+
+
+def _commit() -> str | None:
+    got = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True)
+    return got.stdout.strip() or None
 
 
 def merged(doc: dict, runs: list[dict]) -> dict:
