@@ -233,20 +233,23 @@ class LedgerCheck:
         """Whether the ledger only grew since the last verdict, which was good: the entries up to its head
         still count, sum and end as they did."""
         old = self._key
-        if old is None or not self._report or not self._report["ok"] or not old[1] or not key[1] \
-                or key[0] <= old[0] or key[1] <= old[1]:
+        if old is None or not self._report or not self._report["ok"] or not key[1] or key[0] <= old[0]:
             return False
-        return self._fingerprint(upto=old[1]) == old
+        if not old[0]:  # it was empty: every entry is new
+            return True
+        return key[1] > old[1] and self._fingerprint(upto=old[1]) == old
 
     def _extend(self, old: tuple, key: tuple) -> None:
         """Verify the entries after `old`'s head up to `key`'s, then speak for `key` (or run the whole chain)."""
         from sqlmodel import Session
 
+        from zoo_gym.rewards.entry_hash import GENESIS_HASH
         from zoo_gym.rewards.verify import verify_chain
 
         ledger = Ledger(lambda: Session(self.state.engine, expire_on_commit=False), self.state.key)
-        new = itertools.takewhile(lambda e: e.seq <= key[1], ledger.iter_entries(since_seq=old[1]))
-        part = asdict(verify_chain(new, ledger.public_key, start=(old[1], old[3]), expected_head=(key[1], key[3])))
+        new = itertools.takewhile(lambda e: e.seq <= key[1], ledger.iter_entries(since_seq=old[1] or 0))
+        start = (old[1], old[3]) if old[0] else (0, GENESIS_HASH)
+        part = asdict(verify_chain(new, ledger.public_key, start=start, expected_head=(key[1], key[3])))
         if not part["ok"]:
             self._run(key)  # name the first bad entry of the whole chain
             return
