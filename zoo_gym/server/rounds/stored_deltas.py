@@ -284,25 +284,46 @@ class PackedTensor:
     def __init__(self, stored: StoredDeltas, name: str) -> None:
         self.name, self._stored = name, stored
         shape = tuple(stored._shapes[name])
-        bits: dict[tuple, list[tuple[int, object]]] = {}
-        lora: dict[int, list[tuple[int, object]]] = {}
+        plan: dict[tuple, list[int]] = {}  # (kind, what fixes its layout) -> contributors, from the headers alone
         self.absent, self.other = [], []
         for i in range(stored.n):
             e = stored._entry(i, name)
             if e is None:
                 self.absent.append(i)
             elif e.codec == "lora" and tuple(e.shape) == shape and len(shape) == 2:
-                f = stored._factors(i, name)
-                lora.setdefault(f.A.shape[0], []).append((i, f))
+                plan.setdefault(("lora", e.rank), []).append(i)
             elif e.codec == "bitdelta" and tuple(e.shape) == shape:
-                b = stored._bits(i, name)
-                bits.setdefault((b.group_size, tuple(b.scales.shape)), []).append((i, b))
+                plan.setdefault(("bits", e.group_size, e.scale_dtype), []).append(i)
             else:
                 self.other.append(i)
-        self.bits = [(torch.tensor([i for i, _ in group]), torch.stack([b.signs for _, b in group]),
-                      torch.stack([b.scales for _, b in group]), group[0][1]) for group in bits.values()]
-        self.lora = [(torch.tensor([i for i, _ in group]), torch.stack([f.B.float() for _, f in group]),
-                      torch.stack([f.A.float() for _, f in group])) for group in lora.values()]
+        self.bits, self.lora = [], []
+        for key, members in plan.items():
+            if key[0] == "lora":
+                idx, (b, a), _ = self._stacked(members, lambda i: stored._factors(i, name),
+                                               lambda f: (f.B.float(), f.A.float()))
+                self.lora.append((idx, b, a))
+            else:
+                idx, (signs, scales), first = self._stacked(members, lambda i: stored._bits(i, name),
+                                                            lambda b: (b.signs, b.scales))
+                self.bits.append((idx, signs, scales, first))
+
+    def _stacked(self, members: list[int], read, parts) -> tuple[torch.Tensor, list[torch.Tensor], object]:
+        """(contributors, their `parts` stacked, the first one read): each read straight into storage made for all
+        of them (a list of the pieces, then a stack, held both: twice the tensor as sent, 10,000 contributors'
+        worth); one whose pieces are laid out otherwise is decoded per block instead (`other`)."""
+        store, first, kept = None, None, []
+        for i in members:
+            x = read(i)
+            got = parts(x)
+            if store is None:
+                store, first = [torch.empty((len(members), *p.shape), dtype=p.dtype) for p in got], x
+            if any(tuple(p.shape) != tuple(s.shape[1:]) or p.dtype != s.dtype for p, s in zip(got, store)):
+                self.other.append(i)
+                continue
+            for p, s in zip(got, store):
+                s[len(kept)] = p
+            kept.append(i)
+        return torch.tensor(kept), [s[:len(kept)] for s in store], first
 
     def rows(self, r0: int, r1: int, out: torch.Tensor) -> None:
         """Rows [r0, r1) of every contributor's tensor (2-D view) into `out` ((n, (r1 - r0) x cols) float32)."""
