@@ -12,6 +12,7 @@ about a tenth of the threshold's edge may fall either side. Work k x d + k^2 x m
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from collections.abc import Callable, Iterable
 
@@ -25,7 +26,7 @@ from .packed_kernels import in_chunks
 
 EXACT_MAX = 256  # up to this many rows the exact pairwise distances decide (krum.duplicate_groups)
 SKETCH_DIMS = 256
-_BLOCK_BYTES = 32 << 20  # distance rows (float64) computed at a time
+_BLOCK_BYTES = 8 << 20  # distance rows (float64) computed at a time
 _MIN_VALUES_PER_CHUNK = 1 << 20  # values sketched: below this a thread costs more than it saves
 
 
@@ -58,11 +59,18 @@ def sketch(tensors: Iterable[tuple[str, Callable[[], Tensor]]], k: int, *, m: in
     return out
 
 
+def _first_equal(first: dict, s: np.ndarray, i: int) -> int:
+    """The first row of `s` identical to row i, by a 16-byte digest checked against the rows themselves (keys of
+    whole rows held 2 KB a contributor)."""
+    j = first.setdefault(hashlib.blake2b(s[i].tobytes(), digest_size=16).digest(), i)
+    return j if j == i or np.array_equal(s[j], s[i]) else i
+
+
 def groups_from_sketch(s: np.ndarray) -> np.ndarray:
     """(k,) int64 each row's group, named by its first row, by `krum.duplicate_groups`' rule on the sketch."""
     k = s.shape[0]
     first = {}
-    same = np.array([first.setdefault(row.tobytes(), i) for i, row in enumerate(s)])  # identical rows
+    same = np.array([_first_equal(first, s, i) for i in range(k)])  # identical rows
     sq = (s * s).sum(axis=1)
     step = max(1, _BLOCK_BYTES // (8 * max(k, 1)))
 
