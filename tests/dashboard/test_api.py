@@ -232,21 +232,28 @@ def test_appended_entries_are_checked_in_the_background_and_an_edit_at_once(one_
     assert check.report()["ok"]
 
 
-def test_a_ledger_that_was_empty_is_checked_in_the_background_once_filled(one_round):
+def test_a_ledger_that_was_empty_is_checked_in_the_background_once_filled(federation_with):
     """The dashboard starts with the server, on an empty ledger: the first round's entries are all appended ones
     (the 10,000-contributor round's first page waited 1.6 s for them)."""
     import time
 
+    from sqlmodel import Session
+
+    from zoo_gym.rewards.ledger import Ledger, NewEntry
     from zoo_gym.server.store.queries import LedgerCheck
 
-    check = LedgerCheck(one_round["fed"].state)
-    check._key, check._report = (0, None, None, None), {"ok": True, "checked": 0, "first_bad_seq": None,
-                                                        "reason": None, "head_seq": None, "head_hash": None}
+    fed = federation_with(min_contributors=2, aggregator="mean", validation_examples=0)
+    check = LedgerCheck(fed.state)
+    empty = check.report()
+    assert empty["ok"] and empty["checked"] == 0 and "pending" not in empty
+    ledger = Ledger(lambda: Session(fed.state.engine, expire_on_commit=False), fed.state.key)
+    ledger.append([NewEntry(round_id=1, contributor="c" * 32, kind="reward", amount=1, score=0.1,
+                            reputation_after=0.2, reason="test") for _ in range(40)])
     first = check.report()
-    assert first["ok"] and first["pending"] > 0
+    assert first["ok"] and first["checked"] == 0 and first["pending"] == 40
     deadline = time.monotonic() + 30
     report = check.report()
     while "pending" in report and time.monotonic() < deadline:
         time.sleep(0.05)
         report = check.report()
-    assert report["ok"] and report["checked"] == first["pending"]
+    assert report["ok"] and report["checked"] == 40 and "pending" not in report
