@@ -86,8 +86,8 @@ def _gradient_of(grad: Mapping[str, Tensor], name: str, numel: int) -> Tensor:
 def _dot_and_square(x, g, s, q):
     """s[i] += sum_c x[i, c] g[c] and q[i] += sum_c x[i, c]^2, in float64: four partial sums per row (columns c mod
     4) added in that order at the end, a fixed order on every CPU (no fastmath, no fused multiply-add). Compiled
-    because the torch version upcast every row block to float64 first: at 10,000 contributors an 80 MB
-    temporary per block, half of a round's scoring pass."""
+    because the torch version upcast every row block to float64 first, a temporary as large as the block (CHANGELOG
+    has what it cost)."""
     m = x.shape[1]
     for i in range(x.shape[0]):
         a0 = a1 = a2 = a3 = 0.0

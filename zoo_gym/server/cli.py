@@ -130,6 +130,10 @@ def serve(
     """Serve the federation's gRPC API (plus gRPC health and reflection); resumes an existing state."""
     import os
 
+    from zoo_gym.server.allocator import settle_allocator
+
+    settle_allocator()  # before the first upload's buffers
+
     with _one_line_errors():
         file_values = read_config_file(config) if config else {}
         cfg = build_config(file_values, environ=os.environ, **settings_flags)
@@ -232,6 +236,10 @@ def ingest(
     contributors every address: gym-client join --server A,B,C. --dashboard-port serves the dashboard and
     this process's own /metrics. Refuses SQLite."""
     import os
+
+    from zoo_gym.server.allocator import settle_allocator
+
+    settle_allocator()
 
     from zoo_gym.server.config import ingest_config
     from zoo_gym.server.store.state import open_ingest_state

@@ -309,8 +309,8 @@ class PackedTensor:
 
     def _stacked(self, members: list[int], read, parts) -> tuple[torch.Tensor, list[torch.Tensor], object]:
         """(contributors, their `parts` stacked, the first one read): each read straight into storage made for all
-        of them (a list of the pieces, then a stack, held both: twice the tensor as sent, 10,000 contributors'
-        worth); one whose pieces are laid out otherwise is decoded per block instead (`other`)."""
+        of them (a list of the pieces and then a stack would hold both, twice the tensor as sent); one whose pieces
+        are laid out otherwise is decoded per block instead (`other`)."""
         store, first, kept = None, None, []
         for i in members:
             x = read(i)
