@@ -65,10 +65,12 @@ def test_the_scoring_tap_keeps_only_rows_the_source_cached(tmp_path):
     assert torch.equal(tap.delta_of(2)["b.weight"], stored.stacked("b.weight")[2].reshape(32, 64))
 
 
-def test_rows_read_in_blocks_give_the_same_aggregate(tmp_path, monkeypatch):
+@pytest.mark.parametrize("refused", [False, True])
+def test_rows_read_in_blocks_give_the_same_aggregate(tmp_path, monkeypatch, refused):
     """A tensor whose n rows pass ROW_BLOCK_BYTES is validated, tapped for slopes, sketched and aggregated a block
     of its rows at a time, each decoded from those rows only (issue 51: 10,000 rows of a 128 x 384 tensor are
-    1.97 GB whole): the published aggregate is the same bits, the norms, shares and slopes the same up to float64
+    1.97 GB whole), into buffers lent from block to block (with a refused row, its accepted rows copied into a
+    second): the published aggregate is the same bits, the norms, shares and slopes the same up to float64
     rounding of sums taken in another order."""
     import importlib
 
@@ -78,6 +80,8 @@ def test_rows_read_in_blocks_give_the_same_aggregate(tmp_path, monkeypatch):
     streaming = importlib.import_module("zoo_gym.aggregation.streaming")
     n = 24
     payloads = [_payload(i, ["lora", "bitdelta", "int8"][i % 3]) for i in range(n)]
+    if refused:  # a norm outlier, refused by max_norm_ratio
+        payloads[4] = codec.encode({k: 1e4 * torch.randn(s) for k, s in SHAPES.items()}, codec="fp32")
     paths = []
     for i, p in enumerate(payloads):
         paths.append(tmp_path / f"{i}.zgd")
@@ -94,6 +98,7 @@ def test_rows_read_in_blocks_give_the_same_aggregate(tmp_path, monkeypatch):
 
     (whole, rep_w, slopes_w), (blocks, rep_b, slopes_b) = run(64 << 20), run(n * 32 * 4 * 5)  # 5 rows a block
     assert all(torch.equal(whole[k], blocks[k]) for k in SHAPES)
+    assert [c.accepted for c in rep_b.contributors].count(False) == int(refused)
     for w, b in zip(rep_w.contributors, rep_b.contributors):
         assert w.accepted == b.accepted and w.norm == pytest.approx(b.norm, rel=1e-12)
         assert w.trimmed_share == pytest.approx(b.trimmed_share, rel=1e-12)

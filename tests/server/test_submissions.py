@@ -107,6 +107,32 @@ def test_wrong_shape_unknown_tensor_and_nan_are_invalid_argument(federation):
     assert federation.stored_submissions() == 0
 
 
+def test_lora_and_bitdelta_measured_from_what_was_sent_still_refuse_nan_and_overflow(federation):
+    """Float32 LoRA factors and BitDelta are measured without decoding (Gram matrices, scales); a NaN in a factor or
+    a scale, and factors whose product overflows float32, are still refused, and nothing is stored."""
+    from zoo_gym.codec.lora import LoraFactors
+
+    key, cid = federation.register()
+    name, t = next(iter(federation.small_delta(names=1).items()))
+    out_f, in_f = t.shape
+    a, b = torch.full((2, in_f), 1.2345), torch.full((out_f, 2), 1.2345)
+    lora = codec.encode({name: LoraFactors(a, b)}, codec="lora", lora_codec="fp32")
+    bits = codec.encode({name: torch.full(t.shape, 1.2345)}, codec="bitdelta", group_size=None, scale_dtype="float32")
+    nan = torch.full((1,), float("nan")).numpy().tobytes()
+    scale = float(codec.read_bitdelta(bits, name).scales.reshape(-1)[0])
+    for payload, value, match in ((lora, 1.2345, "NaN or inf"), (bits, scale, "scales must be finite")):
+        forged = payload.replace(torch.full((1,), value).numpy().tobytes(), nan, 1)  # a factor's or scale's first
+        assert forged != payload
+        _refused(lambda: _submit_raw(federation, key, cid, forged, manifest_from=payload),
+                 grpc.StatusCode.INVALID_ARGUMENT, match)
+    huge = codec.encode({name: LoraFactors(torch.full((2, in_f), 1e30), torch.full((out_f, 2), 1e30))},
+                        codec="lora", lora_codec="fp32")
+    _refused(lambda: federation.submit(key, cid, huge), grpc.StatusCode.INVALID_ARGUMENT, "NaN or inf")
+    assert federation.stored_submissions() == 0
+    federation.submit(key, cid, lora)  # the same contributor's honest factors are taken
+    assert federation.stored_submissions() == 1
+
+
 def test_oversized_payload_and_chunk_are_resource_exhausted(federation):
     key, cid = federation.register()
     big = codec.encode(federation.small_delta(names=4), codec="fp32")

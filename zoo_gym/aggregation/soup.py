@@ -22,6 +22,7 @@ from .krum import duplicate_groups
 from .privacy import PrivacyAccountant, PrivacyReport
 from .rules.base import Plan, RoundView
 from .sketched_copies import EXACT_MAX, groups_from_sketch, sketch
+from .scratch import Scratch
 from .streaming import ClippedRows
 from .validation import Validated, validate
 from .weights import cap_weights
@@ -115,7 +116,7 @@ class DeltaSoup:
             publish(plan, rows, release, checked.numels)
         else:
             self._publish(plan, rows, release, checked.numels, sink, generator=generator,
-                          scratch=_Scratch() if lend_aggregates else None)
+                          scratch=Scratch() if lend_aggregates else None)
         next_clip = release.close(checked.norms[rows.acc], accountant=accountant)
         return self._report(list(source.contributors), checked, rows, plan, release, next_clip)
 
@@ -173,7 +174,7 @@ class DeltaSoup:
     @staticmethod
     def _publish(plan: Plan, rows: ClippedRows, release: Release, numels: dict[str, int],
                  sink: Callable[[str, Tensor], None], *, generator: torch.Generator | None,
-                 scratch: "_Scratch | None") -> None:
+                 scratch: Scratch | None) -> None:
         """The last pass: per tensor the rule's aggregate plus the DP noise, handed to `sink`."""
         release.start(generator)
         d_total = sum(numels.values())
@@ -209,15 +210,3 @@ class DeltaSoup:
         return SoupReport(aggregator=self.rule.name, contributors=tuple(out), n_accepted=len(pos),
                           noise_std=release.noise_std, privacy=release.privacy, next_dp_clip=next_clip,
                           note=plan.note)
-
-
-class _Scratch:
-    """One float32 buffer lent to tensor after tensor, grown to the largest asked for."""
-
-    def __init__(self) -> None:
-        self._buf = torch.empty(0)
-
-    def get(self, numel: int) -> Tensor:
-        if self._buf.numel() < numel:
-            self._buf = torch.empty(numel)
-        return self._buf[:numel]

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .distances import combination_sq_distances, packed_model_sq_distances, pairwise_sq_distances
+from .scratch import Scratch
 
 # sign bytes per contributor batched into one compressed-domain distance pass: bounds memory at
 # about n x 16 MiB while removing per-tensor Python work on models with many small tensors
@@ -44,6 +45,7 @@ class ClippedRows:
 
     def __init__(self, source: Any, names: Sequence[str], acc: Tensor, factors: Tensor, n: int) -> None:
         self.source, self.names, self.acc, self.factors, self.n = source, list(names), acc, factors, n
+        self._read, self._kept = Scratch(), Scratch()  # a block as read, its accepted rows (rows_block)
 
     def rows(self, name: str) -> Tensor:
         """(k, numel) float32 clipped rows of tensor `name`. Without a refusal or a clip this is the
@@ -56,12 +58,16 @@ class ClippedRows:
         return x
 
     def rows_block(self, name: str, start: int, stop: int) -> Tensor:
-        """(k, stop - start) float32: elements [start, stop) of `rows(name)` (a block of `row_blocks`)."""
-        x = self.source.stacked_block(name, start, stop)  # (n, stop - start)
+        """(k, stop - start) float32: elements [start, stop) of `rows(name)` (a block of `row_blocks`), in buffers
+        lent again for the next block (use a block before asking for the next: `parts` are read one at a time)."""
+        into = self._read.get(self.n, stop - start)
+        x = self.source.stacked_block(name, start, stop, out=into)  # (n, stop - start); a cached tensor's view
+        mine = x is into
         if self.acc.numel() < self.n:
-            x = x[self.acc]
+            x, mine = torch.index_select(x, 0, self.acc, out=self._kept.get(self.acc.numel(), stop - start)), True
         if bool((self.factors != 1).any()):
-            x = x * self.factors.to(torch.float32)[:, None]
+            f = self.factors.to(torch.float32)[:, None]
+            x = x.mul_(f) if mine else x * f
         return x
 
     def parts(self, name: str) -> list[tuple[int, int, Any]]:

@@ -317,10 +317,10 @@ class SlopeTap:
         """Whether the wrapped source reads a tensor a block of rows at a time (`stacked_block`)."""
         return getattr(self._source, "stacked_block", None) is not None and getattr(self._source, "reads_blocks", True)
 
-    def stacked_block(self, name: str, start: int, stop: int) -> Tensor:
+    def stacked_block(self, name: str, start: int, stop: int, *, out: Tensor | None = None) -> Tensor:
         """The source's `stacked_block`; the first read of each block of a tensor adds its share of the slopes
         (the tensor is seen once its blocks cover it). Nothing is kept for the exact checks (`delta_of` decodes)."""
-        rows = self._source.stacked_block(name, start, stop)                # (n, stop - start)
+        rows = self._source.stacked_block(name, start, stop, out=out)       # (n, stop - start)
         if name in self._seen:
             return rows
         taken = self._blocks.setdefault(name, {})

@@ -165,8 +165,9 @@ class StalenessScaled:
     def reads_blocks(self) -> bool:
         return getattr(self._source, "stacked_block", None) is not None and getattr(self._source, "reads_blocks", True)
 
-    def stacked_block(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self._source.stacked_block(name, start, stop) * self._w[:, None]  # (n, stop - start)
+    def stacked_block(self, name: str, start: int, stop: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        x = self._source.stacked_block(name, start, stop, out=out)  # (n, stop - start)
+        return x.mul_(self._w[:, None]) if x is out else x * self._w[:, None]
 
     def packed(self, name: str):
         return None

@@ -18,6 +18,7 @@ import torch
 
 from zoo_gym import codec
 from zoo_gym.aggregation.packed_kernels import in_chunks
+from zoo_gym.aggregation.scratch import Scratch
 from zoo_gym.codec.bitdelta import unpack_bitdelta_into
 from zoo_gym.codec.container import Manifest, TensorEntry
 
@@ -154,17 +155,17 @@ class StoredDeltas:
         else:
             row.copy_(codec.decode_tensor(payload, name, manifest=manifest).reshape(-1))
 
-    def stacked_block(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """(n, stop - start) float32: elements [start, stop) of `stacked(name)`'s rows, the same numbers. A block
-        of whole rows of the tensor's 2-D view is decoded from those rows alone (BitDelta signs and scales, LoRA
-        B's rows times A, the dense codecs' bytes: codec.decode_rows); other blocks (and int4 rows off a byte)
-        decode each contributor's tensor whole into one scratch row. Memory: the block x n (plus that one tensor
-        where it is decoded whole); nothing is cached."""
+    def stacked_block(self, name: str, start: int, stop: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, stop - start) float32: elements [start, stop) of `stacked(name)`'s rows, the same numbers, into `out`
+        when given (a cached tensor's rows are returned as a view instead). A block of whole rows of the tensor's
+        2-D view is decoded from those rows alone (BitDelta signs and scales, LoRA B's rows times A, the dense
+        codecs' bytes: codec.decode_rows); other blocks (and int4 rows off a byte) decode each contributor's tensor
+        whole into one scratch row. Memory: the block x n (plus that one tensor where it is decoded whole)."""
         if name in self._cache:
             return self._cache[name][:, start:stop]
         shape = tuple(self._shapes[name])
         cols = math.prod(shape[1:]) if len(shape) > 1 else 0
-        out = torch.empty((len(self._payloads), stop - start))
+        out = torch.empty((len(self._payloads), stop - start)) if out is None else out
         if cols and start % cols == 0 and stop % cols == 0:
             self._packed_tensor(name).rows(start // cols, stop // cols, out)
             return out
@@ -297,6 +298,7 @@ class PackedTensor:
             else:
                 self.other.append(i)
         self.bits, self.lora = [], []
+        self._product = Scratch()  # LoRA products of a block for some of the contributors (rows)
         for key, members in plan.items():
             if key[0] == "lora":
                 idx, (b, a), _ = self._stacked(members, lambda i: stored._factors(i, name),
@@ -336,8 +338,9 @@ class PackedTensor:
         for idx, b, a in self.lora:
             if idx.numel() == out.shape[0]:  # every contributor, in order: the product straight into `out`
                 torch.bmm(b[:, r0:r1], a, out=out.view(idx.numel(), r1 - r0, -1))
-            else:
-                out[idx] = torch.bmm(b[:, r0:r1], a).view(idx.numel(), -1)
+            else:  # some: through a buffer kept from block to block
+                product = self._product.get(idx.numel(), r1 - r0, a.shape[2])
+                out[idx] = torch.bmm(b[:, r0:r1], a, out=product).view(idx.numel(), -1)
         if self.other:
             cols = out.shape[1] // (r1 - r0)
             for i in self.other:

@@ -362,25 +362,36 @@ def _check_payload(payload, h: SubmitHeader, base: dict[str, tuple[tuple[int, ..
             raise InvalidArgument(f"tensor {e.name!r} has shape {list(shape)}, the base has {list(base[e.name][0])}")
         if e.dtype not in FLOAT_DTYPES:
             raise InvalidArgument(f"tensor {e.name!r} has dtype {e.dtype}; deltas are float32, bfloat16 or float16")
-    sq_norm = 0.0
-    for e in manifest.entries:  # tensor by tensor: memory is one tensor, not the whole delta
-        try:
-            t = codec.decode_tensor(payload, e.name)
-        except codec.CodecError as exc:
-            raise InvalidArgument(f"tensor {e.name!r}: {exc}") from exc
-        t_norm = float(torch.linalg.vector_norm(t.float()))  # NaN/inf in t make this non-finite
-        if not math.isfinite(t_norm):
-            if not bool(torch.isfinite(t).all()):
-                raise InvalidArgument(f"tensor {e.name!r} holds NaN or infinite values")
-            t_norm = float(torch.linalg.vector_norm(t.double()))  # finite but huge: recompute exactly
-        sq_norm += t_norm * t_norm
-    norm = math.sqrt(sq_norm)
+    norm = math.sqrt(sum(_sq_norm(payload, manifest, e) for e in manifest.entries))
     if norm == 0.0:
         raise InvalidArgument("the delta is all zeros: there is nothing to contribute (train first)")
     if config.soup.max_delta_norm and norm > config.soup.max_delta_norm:
         raise InvalidArgument(f"the delta's L2 norm {norm:.4g} exceeds the server's limit "
                               f"{config.soup.max_delta_norm}")
     return codecs_used
+
+
+def _sq_norm(payload, manifest, e) -> float:
+    """Tensor `e`'s squared L2 norm, refusing NaN or infinity. Float32 LoRA factors and BitDelta are measured from
+    what was sent (r x r Gram matrices; the scales), as the round's validation does: decoding a LoRA tensor to
+    check it was a full matrix product per upload, and with it the buffers that kept a busy server's RSS high.
+    Anything else, or factors whose product could overflow, is decoded (one tensor at a time)."""
+    try:
+        if e.dtype == "float32" and e.codec in ("lora", "bitdelta"):
+            sent = (codec.decode_factors if e.codec == "lora" else codec.read_bitdelta)(payload, e.name,
+                                                                                        manifest=manifest)
+            sq = sent.merged_sq_norm() if e.codec == "lora" else sent.sq_norm()
+            if sq is not None:
+                return sq
+        t = codec.decode_tensor(payload, e.name, manifest=manifest)
+    except codec.CodecError as exc:
+        raise InvalidArgument(f"tensor {e.name!r}: {exc}") from exc
+    t_norm = float(torch.linalg.vector_norm(t.float()))  # NaN/inf in t make this non-finite
+    if not math.isfinite(t_norm):
+        if not bool(torch.isfinite(t).all()):
+            raise InvalidArgument(f"tensor {e.name!r} holds NaN or infinite values")
+        t_norm = float(torch.linalg.vector_norm(t.double()))  # finite but huge: recompute exactly
+    return t_norm * t_norm
 
 
 class UploadGate:
