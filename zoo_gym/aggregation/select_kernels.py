@@ -11,10 +11,12 @@ round (CHANGELOG).
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from numba import njit
 
-__all__ = ["trimmed_columns", "warm_up"]
+__all__ = ["trimmed_columns", "trimmed_columns_into", "warm_up", "workspace"]
 
 _RUN = 16  # columns gathered at a time: one 64-byte line of float32 from each row
 _SMALL = 16  # segments of up to this many values are finished by insertion sort
@@ -123,12 +125,17 @@ def trimmed_columns(x, k, weights, c0, c1, acc, den, kept, rank_max=RANK_MAX):
     selected: the same kept values summed in the same order, so the same numbers either way. Returns the number
     of non-finite values read (the sums are then meaningless)."""
     n = x.shape[0]
+    return trimmed_columns_into(x, k, weights, c0, c1, acc, den, kept, rank_max, np.empty(_RUN, dtype=np.int64),
+                                np.empty((_RUN, n), dtype=x.dtype), np.empty(n, dtype=x.dtype),
+                                np.empty(n, dtype=np.int64), np.empty(n, dtype=np.bool_))
+
+
+@njit(nogil=True, cache=True)
+def trimmed_columns_into(x, k, weights, c0, c1, acc, den, kept, rank_max, rank, buf, v, r, keep):
+    """`trimmed_columns` in buffers the caller keeps (`workspace`): rank (_RUN,) int64, buf (_RUN, n) and v (n,)
+    of x's dtype, r (n,) int64, keep (n,) bool."""
+    n = x.shape[0]
     weighted = weights.shape[0] > 0
-    rank = np.empty(_RUN, dtype=np.int64)
-    buf = np.empty((_RUN, n), dtype=x.dtype)
-    v = np.empty(n, dtype=x.dtype)
-    r = np.empty(n, dtype=np.int64)
-    keep = np.empty(n, dtype=np.bool_)
     bad = 0
     for b0 in range(c0, c1, _RUN):
         w = min(b0 + _RUN, c1) - b0
@@ -167,9 +174,26 @@ def trimmed_columns(x, k, weights, c0, c1, acc, den, kept, rank_max=RANK_MAX):
     return bad
 
 
+_local = threading.local()
+
+
+def workspace(n: int, dtype) -> tuple[np.ndarray, ...]:
+    """This thread's buffers for `trimmed_columns_into` over n rows of `dtype`, kept from call to call: a large
+    round calls the kernel for every few columns of every block, and buffers made per call (640 KB at 10,000 rows)
+    were mapped and faulted in afresh each time (the server keeps large buffers out of its heap)."""
+    work = getattr(_local, "work", None)
+    if work is None or work[2].shape[0] != n or work[2].dtype != dtype:
+        work = (np.empty(_RUN, dtype=np.int64), np.empty((_RUN, n), dtype=dtype), np.empty(n, dtype=dtype),
+                np.empty(n, dtype=np.int64), np.empty(n, dtype=np.bool_))
+        _local.work = work
+    return work
+
+
 def warm_up() -> None:
     """Compile (or load from the on-disk cache) the kernel for float32 and float64 rows, weighted or not."""
     for dtype in (np.float32, np.float64):
         x = np.zeros((3, 2), dtype=dtype)
         for weights in (np.zeros(0), np.ones(3)):
             trimmed_columns(x, 1, weights, 0, 2, np.zeros(2), np.zeros(2), np.zeros(3, dtype=np.int64))
+            trimmed_columns_into(x, 1, weights, 0, 2, np.zeros(2), np.zeros(2), np.zeros(3, dtype=np.int64),
+                                 RANK_MAX, *workspace(3, dtype))

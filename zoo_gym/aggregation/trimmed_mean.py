@@ -70,7 +70,8 @@ def trimmed_mean(deltas: Tensor, *, beta: float, weights: Tensor | None = None,
 
     def columns(c0: int, c1: int) -> tuple[int, np.ndarray]:
         kept_here = np.zeros(n, dtype=np.int64)
-        return select_kernels.trimmed_columns(xs, k, ws, c0, c1, acc, den, kept_here), kept_here
+        return select_kernels.trimmed_columns_into(xs, k, ws, c0, c1, acc, den, kept_here, select_kernels.RANK_MAX,
+                                                   *select_kernels.workspace(n, xs.dtype)), kept_here
 
     parts = in_chunks(columns, d, min_chunk=_MIN_VALUES_PER_CHUNK // n)
     if sum(bad for bad, _ in parts):
