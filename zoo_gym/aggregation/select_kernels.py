@@ -54,6 +54,27 @@ def _sort(v, r, lo, hi):
 
 
 @njit(nogil=True, cache=True)
+def _partition(v, r, lo, hi):
+    """Hoare's partition of [lo, hi) around the pivot at lo, which ends at the returned position: every position
+    before it ranks before the pivot, every one after ranks after. Scans from both ends and swaps only what is on
+    the wrong side (a third of Lomuto's swaps); a NaN stops both scans, so it ends whatever the values."""
+    pv, pr = v[lo], r[lo]
+    i, j = lo, hi
+    while True:
+        i += 1
+        while i < hi and (v[i] < pv or (v[i] == pv and r[i] < pr)):
+            i += 1
+        j -= 1
+        while pv < v[j] or (v[j] == pv and pr < r[j]):  # stops at lo, the pivot, at the latest
+            j -= 1
+        if i >= j:
+            break
+        _swap(v, r, i, j)
+    _swap(v, r, lo, j)
+    return j
+
+
+@njit(nogil=True, cache=True)
 def _select(v, r, lo, hi, t):
     """Rearrange positions [lo, hi) so that position t holds the value of its rank there, with every value
     before it ranking before and every value after ranking after (keys are distinct: rows are)."""
@@ -64,18 +85,14 @@ def _select(v, r, lo, hi, t):
             return
         rounds += 1
         mid, last = (lo + hi - 1) // 2, hi - 1
-        if _before(v, r, mid, lo):  # median of lo, mid, last moved to last
+        if _before(v, r, mid, lo):  # lo, mid, last in order, then their median moved to lo as the pivot
             _swap(v, r, mid, lo)
         if _before(v, r, last, lo):
             _swap(v, r, last, lo)
-        if _before(v, r, mid, last):
-            _swap(v, r, mid, last)
-        store = lo
-        for i in range(lo, last):
-            if _before(v, r, i, last):
-                _swap(v, r, i, store)
-                store += 1
-        _swap(v, r, store, last)
+        if _before(v, r, last, mid):
+            _swap(v, r, last, mid)
+        _swap(v, r, lo, mid)
+        store = _partition(v, r, lo, hi)
         if store == t:
             return
         if t < store:
