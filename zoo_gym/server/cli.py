@@ -19,6 +19,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import select
 
 from zoo_gym.cli_help import Typer
+from zoo_gym.server.allocator import settle_allocator
 from zoo_gym.server.config import ConfigError, ServerConfig, build_config, ingest_leaves, read_config_file
 from zoo_gym.settings import with_settings
 from zoo_gym.server.store.state import StateError, open_state
@@ -130,10 +131,6 @@ def serve(
     """Serve the federation's gRPC API (plus gRPC health and reflection); resumes an existing state."""
     import os
 
-    from zoo_gym.server.allocator import settle_allocator
-
-    settle_allocator()  # before the first upload's buffers
-
     with _one_line_errors():
         file_values = read_config_file(config) if config else {}
         cfg = build_config(file_values, environ=os.environ, **settings_flags)
@@ -172,13 +169,7 @@ def serve(
 
         server, bound, rounds = build_server(state, cfg)  # refuses a port another process listens on
         dashboard = _dashboard(state, cfg, registry=rounds.metrics.registry) if cfg.dashboard_port else None
-    from zoo_gym.aggregation import select_kernels
-    from zoo_gym.aggregation.packed_kernels import warm_up
-    from zoo_gym.server.store import master_kernel
-
-    warm_up()  # compile or load the BitDelta distance / mean kernels now, not in the first round
-    select_kernels.warm_up()  # the trimmed mean's selection
-    master_kernel.warm_up()  # and the publish's bf16 master update
+    _ready_for_rounds()
     if cfg.aggregation_engine == "ray":
         _join_ray(cfg.ray_address)
     server.start()
@@ -200,6 +191,19 @@ def serve(
     server.stop(grace=5).wait()
     rounds.stop()
     state.lock.release()
+
+
+def _ready_for_rounds() -> None:
+    """The allocator settled before the first upload's buffers, the kernels compiled (or loaded) now, not in the
+    first round."""
+    from zoo_gym.aggregation import select_kernels
+    from zoo_gym.aggregation.packed_kernels import warm_up
+    from zoo_gym.server.store import master_kernel
+
+    settle_allocator()
+    warm_up()  # the BitDelta distance / mean kernels
+    select_kernels.warm_up()  # the trimmed mean's selection
+    master_kernel.warm_up()  # and the publish's bf16 master update
 
 
 def _wait_for_stop() -> None:
@@ -236,8 +240,6 @@ def ingest(
     contributors every address: gym-client join --server A,B,C. --dashboard-port serves the dashboard and
     this process's own /metrics. Refuses SQLite."""
     import os
-
-    from zoo_gym.server.allocator import settle_allocator
 
     settle_allocator()
 
