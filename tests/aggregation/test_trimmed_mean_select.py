@@ -33,9 +33,19 @@ def grid(n: int, d: int, seed: int, levels: int = 7) -> torch.Tensor:
 def hostile_columns(n: int) -> torch.Tensor:
     """Columns built against quickselect: sorted, reversed, all equal, organ pipe, two values, sawtooth."""
     up = torch.arange(n, dtype=torch.float32)
+    signed_zeros = torch.where(up % 3 == 0, -0.0, 0.0)  # -0.0 and +0.0 are one value: ties go by row
     cols = [up, up.flip(0), torch.zeros(n), torch.minimum(up, up.flip(0)), (up % 2), up % 5,
-            torch.cat([up[n // 2:], up[:n // 2]])]
+            torch.cat([up[n // 2:], up[:n // 2]]), signed_zeros, sample_trap(n)]
     return torch.stack(cols, dim=1) * 0.5
+
+
+def sample_trap(n: int) -> torch.Tensor:
+    """A column whose values at the rows the selection samples are all lower than the rest, so that its
+    brackets hold neither rank and it must select over the whole column."""
+    col = torch.ones(n)
+    s = max(64, int(n ** (2.0 / 3.0)))
+    col[(torch.arange(s) * n) // s] = -1.0
+    return col
 
 
 @pytest.mark.parametrize("n", [3, 7, 50, 301, 2000])
@@ -117,3 +127,33 @@ def test_counting_ranks_and_selecting_give_the_same_bits(n, weighted):
         out.append((acc, den, kept))
     for a, b in zip(*out):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("n", [600, 2000, 10_000])
+@pytest.mark.parametrize("beta", [0.05, 0.1, 0.4])
+def test_the_sampled_brackets_keep_what_a_stable_sort_keeps(n, beta):
+    """From SAMPLE_MIN rows a float32 column is bracketed by a sample (one bracket or two) and only the candidates
+    are selected; a column that traps the sample falls back to the whole column's selection."""
+    k = trim_count(n=n, beta=beta)
+    g = torch.Generator().manual_seed(n)
+    columns = {"normal": torch.randn(n, generator=g), "ties": torch.randint(-3, 4, (n,), generator=g) * 0.5,
+               "signed zeros": torch.where(torch.arange(n) % 2 == 0, -0.0, 0.0), "trap": sample_trap(n)}
+    for name, col in columns.items():
+        rows = col.double().sort(stable=True).indices[k:n - k]
+        want = torch.zeros(n, dtype=torch.bool)
+        want[rows] = True
+        keep, keys = np.zeros(n, dtype=np.bool_), np.zeros(n, dtype=np.int64)
+        took = select_kernels._keep_by_sample(col.numpy().view(np.int32), k, keep, keys)
+        assert took == (name != "trap"), name
+        if took:
+            assert np.array_equal(keep, want.numpy()), name
+    x = torch.stack(list(columns.values()), dim=1)
+    assert torch.equal(trimmed_mean(x, beta=beta).aggregate, by_sorting(x, beta, None)[0])
+
+
+def test_the_packed_key_orders_as_value_then_row():
+    values = np.array([-np.inf, -3.5, -1e-40, -0.0, 0.0, 1e-40, 2.0, 2.0, np.inf], dtype=np.float32)
+    rows = np.array([5, 1, 7, 3, 2, 0, 4, 6, 8])
+    keys = [select_kernels._key(b, r) for b, r in zip(values.view(np.int32), rows)]
+    want = sorted(range(len(values)), key=lambda i: (values[i], rows[i]))  # -0.0 == 0.0: their rows decide
+    assert sorted(range(len(values)), key=lambda i: keys[i]) == want
