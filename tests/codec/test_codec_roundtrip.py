@@ -161,6 +161,29 @@ def test_lora_factors_are_kept_and_merged_on_decode():
     assert torch.equal(decode_tensor(payload, "q_proj"), f.merged())
 
 
+def test_the_norm_from_what_was_sent_is_the_decoded_tensors():
+    """sent_sq_norm measures float32 LoRA factors and BitDelta without decoding (the upload check and the
+    round's validation use it) and gives nothing for what it cannot vouch for: the caller then decodes."""
+    from zoo_gym.codec import sent_sq_norm
+
+    f = LoraFactors(A=_randn((4, 24), seed=11), B=_randn((10, 4), seed=12))
+    w = _randn((10, 300), seed=13)
+    cases = {"lora fp32": (encode({"t": f}, codec="lora", lora_codec="fp32"), True),
+             "bitdelta": (encode({"t": w}, codec="bitdelta"), True),
+             "lora fp16 factors": (encode({"t": f}, codec="lora", lora_codec="fp16"), True),
+             "bfloat16 bitdelta": (encode({"t": w.bfloat16()}, codec="bitdelta"), False),
+             "int8": (encode({"t": w}, codec="int8"), False)}
+    for name, (payload, vouched) in cases.items():
+        got = sent_sq_norm(payload, "t")
+        if not vouched:
+            assert got is None, name
+            continue
+        want = float(decode_tensor(payload, "t").double().square().sum())
+        assert math.isclose(got, want, rel_tol=1e-6), name
+    huge = LoraFactors(A=f.A * 1e20, B=f.B * 1e20)  # each product element could pass float32's range: decode
+    assert sent_sq_norm(encode({"t": huge}, codec="lora", lora_codec="fp32"), "t") is None
+
+
 def test_lora_factors_under_a_dense_codec_are_merged_first():
     f = LoraFactors(A=_randn((2, 8), seed=9), B=_randn((6, 2), seed=10))
     out = decode(encode({"w": f}, codec="fp32"))["w"]

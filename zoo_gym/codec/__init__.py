@@ -19,6 +19,7 @@ from zoo_gym.codec.api import (
     read_bitdelta,
     read_manifest,
     relative_error,
+    sent_sq_norm,
     sha256_hex,
 )
 from zoo_gym.codec.bitdelta import BitDeltaPacked
@@ -44,5 +45,6 @@ __all__ = [
     "read_bitdelta",
     "read_manifest",
     "relative_error",
+    "sent_sq_norm",
     "sha256_hex",
 ]

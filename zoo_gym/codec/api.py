@@ -38,7 +38,8 @@ from zoo_gym.codec.layout import CODECS, DENSE_CODECS, SCALE_DTYPES, align, leaf
 from zoo_gym.codec.leaf import TORCH_DTYPES, Leaf, decode_leaf, decode_leaf_rows, dtype_name, encode_leaf, packed_leaf
 from zoo_gym.codec.lora import LoraFactors
 
-__all__ = ["encode", "decode", "decode_tensor", "decode_factors", "read_manifest", "read_bitdelta", "sha256_hex",
+__all__ = ["encode", "decode", "decode_tensor", "decode_factors", "read_manifest", "read_bitdelta", "sent_sq_norm",
+           "sha256_hex",
            "relative_error", "DEFAULT_MAX_ELEMENTS"]
 
 DEFAULT_MAX_ELEMENTS = 2**31  # one tensor (and a whole `decode()`, which allocates every tensor)
@@ -347,3 +348,20 @@ def read_bitdelta(payload: Any, name: str, *, manifest: Manifest | None = None) 
     data, scales = _leaf_bytes(mv, e)
     return packed_leaf(data, scales, shape=e.shape, group_size=e.group_size, scale_dtype=e.scale_dtype,
                        what=f"tensor {name!r}")
+
+
+@_guard
+def sent_sq_norm(payload: Any, name: str, *, manifest: Manifest | None = None) -> float | None:
+    """The squared L2 norm of tensor `name` as decoded, from what was sent and nothing decoded: float32 LoRA
+    factors by their r x r Gram matrices (`LoraFactors.merged_sq_norm`), float32 BitDelta by its scales
+    (`BitDeltaPacked.sq_norm`). None for any other entry, or when those are not safe (non-finite, a product
+    that could overflow): the caller decodes."""
+    mv = as_buffer(payload)
+    e = _manifest_for(mv, manifest, DEFAULT_MAX_ELEMENTS).entry(name)
+    if e.dtype != "float32":
+        return None
+    if e.codec == "lora":
+        return _factors(mv, e).merged_sq_norm()
+    if e.codec == "bitdelta":
+        return read_bitdelta(mv, name, manifest=manifest).sq_norm()
+    return None

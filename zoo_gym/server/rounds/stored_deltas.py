@@ -224,17 +224,13 @@ class StoredDeltas:
             e = self._entry(i, name)
             if e is None:
                 continue  # did not change the tensor: a zero row
-            if e.dtype != "float32":
+            if e.codec not in ("lora", "bitdelta") or (e.codec == "bitdelta" and tuple(e.shape) != shape):
                 return None
-            if e.codec == "lora":
-                sq = self._factors(i, name).merged_sq_norm()
-            elif e.codec == "bitdelta" and tuple(e.shape) == shape:
-                sq, lora_only = self._bits(i, name).sq_norm(), False
-            else:
-                return None
+            payload, manifest = self._tensor(i, name)
+            sq = codec.sent_sq_norm(payload, name, manifest=manifest)  # None: not float32, or not safe
             if sq is None:
                 return None
-            out[i] = sq
+            out[i], lora_only = sq, lora_only and e.codec == "lora"
         self._vouched[name] = out
         if lora_only:
             self._lora_only.add(name)

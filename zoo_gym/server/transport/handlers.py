@@ -373,16 +373,13 @@ def _check_payload(payload, h: SubmitHeader, base: dict[str, tuple[tuple[int, ..
 
 def _sq_norm(payload, manifest, e) -> float:
     """Tensor `e`'s squared L2 norm, refusing NaN or infinity. Float32 LoRA factors and BitDelta are measured from
-    what was sent (r x r Gram matrices; the scales), as the round's validation does: decoding a LoRA tensor to
-    check it was a full matrix product per upload, and with it the buffers that kept a busy server's RSS high.
-    Anything else, or factors whose product could overflow, is decoded (one tensor at a time)."""
+    what was sent (`codec.sent_sq_norm`), as the round's validation does: decoding a LoRA tensor to check it was a
+    full matrix product per upload, and with it the buffers that kept a busy server's RSS high. Anything else,
+    or factors whose product could overflow, is decoded (one tensor at a time)."""
     try:
-        if e.dtype == "float32" and e.codec in ("lora", "bitdelta"):
-            sent = (codec.decode_factors if e.codec == "lora" else codec.read_bitdelta)(payload, e.name,
-                                                                                        manifest=manifest)
-            sq = sent.merged_sq_norm() if e.codec == "lora" else sent.sq_norm()
-            if sq is not None:
-                return sq
+        sq = codec.sent_sq_norm(payload, e.name, manifest=manifest)
+        if sq is not None:
+            return sq
         t = codec.decode_tensor(payload, e.name, manifest=manifest)
     except codec.CodecError as exc:
         raise InvalidArgument(f"tensor {e.name!r}: {exc}") from exc
