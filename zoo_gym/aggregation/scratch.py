@@ -1,7 +1,7 @@
 """`Scratch`: one float32 buffer lent again and again, grown to the largest size asked for.
 
 A large round reads every tensor in blocks, pass after pass; a fresh buffer per block is mapped and faulted in
-each time (the server keeps large buffers out of its heap, server/allocator.py), so the readers lend one instead.
+each time (the server keeps large buffers out of its heap, allocator.py), so the readers lend one instead.
 Whoever borrows it uses what it holds before asking for the next.
 """
 

@@ -19,7 +19,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import select
 
 from zoo_gym.cli_help import Typer
-from zoo_gym.server.allocator import settle_allocator
+from zoo_gym.allocator import settle_allocator
 from zoo_gym.server.config import ConfigError, ServerConfig, build_config, ingest_leaves, read_config_file
 from zoo_gym.settings import with_settings
 from zoo_gym.server.store.state import StateError, open_state

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from zoo_gym.aggregation.streaming import ClippedRows
+from zoo_gym.allocator import settle_allocator
 from zoo_gym.io.safetensors_reader import DTYPES, tensor_bytes
 from zoo_gym.server.rounds.faults import task_gate
 from zoo_gym.server.rounds.stored_deltas import StoredDeltas
@@ -190,6 +191,7 @@ def run_block(files: RoundFiles, plan, name: str, start: int, stop: int):
     """One task: the rule's aggregate of elements [start, stop) of tensor `name`, as DeltaSoup's last pass computes
     it (clipped rows, the recorded step), written in place. Returns the plan copy (its diagnostics)."""
     task_gate(f"{name}@{start}")  # tests only: a known step to kill or break things at (faults.py)
+    _settled()  # a worker process gives back what a task freed, as gym-server does
     try:
         source, _ = files.flush.rows(_Block(_stored(files), name, start, stop), files.contributors, None)
         rows = ClippedRows(source, [name], files.acc, files.factors, files.n)
@@ -217,6 +219,11 @@ def _stepped(flush, name: str, agg: torch.Tensor) -> torch.Tensor:
     got: list[torch.Tensor] = []
     flush.sink(lambda _name, a: got.append(a))(name, agg.to(torch.float32))
     return got[0]
+
+
+@functools.cache
+def _settled() -> bool:
+    return settle_allocator()
 
 
 @functools.cache

@@ -12,7 +12,7 @@ import pytest
 _WORK = r"""
 import sys, threading
 import torch
-from zoo_gym.server.allocator import settle_allocator
+from zoo_gym.allocator import settle_allocator
 
 def rss_mb():
     for line in open("/proc/self/status"):
