@@ -23,7 +23,7 @@ from .privacy import PrivacyAccountant, PrivacyReport
 from .rules.base import Plan, RoundView
 from .sketched_copies import EXACT_MAX, groups_from_sketch, sketch
 from .scratch import Scratch
-from .streaming import ClippedRows
+from .streaming import ClippedRows, read_ahead
 from .validation import Validated, validate
 from .weights import cap_weights
 
@@ -164,7 +164,8 @@ class DeltaSoup:
             return None, None
         k = rows.acc.numel()
         if self.rule.copies_only and k > EXACT_MAX:  # k^2 x d work and a (k, k) matrix otherwise: a sketch
-            s = sketch(((f"{name}@{a}", part) for name in rows.names for a, _, part in rows.parts(name)), k)
+            parts = ((f"{name}@{a}", part) for name in rows.names for a, _, part in rows.parts(name))
+            s = sketch(((key, lambda x=x: x) for key, x in read_ahead(parts)), k)
             return None, torch.from_numpy(groups_from_sketch(s))
         distances = rows.pairwise_sq_distances()
         if not self.rule.counts_copies_once:
@@ -188,8 +189,8 @@ class DeltaSoup:
                     agg = plan.aggregate(parts[0][2](), share=share)
                 else:  # a block of the tensor's rows at a time (streaming.row_blocks), then noised whole
                     agg = out if out is not None else torch.empty(numels[name])
-                    for a, b, part in parts:
-                        agg[a:b] = plan.aggregate(part(), share=(b - a) / d_total if d_total else 0.0)
+                    for (a, b), x in read_ahead(((a, b), part) for a, b, part in parts):
+                        agg[a:b] = plan.aggregate(x, share=(b - a) / d_total if d_total else 0.0)
                 agg = release.noise(agg)
             sink(name, agg.to(torch.float32))
 
