@@ -412,17 +412,14 @@ def _fitting_rows(rows: int, width: int, n: int, floor: int, box: dict) -> int:
 
 def sharded(co: dict, m: dict, size: str, n: int, kind: str, nodes: int, sizing: dict) -> dict:
     """capacity.predict's round on this box with its decode and rule spread over `nodes` worker nodes of this box's
-    size, blocks of the rows that fit a node's RAM (each block decodes its tensor whole: the largest tensor's decode
-    x its blocks), plus the measured overhead; RAM on the coordinator and on one worker node."""
+    size, blocks of the rows that fit a node's RAM (each block decodes its own rows: codec.decode_rows), plus the
+    measured overhead; RAM on the coordinator and on one worker node."""
     box = capacity.BOXES["2-core/24GB (this box)"]
     one = capacity.predict(co, m, size, n, kind, box)
     rows, width = _largest(size, kind)
     block_rows = _fitting_rows(rows, width, n, sizing["worker_floor_bytes"], box)
     terms = dict(one["terms_s"])
-    c = capacity.counts(capacity.SHAPES[size])
-    changed = c["linear_params"] if kind == "lora-r16" else c["params"]
-    again = (math.ceil(rows / block_rows) - 1) * rows * width / changed if block_rows else 0.0
-    terms["decode_s"] *= (1 + again) / nodes  # the largest tensor decoded once per block
+    terms["decode_s"] /= nodes  # every block decodes its rows alone (codec.decode_rows)
     terms["aggregate_s"] /= nodes
     terms["ray_overhead_s"] = sizing["overhead_s_per_param"] * one["params"]
     coordinator = co["server_ram_bytes"]["a"] + co["server_ram_bytes"]["b_per_param"] * one["params"] + \
@@ -441,9 +438,8 @@ def sharded(co: dict, m: dict, size: str, n: int, kind: str, nodes: int, sizing:
 
 CAPACITY_MODEL = {
     "round_s": "capacity.py's terms on this box, with aggregate_s divided by the worker nodes (tasks per tensor row "
-               "block are independent), decode_s too, the largest tensor's "
-               "share of it times its blocks (each block decodes its tensor whole: the codecs have no range decode "
-               "yet), plus ray_overhead_s: (the ray "
+               "block are independent), decode_s too (each block decodes its own rows: codec.decode_rows), plus "
+               "ray_overhead_s: (the ray "
                "engine's round - the local engine's) / params measured here on one worker node (dispatch, the "
                "layout file's extra sequential copy), assumed to scale with params only; ingest and publish stay "
                "on the one coordinator",
