@@ -446,7 +446,7 @@ CAPACITY_MODEL = {
     "block_rows": "the largest of 4096 (the default), 2048, ... rows whose tasks, one per core, fit a worker node's "
                   "RAM (what --ray-task-memory-mb's refusal advises); 0: not even one row (limited by worker RAM)",
     "coordinator_ram_bytes": "capacity.py's a + b x params + contributors x 4 bytes x the largest changed tensor: "
-                             "validation and the pairwise distances still stack one tensor x contributors there",
+                             "validation still stacks one tensor x contributors there (the distances are Ray tasks)",
     "worker_node_ram_bytes": "cores x (a worker's floor measured here + the block x (16 contributors + 20) bytes, "
                              "ray_engine.task_bytes: each block decoded from its rows alone): one task per core",
     "not_modelled": "several ingest processes, object-store range reads",

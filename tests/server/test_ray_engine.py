@@ -135,10 +135,19 @@ RULES = [("mean", "full", {}), ("mean", "lora", {}), ("trimmed-mean", "lora", {}
 
 
 @pytest.mark.parametrize("rule,kind,extra", RULES, ids=[f"{r}-{k}" + "".join(f"-{v}" for v in e.values()) for r, k, e in RULES])
-def test_every_rule_publishes_the_local_engines_bytes(cluster, templates, tmp_path, rule, kind, extra, caplog):
+def test_every_rule_publishes_the_local_engines_bytes(cluster, templates, tmp_path, rule, kind, extra, caplog,
+                                                      monkeypatch):
+    """A pairwise rule's distances come from the tasks too: the coordinator's own whole-tensor pass is broken."""
+    from zoo_gym.aggregation.streaming import ClippedRows
+
     caplog.set_level("INFO", logger="zoo_gym.server")
     flags = {"aggregator": rule, **extra}
     local_ckpt, local_master, local_report = _publish(templates[kind], tmp_path / "local", **flags)
+
+    def on_the_coordinator(self):
+        raise AssertionError("the coordinator computed a tensor x contributors' distances itself")
+
+    monkeypatch.setattr(ClippedRows, "pairwise_sq_distances", on_the_coordinator)
     ray_ckpt, ray_master, ray_report = _publish(templates[kind], tmp_path / "ray", aggregation_engine="ray",
                                                 ray_address=cluster[0].address, ray_block_rows=16, **flags)
     tasks = [r.getMessage() for r in caplog.records if "Ray tasks" in r.getMessage()]
@@ -146,6 +155,7 @@ def test_every_rule_publishes_the_local_engines_bytes(cluster, templates, tmp_pa
     assert ray_ckpt == local_ckpt  # archive bytes, lineage and signature included: the same content address
     assert local_master is not None and ray_master == local_master
     if "dp_noise_multiplier" in extra:  # noised: not the round without DP
+        monkeypatch.undo()
         assert ray_report["soup"]["noise_std"] > 0
         assert ray_ckpt != _publish(templates[kind], tmp_path / "plain", aggregator=rule)[0]
     for a, b in zip(local_report["soup"]["contributors"], ray_report["soup"]["contributors"]):

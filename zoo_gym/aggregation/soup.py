@@ -94,7 +94,8 @@ class DeltaSoup:
             accountant: PrivacyAccountant | None = None,
             population: int | None = None, sample_rate: float | None = None,
             lend_aggregates: bool = False, reference: Any = None,
-            publish: Callable[[Plan, ClippedRows, Release, dict[str, int]], None] | None = None) -> SoupReport:
+            publish: Callable[[Plan, ClippedRows, Release, dict[str, int]], None] | None = None,
+            distances: Callable[[ClippedRows], Tensor] | None = None) -> SoupReport:
         """Aggregate the round; `sink(name, aggregate)` receives each tensor flat (numel,) float32.
         `sample_rate`: the probability with which the caller sampled each person (accounted as q).
         `lend_aggregates`: the sink uses each aggregate before it returns and keeps no reference to it, so a
@@ -103,13 +104,15 @@ class DeltaSoup:
         `reference`: the operator's direction (a mapping tensor name -> tensor, e.g. the negative gradient of its
         validation loss) for a rule that weighs each delta by its agreement with it (trust-mean).
         `publish(plan, rows, release, numels)`: the last pass done elsewhere (the server's Ray engine), instead of
-        the per-tensor loop into `sink`; it must leave `plan`'s diagnostics as that loop would."""
+        the per-tensor loop into `sink`; it must leave `plan`'s diagnostics as that loop would.
+        `distances(rows)`: the (k, k) whole-model squared distances a pairwise rule needs, computed elsewhere (the
+        Ray engine's tasks, row block by row block) instead of `rows.pairwise_sq_distances()` here."""
         n, names = len(source.contributors), list(source.names())
         checked = self._validate(source, names, n)
         rows = self._clip(source, names, checked)
         release = self.dp.open(submitted=n, population=population, accountant=accountant,
                                sample_rate=sample_rate)
-        view = self._view(rows, release, checked, weights=weights, reference=reference)
+        view = self._view(rows, release, checked, weights=weights, reference=reference, distances=distances)
         plan = self.rule.plan(view)
         if publish is not None:
             release.start(generator)
@@ -138,7 +141,8 @@ class DeltaSoup:
                            len(checked.reasons))
 
     def _view(self, rows: ClippedRows, release: Release, checked: Validated, *,
-              weights: Tensor | None, reference: Any = None) -> RoundView:
+              weights: Tensor | None, reference: Any = None,
+              distances: Callable[[ClippedRows], Tensor] | None = None) -> RoundView:
         """The rule's view: weights as the DP step allows, then the copies grouped, decided once."""
         acc, k = rows.acc, rows.acc.numel()
 
@@ -147,7 +151,7 @@ class DeltaSoup:
             return cap_weights(w_in, n=k, max_share=self.config.max_weight_share)
 
         w = release.weighting(k, server_weights)
-        distances, groups = self._group_copies(rows)
+        distances, groups = self._group_copies(rows, distances)
         if self.rule.needs_reference and reference is None:
             raise SoupConfigError(f"aggregator {self.rule.name!r} needs the operator's reference direction "
                                   "(DeltaSoup.run(reference=...)): none was given")
@@ -157,7 +161,8 @@ class DeltaSoup:
                          norms=checked.norms[acc] * rows.factors, distances=distances, groups=groups,
                          distances_to=rows.sq_distances_to, reference_cos=cos)
 
-    def _group_copies(self, rows: ClippedRows) -> tuple[Tensor | None, Tensor | None]:
+    def _group_copies(self, rows: ClippedRows, computed: Callable[[ClippedRows], Tensor] | None = None
+                      ) -> tuple[Tensor | None, Tensor | None]:
         """((k, k) whole-model squared distances, (k,) each row's group of copies), as the rule needs; a rule that
         needs distances only for the groups gets them from a sketch above EXACT_MAX rows (sketched_copies.py)."""
         if not self.rule.needs_distances:
@@ -167,7 +172,7 @@ class DeltaSoup:
             parts = ((f"{name}@{a}", part) for name in rows.names for a, _, part in rows.parts(name))
             s = sketch(((key, lambda x=x: x) for key, x in read_ahead(parts)), k)
             return None, torch.from_numpy(groups_from_sketch(s))
-        distances = rows.pairwise_sq_distances()
+        distances = computed(rows) if computed is not None else rows.pairwise_sq_distances()
         if not self.rule.counts_copies_once:
             return distances, None
         return distances, torch.from_numpy(duplicate_groups(distances))

@@ -269,7 +269,8 @@ def aggregate(state: ServerState, config: ServerConfig, job: RoundJob, streams: 
                 rows, job.flush.sink(streams.writer.sink), weights=row_weights, generator=gen,
                 accountant=job.accountant, sample_rate=_recorded_rate(config, job),
                 lend_aggregates=True,  # CheckpointWriter.sink uses each aggregate before it returns
-                reference=reference_for(config, streams.evaluator), publish=sharded)
+                reference=reference_for(config, streams.evaluator), publish=sharded,
+                distances=sharded.pairwise_sq_distances if sharded is not None else None)
         if sharded is not None:
             log.info("round %d aggregated by %d Ray tasks", rnd.id, sharded.tasks)
         tap_s = getattr(streams.source, "seconds", None)  # a SlopeTap's share of the phase is scoring's

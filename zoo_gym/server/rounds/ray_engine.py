@@ -1,15 +1,15 @@
 """Aggregation sharded on Ray (`--aggregation-engine ray`): one task per (tensor, row block).
 
-DeltaSoup validates, clips and plans on the coordinator as ever; `RayPublish` replaces its last pass. The new
-checkpoint's layout (and its master's) goes into two sparse files under the state directory, which every node
-mounts at the same path; each task maps the round's uploads, decodes its rows, runs the same Plan code and
-`pwrite`s its block of the published weights and of the master, returning the plan copy's diagnostics. The
-coordinator streams both files through the CheckpointWriter, which packs and hashes as the local path does:
-every step is element by element, so the bytes are the local engine's for every rule. LoRA means from factors
-(one matmul, no rows) stay on the coordinator. DP noise: the coordinator draws the round's one stream tensor after
-tensor, as the local pass does, into a file whose blocks the tasks add (the same bytes). A task is idempotent and Ray
-retries it on a lost worker or node; one whose node cannot use the state directory ends the round attempt in one
-line (RayEngineError), nothing published. Design: docs/design/SCALE-OUT.md (step 2).
+DeltaSoup validates, clips and plans on the coordinator; `RayPublish` replaces its last pass and a pairwise rule's
+distances (tasks return each block's (k, k) part, the coordinator sums them). The new checkpoint's layout (and its
+master's) goes into two sparse files under the state directory, which every node mounts at the same path; each task
+decodes its rows from the uploads, runs the same Plan code and `pwrite`s its block of the weights and the master.
+The coordinator streams both files through the CheckpointWriter, which packs and hashes as the local path does:
+every step is element by element, so the bytes are the local engine's for every rule. LoRA means from factors stay
+on the coordinator (one matmul). DP noise: the coordinator draws the round's one stream tensor by tensor, as the
+local pass does, into a file whose blocks the tasks add. Tasks are idempotent and Ray retries them on a lost worker
+or node; one whose node cannot use the state directory ends the round attempt in one line (RayEngineError), nothing
+published. Design: docs/design/SCALE-OUT.md (step 2).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from zoo_gym.aggregation.distances import pairwise_sq_distances
 from zoo_gym.aggregation.streaming import ClippedRows
 from zoo_gym.allocator import settle_allocator
 from zoo_gym.io.safetensors_reader import DTYPES, tensor_bytes
@@ -73,6 +74,19 @@ def _probe(address: str | None, timeout: float = 10.0) -> None:
     except (OSError, ValueError) as exc:
         raise RayEngineError(f"cannot join the Ray cluster at {address}: {exc} (is `ray start --head` running "
                              "there? --ray-address takes the head's host:port)") from None
+
+
+@dataclass(frozen=True)
+class RowFiles:
+    """What a distance task needs to read its rows, by path: RoundFiles' first fields (the same meanings)."""
+
+    payloads: list[str]
+    contributors: list[str]
+    shapes: dict[str, tuple[int, ...]]
+    acc: torch.Tensor
+    factors: torch.Tensor
+    n: int
+    flush: Any
 
 
 @dataclass(frozen=True)
@@ -193,15 +207,32 @@ def run_block(files: RoundFiles, plan, name: str, start: int, stop: int):
     task_gate(f"{name}@{start}")  # tests only: a known step to kill or break things at (faults.py)
     _settled()  # a worker process gives back what a task freed, as gym-server does
     try:
-        source, _ = files.flush.rows(_Block(_stored(files), name, start, stop), files.contributors, None)
-        rows = ClippedRows(source, [name], files.acc, files.factors, files.n)
-        agg = plan.aggregate(rows.rows(name), share=(stop - start) / files.d_total if files.d_total else 0.0)
+        agg = plan.aggregate(_block_rows(files, name, start, stop),
+                             share=(stop - start) / files.d_total if files.d_total else 0.0)
         if files.noise is not None:  # as Release.noise: the aggregate plus the noise drawn for these elements
             agg = agg + _pread(files.noise, files.noise_at[name] + 4 * start, stop - start, torch.float32)
         write_block(files, name, start, stop, _stepped(files.flush, name, agg))
     except OSError as exc:  # the state directory not mounted here, or not readable: said by the coordinator
         raise NodeStorageError(f"node {_node()}: {exc}") from None
     return plan
+
+
+def block_distances(files: RowFiles, name: str, start: int, stop: int) -> torch.Tensor:
+    """One task of a pairwise rule's first pass: the (k, k) float64 squared distances of elements [start, stop) of
+    tensor `name` between the clipped accepted rows; the coordinator sums them over every block of every tensor."""
+    task_gate(f"distances:{name}@{start}")  # tests only, as run_block's: before this worker maps any upload
+    _settled()
+    try:
+        return pairwise_sq_distances(_block_rows(files, name, start, stop))
+    except OSError as exc:
+        raise NodeStorageError(f"node {_node()}: {exc}") from None
+
+
+def _block_rows(files: RowFiles | RoundFiles, name: str, start: int, stop: int) -> torch.Tensor:
+    """(k, stop - start) the accepted rows of elements [start, stop) of `name`, clipped and weighted as the round
+    recorded them (ClippedRows over the stored uploads: what DeltaSoup's passes read)."""
+    source, _ = files.flush.rows(_Block(_stored(files), name, start, stop), files.contributors, None)
+    return ClippedRows(source, [name], files.acc, files.factors, files.n).rows(name)
 
 
 def _node() -> str:
@@ -227,10 +258,10 @@ def _settled() -> bool:
 
 
 @functools.cache
-def _remote():
+def _remote(task=run_block):
     import ray
 
-    return ray.remote(max_retries=_TASK_RETRIES)(run_block)
+    return ray.remote(max_retries=_TASK_RETRIES)(task)
 
 
 def blocks(shape: tuple[int, ...], block_rows: int) -> Iterator[tuple[int, int]]:
@@ -306,6 +337,25 @@ class RayPublish:
                                 self._master_chunks(files, name))
         finally:
             shutil.rmtree(self.work, ignore_errors=True)
+
+    def pairwise_sq_distances(self, rows: ClippedRows) -> torch.Tensor:
+        """DeltaSoup.run's `distances=`: a pairwise rule's (k, k) whole-model squared distances as Ray tasks, one
+        per (tensor, row block), summed here in (tensor, block) order (a redo sums the same numbers); the chosen rows
+        are then averaged by the last pass's tasks. The coordinator holds (k, k), never a tensor x contributors."""
+        shapes = {name: tuple(self.writer.base.infos[name].shape) for name in rows.names}
+        check_memory(shapes, int(rows.acc.numel()), block_rows=self.block_rows, budget_mb=self.task_memory_mb)
+        connect(self.address)
+        import ray
+
+        files = ray.put(RowFiles(payloads=[str(p) for p in self.payloads], contributors=list(self.contributors),
+                                 shapes=shapes, acc=rows.acc, factors=rows.factors, n=rows.n, flush=self.flush))
+        refs = [_remote(block_distances).remote(files, name, a, b) for name in rows.names
+                for a, b in blocks(shapes[name], self.block_rows)]
+        k = int(rows.acc.numel())
+        total = torch.zeros((k, k), dtype=torch.float64)
+        for part in _results(refs):
+            total += part
+        return total
 
     def _show_tap(self, name: str) -> None:
         """Scoring's SlopeTap takes its slopes from the first rows it sees of a tensor: those the local last pass
