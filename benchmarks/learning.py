@@ -5,6 +5,7 @@ pay and the published precision checked on the same deltas.
     python benchmarks/learning.py                      # the full run -> results/learning.json (+ .png)
     python benchmarks/learning.py --rounds 1 --steps 4 --eval-n 40 --out /tmp/l.json   # a smoke run
     python benchmarks/learning.py --rounds 1 --parts pay --update   # rerun one part into results/learning.json
+    python benchmarks/learning.py --rounds 1 --parts pay --update --pay-uploads DIR  # ... its uploads kept in DIR
 
 Protocol (also in the JSON under "protocol"):
   * Base: `resolve_base("smollm2-135m")` (zoo_gym/gym_train/bases.py). Task: the built-in `arithmetic` family
@@ -94,6 +95,7 @@ class Bench:
     pay_scoring: str = "exact-match"  # ... what it scores on (gym-server --scoring-metric)
     pay_subsets: str = "rule"  # ... how it forms a subset's aggregate (--scoring-subsets)
     pay_marginal: str = "leave_one_out"  # ... its marginal (--scoring-marginal)
+    pay_uploads: str = ""  # a folder: the pay round's uploads are read from it when there, else trained and kept
     retention_chunks: int = 12
     skew: float = 0.8
     parts: str = "sft,baseline,attacks,pay,publish,grpo,dpo"
@@ -309,8 +311,43 @@ def run_attacks(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple],
     return out
 
 
-def run_pay(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple], work: pathlib.Path) -> dict:
-    """Round 1 again, on a real server: the honest uploads, two with partly wrong labels, three free riders."""
+def run_pay(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple] | None, work: pathlib.Path) -> dict:
+    """Round 1 again, on a real server: the honest uploads, two with partly wrong labels, three free riders
+    (read from --pay-uploads when it holds them: `uploads`, round 1's, is then not needed)."""
+    cache = pathlib.Path(cfg.pay_uploads) if cfg.pay_uploads else None
+    if cache is not None and (cache / "kinds.json").exists():
+        kinds = json.loads((cache / "kinds.json").read_text())
+        payloads = [(cache / f"{i}.bin").read_bytes() for i in range(len(kinds))]
+        uploads = [(p, codec.decode(p)) for p in payloads]
+        log(f"pay: {len(kinds)} uploads read from {cache}")
+    else:
+        uploads, kinds = pay_uploads(cfg, ck, uploads)
+        if cache is not None:
+            cache.mkdir(parents=True, exist_ok=True)
+            for i, (p, _) in enumerate(uploads):
+                (cache / f"{i}.bin").write_bytes(p)
+            (cache / "kinds.json").write_text(json.dumps(kinds))
+    return pay_against_truth(cfg, ck, judge, uploads, kinds, work, trained=pay_trained_questions(cfg))
+
+
+def pay_trained_questions(cfg: Bench) -> set[str]:
+    """The questions the pay round's contributors trained on (the ground truth leaves them out)."""
+    few = replace(cfg, steps=max(1, cfg.steps // 3))  # pay_uploads' contributor with a third of the data
+    trained = {e["instruction"] for i in range(cfg.contributors) for e in shard_examples(cfg, i, 1)}
+    trained |= {e["instruction"] for j in range(2) for e in shard_examples(cfg, j, 100 + j)}
+    return trained | {e["instruction"] for e in shard_examples(few, 2, 102)}
+
+
+def truth_questions(cfg: Bench, trained: set[str]) -> list[dict]:
+    """The pay ground truth's `pay_eval_n` questions: the first of a draw of the train split that are not in
+    `trained`."""
+    draw = builtin_examples(cfg.task, split="train", n=cfg.pay_eval_n + len(trained), seed=77)
+    return [ex for ex in draw if ex["instruction"] not in trained][:cfg.pay_eval_n]
+
+
+def pay_uploads(cfg: Bench, ck: Checkpoints, uploads: list[tuple]) -> tuple[list[tuple], list[str]]:
+    """The pay round's uploads and their kinds: round 1's honest `uploads`, two trained on partly wrong labels, one
+    on a third of the data, and the free riders."""
     from zoo_gym.gym_train.real_tasks import wrong_answer
 
     ckpt = ck.write(ck.base, "round0")
@@ -337,10 +374,7 @@ def run_pay(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple], wor
         kinds.append(kind)
     uploads.append(uploads[0])
     kinds.append("free_rider_copy")
-    trained = {e["instruction"] for i in range(cfg.contributors) for e in shard_examples(cfg, i, 1)}
-    trained |= {e["instruction"] for j in range(2) for e in shard_examples(cfg, j, 100 + j)}
-    trained |= {e["instruction"] for e in shard_examples(few, 2, 102)}
-    return pay_against_truth(cfg, ck, judge, uploads, kinds, work, trained=trained)
+    return uploads, kinds
 
 
 def pay_against_truth(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple], kinds: list[str],
@@ -382,8 +416,7 @@ def leave_one_out(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple
     a copy of an earlier submission owns none of it (its gain is 0: removing it alone changes nothing). Exact
     match is taken from one forward pass (`packed_misses`: greedy decoding's answers); `check` compares it with
     generation on 100 items."""
-    draw = builtin_examples(cfg.task, split="train", n=cfg.pay_eval_n + len(trained), seed=77)
-    truth = [ex for ex in draw if ex["instruction"] not in trained][:cfg.pay_eval_n]
+    truth = truth_questions(cfg, trained)
     deltas = [d for _, d in uploads]
     shas = [hashlib.sha256(p).hexdigest() for p, _ in uploads]
     everyone = plus(ck.base, step([d for d, ok in zip(deltas, accepted) if ok]))
@@ -504,9 +537,11 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="zoo-learning-") as tmp:
         ck = Checkpoints(base_dir, pathlib.Path(tmp))
         judge = Judge(base_dir, cfg)
-        sft, first = run_sft(cfg, ck, judge)
-        doc["sft"] = sft
-        base_acc = sft["before"]["exact_match"]
+        if parts == {"pay"} and args.update and cfg.pay_uploads and (pathlib.Path(cfg.pay_uploads) / "kinds.json").exists():
+            first = None  # the pay round's uploads are kept: round 1 need not train again
+        else:
+            doc["sft"], first = run_sft(cfg, ck, judge)
+            base_acc = doc["sft"]["before"]["exact_match"]
         if "baseline" in parts:
             doc["alone"] = run_baseline(cfg, ck, judge)
         if "attacks" in parts:

@@ -45,40 +45,26 @@ def answer_logprobs(model, batch) -> torch.Tensor:
 
 
 def uploads(cfg, ck, judge, cache: pathlib.Path | None) -> tuple[list[bytes], list[str]]:
-    """The pay part's payloads and kinds, as run_pay makes them (cached in `cache` when given)."""
+    """The pay part's payloads and kinds, as run_pay makes them (kept in, or read from, `cache` when given)."""
     if cache is not None and (cache / "kinds.json").exists():
         kinds = json.loads((cache / "kinds.json").read_text())
         return [(cache / f"{i}.bin").read_bytes() for i in range(len(kinds))], kinds
     ckpt = ck.write(ck.base, "round0")
     first = [L.contributor_upload(ckpt, L.shard_examples(cfg, i, 1), cfg, 1) for i in range(cfg.contributors)]
-    saved: dict = {}
-    real = L.pay_against_truth
-    L.pay_against_truth = lambda _c, _k, _j, ups, kinds, _w, **_: saved.update(ups=ups, kinds=kinds) or {}
-    try:
-        L.run_pay(cfg, ck, judge, first, ck.work)
-    finally:
-        L.pay_against_truth = real
-    payloads = [p for p, _ in saved["ups"]]
+    ups, kinds = L.pay_uploads(cfg, ck, first)
     if cache is not None:
         cache.mkdir(parents=True, exist_ok=True)
-        for i, p in enumerate(payloads):
+        for i, (p, _) in enumerate(ups):
             (cache / f"{i}.bin").write_bytes(p)
-        (cache / "kinds.json").write_text(json.dumps(saved["kinds"]))
-    return payloads, saved["kinds"]
+        (cache / "kinds.json").write_text(json.dumps(kinds))
+    return [p for p, _ in ups], kinds
 
 
 def question_sets(cfg) -> dict[str, list[dict]]:
     """The server's 1000 validation questions, and the ground truth's 2000 (learning.leave_one_out's draw: train
     split questions no contributor of the pay round trained on), whose mix of sums and differences is reported."""
-    from dataclasses import replace
-
-    few = replace(cfg, steps=max(1, cfg.steps // 3))  # run_pay's contributor with a third of the data
-    trained = {e["instruction"] for i in range(cfg.contributors) for e in L.shard_examples(cfg, i, 1)}
-    trained |= {e["instruction"] for j in range(2) for e in L.shard_examples(cfg, j, 100 + j)}
-    trained |= {e["instruction"] for e in L.shard_examples(few, 2, 102)}
-    draw = L.builtin_examples(cfg.task, split="train", n=cfg.pay_eval_n + len(trained), seed=77)
     return {"validation": L.builtin_examples(cfg.task, split="validation", n=cfg.pay_server_n, seed=0),
-            "truth": [ex for ex in draw if ex["instruction"] not in trained][:cfg.pay_eval_n]}
+            "truth": L.truth_questions(cfg, L.pay_trained_questions(cfg))}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -113,6 +113,50 @@ def test_nothing_gained_means_zero_marginals():
     assert [s.score for s in res.scores] == [0.0, 0.0]
 
 
+def zero_one_game(n: int, fixes: list[tuple[set[int], set[int]]]):
+    """subset_loss of a 0-1 game on `n` scoring examples, the base answering the second half: each player answers
+    the examples of its first set and breaks those of its second; a subset answers what the base or some member
+    answers and no member breaks. Returns per-example losses, as exact-match scoring does."""
+    def subset_loss(s: frozenset[int]) -> torch.Tensor:
+        right = (set(range(n // 2, n)) | set().union(*(fixes[i][0] for i in s))) - set().union(*(fixes[i][1] for i in s))
+        return torch.tensor([0.0 if q in right else 1.0 for q in range(n)])
+
+    return subset_loss
+
+
+@pytest.mark.parametrize("marginal", ["leave_one_out", "gtg_shapley"])
+def test_a_gain_within_its_sampling_error_is_not_paid(marginal):
+    """On 400 questions (the base answers 200) an honest delta answers 60 more and breaks none; a chance delta
+    answers 21 and breaks 19: a net +2 that another draw of questions would as likely make -2. Both have a positive
+    marginal; only the honest one is paid, and the chance one is told why. With the gate at 0 it is paid."""
+    n = 400
+    honest, chance = (set(range(60)), set()), (set(range(100, 121)), set(range(200, 219)))
+    game = zero_one_game(n, [honest, chance])
+    cfg = dict(marginal=marginal, truncation_tol=0.0, max_evaluations=100, max_permutations=8)
+    solo = [0.5 - 60 / n, 0.5 - 2 / n]  # values are relative to the base's loss, 0.5
+    res = score_round_detailed(["honest", "chance"], 0.5, solo, [OK, OK], game, ScoringConfig(**cfg),
+                               base_losses=game(frozenset()))
+    assert res.estimate.values == pytest.approx({0: 60 / n / 0.5, 1: 2 / n / 0.5})
+    # the standard error of a mean of per-question gains: +1 on 60 questions (or 21), -1 on 19, 0 elsewhere
+    expect = [torch.tensor([1.0] * 60 + [0.0] * (n - 60)).std() / n ** 0.5 / 0.5,
+              torch.tensor([1.0] * 21 + [-1.0] * 19 + [0.0] * (n - 40)).std() / n ** 0.5 / 0.5]
+    assert [res.estimate.errors[i] for i in (0, 1)] == pytest.approx([float(e) for e in expect])
+    honest_score, chance_score = res.scores
+    assert honest_score.score > 0 and honest_score.marginal_error == pytest.approx(float(expect[0]))
+    assert chance_score.score == 0.0 and "standard errors" in chance_score.reason
+    ungated = score_round(["honest", "chance"], 0.5, solo, [OK, OK], game, ScoringConfig(**cfg, min_marginal_z=0.0),
+                          base_losses=game(frozenset()))
+    assert ungated[1].score > 0
+
+
+def test_mean_losses_measure_no_error_and_gate_nothing():
+    subset_loss, _ = additive_loss(1.0, [0.001, 0.2])
+    res = score_round_detailed(["a", "b"], 1.0, [0.999, 0.8], [OK, OK], subset_loss,
+                               ScoringConfig(marginal="leave_one_out", min_marginal_z=100.0))
+    assert res.estimate.errors is None and math.isnan(res.scores[0].marginal_error)
+    assert res.scores[0].score > 0  # nothing measured, nothing refused for it
+
+
 def test_non_finite_solo_loss_counts_as_worse():
     scores = score_round(["a"], 1.0, [float("nan")], [OK], None, ScoringConfig())
     assert scores[0].score == 0.0 and scores[0].solo_gain == -math.inf
@@ -121,7 +165,7 @@ def test_non_finite_solo_loss_counts_as_worse():
 @pytest.mark.parametrize("kwargs, field", [
     (dict(marginal="exact"), "marginal"), (dict(max_evaluations=-1), "max_evaluations"),
     (dict(max_permutations=0), "max_permutations"), (dict(clip_exponent=-1.0), "clip_exponent"),
-    (dict(unselected_factor=2.0), "unselected_factor"),
+    (dict(unselected_factor=2.0), "unselected_factor"), (dict(min_marginal_z=-1.0), "min_marginal_z"),
 ])
 def test_config_checks_name_the_field(kwargs, field):
     with pytest.raises(ConfigError, match=f"`{field}`"):

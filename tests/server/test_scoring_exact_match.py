@@ -7,6 +7,7 @@ release gained); the settings refuse what cannot work."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -136,6 +137,8 @@ def test_a_round_scored_on_exact_match_pays_the_deltas_that_taught_the_answers(f
     scores = {s["contributor"]: s for s in rewards["scores"]}
     assert paid[ids[0]] > 0 and paid[ids[1]] > 0 and paid.get(ids[2], 0) == 0, scores
     assert scores[ids[0]]["solo_gain"] == pytest.approx(1.0)  # alone, a teacher's delta answers all 16
+    # each marginal comes with its standard error over the 16 questions (per-question 0-1 losses were scored)
+    assert all(math.isfinite(scores[c]["marginal_error"]) for c in ids[:3]), scores
     assert scores[ids[2]]["solo_gain"] <= 0.0 and "did not improve" in scores[ids[2]]["reason"]
     if release_gain is not None:  # the median of the three is between the teachers: it answers all 16 ...
         # ... so leaving out the random delta changes nothing, and leaving out a teacher leaves a mean of a

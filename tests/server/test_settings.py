@@ -47,6 +47,7 @@ SPECIAL = {
     "scoring_marginal": ("leave_one_out", {}),
     "scoring_metric": ("exact-match", {"scoring_method": "exact"}),
     "scoring_subsets": ("rule", {"scoring_method": "exact"}),
+    "scoring_min_marginal_z": (2.0, {}),
     "reputation_initial": (0.2, {}),
     "reputation_floor": (0.1, {}),
     "reputation_cap": (0.9, {}),

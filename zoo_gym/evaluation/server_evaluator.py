@@ -136,6 +136,13 @@ class ServerEvaluator:
             return self.zero_one.zero_one_loss(delta, scale=scale)
         return self.scoring.loss(delta, scale=scale)
 
+    def score_losses(self, delta=None, *, scale: float = 1.0) -> torch.Tensor | None:
+        """`score_loss` per scoring example, (examples,) float: each one's 0-1 loss with metric "exact-match"; None
+        for the completion loss, whose mean weighs examples by their tokens (rewards then measure no error)."""
+        if self.zero_one is None:
+            return None
+        return self.zero_one.misses(delta, scale=scale).float()
+
     def solo_loss(self, delta, *, scale: float = 1.0) -> float:
         """Scoring loss of base + ``scale * delta`` (float32), on the level of ``gradient().base_loss``.
 

@@ -5,7 +5,8 @@ L0`` the solo gain and ``phi_i`` the marginal effect (``marginal.py``; ``phi_i :
 ``subset_loss``, and ``method`` says so). ``score_i = sqrt(max(g_i, 0) max(phi_i, 0)) * p_i * c_i``, with
 ``p_i`` the part of the delta the aggregator used (selected, untrimmed, clip factor ** clip_exponent)
 and ``c_i = min(1, median_j(k_j) / k_i) ** krum_exponent`` from the aggregator's score. A submission
-refused by validation scores 0; scores are always finite and >= 0.
+refused by validation scores 0, and so does one whose marginal is within ``min_marginal_z`` standard errors of 0
+on the scoring examples, when they were measured; scores are always finite and >= 0.
 Notation in full and why nobody is paid for nothing: docs/design/rewards-scoring.md.
 """
 
@@ -67,6 +68,7 @@ class ScoringConfig:
     unselected_factor: float = 0.0  # credit kept by a submission the aggregator left out
     krum_exponent: float = 1.0      # how much being far from the others lowers the score
     seed: int = 0                   # permutation sampling seed when no generator is passed
+    min_marginal_z: float = 1.0     # paid only when phi_i > this x its standard error over the scoring examples
 
     def __post_init__(self) -> None:
         if self.marginal not in ("gtg_shapley", "leave_one_out", "none"):
@@ -77,7 +79,7 @@ class ScoringConfig:
         if self.max_permutations < 1:
             raise ConfigError(f"`max_permutations` must be >= 1, got {self.max_permutations}")
         for name in ("truncation_tol", "between_tol", "convergence_tol", "clip_exponent",
-                     "krum_exponent"):
+                     "krum_exponent", "min_marginal_z"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ConfigError(f"`{name}` must be finite and >= 0, got {v}")
@@ -100,6 +102,7 @@ class ContributionScore:
     participation: float  # p_i
     consensus: float      # c_i
     method: str           # how phi was computed: gtg_shapley | leave_one_out | solo
+    marginal_error: float = math.nan  # phi's standard error over the scoring examples (nan: not measured)
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,7 @@ def combine_scores(contributors: Sequence[str], gains: Sequence[float],
                 consensus=consensus[i], method=estimate.method))
             continue
         g, phi = gains[i], estimate.values[i]
+        se = estimate.errors.get(i, math.nan) if estimate.errors else math.nan
         value_i = math.sqrt(max(g, 0.0) * max(phi, 0.0))
         sel = 1.0 if d.selected else config.unselected_factor
         part = sel * (1.0 - d.trimmed_share) * d.clip_factor ** config.clip_exponent
@@ -162,20 +166,24 @@ def combine_scores(contributors: Sequence[str], gains: Sequence[float],
             reason = f"no positive marginal effect on the aggregate ({estimate.method} {phi:.3g})"
         elif not d.selected and config.unselected_factor == 0:
             reason = "not selected by the robust aggregator"
+        elif phi <= config.min_marginal_z * se:  # never true when se is nan (not measured)
+            score, reason = 0.0, (f"marginal {phi:.3g} ({estimate.method}) is within {config.min_marginal_z:g} "
+                                  f"standard errors ({se:.3g}) of 0 on the scoring examples: not told from chance")
         else:
             reason = (f"solo gain {g:.3g}, marginal {phi:.3g} ({estimate.method}), "
                       f"participation {part:.3g}, consensus {consensus[i]:.3g}")
         scores.append(ContributionScore(
             contributor=who, score=score, accepted=True, reason=reason, solo_gain=g,
             marginal=phi, value=value_i, participation=part, consensus=consensus[i],
-            method=estimate.method))
+            method=estimate.method, marginal_error=se))
     return scores
 
 
 def score_round_detailed(contributors: Sequence[str], base_loss: float,
                          solo_losses: Sequence[float], diagnostics: Sequence[DiagnosticsLike],
                          subset_loss: SubsetLoss | None, config: ScoringConfig, *,
-                         generator: torch.Generator | None = None) -> RoundScoring:
+                         generator: torch.Generator | None = None,
+                         base_losses: torch.Tensor | None = None) -> RoundScoring:
     """Like `score_round`, also returning the marginal estimate (method, evaluations spent)."""
     n = len(contributors)
     if len(solo_losses) != n or len(diagnostics) != n:
@@ -196,8 +204,8 @@ def score_round_detailed(contributors: Sequence[str], base_loss: float,
     note = ""
     spent = 0  # evaluations made even when the estimate is abandoned
     if subset_loss is not None and config.marginal != "none" and players:
-        value = CachedValue(subset_loss, base_loss=base_loss,
-                            max_evaluations=config.max_evaluations)
+        value = CachedValue(subset_loss, base_loss=base_loss, max_evaluations=config.max_evaluations,
+                            base_losses=base_losses)
         if config.marginal == "leave_one_out":
             estimate = leave_one_out(players, value)
         else:
@@ -224,13 +232,15 @@ def score_round_detailed(contributors: Sequence[str], base_loss: float,
 
 def score_round(contributors: Sequence[str], base_loss: float, solo_losses: Sequence[float],
                 diagnostics: Sequence[DiagnosticsLike], subset_loss: SubsetLoss | None,
-                config: ScoringConfig, *,
-                generator: torch.Generator | None = None) -> list[ContributionScore]:
+                config: ScoringConfig, *, generator: torch.Generator | None = None,
+                base_losses: torch.Tensor | None = None) -> list[ContributionScore]:
     """Score every submission of a round (formula in the module docstring).
 
     ``subset_loss(S)`` must return the held-out loss of base + the aggregate of the submissions
     whose indices are in ``S`` (a subset of the validated ones); it is called at most
-    ``config.max_evaluations`` times, never with the empty set (that is ``base_loss``).
+    ``config.max_evaluations`` times, never with the empty set (that is ``base_loss``). It may return the
+    (examples,) losses of each scoring example instead, with ``base_losses`` the base's: then each marginal's
+    standard error is measured and ``config.min_marginal_z`` applies.
     """
     return score_round_detailed(contributors, base_loss, solo_losses, diagnostics, subset_loss,
-                                config, generator=generator).scores
+                                config, generator=generator, base_losses=base_losses).scores

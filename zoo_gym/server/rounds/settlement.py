@@ -211,7 +211,8 @@ def _exact_scores(ids, source, scales, used, weights, diagnostics, scoring, eval
     """Exact losses on the scoring set (`ServerEvaluator.score_loss`: completion or 0-1): 1 + n + (bounded
     marginal) forward passes, and one dense delta per contributor decoded at a time (subsets decode their
     members again). A base that already answers every scoring question exactly leaves nothing to gain: 0 each."""
-    base_loss = evaluator.score_loss(None)
+    base_losses = evaluator.score_losses(None)  # per example (exact match), so each marginal's error is measured
+    base_loss = evaluator.score_loss(None) if base_losses is None else float(base_losses.double().mean())
     if base_loss <= 0:
         reason = "the base already answers every scoring question exactly: nothing left to gain on them"
         return [ContributionScore(contributor=c, score=0.0, accepted=d.accepted, reason=reason, solo_gain=0.0,
@@ -219,22 +220,25 @@ def _exact_scores(ids, source, scales, used, weights, diagnostics, scoring, eval
                 for c, d in zip(ids, diagnostics)], base_loss
     solo = [evaluator.score_loss(solo_delta(i), scale=scales[i]) for i in range(len(ids))]
 
-    def subset_loss(subset: frozenset[int]) -> float:
+    def loss_of(merged):
+        return evaluator.score_loss(merged) if base_losses is None else evaluator.score_losses(merged)
+
+    def subset_loss(subset: frozenset[int]):
         if by_rule is not None:
             merged = by_rule.aggregate(sorted(subset))
             if merged is not None:
-                return evaluator.score_loss(merged)
+                return loss_of(merged)
         members = [i for i in subset if used[i] > 0 and weights[i] > 0]
         total = sum(weights[i] for i in members)
         if total <= 0:
-            return base_loss
+            return base_loss if base_losses is None else base_losses
         merged: dict[str, torch.Tensor] = {}
         for i in members:
             for k, v in solo_delta(i).items():
                 merged[k] = merged.get(k, 0) + v * (weights[i] / total)
-        return evaluator.score_loss(merged)
+        return loss_of(merged)
 
-    return score_round(ids, base_loss, solo, diagnostics, subset_loss, scoring), base_loss
+    return score_round(ids, base_loss, solo, diagnostics, subset_loss, scoring, base_losses=base_losses), base_loss
 
 
 class RuleSubsets:
