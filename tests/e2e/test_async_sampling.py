@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from e2e_processes import client, status as _status, stop, tls_server, wait_for as _wait
+from e2e_processes import client, open_round, status as _status, stop, tls_server, wait_for as _wait
 from zoo_gym.aggregation.privacy import epsilon
 from zoo_gym.server.rounds import sampling
 from zoo_gym.server.store.models import Contributor, Round, RoundInputs
@@ -31,6 +31,8 @@ def run(tmp_path_factory):
         clients = [client(root, name, port, rounds=50, steps=10, shard=i) for i, name in enumerate("ABCD")]
 
         def published():
+            if open_round(port, root / "tls" / "ca.pem") <= VERSIONS:  # versions 1..VERSIONS not all closed yet
+                return False
             done = [r for r in _status(state_dir)["rounds"] if r["state"] == "published"]
             return len(done) >= VERSIONS and done
 
