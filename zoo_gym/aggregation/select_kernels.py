@@ -113,7 +113,9 @@ def _key(bits, i):
 
 @njit(nogil=True, cache=True)
 def _select_keys(a, lo, hi, t):
-    """`_select` on distinct int64 keys: position t of [lo, hi) holds its rank's key, lesser keys before it."""
+    """`_select` on distinct int64 keys: position t of [lo, hi) holds its rank's key, lesser keys before it. The
+    same loop as `_select` and `_partition`, differing only in the comparison: one int64 here, where `_select`'s
+    (value, row) pairs (float64 rows have no such key) compare as two."""
     rounds, limit = 0, 2 * (int(np.log2(hi - lo + 1)) + 1)
     while hi - lo > _SMALL:
         if rounds > limit:

@@ -78,20 +78,8 @@ def _probe(address: str | None, timeout: float = 10.0) -> None:
 
 @dataclass(frozen=True)
 class RowFiles:
-    """What a distance task needs to read its rows, by path: RoundFiles' first fields (the same meanings)."""
-
-    payloads: list[str]
-    contributors: list[str]
-    shapes: dict[str, tuple[int, ...]]
-    acc: torch.Tensor
-    factors: torch.Tensor
-    n: int
-    flush: Any
-
-
-@dataclass(frozen=True)
-class RoundFiles:
-    """What a task needs, by path (every node mounts the state directory at the same place)."""
+    """What a distance task needs to read its rows, by path (every node mounts the state directory at the same
+    place)."""
 
     payloads: list[str]                       # upload blobs, in the source's contributor order
     contributors: list[str]
@@ -99,8 +87,14 @@ class RoundFiles:
     acc: torch.Tensor                         # (k,) accepted rows
     factors: torch.Tensor                     # (k,) clip factors
     n: int
-    d_total: int                              # the changed tensors' elements: shares are block / d_total
     flush: Any                                # async_rounds.SyncFlush | StalenessFlush: rows and step as recorded
+
+
+@dataclass(frozen=True)
+class RoundFiles(RowFiles):
+    """What a last-pass task needs: its rows' files and the checkpoint's, by path."""
+
+    d_total: int                              # the changed tensors' elements: shares are block / d_total
     base: str                                 # the base checkpoint's archive
     base_at: dict[str, tuple[str, int]]       # name -> (dtype, first byte in `base`)
     master: str | None                        # the base's master file (None: none stored)
