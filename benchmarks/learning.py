@@ -398,7 +398,8 @@ def pay_against_truth(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[t
     marginals = [s.get("marginal") for s in scores]
     marginals = [m if isinstance(m, float) and math.isfinite(m) else 0.0 for m in marginals]
     return {"contributors": [{"kind": k, "loo_exact_match_gain": g, "loo_standard_error": e, "paid": a,
-                              "score": s.get("score"), "reason": s.get("reason") or r}
+                              "score": s.get("score"), "server_marginal": s.get("marginal"),
+                              "server_marginal_error": s.get("marginal_error"), "reason": s.get("reason") or r}
                              for k, g, e, a, s, r in zip(kinds, loo, se, amounts, scores, refused)],
             "server_flags": flags, "scoring_method": method, "server_validation_items": len(validation),
             "ground_truth_items": check["truth_items"], "ground_truth_greedy_check": check, "exact_match_all": acc_all,

@@ -143,7 +143,7 @@ def test_a_gain_within_its_sampling_error_is_not_paid(marginal):
     assert [res.estimate.errors[i] for i in (0, 1)] == pytest.approx([float(e) for e in expect])
     honest_score, chance_score = res.scores
     assert honest_score.score > 0 and honest_score.marginal_error == pytest.approx(float(expect[0]))
-    assert chance_score.score == 0.0 and "standard errors" in chance_score.reason
+    assert chance_score.score == 0.0 and "x its standard error" in chance_score.reason
     ungated = score_round(["honest", "chance"], 0.5, solo, [OK, OK], game, ScoringConfig(**cfg, min_marginal_z=0.0),
                           base_losses=game(frozenset()))
     assert ungated[1].score > 0

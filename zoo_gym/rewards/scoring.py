@@ -167,8 +167,8 @@ def combine_scores(contributors: Sequence[str], gains: Sequence[float],
         elif not d.selected and config.unselected_factor == 0:
             reason = "not selected by the robust aggregator"
         elif phi <= config.min_marginal_z * se:  # never true when se is nan (not measured)
-            score, reason = 0.0, (f"marginal {phi:.3g} ({estimate.method}) is within {config.min_marginal_z:g} "
-                                  f"standard errors ({se:.3g}) of 0 on the scoring examples: not told from chance")
+            score, reason = 0.0, (f"marginal {phi:.3g} ({estimate.method}) is within {config.min_marginal_z:g} x "
+                                  f"its standard error ({se:.3g}) of 0 on the scoring examples: not told from chance")
         else:
             reason = (f"solo gain {g:.3g}, marginal {phi:.3g} ({estimate.method}), "
                       f"participation {part:.3g}, consensus {consensus[i]:.3g}")
