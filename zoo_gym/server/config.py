@@ -69,7 +69,7 @@ class RewardsSettings:
     scoring_examples: int = field(default=32, metadata={
         "help": "validation examples (the first N, at most --validation-examples) rewards are scored on; exact "
                 "scoring makes one forward pass over them per evaluation"})
-    scoring_min_marginal_z: float = field(default=1.0, metadata={
+    scoring_min_marginal_z: float = field(default=ScoringConfig.min_marginal_z, metadata={
         "help": "exact-match scoring: a contribution is paid only when its marginal gain is more than this many "
                 "standard errors (over the scoring examples) above 0; 0 pays any positive gain"})
     settlement: SettlementConfig = field(default_factory=SettlementConfig)
