@@ -402,7 +402,7 @@ def _results(refs: list) -> list:
     """The tasks' results in order. A task that raised (a lost worker or node is not that: Ray reruns its tasks)
     ends the round with one RayEngineError line once the other tasks have ended (waited for, at most a minute).
     They are not cancelled: `ray.cancel` racing a task's completion crashes the driver, the server, in Ray 2.55
-    ("Check failed: it != submissible_tasks_.end()", ray-project/ray#54846; it happened in our CI)."""
+    ("Check failed: it != submissible_tasks_.end()", ray-project/ray#54846; CHANGELOG)."""
     import ray
 
     try:

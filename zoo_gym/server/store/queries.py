@@ -274,7 +274,7 @@ class LedgerCheck:
                 if self._key == key:  # a background check reached this head since `old` was read
                     return dict(self._report)
                 # from the verdict still standing only: one started from a stale `old` after another check had
-                # moved on would count the same entries twice (seen in CI: 83 checked of 43)
+                # moved on would count the same entries twice
                 if not self._refreshing and self._key == old:
                     self._refreshing = True
                     threading.Thread(target=self._extend, args=(old, key), name="ledger-check", daemon=True).start()
