@@ -181,23 +181,43 @@ def _join_args(i: int, *, port: int, ca: Path, rounds: int, stage: str, finetuni
     return args
 
 
-def _print_rounds_as_published(state_dir: Path, rounds: int, *, procs, server, logs: Path,
-                               answers: "AnswerBoard | None" = None) -> None:
+def _round_probe(port: int, ca: Path) -> tuple[int, int] | None:
+    """(id, state) of the server's current round by GetRound: milliseconds, where `gym-server status` starts a
+    process that imports the server (about a CPU second, taken from the contributors training beside it)."""
+    import grpc
+
+    from zoo_gym.proto import gym_pb2, gym_pb2_grpc
+    from zoo_gym.proto.tls import channel_credentials
+
+    with grpc.secure_channel(f"127.0.0.1:{port}", channel_credentials(ca)) as ch:
+        try:
+            info = gym_pb2_grpc.GymStub(ch).GetRound(gym_pb2.GetRoundRequest(), timeout=10)
+        except grpc.RpcError:
+            return None
+    return info.round_id, info.state
+
+
+def _print_rounds_as_published(state_dir: Path, rounds: int, *, procs, server, logs: Path, port: int, ca: Path,
+                               answers: "AnswerBoard | None" = None, recheck_s: float = 30.0) -> None:
     """One table row per round as it is published (and, with a real base, its answers); raises when a client
-    or the server failed."""
-    shown = 0
+    or the server failed. Reads `gym-server status` only when the round probe changed (or every `recheck_s`)."""
+    shown, seen, read_at = 0, None, -math.inf
     while shown < rounds:
-        status = _status(state_dir)
-        published = [r["id"] for r in status["rounds"] if r["state"] == "published"]
-        while shown < rounds and shown + 1 in published:
-            shown += 1
-            typer.echo(round_row(status, shown))
-            if answers is not None:
-                typer.echo(answers.after_round(state_dir, shown))
+        probe = _round_probe(port, ca)
+        if probe != seen or probe is None or time.monotonic() - read_at >= recheck_s:
+            seen, read_at = probe, time.monotonic()
+            status = _status(state_dir)
+            published = [r["id"] for r in status["rounds"] if r["state"] == "published"]
+            while shown < rounds and shown + 1 in published:
+                shown += 1
+                typer.echo(round_row(status, shown))
+                if answers is not None:
+                    typer.echo(answers.after_round(state_dir, shown))
         failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
         if failed or server.poll() is not None:
             raise RuntimeError(f"a process failed (clients {failed}, server rc {server.poll()}); see {logs}")
-        time.sleep(1.0)
+        if shown < rounds:
+            time.sleep(1.0)
 
 
 def _start_server(state_dir: Path, port_file: Path, tls, *, clients: int, aggregator: str | None,
@@ -276,7 +296,8 @@ def main(
             procs.append(subprocess.Popen(_client_cmd(*args), stdout=subprocess.PIPE,
                                           stderr=open(logs / f"client{i}.log", "w"), env=env, text=True))
         typer.echo("\n".join(table_header()))
-        _print_rounds_as_published(state_dir, rounds, procs=procs, server=server, logs=logs, answers=board)
+        _print_rounds_as_published(state_dir, rounds, procs=procs, server=server, logs=logs, port=port, ca=tls.ca,
+                                   answers=board)
         for p in procs:
             p.wait(timeout=600)
         status = _status(state_dir)
