@@ -314,20 +314,27 @@ def run_attacks(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple],
 def run_pay(cfg: Bench, ck: Checkpoints, judge: Judge, uploads: list[tuple] | None, work: pathlib.Path) -> dict:
     """Round 1 again, on a real server: the honest uploads, two with partly wrong labels, three free riders
     (read from --pay-uploads when it holds them: `uploads`, round 1's, is then not needed)."""
+    uploads, kinds = kept_pay_uploads(cfg, ck, lambda: uploads)
+    return pay_against_truth(cfg, ck, judge, uploads, kinds, work, trained=pay_trained_questions(cfg))
+
+
+def kept_pay_uploads(cfg: Bench, ck: Checkpoints, first) -> tuple[list[tuple], list[str]]:
+    """The pay round's (payload, delta) uploads and their kinds: read from `cfg.pay_uploads` when it holds them
+    (`i.bin` per upload, `kinds.json`), else made by pay_uploads from round 1's honest uploads (`first()`, called
+    only then) and kept there when the directory is given."""
     cache = pathlib.Path(cfg.pay_uploads) if cfg.pay_uploads else None
     if cache is not None and (cache / "kinds.json").exists():
         kinds = json.loads((cache / "kinds.json").read_text())
         payloads = [(cache / f"{i}.bin").read_bytes() for i in range(len(kinds))]
-        uploads = [(p, codec.decode(p)) for p in payloads]
         log(f"pay: {len(kinds)} uploads read from {cache}")
-    else:
-        uploads, kinds = pay_uploads(cfg, ck, uploads)
-        if cache is not None:
-            cache.mkdir(parents=True, exist_ok=True)
-            for i, (p, _) in enumerate(uploads):
-                (cache / f"{i}.bin").write_bytes(p)
-            (cache / "kinds.json").write_text(json.dumps(kinds))
-    return pay_against_truth(cfg, ck, judge, uploads, kinds, work, trained=pay_trained_questions(cfg))
+        return [(p, codec.decode(p)) for p in payloads], kinds
+    uploads, kinds = pay_uploads(cfg, ck, first())
+    if cache is not None:
+        cache.mkdir(parents=True, exist_ok=True)
+        for i, (p, _) in enumerate(uploads):
+            (cache / f"{i}.bin").write_bytes(p)
+        (cache / "kinds.json").write_text(json.dumps(kinds))
+    return uploads, kinds
 
 
 def pay_trained_questions(cfg: Bench) -> set[str]:

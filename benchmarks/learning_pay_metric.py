@@ -44,20 +44,14 @@ def answer_logprobs(model, batch) -> torch.Tensor:
     return torch.zeros(batch.examples).index_add_(0, batch.target_example, per_token)
 
 
-def uploads(cfg, ck, judge, cache: pathlib.Path | None) -> tuple[list[bytes], list[str]]:
-    """The pay part's payloads and kinds, as run_pay makes them (kept in, or read from, `cache` when given)."""
-    if cache is not None and (cache / "kinds.json").exists():
-        kinds = json.loads((cache / "kinds.json").read_text())
-        return [(cache / f"{i}.bin").read_bytes() for i in range(len(kinds))], kinds
-    ckpt = ck.write(ck.base, "round0")
-    first = [L.contributor_upload(ckpt, L.shard_examples(cfg, i, 1), cfg, 1) for i in range(cfg.contributors)]
-    ups, kinds = L.pay_uploads(cfg, ck, first)
-    if cache is not None:
-        cache.mkdir(parents=True, exist_ok=True)
-        for i, (p, _) in enumerate(ups):
-            (cache / f"{i}.bin").write_bytes(p)
-        (cache / "kinds.json").write_text(json.dumps(kinds))
-    return [p for p, _ in ups], kinds
+def uploads(cfg, ck) -> tuple[list[tuple], list[str]]:
+    """The pay part's uploads and kinds, as run_pay makes them (learning.kept_pay_uploads: kept in, or read from,
+    `cfg.pay_uploads`)."""
+    def first():
+        ckpt = ck.write(ck.base, "round0")
+        return [L.contributor_upload(ckpt, L.shard_examples(cfg, i, 1), cfg, 1) for i in range(cfg.contributors)]
+
+    return L.kept_pay_uploads(cfg, ck, first)
 
 
 def question_sets(cfg) -> dict[str, list[dict]]:
@@ -77,12 +71,12 @@ def main(argv: list[str] | None = None) -> dict:
     from zoo_gym.evaluation.packed_batch import packed_misses
     from zoo_gym.evaluation.server_evaluator import through_first
 
-    cfg, t0 = L.Bench(rounds=1), time.time()
+    cfg, t0 = L.Bench(rounds=1, pay_uploads=str(args.payloads or "")), time.time()
     base_dir = L.resolve_base(cfg.base)
     with tempfile.TemporaryDirectory(prefix="zoo-pay-metric-") as tmp:
         ck, judge = L.Checkpoints(base_dir, pathlib.Path(tmp)), L.Judge(base_dir, cfg)
-        payloads, kinds = uploads(cfg, ck, judge, args.payloads)
-    deltas = [L.codec.decode(p) for p in payloads]
+        ups, kinds = uploads(cfg, ck)
+    payloads, deltas = [p for p, _ in ups], [d for _, d in ups]
     shas = [hashlib.sha256(p).hexdigest() for p in payloads]
     accepted = [k != "free_rider_zero" for k in kinds]  # the server refuses the zero delta at upload
     sets = question_sets(cfg)
