@@ -2,9 +2,12 @@
 # The GPU check of issue 32, run on a GPU machine from the repository root (README, "GPU check"):
 # installs the carried wheels (.whl/, from scripts/gpu-wheels.sh) into $SITE, runs the GPU suite
 # (pytest -m gpu tests/gpu) and the serving benchmark (benchmarks/serving_gpu.py), and writes
-# $OUT/gpu-<kind>.json (device, tests {passed, failed, skipped}, figures; scripts/gpu_report.py), a copy
-# in $RESULTS (benchmarks/results/; not for a CPU run), the junit XML, the benchmark's JSON and the log.
-# At most about 6 minutes (the suite is stopped at SUITE_S seconds, the benchmark at BENCH_S), so that a
+# $OUT/gpu-<kind>.json (device, tests {passed, failed, skipped}, figures, the commit; scripts/gpu_report.py),
+# a copy in $RESULTS (benchmarks/results/, with serving-gpu.json; not for a CPU run), the junit XML, the
+# benchmark's JSON and the log. A partial run (GPU_CHECK_TESTS narrows the suite, or BENCH_S=0) writes
+# gpu-<kind>-partial.json instead: it never replaces the whole run's record. The commit is GPU_CHECK_COMMIT
+# (a device machine's copy has no .git: pass it) or git's HEAD, "-dirty" when the tree has changes.
+# At most about 7 minutes (the suite is stopped at SUITE_S seconds, the benchmark at BENCH_S), so that a
 # 15-minute device lease holds the machine's start, one run and a rerun of part of it. Without a GPU
 # every test skips and the record says device "cpu" (no benchmark). Usage: scripts/gpu-check.sh [KIND]
 set -uo pipefail
@@ -14,7 +17,7 @@ OUT="${OUT:-bench-out/gpu-check}"
 WHEELS="${WHEELS:-.whl}"
 SITE="${SITE:-/tmp/site}"
 SUITE_S="${SUITE_S:-240}"
-BENCH_S="${BENCH_S:-90}"
+BENCH_S="${BENCH_S:-180}"
 RESULTS="${RESULTS:-benchmarks/results}"
 mkdir -p "$OUT" "$RESULTS"
 log="$OUT/gpu-check.log"
@@ -28,7 +31,11 @@ case "${1:-$gpu_name}" in
   "") kind=cpu ;;
   *) kind="gpu-$(echo "$gpu_name" | tr -c 'A-Za-z0-9\n' '-')" ;;
 esac
-echo "gpu-check: kind $kind, card '${gpu_name:-none}', $(date -u +%FT%TZ)"
+commit="${GPU_CHECK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+[[ -z "${GPU_CHECK_COMMIT:-}" && -n "$(git status --porcelain 2>/dev/null)" ]] && commit="$commit-dirty"
+record="gpu-$kind"
+[[ -n "${GPU_CHECK_TESTS:-}" || "$BENCH_S" == 0 ]] && record="gpu-$kind-partial"  # never the whole run's file
+echo "gpu-check: kind $kind, card '${gpu_name:-none}', commit $commit, record $record, $(date -u +%FT%TZ)"
 
 install_wheels() {  # install_wheels DIR TARGET: every wheel of DIR, no index, no dependency resolution
   local dir="$1" target="$2"
@@ -63,6 +70,10 @@ bench_s=$((SECONDS - t2))
 
 "$PY" scripts/gpu_report.py --kind "$kind" --junit "$OUT/gpu-junit.xml" "${bench[@]}" \
   --extra "suite_exit=$suite_rc" --extra "install_seconds=$install_s" --extra "suite_seconds=$suite_s" \
-  --extra "bench_seconds=$bench_s" --out "$OUT/gpu-$kind.json"
-[[ "$kind" == cpu ]] || cp "$OUT/gpu-$kind.json" "$RESULTS/"  # a CPU run is no GPU figure
-echo "gpu-check: wrote $OUT/gpu-$kind.json in $((SECONDS - t0)) s"
+  --extra "bench_seconds=$bench_s" --commit "$commit" $([[ $record == *-partial ]] && echo --partial) \
+  --out "$OUT/$record.json"
+if [[ "$kind" != cpu ]]; then  # a CPU run is no GPU figure
+  cp "$OUT/$record.json" "$RESULTS/"
+  [[ -s "$OUT/serving-gpu.json" ]] && cp "$OUT/serving-gpu.json" "$RESULTS/serving-gpu.json"
+fi
+echo "gpu-check: wrote $OUT/$record.json in $((SECONDS - t0)) s"

@@ -1,11 +1,13 @@
 """The GPU check's record (scripts/gpu-check.sh): one JSON of the card, the suite's counts and the figures.
 
-    gpu_report.py --kind KIND --junit SUITE.xml [--bench SERVING.json] [--extra K=V ...] --out FILE
+    gpu_report.py --kind KIND --junit SUITE.xml [--bench SERVING.json] [--commit SHA] [--partial]
+                  [--extra K=V ...] --out FILE
 
 Counts come from pytest's junit XML (its <testsuite> attributes; no plugin): passed, failed (failures +
 errors), skipped; with each failed test's first message line. Figures: every `record_property` of the
 suite's tests, and the serving benchmark's JSON under "serving". `device` is the name torch gives the
-first CUDA device, or "cpu" where there is none; `versions`, those of the packages the suite ran with.
+first CUDA device, or "cpu" where there is none; `versions`, those of the packages the suite ran with;
+`commit`, the code it ran (a string, as given); `partial`, whether the suite or the benchmark was narrowed.
 """
 
 from __future__ import annotations
@@ -74,11 +76,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kind", required=True)
     ap.add_argument("--junit", type=Path, required=True)
     ap.add_argument("--bench", type=Path, default=None)
+    ap.add_argument("--commit", default="unknown", help="the commit the check ran (kept as a string)")
+    ap.add_argument("--partial", action="store_true", help="the suite or the benchmark was narrowed")
     ap.add_argument("--extra", action="append", default=[], help="KEY=VALUE recorded as is (seconds, versions)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     counts, figures, failures = suite_counts(a.junit)
-    rec = {"kind": a.kind, "device": device_name(), "python": platform.python_version(), "tests": counts,
+    rec = {"kind": a.kind, "commit": a.commit, "partial": a.partial, "device": device_name(),
+           "python": platform.python_version(), "tests": counts,
            "failures": failures, "figures": figures, "versions": versions()}
     if a.bench is not None:
         try:

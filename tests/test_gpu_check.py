@@ -2,7 +2,8 @@
 
 The wheel install step on wheels built here into a throwaway target; bitsandbytes' slimming and the
 check of the carried set against scripts/gpu-wheels.txt; the JSON writer on a junit file and on a whole
-CPU run of the script, where every GPU test skips and the record names the device "cpu"; and the serving
+CPU run of the script, where every GPU test skips and the record names the device "cpu" and the commit (a
+narrowed rerun writes its own record); the serving benchmark's sweep on the CPU path; and the serving
 kernels' dispatch: CPU inputs never import the Triton module (or triton)."""
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ def test_report_counts_and_figures_from_junit(tmp_path):
                        "suite_seconds=12", "--out", str(tmp_path / "r.json")])
     assert json.loads((tmp_path / "r.json").read_text()) == rec
     assert rec["kind"] == "nvidia-h200" and rec["suite_seconds"] == 12 and rec["serving"]["bitdelta_log8_codes"]
+    assert rec["commit"] == "unknown" and rec["partial"] is False  # not given: said so, not guessed
     assert rec["versions"]["torch"]
 
 
@@ -142,6 +144,19 @@ def test_cpu_run_of_the_check_skips_every_gpu_test_and_says_cpu(tmp_path):
     assert rec["tests"] == {"passed": 0, "failed": 0, "skipped": n_gpu}
     assert not (tmp_path / "results" / "gpu-cpu.json").exists()  # only GPU records go to benchmarks/results
     assert "serving" not in rec  # no benchmark without a GPU
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert rec["commit"] in (head, head + "-dirty") and rec["partial"] is False
+
+    # a narrowed rerun (as a device machine runs it: no .git there, the commit passed in) has its own record
+    whole = (tmp_path / "out" / "gpu-cpu.json").read_text()
+    rerun = subprocess.run(["bash", str(SCRIPTS / "gpu-check.sh")], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300, env={**env, "GPU_CHECK_TESTS": "tests/gpu/test_serving_cuda.py",
+                                             "GPU_CHECK_COMMIT": "0123456789e1"})
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    part = json.loads((tmp_path / "out" / "gpu-cpu-partial.json").read_text())
+    assert part["partial"] is True and part["commit"] == "0123456789e1"  # a string, never read as a number
+    assert 0 < part["tests"]["skipped"] < n_gpu
+    assert (tmp_path / "out" / "gpu-cpu.json").read_text() == whole
 
 
 _DISPATCH = textwrap.dedent("""
@@ -173,3 +188,26 @@ def test_collecting_the_gpu_suite_imports_no_training_or_cuda_package():
     out = subprocess.run([sys.executable, "-c", _COLLECT], capture_output=True, text=True, cwd=ROOT, timeout=300,
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}).stdout
     assert out.split("LOADED")[1].split() == ["[]", "0"], out[-2000:]
+
+
+@pytest.mark.slow
+def test_serving_benchmark_sweeps_variants_against_the_bound_on_the_cpu_path(tmp_path):
+    """benchmarks/serving_gpu.py's whole sweep on the CPU path (its smoke run: the figures are no GPU's), so a
+    device lease is spent measuring, not mending the script."""
+    out = tmp_path / "serving-gpu.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serving_gpu.py"), "--size", "tiny", "--device",
+                          "cpu", "--steps", "2", "--repeats", "1", "--batches", "4,16", "--ns", "1,4,16",
+                          "--lora-adapters", "16", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [(b["batch"], sorted(b["variants"], key=int)) for b in res["batches"]] == [(4, ["1", "4"]),
+                                                                                     (16, ["1", "4", "16"])]
+    v16 = res["batches"][1]["variants"]["16"]
+    assert v16["bound"] == 0.5 and v16["bound_share"] == pytest.approx(v16["vs_base"] / 0.5)
+    assert all(v["tokens_differ_from_base"] for b in res["batches"] for v in b["variants"].values())
+    assert res["lora"]["adapters"] == 16 and res["lora"]["vs_base"] > 0
+    t = res["targets"]
+    assert t["bound_share"]["4"] == min(b["variants"]["4"]["bound_share"] for b in res["batches"])
+    assert t["bound_share"]["64"] is None and t["met"] is False  # n = 64 was not run: not met
+    assert t["lora_16_over_base"] == res["lora"]["vs_base"]
