@@ -20,7 +20,7 @@ from zoo_gym.gym_train import TrainConfig
 from zoo_gym.proto import gym_pb2
 
 PAYLOAD = codec.encode({"w": torch.ones(4, 4)}, codec="fp16")
-METADATA = {"loss_before": 2.0, "loss_after": 1.5}
+METADATA = {"loss_before": 2.0, "loss_after": 1.5, "steps": 4, "train_seconds": 3.25}
 
 
 class Refused(grpc.RpcError):
@@ -75,7 +75,8 @@ def test_a_sync_round_submits_once_and_keeps_the_variant(tmp_path, monkeypatch):
     r = contribute(_info(3), contributor=c, opts=opts, cadence=Rounds(opts))
     assert r.summary(round=3) == {"round": 3, "contributor": "c" * 32, "payload_bytes": len(PAYLOAD),
                                   "payload_sha256": codec.sha256_hex(PAYLOAD), "submissions_in_round": 2,
-                                  "loss_before": 2.0, "loss_after": 1.5, "codecs": ["fp16"],
+                                  "loss_before": 2.0, "loss_after": 1.5, "steps": 4, "train_seconds": 3.25,
+                                  "codecs": ["fp16"],
                                   "learning_rate": TrainConfig().learning_rate,  # no schedule in this RoundInfo
                                   "variant": str(tmp_path / "variants" / "cccccccc-round3.zgd"),
                                   "checkpoint_source": "server"}

@@ -50,6 +50,7 @@ def test_join_trains_in_a_child_and_never_loads_the_model_itself(tmp_path, monke
         rounds.stop()
     assert len(summaries) == 1 and summaries[0]["submissions_in_round"] == 1
     assert summaries[0]["loss_after"] < summaries[0]["loss_before"]
+    assert summaries[0]["steps"] == 2 and summaries[0]["train_seconds"] > 0  # what the child's training reported
     assert not list(opts.workdir.glob("payload-*"))  # the payload's hand-over file is gone
 
 

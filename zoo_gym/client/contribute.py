@@ -106,6 +106,7 @@ class SubmitResult:
         out = {**first, "contributor": self.contributor, "payload_bytes": self.payload_bytes,
                "payload_sha256": self.payload_sha256, "submissions_in_round": self.submissions_in_round,
                "loss_before": self.metadata.get("loss_before"), "loss_after": self.metadata.get("loss_after"),
+               "steps": self.metadata.get("steps"), "train_seconds": self.metadata.get("train_seconds"),
                "codecs": self.codecs, "learning_rate": self.learning_rate}
         if self.variant is not None:
             out["variant"] = self.variant
