@@ -7,7 +7,7 @@
 # benchmark's JSON and the log. A partial run (GPU_CHECK_TESTS narrows the suite, or BENCH_S=0) writes
 # gpu-<kind>-partial.json instead: it never replaces the whole run's record. The commit is GPU_CHECK_COMMIT
 # (a device machine's copy has no .git: pass it) or git's HEAD, "-dirty" when the tree has changes.
-# At most about 7 minutes (the suite is stopped at SUITE_S seconds, the benchmark at BENCH_S), so that a
+# At most about 8 minutes (the suite is stopped at SUITE_S seconds, the benchmark at BENCH_S), so that a
 # 15-minute device lease holds the machine's start, one run and a rerun of part of it. Without a GPU
 # every test skips and the record says device "cpu" (no benchmark). Usage: scripts/gpu-check.sh [KIND]
 set -uo pipefail
@@ -16,8 +16,8 @@ PY="${PYTHON:-python3}"
 OUT="${OUT:-bench-out/gpu-check}"
 WHEELS="${WHEELS:-.whl}"
 SITE="${SITE:-/tmp/site}"
-SUITE_S="${SUITE_S:-240}"
-BENCH_S="${BENCH_S:-180}"
+SUITE_S="${SUITE_S:-300}"
+BENCH_S="${BENCH_S:-150}"
 RESULTS="${RESULTS:-benchmarks/results}"
 mkdir -p "$OUT" "$RESULTS"
 log="$OUT/gpu-check.log"

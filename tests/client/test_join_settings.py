@@ -60,6 +60,15 @@ def test_flags_reach_the_train_config(tmp_path, captured):
     assert c.num_train_epochs is None and c.max_steps == 28
 
 
+def test_distill_steps_reach_the_join_options_and_default_to_personalizes(tmp_path, captured):
+    from zoo_gym.client.personalize import DEFAULT_DISTILL_STEPS
+
+    assert _invoke(["--keep-variant", "--distill-steps", "0"], tmp_path).exit_code == 0
+    assert captured["opts"].distill_steps == 0
+    assert _invoke(["--keep-variant"], tmp_path).exit_code == 0
+    assert captured["opts"].distill_steps == DEFAULT_DISTILL_STEPS
+
+
 def test_config_file_with_llama_factory_names_and_flags_win(tmp_path, captured):
     y = tmp_path / "train.yaml"
     y.write_text("lora_rank: 16\nlearning_rate: 2e-4\nper_device_train_batch_size: 4\ncutoff_len: 128\n"
@@ -101,6 +110,7 @@ def test_bad_config_files_exit_2_with_one_line_naming_the_key(tmp_path, no_netwo
     (["--bf16", "--fp16"], "`fp16` cannot be combined with bf16"),
     (["--device", "tpu"], "`device` must be one of"),
     (["--dp-noise-multiplier", "1.0", "--gradient-accumulation-steps", "2"], "`gradient_accumulation_steps` must be 1"),
+    (["--distill-steps", "0"], "--distill-steps applies to the variants --keep-variant keeps"),
 ])
 def test_impossible_settings_exit_2_before_any_work(tmp_path, no_network, args, message):
     t0 = time.monotonic()

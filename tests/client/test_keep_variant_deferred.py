@@ -38,6 +38,7 @@ def test_the_next_round_trains_before_any_variant_is_distilled(tmp_path, monkeyp
         assert fn is contribute_module._keep_variant
         delta_path, model_dir = args
         assert delta_path.read_bytes() == b"delta" and model_dir == tmp_path / f"base{kw['checkpoint_sha256'][-1]}"
+        assert kw["distill_steps"] == 7  # join's --distill-steps reaches the distillation
         events.append(("distil", kw["checkpoint_sha256"][-1]))
         kw["out"].write_bytes(b"variant")
         return {"path": str(kw["out"]), "bytes": 7}
@@ -46,7 +47,7 @@ def test_the_next_round_trains_before_any_variant_is_distilled(tmp_path, monkeyp
     monkeypatch.setattr(contribute_module, "fetch",
                         lambda stub, sha, *a, **k: Fetched(tmp_path / f"base{sha[-1]}", "server"))
     said: list[str] = []
-    opts = SimpleNamespace(workdir=tmp_path, progress=False, max_wait=60, keep_variant=True)
+    opts = SimpleNamespace(workdir=tmp_path, progress=False, max_wait=60, keep_variant=True, distill_steps=7)
     (tmp_path / "variants").mkdir()
     trainer = RoundTrainer(opts, TrainConfig(), None, [{"instruction": "a", "output": "b"}], [], said.append)
     answers = iter([gym_pb2.SubmitResponse(round_id=r, payload_sha256=codec.sha256_hex(PAYLOAD), submissions=1)

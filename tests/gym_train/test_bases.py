@@ -105,6 +105,21 @@ def test_smollm2_unreachable_says_what_to_do(cache, tmp_path, monkeypatch):
     assert not (cache / "bases" / bases.SMOLLM2).exists()
 
 
+def test_cached_base_finds_a_converted_base_and_fetches_nothing(gguf_file, cache, tmp_path, monkeypatch):
+    """cached_base: None while the base is not here (no pip call, nothing written); the converted directory once
+    it is."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setattr(bases, "_from_hub_cache", lambda _id: None)
+    monkeypatch.setattr(bases.subprocess, "run", lambda *a, **k: pytest.fail("cached_base ran a process"))
+    assert bases.cached_base(bases.SMOLLM2) is None
+    assert not (cache / "bases").exists()
+    dest = cache / "bases" / bases.SMOLLM2
+    assert bases.gguf_base(gguf_file, dest=dest) == dest  # converted as resolve_base converts the wheel's file
+    assert bases.cached_base(bases.SMOLLM2) == dest == resolve_base(bases.SMOLLM2)
+    with pytest.raises(BaseModelError, match="not a built-in base"):
+        bases.cached_base("gpt-9")
+
+
 @pytest.mark.slow
 def test_server_init_takes_a_gguf_base(gguf_file, cache, tmp_path):
     """`gym-server init --base-model FILE.gguf`: the genesis checkpoint (round 0) is the file's weights."""

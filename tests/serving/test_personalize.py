@@ -125,7 +125,7 @@ def test_join_keep_variant_in_async_mode_keeps_each_submitted_delta(tmp_path):
         opts = JoinOptions(server=f"127.0.0.1:{port}", workdir=tmp_path / "home", key_path=tmp_path / "k.pem",
                            data=str(_data(tmp_path / "mine.jsonl", 16)), max_steps=2, insecure=True,
                            train_overrides={"warmup_steps": 0}, wait_for_publish=False, progress=False,
-                           keep_variant=True, max_wait=60)
+                           keep_variant=True, distill_steps=0, max_wait=60)
         summaries = join(opts, say=lambda _m: None)
     finally:
         server.stop(grace=None)
@@ -133,6 +133,7 @@ def test_join_keep_variant_in_async_mode_keeps_each_submitted_delta(tmp_path):
     assert summaries[0]["staleness"] == 0
     path = summaries[0]["variant"]
     assert path.endswith("-version0.zgd")
+    assert codec.read_manifest(open(path, "rb").read()).metadata["distill_steps"] == 0  # --distill-steps 0 held
     meta = codec.read_manifest(open(path, "rb").read()).metadata
     base_dir = state.checkpoint_dir(meta["checkpoint_sha256"])
     v = load_variant(path, base_sha256=weights_sha256(base_dir))

@@ -162,6 +162,9 @@ def join(
     no_wait: bool = typer.Option(False, "--no-wait", help="Exit right after the last upload."),
     keep_variant: bool = typer.Option(False, "--keep-variant", help="Also keep each round's own delta as a personal "
                                       "variant for gym-serve (WORKDIR/variants/ID-roundN.zgd)."),
+    distill_steps: Optional[int] = typer.Option(None, "--distill-steps", min=0, help="With --keep-variant: scale "
+                                                "distillation steps of each variant (BitDelta's calibration, on the "
+                                                "CPU after the last round); 0 = off \\[default: personalize's]."),
     connect_timeout: float = typer.Option(60.0, "--connect-timeout", min=1.0,
                                           help="Seconds to keep trying an unreachable server at first contact."),
     log_level: str = typer.Option("WARNING", "--log-level", help="DEBUG, INFO, WARNING or ERROR: log messages of "
@@ -192,7 +195,10 @@ def join(
                        train_overrides=train_overrides, shard=shard, n_shards=n_shards, display_name=name,
                        wait_for_publish=not no_wait, progress=not quiet and sys.stderr.isatty(),
                        root_certificates=str(root_certificates) if root_certificates else None, insecure=insecure,
-                       invite=invite.strip(), connect_timeout=connect_timeout, keep_variant=keep_variant)
+                       invite=invite.strip(), connect_timeout=connect_timeout, keep_variant=keep_variant,
+                       **({} if distill_steps is None else {"distill_steps": distill_steps}))
+    if distill_steps is not None and not keep_variant:
+        _fail("--distill-steps applies to the variants --keep-variant keeps: add --keep-variant, or drop it")
     if dry_run:
         _dry_run(opts, warnings)
         return

