@@ -50,27 +50,53 @@ def client(root: Path, name: str, port: int | str, *, rounds: int, steps: int | 
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(work / "client.log", "w"), env=ENV, text=True)
 
 
-def tls_server(root: Path, config: str, *, db: str | None = None) -> tuple[Path, subprocess.Popen, int]:
-    """`gym-server init` (tiny; on the database `db`, default SQLite) in root/server, a private CA in root/tls,
-    `config` in root/fed.toml, then `gym-server serve` over TLS with it (stderr in root/server.log): (state dir,
-    process, port) once it listens. One that did not come up is stopped, and AssertionError says why."""
-    state_dir = root / "server"
-    subprocess.run(server_cmd("init", "--state-dir", str(state_dir), "--base-model", "tiny",
-                              *(["--db", db] if db else [])), check=True, env=ENV, capture_output=True)
+def serve_tls(root: Path, state_dir: Path, *args: str, env: dict = ENV,
+              timeout: float = 120) -> tuple[subprocess.Popen, int]:
+    """`gym-server serve` of `state_dir` over TLS, its certificate from a private CA made in root/tls, with `args`
+    (stderr in root/server.log): (process, port) once it listens. One that did not come up is stopped, and
+    AssertionError says why."""
     tls = make_certificates(root / "tls", hosts=("127.0.0.1", "localhost"))
-    (root / "fed.toml").write_text(config)
     port_file = root / "port"
     server = subprocess.Popen(server_cmd("serve", "--state-dir", str(state_dir), "--port", "0", "--port-file",
-                                         str(port_file), "--config", str(root / "fed.toml"), "--ssl-certfile",
-                                         str(tls.cert), "--ssl-keyfile", str(tls.key)),
-                              stderr=open(root / "server.log", "w"), env=ENV)
+                                         str(port_file), "--ssl-certfile", str(tls.cert), "--ssl-keyfile",
+                                         str(tls.key), *args),
+                              stderr=open(root / "server.log", "w"), env=env)
     try:
         port = wait_for(lambda: port_file.exists() and port_file.read_text().strip() and int(port_file.read_text()),
-                        timeout=120, what="the server to listen", procs=[server])
+                        timeout=timeout, what="the server to listen", procs=[server])
     except BaseException:
         stop([server])
         raise
+    return server, port
+
+
+def tls_server(root: Path, config: str, *, db: str | None = None) -> tuple[Path, subprocess.Popen, int]:
+    """`gym-server init` (tiny; on the database `db`, default SQLite) in root/server, `config` in root/fed.toml,
+    then `serve_tls` with it: (state dir, process, port) once it listens."""
+    state_dir = root / "server"
+    subprocess.run(server_cmd("init", "--state-dir", str(state_dir), "--base-model", "tiny",
+                              *(["--db", db] if db else [])), check=True, env=ENV, capture_output=True)
+    (root / "fed.toml").write_text(config)
+    server, port = serve_tls(root, state_dir, "--config", str(root / "fed.toml"))
     return state_dir, server, port
+
+
+def join_summaries(root: Path, clients: dict[str, subprocess.Popen], *, timeout: float) -> dict[str, dict]:
+    """Each client's first round summary (`join --json`) once it exits; AssertionError with the tail of its log
+    (root/NAME/client.log) when one fails."""
+    out = {}
+    for name, p in clients.items():
+        text, _ = p.communicate(timeout=timeout)
+        assert p.returncode == 0, (root / name / "client.log").read_text()[-3000:]
+        out[name] = json.loads(text)[0]
+    return out
+
+
+def published_round(state_dir: Path, round_id: int, *, timeout: float, procs=()) -> dict:
+    """Round `round_id` of `gym-server status` once it is published."""
+    return wait_for(lambda: [r for r in status(state_dir)["rounds"] if r["id"] == round_id
+                             and r["state"] == "published"], timeout=timeout,
+                    what=f"round {round_id} to be published", procs=procs)[0]
 
 
 def status(state_dir: Path) -> dict:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from e2e_processes import ENV, client, server_cmd, status, wait_for
+from e2e_processes import ENV, client, join_summaries, published_round, serve_tls, server_cmd, status, stop
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -45,44 +45,29 @@ def round_on_real_base(root: Path, base: str, fast: str) -> dict:
     """One round: contributor "fast" on device `fast` (bf16 there), "cpu" on the CPU; returns both summaries,
     the published round and the state directory."""
     from zoo_gym.gym_train import builtin_examples
-    from zoo_gym.proto.tls import make_certificates
 
-    state_dir, port_file, val = root / "server", root / "port", root / "validation.jsonl"
+    state_dir, val = root / "server", root / "validation.jsonl"
     val.write_text("".join(json.dumps(e) + "\n" for e in builtin_examples("arithmetic", split="validation", n=64,
                                                                           seed=0)))
     cpu_env = {**ENV, "CUDA_VISIBLE_DEVICES": ""}
     subprocess.run(server_cmd("init", "--state-dir", str(state_dir), "--base-model", base, "--validation-data",
                               str(val)), check=True, env=cpu_env, capture_output=True)
-    tls = make_certificates(root / "tls", hosts=("127.0.0.1", "localhost"))
-    server = subprocess.Popen(server_cmd("serve", "--state-dir", str(state_dir), "--port", "0", "--port-file",
-                                         str(port_file), "--min-contributors", "2", "--aggregator", "mean",
-                                         "--round-timeout", "900", "--ssl-certfile", str(tls.cert),
-                                         "--ssl-keyfile", str(tls.key)),
-                              stderr=open(root / "server.log", "w"), env=cpu_env)
-    procs = []
+    server, port = serve_tls(root, state_dir, "--min-contributors", "2", "--aggregator", "mean", "--round-timeout",
+                             "900", env=cpu_env, timeout=300)
+    clients = {}
     try:
-        port = wait_for(lambda: port_file.exists() and port_file.read_text().strip() and int(port_file.read_text()),
-                        timeout=300, what="the server to listen", procs=[server])
         # as gym-demo's contributors on a real base; each keeps its delta as a personal variant to serve (its
         # scales not distilled: distillation runs on the CPU, minutes a variant at this size)
         task = ("--task", "arithmetic", "--lora-freeze-a", "--keep-variant", "--distill-steps", "0")
         on_fast = ("--device", fast, "--bf16") if fast != "cpu" else ()
-        procs = [client(root, "fast", port, rounds=1, steps=STEPS, shard=0, extra=(*task, *on_fast)),
-                 client(root, "cpu", port, rounds=1, steps=STEPS, shard=1, extra=(*task, "--threads", str(CPU_THREADS)))]
-        summaries = {}
-        for name, p in zip(("fast", "cpu"), procs):
-            out, _ = p.communicate(timeout=1200)
-            assert p.returncode == 0, (root / name / "client.log").read_text()[-3000:]
-            summaries[name] = json.loads(out)[0]
-        published = wait_for(lambda: [r for r in status(state_dir)["rounds"] if r["id"] == 1
-                                      and r["state"] == "published"], timeout=900, what="round 1 to be published",
-                             procs=[server])
+        clients = {"fast": client(root, "fast", port, rounds=1, steps=STEPS, shard=0, extra=(*task, *on_fast)),
+                   "cpu": client(root, "cpu", port, rounds=1, steps=STEPS, shard=1,
+                                 extra=(*task, "--threads", str(CPU_THREADS)))}
+        summaries = join_summaries(root, clients, timeout=1200)
+        published = published_round(state_dir, 1, timeout=900, procs=[server])
     finally:
-        for p in [*procs, server]:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
-    return {"summaries": summaries, "round": published[0], "state_dir": state_dir}
+        stop([*clients.values(), server])
+    return {"summaries": summaries, "round": published, "state_dir": state_dir}
 
 
 def served_decode(state_dir: Path, variant_files: list[str], device: str, dtype: torch.dtype, *, rows: int = 16,
