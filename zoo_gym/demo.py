@@ -181,7 +181,7 @@ def _join_args(i: int, *, port: int, ca: Path, rounds: int, stage: str, finetuni
     return args
 
 
-def _round_probe(port: int, ca: Path) -> tuple[int, int] | None:
+def round_probe(port: int, ca: Path) -> tuple[int, int] | None:
     """(id, state) of the server's current round by GetRound: milliseconds, where `gym-server status` starts a
     process that imports the server (about a CPU second, taken from the contributors training beside it)."""
     import grpc
@@ -203,7 +203,7 @@ def _print_rounds_as_published(state_dir: Path, rounds: int, *, procs, server, l
     or the server failed. Reads `gym-server status` only when the round probe changed (or every `recheck_s`)."""
     shown, seen, read_at = 0, None, -math.inf
     while shown < rounds:
-        probe = _round_probe(port, ca)
+        probe = round_probe(port, ca)
         if probe != seen or probe is None or time.monotonic() - read_at >= recheck_s:
             seen, read_at = probe, time.monotonic()
             status = _status(state_dir)

@@ -13,11 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 
-from zoo_gym.proto import gym_pb2, gym_pb2_grpc
-from zoo_gym.proto.tls import channel_credentials, make_certificates
+from zoo_gym.proto.tls import make_certificates
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -106,14 +104,14 @@ def status(state_dir: Path) -> dict:
 
 
 def open_round(port: int, ca: Path) -> int:
-    """The id of the round the server has open (GetRound over TLS; 0 while it does not answer). A cheap probe to
-    poll while rounds run: `status` starts a process that imports the server (about a CPU second each time, taken
-    from the processes under test), so a wait asks it only once this probe says the rounds awaited have closed."""
-    with grpc.secure_channel(f"127.0.0.1:{port}", channel_credentials(ca)) as ch:
-        try:
-            return gym_pb2_grpc.GymStub(ch).GetRound(gym_pb2.GetRoundRequest(), timeout=10).round_id
-        except grpc.RpcError:
-            return 0
+    """The id of the round the server has open (gym-demo's GetRound probe; 0 while it does not answer). A cheap
+    probe to poll while rounds run: `status` starts a process that imports the server (about a CPU second each
+    time, taken from the processes under test), so a wait asks it only once this probe says the rounds awaited
+    have closed."""
+    from zoo_gym.demo import round_probe
+
+    probe = round_probe(port, ca)
+    return probe[0] if probe else 0
 
 
 def wait_for(predicate, *, timeout: float, what: str, procs=(), poll: float = 1.0):
