@@ -38,7 +38,7 @@ def test_the_next_round_trains_before_any_variant_is_distilled(tmp_path, monkeyp
         assert fn is contribute_module._keep_variant
         delta_path, model_dir = args
         assert delta_path.read_bytes() == b"delta" and model_dir == tmp_path / f"base{kw['checkpoint_sha256'][-1]}"
-        assert kw["distill_steps"] == 7  # join's --distill-steps reaches the distillation
+        assert kw["distill_steps"] == 7 and kw["device"] == "auto"  # join's --distill-steps and --device reach it
         events.append(("distil", kw["checkpoint_sha256"][-1]))
         kw["out"].write_bytes(b"variant")
         return {"path": str(kw["out"]), "bytes": 7}

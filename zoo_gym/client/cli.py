@@ -164,7 +164,8 @@ def join(
                                       "variant for gym-serve (WORKDIR/variants/ID-roundN.zgd)."),
     distill_steps: Optional[int] = typer.Option(None, "--distill-steps", min=0, help="With --keep-variant: scale "
                                                 "distillation steps of each variant (BitDelta's calibration, on the "
-                                                "CPU after the last round); 0 = off \\[default: personalize's]."),
+                                                "training device after the last round); 0 = off \\[default: "
+                                                "personalize's]."),
     connect_timeout: float = typer.Option(60.0, "--connect-timeout", min=1.0,
                                           help="Seconds to keep trying an unreachable server at first contact."),
     log_level: str = typer.Option("WARNING", "--log-level", help="DEBUG, INFO, WARNING or ERROR: log messages of "

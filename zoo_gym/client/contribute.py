@@ -258,7 +258,7 @@ def _train_and_encode(model_dir: Path, opts, config, feedback, train_ex: list[di
 
 
 def _keep_variant(delta_path: Path, model_dir: Path, *, out: Path, checkpoint_sha256: str,
-                  calib_examples: list[dict], distill_steps: int) -> dict:
+                  calib_examples: list[dict], distill_steps: int, device: str) -> dict:
     """In a training process: the delta that `_train_and_encode` saved, distilled into a variant at `out`."""
     import torch
 
@@ -268,7 +268,8 @@ def _keep_variant(delta_path: Path, model_dir: Path, *, out: Path, checkpoint_sh
     with torch.serialization.safe_globals([LoraFactors]):
         delta = torch.load(delta_path, weights_only=True)
     return keep_round_variant(delta, model_dir, out=out, checkpoint_sha256=checkpoint_sha256,
-                              calib_examples=calib_examples, say=lambda _m: None, distill_steps=distill_steps)
+                              calib_examples=calib_examples, say=lambda _m: None, distill_steps=distill_steps,
+                              device=device)
 
 
 @dataclass
@@ -316,7 +317,8 @@ class RoundTrainer:
             self.say(f"distilling variant {i}/{n}: {out.name} (the rounds are done)")
             try:
                 summary = run_in_child(_keep_variant, delta_path, model_dir, out=out, checkpoint_sha256=sha,
-                                       calib_examples=self.train_ex, distill_steps=self.opts.distill_steps)
+                                       calib_examples=self.train_ex, distill_steps=self.opts.distill_steps,
+                                       device=self.config.device)
             finally:
                 delta_path.unlink(missing_ok=True)
             self.say(f"kept variant {out} ({summary['bytes']} bytes)")

@@ -47,15 +47,19 @@ def variant_name(out: pathlib.Path) -> str:
 
 
 def save_variant(base_dir: pathlib.Path, delta: dict, out: pathlib.Path, *, calib_examples: list[dict],
-                 distill_steps: int, info: dict) -> dict:
-    """Distil the scales (when ``distill_steps``) and write the variant; return its summary."""
+                 distill_steps: int, info: dict, device: str = "auto") -> dict:
+    """Distil the scales (when ``distill_steps``, on ``device``: TrainConfig.device's values) and write the
+    variant; return its summary."""
     from zoo_gym.gym_train.distill import distill_bitdelta_scales
     from zoo_gym.evaluation.evaluate import dense_delta
 
     t0 = time.perf_counter()
     if distill_steps > 0:
+        from zoo_gym.gym_train.hardware import resolve_device
+
         delta = distill_bitdelta_scales(base_dir, delta, group_size=GROUP_SIZE, steps=distill_steps,
-                                        calib_examples=calib_examples[:CALIBRATION_EXAMPLES])
+                                        calib_examples=calib_examples[:CALIBRATION_EXAMPLES],
+                                        device=resolve_device(device))
     else:
         delta = {k: dense_delta(v) for k, v in delta.items()}
     sha = weights_sha256(base_dir)
@@ -68,10 +72,12 @@ def save_variant(base_dir: pathlib.Path, delta: dict, out: pathlib.Path, *, cali
 
 def keep_round_variant(delta: dict, model_dir: pathlib.Path, *, out: pathlib.Path, checkpoint_sha256: str,
                        calib_examples: list[dict], say: Callable[[str], None] = print,
-                       distill_steps: int = DEFAULT_DISTILL_STEPS) -> dict:
-    """`join --keep-variant`: a contributor's own round delta as a variant over the round's base."""
+                       distill_steps: int = DEFAULT_DISTILL_STEPS, device: str = "auto") -> dict:
+    """`join --keep-variant`: a contributor's own round delta as a variant over the round's base (distilled on
+    the device the rounds trained on)."""
     summary = save_variant(model_dir, delta, out, calib_examples=calib_examples, distill_steps=distill_steps,
-                           info={"base": "federation checkpoint", "checkpoint_sha256": checkpoint_sha256})
+                           info={"base": "federation checkpoint", "checkpoint_sha256": checkpoint_sha256},
+                           device=device)
     say(f"kept this round's delta as variant {out} ({summary['bytes']} bytes)")
     return summary
 
@@ -136,7 +142,7 @@ def personalize(opts: PersonalizeOptions, *, say: Callable[[str], None] = print)
         _write_peft(result.delta, opts, base_dir, sha, say=say)
     say(f"trained in {meta.get('train_seconds')} s; distilling the 1-bit scales ({opts.distill_steps} steps)")
     summary = save_variant(base_dir, result.delta, opts.out, calib_examples=examples,
-                           distill_steps=opts.distill_steps,
+                           distill_steps=opts.distill_steps, device=config.device,
                            info={"base": str(opts.base), "training": {k: meta.get(k) for k in (
                                "method", "steps", "loss_before", "loss_after", "seed")}})
     summary.update(loss_before=meta.get("loss_before"), loss_after=meta.get("loss_after"), steps=meta.get("steps"))

@@ -35,7 +35,7 @@ def group_mean_abs(x2d: torch.Tensor, *, group_size: int | None) -> torch.Tensor
     n_groups = -(-cols // group_size)
     pad = n_groups * group_size - cols
     s = torch.nn.functional.pad(a, (0, pad)).reshape(rows, n_groups, group_size).sum(-1)  # (rows, n_groups)
-    counts = torch.full((n_groups,), float(group_size), dtype=torch.float64)
+    counts = torch.full((n_groups,), float(group_size), dtype=torch.float64, device=x2d.device)
     counts[-1] = cols - (n_groups - 1) * group_size
     return (s / counts).float()
 
@@ -85,22 +85,24 @@ def distill_bitdelta_scales(
     lr: float = 1e-4,
     batch_size: int = 32,
     generator: torch.Generator | None = None,
+    device: str | torch.device = "cpu",
 ) -> dict[str, torch.Tensor]:
-    """Distilled ``scale * sign`` for every 2-D+ tensor of ``delta`` (dense float32); 1-D ones unchanged."""
+    """Distilled ``scale * sign`` for every 2-D+ tensor of ``delta`` (dense float32, on the CPU); 1-D ones
+    unchanged. The base, the signs, the scales and the teacher's logits live on ``device`` (float32 there too)."""
     _check_settings(steps=steps, lr=lr, calib_examples=calib_examples)
     base_dir = pathlib.Path(base_dir)
     tokenizer = load_tokenizer(base_dir)
-    model = load_model(base_dir)
+    model = load_model(base_dir).to(device)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
     params = dict(model.named_parameters())
 
-    dense = {k: dense_delta(v).float() for k, v in delta.items()}
+    dense = {k: dense_delta(v).float().to(device) for k, v in delta.items()}
     signs, scales, shapes, passthrough = _signs_and_initial_scales(dense, params, base_dir, group_size)
 
     pairs = tokenize_examples(tokenizer, calib_examples)
-    batches = [collate(pairs[i:i + batch_size], pad_id=tokenizer.pad_token_id)
+    batches = [tuple(t.to(device) for t in collate(pairs[i:i + batch_size], pad_id=tokenizer.pad_token_id))
                for i in range(0, len(pairs), batch_size)]
 
     def weights(student: bool) -> dict[str, torch.Tensor]:
@@ -142,4 +144,4 @@ def distill_bitdelta_scales(
             rows, cols = signs[k].shape
             q = expand_scales(scales[k].detach(), rows=rows, cols=cols, group_size=group_size) * signs[k]
             out[k] = q.reshape(shapes[k]).contiguous()
-    return {k: out[k] for k in dense}
+    return {k: out[k].cpu() for k in dense}

@@ -13,9 +13,14 @@ from .qlora import check_qlora
 
 def torch_device(config) -> torch.device:
     """The device a run trains on: the one named, or for 'auto' a CUDA GPU when present, else the CPU."""
-    if config.device == "auto":
+    return resolve_device(config.device)
+
+
+def resolve_device(name: str) -> torch.device:
+    """`TrainConfig.device`'s value as a torch device: 'auto' is a CUDA GPU when present, else the CPU."""
+    if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(config.device)
+    return torch.device(name)
 
 
 def check_flash_attention() -> None:
