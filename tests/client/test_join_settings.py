@@ -61,7 +61,7 @@ def test_flags_reach_the_train_config(tmp_path, captured):
 
 
 def test_distill_steps_reach_the_join_options_and_default_to_personalizes(tmp_path, captured):
-    from zoo_gym.client.personalize import DEFAULT_DISTILL_STEPS
+    from zoo_gym.gym_train.distill import DEFAULT_DISTILL_STEPS
 
     assert _invoke(["--keep-variant", "--distill-steps", "0"], tmp_path).exit_code == 0
     assert captured["opts"].distill_steps == 0

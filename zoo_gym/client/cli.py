@@ -13,6 +13,7 @@ import typer
 
 from zoo_gym.cli_help import Typer
 from zoo_gym.client.train_settings import with_train_options
+from zoo_gym.gym_train.distill import DEFAULT_DISTILL_STEPS
 
 app = Typer(help="Zoo Gym contributor: fine-tune the federation's model on your data and earn rewards.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -165,7 +166,7 @@ def join(
     distill_steps: Optional[int] = typer.Option(None, "--distill-steps", min=0, help="With --keep-variant: scale "
                                                 "distillation steps of each variant (BitDelta's calibration, on the "
                                                 "training device after the last round); 0 = off \\[default: "
-                                                "personalize's]."),
+                                                f"{DEFAULT_DISTILL_STEPS}]."),
     connect_timeout: float = typer.Option(60.0, "--connect-timeout", min=1.0,
                                           help="Seconds to keep trying an unreachable server at first contact."),
     log_level: str = typer.Option("WARNING", "--log-level", help="DEBUG, INFO, WARNING or ERROR: log messages of "
@@ -252,7 +253,8 @@ def personalize(
     task: Optional[str] = typer.Option(None, "--task", help="Built-in task family to train on with --data builtin "
                                        "(e.g. arithmetic, sort_words, arithmetic-pairs for the preference stages) "
                                        "\\[default: the stage's: default, preference or grpo]."),
-    distill_steps: int = typer.Option(50, min=0, help="Scale distillation steps (BitDelta's calibration); 0 = off."),
+    distill_steps: int = typer.Option(DEFAULT_DISTILL_STEPS, min=0, help="Scale distillation steps (BitDelta's "
+                                      "calibration, on the training device); 0 = off."),
     peft_out: Optional[Path] = typer.Option(None, help="Also write the trained LoRA factors as a PEFT adapter "
                                                        "directory (PeftModel.from_pretrained; LoRA training only)."),
     threads: Optional[int] = typer.Option(None, help="CPU threads for training \\[default: torch's]."),

@@ -19,8 +19,8 @@ import grpc
 from zoo_gym.client.connection import Servers, ServerUnreachable, addresses, spread, with_retries
 from zoo_gym.client.contribute import (Contributor, JoinError, RoundTrainer, SubmitResult, contribute, not_selected,
                                       refused, say_payouts)
-from zoo_gym.client.personalize import DEFAULT_DISTILL_STEPS
 from zoo_gym.client.upload import register_request
+from zoo_gym.gym_train.distill import DEFAULT_DISTILL_STEPS
 from zoo_gym.proto import gym_pb2, signing
 
 if TYPE_CHECKING:

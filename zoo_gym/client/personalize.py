@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from zoo_gym.gym_train.distill import DEFAULT_DISTILL_STEPS
 from zoo_gym.serving.variant import SUFFIX, check_name, encode_variant, resolve_base_dir, weights_sha256, write_variant
 
 GROUP_SIZE = 128
-DEFAULT_DISTILL_STEPS = 50
 CALIBRATION_EXAMPLES = 64  # examples the scale distillation matches logits on
 
 

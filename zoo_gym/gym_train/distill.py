@@ -17,6 +17,8 @@ import torch
 
 from zoo_gym.evaluation.evaluate import collate, dense_delta, load_model, load_tokenizer, tokenize_examples
 
+DEFAULT_DISTILL_STEPS = 50  # a variant's calibration steps (gym-client personalize, join --keep-variant)
+
 
 def _view2d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1)
@@ -81,7 +83,7 @@ def distill_bitdelta_scales(
     *,
     group_size: int | None,
     calib_examples: list[dict],
-    steps: int = 50,
+    steps: int = DEFAULT_DISTILL_STEPS,
     lr: float = 1e-4,
     batch_size: int = 32,
     generator: torch.Generator | None = None,
