@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from zoo_gym import codec
 from zoo_gym.client.cli import app
+from serving_helpers import base_tensors
 from zoo_gym.gym_train import tiny_model_dir
 from zoo_gym.gym_train.families import make_random_base
 from zoo_gym.serving.model import MultiVariantModel
@@ -138,3 +139,30 @@ def test_join_keep_variant_in_async_mode_keeps_each_submitted_delta(tmp_path):
     base_dir = state.checkpoint_dir(meta["checkpoint_sha256"])
     v = load_variant(path, base_sha256=weights_sha256(base_dir))
     MultiVariantModel.from_dir(base_dir).check(v)
+
+
+def test_a_variant_whose_distillation_runs_out_of_gpu_memory_is_distilled_on_the_cpu(tmp_path, monkeypatch, caplog):
+    """The GPU runs out of memory (the distillation keeps every calibration batch's logits there): the variant is
+    still written, distilled on the CPU, with a warning saying so. (No GPU here: the CUDA attempt is made to
+    raise what torch raises there.)"""
+    from zoo_gym.client import personalize as P
+    from zoo_gym.gym_train import distill as D
+    from zoo_gym.gym_train import builtin_examples
+
+    real, devices = D.distill_bitdelta_scales, []
+
+    def on_a_small_gpu(*args, device, **kw):
+        devices.append(str(device))
+        if str(device) == "cuda":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*args, device=device, **kw)
+
+    monkeypatch.setattr(D, "distill_bitdelta_scales", on_a_small_gpu)
+    base = tiny_model_dir()
+    delta = {k: 0.01 * torch.randn(v.shape) for k, v in base_tensors(base).items() if v.dim() == 2}
+    out = tmp_path / "mine.zgd"
+    with caplog.at_level("WARNING"):
+        summary = P.save_variant(base, delta, out, calib_examples=builtin_examples("default", n=4), distill_steps=2,
+                                 info={}, device="cuda")
+    assert devices == ["cuda", "cpu"] and out.exists() and summary["bytes"] == out.stat().st_size
+    assert "ran out of memory; distilling on the CPU" in caplog.text

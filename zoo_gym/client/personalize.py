@@ -11,6 +11,7 @@ it over any other base. With ``peft_out`` the trained LoRA factors are also writ
 
 from __future__ import annotations
 
+import logging
 import pathlib
 import time
 from collections.abc import Callable
@@ -55,11 +56,24 @@ def save_variant(base_dir: pathlib.Path, delta: dict, out: pathlib.Path, *, cali
 
     t0 = time.perf_counter()
     if distill_steps > 0:
+        import torch
+
         from zoo_gym.gym_train.hardware import resolve_device
 
-        delta = distill_bitdelta_scales(base_dir, delta, group_size=GROUP_SIZE, steps=distill_steps,
-                                        calib_examples=calib_examples[:CALIBRATION_EXAMPLES],
-                                        device=resolve_device(device))
+        def distill(on):
+            return distill_bitdelta_scales(base_dir, delta, group_size=GROUP_SIZE, steps=distill_steps,
+                                           calib_examples=calib_examples[:CALIBRATION_EXAMPLES], device=on)
+
+        on = resolve_device(device)
+        try:
+            delta = distill(on)
+        except torch.OutOfMemoryError:  # the teacher's logits of every calibration batch stay on the device
+            if on.type == "cpu":
+                raise
+            torch.cuda.empty_cache()
+            logging.getLogger(__name__).warning("variant %s: distilling on %s ran out of memory; distilling on "
+                                                "the CPU", out.name, on)
+            delta = distill(torch.device("cpu"))
     else:
         delta = {k: dense_delta(v) for k, v in delta.items()}
     sha = weights_sha256(base_dir)
