@@ -600,6 +600,18 @@ def merged(old: dict, new: dict, parts: set[str]) -> dict:
     return out
 
 
+def emit(doc: dict, out: pathlib.Path | None) -> dict:
+    """An offline pay check's JSON (learning_pay_metric.py, learning_pay_loss_gate.py) with the commit and the
+    minutes since `doc["started"]`, printed and, with `out`, written there."""
+    doc = {**{k: v for k, v in doc.items() if k != "started"}, "commit": _commit(),
+           "minutes": (time.time() - doc["started"]) / 60}
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if out:
+        out.write_text(text + "\n")
+    return doc
+
+
 def _commit() -> str | None:
     import subprocess
 

@@ -3,13 +3,13 @@
 An offline check on the real base: the pay part's ten uploads of `benchmarks/learning.py --rounds 1 --parts pay`
 (read from `--payloads DIR`, as `--pay-uploads` kept them, or trained again), each one's leave-one-out marginal
 under the default rule on the server's completion loss over the first n scoring examples of its validation
-questions (n = 32, the server's default scoring set, and larger), with the marginal's standard error over those
+questions (the server's default scoring set, and larger), with the marginal's standard error over those
 examples: each example's summed token loss times n / (the n examples' tokens), so that their mean is the
 token-weighted mean loss and the paired differences' std / sqrt(n) is the marginal's error. `z` is the marginal
 over its error: exact-match scoring pays nothing at z <= 1 (`--scoring-min-marginal-z`). Beside each, the
 recorded ground truth (results/learning.json, `pay.contributors[].loo_exact_match_gain`). Prints JSON.
 
-    python benchmarks/learning_pay_loss_gate.py [--payloads DIR] [--ns 32,200] [--out FILE]
+    python benchmarks/learning_pay_loss_gate.py [--payloads DIR] [--ns N,N] [--out FILE]
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ sys.path.insert(0, str(ROOT.parent))
 
 from benchmarks import learning as L  # noqa: E402
 from benchmarks.learning_pay_metric import uploads  # noqa: E402
+from zoo_gym.server.config import RewardsSettings  # noqa: E402
+
+SERVER_SCORING_EXAMPLES = RewardsSettings.__dataclass_fields__["scoring_examples"].default  # the server's default
 
 
 def per_example_loss(model, batches) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +59,8 @@ def gated(without: torch.Tensor, full: torch.Tensor, tokens: torch.Tensor, n: in
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--payloads", type=pathlib.Path, help="read (or keep) the ten uploads here")
-    ap.add_argument("--ns", default="32,200", help="scoring-set sizes, comma-separated")
+    ap.add_argument("--ns", default=f"{SERVER_SCORING_EXAMPLES},200", help="scoring-set sizes, comma-separated "
+                    "[default: the server's scoring_examples, and 200]")
     ap.add_argument("--out", type=pathlib.Path)
     args = ap.parse_args(argv)
     from zoo_gym.evaluation.evaluate import collate, tokenize_examples
@@ -91,14 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
         L.log(f"{kinds[i]} {i}: {row}")
     gated_honest = {f"n{n}": [i for i, r in enumerate(rows) if r["kind"].startswith("honest") and f"n{n}" in r
                               and r[f"n{n}"]["marginal"] > 0 and r[f"n{n}"]["z"] <= 1] for n in ns}
-    doc = {"benchmark": "learning_pay_loss_gate", "scoring_set_sizes": ns, "leave_one_out": rows,
-           "honest_gains_the_gate_would_not_pay": gated_honest, "commit": L._commit(),  # noqa: SLF001
-           "minutes": (time.time() - t0) / 60}
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    return doc
+    return L.emit({"benchmark": "learning_pay_loss_gate", "scoring_set_sizes": ns, "leave_one_out": rows,
+                   "honest_gains_the_gate_would_not_pay": gated_honest, "started": t0}, args.out)
 
 
 if __name__ == "__main__":

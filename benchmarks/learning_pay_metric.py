@@ -114,12 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
                    for n, (r, p) in full.items()},
            "leave_one_out": rows, "truth_loo_exact_match_gain": truth,
            "spearman_with_truth": {k: L.spearman(truth, [r[k] for r in rows]) for k in rows[0] if k != "kind"},
-           "commit": L._commit(), "minutes": (time.time() - t0) / 60}  # noqa: SLF001
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    return doc
+           "started": t0}
+    return L.emit(doc, args.out)
 
 
 if __name__ == "__main__":
